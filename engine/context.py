@@ -1,0 +1,90 @@
+"""The run context: one typed object shared by all stages.
+
+The engine knows only this base: run bookkeeping (plan, run directory, logger, metrics, progress)
+and the rule that slots are the dataclass fields a subclass declares. The inference slots
+(tokenizer, weights, KV cache, …) are declared by the stages package in its own subclass, found
+through the `llmplan.context` entry point, so the engine stays a small, generic workflow engine.
+A third-party plugin that needs a slot of its own uses a name starting with `ext.`; those live in
+`ctx.ext`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+EXT_PREFIX = "ext."
+_BOOKKEEPING = {"plan", "run_dir", "log", "metrics", "progress", "ext", "device", "stream", "json_mode"}
+
+
+@dataclasses.dataclass
+class Metrics:
+    """Numbers a run produces, grouped by stage id; written to `metrics.json`."""
+
+    by_stage: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    current: str = "run"
+
+    def set(self, key: str, value: Any) -> None:
+        self.by_stage.setdefault(self.current, {})[key] = value
+
+    def add(self, key: str, value: float) -> None:
+        bucket = self.by_stage.setdefault(self.current, {})
+        bucket[key] = bucket.get(key, 0) + value
+
+    def get(self, stage: str, key: str, default: Any = None) -> Any:
+        return self.by_stage.get(stage, {}).get(key, default)
+
+
+class Progress:
+    """A progress hook the runner wires to rich; a no-op by default (tests, --json)."""
+
+    @contextmanager
+    def task(self, description: str, total: float | None = None) -> Iterator[Callable[[float], None]]:
+        yield lambda _advance: None
+
+
+def _noop_stream(text: str) -> None:
+    pass
+
+
+@dataclasses.dataclass
+class Context:
+    plan: Any = None
+    run_dir: Path | None = None
+    log: Any = None
+    metrics: Metrics = dataclasses.field(default_factory=Metrics)
+    progress: Progress = dataclasses.field(default_factory=Progress)
+    ext: dict[str, Any] = dataclasses.field(default_factory=dict)
+    device: str = "cpu"
+    stream: Callable[[str], None] = _noop_stream
+    json_mode: bool = False
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+
+    @classmethod
+    def slot_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)} - _BOOKKEEPING - {"started"}
+
+    @classmethod
+    def is_slot(cls, name: str) -> bool:
+        return name.startswith(EXT_PREFIX) or name in cls.slot_names()
+
+    def has(self, slot: str) -> bool:
+        return self.get(slot) is not None
+
+    def get(self, slot: str) -> Any:
+        if slot.startswith(EXT_PREFIX):
+            return self.ext.get(slot)
+        return getattr(self, slot)
+
+    def put(self, slot: str, value: Any) -> None:
+        if slot.startswith(EXT_PREFIX):
+            self.ext[slot] = value
+        else:
+            setattr(self, slot, value)
+
+    def clear(self, slot: str) -> None:
+        self.put(slot, None)

@@ -1,0 +1,194 @@
+"""The stage graph: derived from what each stage reads and writes, plus explicit `after:`.
+
+An edge goes from the writer of a slot to each reader of it (Hamilton/Kedro style). A stage that
+`fills` a slot (a cache lookup) comes before that slot's writers, so they can be skipped. The graph
+is refused when a read has no writer, two writers of a slot have no order, or there is a cycle.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+import networkx as nx
+
+from .findings import Finding
+from .registry import Registry
+
+if TYPE_CHECKING:
+    from .plan import BoundStage, Plan
+    from .yaml_source import Source
+
+DATA, ORDER, FILL = "data", "after", "fill"
+
+
+def build_graph(stages: list[BoundStage]) -> nx.DiGraph:
+    """Nodes are stage ids (with their BoundStage under 'stage'); edges carry the slots they pass."""
+    graph = nx.DiGraph()
+    writers: dict[str, list[str]] = defaultdict(list)
+    fillers: dict[str, list[str]] = defaultdict(list)
+    for bound in stages:
+        graph.add_node(bound.id, stage=bound)
+        for slot in bound.cls.writes:
+            writers[slot].append(bound.id)
+        for slot in bound.cls.fills:
+            fillers[slot].append(bound.id)
+
+    def link(src: str, dst: str, kind: str, slot: str | None = None) -> None:
+        if src == dst:
+            return
+        if not graph.has_edge(src, dst):
+            graph.add_edge(src, dst, kinds=set(), slots=set())
+        graph.edges[src, dst]["kinds"].add(kind)
+        if slot:
+            graph.edges[src, dst]["slots"].add(slot)
+
+    for bound in stages:
+        for slot in (*bound.cls.reads, *bound.cls.optional_reads):
+            for writer in writers.get(slot, []):
+                link(writer, bound.id, DATA, slot)
+            for filler in fillers.get(slot, []):
+                if filler != bound.id and bound.id not in writers.get(slot, []):
+                    link(filler, bound.id, DATA, slot)
+        for slot in bound.cls.fills:
+            for writer in writers.get(slot, []):
+                link(bound.id, writer, FILL, slot)
+        for before in bound.spec.after:
+            if before in graph:
+                link(before, bound.id, ORDER)
+    return graph
+
+
+def graph_findings(plan: Plan, stages: list[BoundStage], source: Source, registry: Registry) -> list[Finding]:
+    findings: list[Finding] = []
+    seen: dict[str, int] = {}
+    for bound in stages:
+        if bound.id in seen:
+            findings.append(
+                source.finding(
+                    ("stages", bound.index, "id"),
+                    f"duplicate stage id {bound.id!r} (first used by stages[{seen[bound.id]}])",
+                )
+            )
+        else:
+            seen[bound.id] = bound.index
+    if findings:
+        return findings
+
+    ids = {b.id for b in stages}
+    for bound in stages:
+        for j, before in enumerate(bound.spec.after):
+            if before not in ids:
+                from .messages import suggest
+
+                findings.append(
+                    source.finding(
+                        ("stages", bound.index, "after", j), f"no stage with id {before!r}{suggest(before, ids)}"
+                    )
+                )
+            elif before == bound.id:
+                findings.append(source.finding(("stages", bound.index, "after", j), "a stage cannot run after itself"))
+
+    writers: dict[str, list[BoundStage]] = defaultdict(list)
+    for bound in stages:
+        for slot in bound.cls.writes:
+            writers[slot].append(bound)
+    for bound in stages:
+        for slot in bound.cls.reads:
+            if not writers.get(slot):
+                makers = sorted(n for n, cls in registry.stages.items() if slot in cls.writes)
+                hint = f"; add a stage that writes it ({', '.join(makers)})" if makers else ""
+                findings.append(
+                    source.finding(
+                        ("stages", bound.index, "uses"),
+                        f"stage {bound.id!r} reads {slot!r} but no stage in the plan writes it{hint}",
+                    )
+                )
+    if findings:
+        return findings
+
+    graph = build_graph(stages)
+    try:
+        cycle = nx.find_cycle(graph)
+    except nx.NetworkXNoCycle:
+        cycle = None
+    if cycle:
+        names = [edge[0] for edge in cycle] + [cycle[0][0]]
+        first = graph.nodes[cycle[0][0]]["stage"]
+        findings.append(source.finding(("stages", first.index, "id"), f"cycle between stages: {' -> '.join(names)}"))
+        return findings
+
+    for slot, group in writers.items():
+        for i, a in enumerate(group):
+            for b in group[i + 1 :]:
+                if not (nx.has_path(graph, a.id, b.id) or nx.has_path(graph, b.id, a.id)):
+                    findings.append(
+                        source.finding(
+                            ("stages", b.index, "uses"),
+                            f"stages {a.id!r} and {b.id!r} both write {slot!r} with no order between them; "
+                            f"add `after: [{a.id}]` to one",
+                        )
+                    )
+    return findings
+
+
+def execution_order(graph: nx.DiGraph) -> list[str]:
+    """Topological order, ties broken by position in the plan (so runs read like the YAML).
+
+    Stages that may fill a slot (a cache lookup), and what they need, go as early as the graph
+    allows: a hit must come before the expensive work it makes unnecessary.
+    """
+    fillers = [n for n in graph if graph.nodes[n]["stage"].cls.fills]
+    early = set(fillers).union(*(nx.ancestors(graph, n) for n in fillers)) if fillers else set()
+    index = {node: (0 if node in early else 1, graph.nodes[node]["stage"].index) for node in graph}
+    return list(nx.lexicographical_topological_sort(graph, key=lambda n: index[n]))
+
+
+def upstream(graph: nx.DiGraph, stage_id: str) -> set[str]:
+    """The stage and everything it depends on (for --until)."""
+    return {stage_id} | nx.ancestors(graph, stage_id)
+
+
+def phase_of(graph: nx.DiGraph, node: str) -> str:
+    return str(graph.nodes[node]["stage"].cls.phase)
+
+
+def to_dot(graph: nx.DiGraph, labels: dict[str, str] | None = None) -> str:
+    colors = {"load": "#cfe2ff", "compute": "#ffe5b4", "output": "#d1f2d9", "observe": "#eadcf8", "other": "#eeeeee"}
+    lines = ["digraph plan {", "  rankdir=LR;", '  node [shape=box, style="rounded,filled", fontname="Helvetica"];']
+    for node in execution_order(graph):
+        bound = graph.nodes[node]["stage"]
+        label = f"{node}\\n{bound.spec.uses}" + (f"\\n{labels[node]}" if labels and node in labels else "")
+        lines.append(f'  "{node}" [label="{label}", fillcolor="{colors.get(phase_of(graph, node), "#eee")}"];')
+    for src, dst, data in graph.edges(data=True):
+        label = ", ".join(sorted(data["slots"]))
+        style = "dashed" if data["kinds"] == {ORDER} else ("dotted" if data["kinds"] == {FILL} else "solid")
+        lines.append(f'  "{src}" -> "{dst}" [label="{label}", style={style}];')
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def to_mermaid(graph: nx.DiGraph) -> str:
+    lines = ["flowchart LR"]
+    safe = {node: f"n{i}" for i, node in enumerate(execution_order(graph))}
+    for node, key in safe.items():
+        lines.append(f'  {key}["{node}<br/>{graph.nodes[node]["stage"].spec.uses}"]')
+    for src, dst, data in graph.edges(data=True):
+        label = ", ".join(sorted(data["slots"]))
+        arrow = "-.->" if data["kinds"] != {DATA} else "-->"
+        lines.append(f"  {safe[src]} {arrow}|{label or 'after'}| {safe[dst]}" if label or arrow else "")
+    return "\n".join(lines) + "\n"
+
+
+def layout_layers(graph: nx.DiGraph) -> dict[str, Any]:
+    """Column = longest path from a source, row = order inside the column: a readable left-to-right DAG."""
+    depth: dict[str, int] = {}
+    for node in execution_order(graph):
+        depth[node] = max((depth[p] + 1 for p in graph.predecessors(node)), default=0)
+    rows: dict[int, int] = defaultdict(int)
+    pos = {}
+    for node in execution_order(graph):
+        column = depth[node]
+        pos[node] = (column, -rows[column])
+        rows[column] += 1
+    return pos

@@ -1,0 +1,315 @@
+"""Plans: the Pydantic schema of a YAML plan, `--set` overrides, and validation into a bound plan.
+
+Validation never stops at the first problem: it collects every finding it can (schema, each stage's
+parameters, the graph) so that `llmplan validate` reports them all at once, each with its position.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .findings import Finding, PlanError, format_path
+from .findings import Path as FieldPath
+from .messages import describe, suggest
+from .registry import Registry
+from .stage import Stage
+from .yaml_source import Source, load_file, load_text
+
+ID_PATTERN = r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$"
+MAX_STAGES = 200
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class AttentionCapture(_Strict):
+    layers: list[int] = Field(default_factory=lambda: [0], max_length=64)
+    heads: list[int] = Field(default_factory=lambda: [0], max_length=64)
+    max_tokens: int = Field(64, ge=1, le=512)
+
+
+class Observe(_Strict):
+    """What to record beyond the always-on stage timings and memory."""
+
+    memory_interval_ms: int = Field(50, ge=0, le=10_000, description="RSS/device memory sampling; 0 = off")
+    layer_timings: bool = Field(False, description="per-layer attention/MLP times (hooks; off = no hooks)")
+    attention: AttentionCapture | None = Field(None, description="capture attention weights for heatmaps")
+
+
+class StageSpec(_Strict):
+    id: str = Field(pattern=ID_PATTERN, description="unique name of this step; --set and --until use it")
+    uses: str = Field(min_length=1, description="the registered stage to run (see `llmplan stages`)")
+    with_: dict[str, Any] = Field(default_factory=dict, alias="with", description="the stage's parameters")
+    after: list[str] = Field(default_factory=list, description="extra ordering: run after these stage ids")
+    description: str = ""
+
+
+class Plan(_Strict):
+    version: Literal[1] = 1
+    name: str = Field(pattern=ID_PATTERN)
+    description: str = ""
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$")
+    seed: int = Field(0, ge=0, le=2**63 - 1)
+    threads: int | None = Field(None, ge=1, le=512, description="CPU threads for torch; None = library default")
+    runs_dir: str = "runs"
+    observe: Observe = Field(default_factory=Observe)
+    stages: list[StageSpec] = Field(min_length=1, max_length=MAX_STAGES)
+
+    @field_validator("runs_dir")
+    @classmethod
+    def _relative_or_absolute_path(cls, value: str) -> str:
+        if "\x00" in value:
+            raise ValueError("must not contain NUL")
+        return value
+
+
+@dataclass
+class BoundStage:
+    """A plan step joined to its registered class and validated parameters."""
+
+    index: int
+    spec: StageSpec
+    cls: type[Stage]
+    params: Any
+
+    @property
+    def id(self) -> str:
+        return self.spec.id
+
+
+@dataclass
+class BoundPlan:
+    plan: Plan
+    stages: list[BoundStage]
+    source: Source
+    raw: dict[str, Any]
+
+    def stage(self, stage_id: str) -> BoundStage:
+        for bound in self.stages:
+            if bound.id == stage_id:
+                return bound
+        raise KeyError(stage_id)
+
+    def resolved_yaml(self) -> str:
+        """The plan as it ran: overrides applied, every default filled in."""
+        data = self.plan.model_dump(mode="json", by_alias=True, exclude={"stages"})
+        data["stages"] = [
+            {
+                "id": b.id,
+                "uses": b.spec.uses,
+                "with": b.params.model_dump(mode="json"),
+                **({"after": b.spec.after} if b.spec.after else {}),
+            }
+            for b in self.stages
+        ]
+        return yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
+
+
+# --- overrides ---------------------------------------------------------------------------------
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'generate.temperature=0' -> (['generate', 'temperature'], 0); the value is a YAML scalar."""
+    if "=" not in text:
+        raise PlanError([Finding("--set", 1, 1, text, "expected STAGE_ID.PARAM=VALUE")])
+    key, _, value_text = text.partition("=")
+    parts = [p for p in key.strip().split(".")]
+    if not key.strip() or any(not p for p in parts):
+        raise PlanError([Finding("--set", 1, 1, text, "expected STAGE_ID.PARAM=VALUE")])
+    try:
+        value = load_text(value_text, "--set").data if value_text.strip() else ""
+    except PlanError as bad:
+        raise PlanError([Finding("--set", 1, 1, key, f"bad value: {bad.findings[0].message}")]) from None
+    return parts, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[tuple[list[str], Any]]) -> dict[str, Any]:
+    """Apply `--set` overrides: a stage id then a path inside its `with`, or a top-level plan key."""
+    data = copy.deepcopy(data)
+    stages = data.get("stages") if isinstance(data.get("stages"), list) else []
+    ids = [s.get("id") for s in stages if isinstance(s, dict)]
+    for parts, value in overrides:
+        head, rest = parts[0], parts[1:]
+        if head in ids and rest:
+            stage = stages[ids.index(head)]
+            target = stage.setdefault("with", {})
+            if not isinstance(target, dict):
+                raise PlanError([Finding("--set", 1, 1, ".".join(parts), "the stage's `with` is not a mapping")])
+        elif head in Plan.model_fields and head != "stages":
+            target, rest = data, parts
+        else:
+            hint = suggest(head, [i for i in ids if isinstance(i, str)])
+            raise PlanError([Finding("--set", 1, 1, ".".join(parts), f"no stage with id {head!r}{hint}")])
+        for key in rest[:-1]:
+            nxt = target.setdefault(key, {})
+            if not isinstance(nxt, dict):
+                raise PlanError([Finding("--set", 1, 1, ".".join(parts), f"{key!r} is not a mapping")])
+            target = nxt
+        target[rest[-1]] = value
+    return data
+
+
+# --- validation --------------------------------------------------------------------------------
+
+
+def load_plan(
+    path: str | Path,
+    registry: Registry,
+    overrides: list[str] | None = None,
+) -> BoundPlan:
+    """Load, override, validate and bind a plan; raise PlanError with every finding."""
+    return bind(load_file(path), registry, overrides)
+
+
+def bind(source: Source, registry: Registry, overrides: list[str] | None = None) -> BoundPlan:
+    from .graph import graph_findings
+
+    if not isinstance(source.data, dict):
+        kind = "empty" if source.data is None else type(source.data).__name__
+        raise PlanError([source.finding((), f"a plan must be a mapping with `name` and `stages` (got {kind})")])
+    parsed = [parse_override(text) for text in overrides or []]
+    data = apply_overrides(source.data, parsed)
+    overridden = {tuple(p) for p, _ in parsed}
+
+    findings: list[Finding] = []
+    plan: Plan | None = None
+    try:
+        plan = Plan.model_validate(data)
+    except ValidationError as bad:
+        findings += _findings(bad, source, (), Plan, data, overridden)
+    if plan is None:
+        # Schema errors elsewhere must not hide errors in stage parameters: validate those we can.
+        for index, raw in enumerate(data.get("stages") or [] if isinstance(data.get("stages"), list) else []):
+            if isinstance(raw, dict) and isinstance(raw.get("uses"), str):
+                findings += _stage_findings(index, raw.get("uses"), raw.get("with") or {}, source, registry, overridden)
+        raise PlanError(_dedupe(findings))
+
+    bound: list[BoundStage] = []
+    for index, spec in enumerate(plan.stages):
+        stage_cls = registry.get(spec.uses)
+        problems = _stage_findings(index, spec.uses, spec.with_, source, registry, overridden)
+        findings += problems
+        if stage_cls is not None and not problems:
+            bound.append(BoundStage(index, spec, stage_cls, stage_cls.Params.model_validate(spec.with_)))
+    if not findings:
+        findings += graph_findings(plan, bound, source, registry)
+    if findings:
+        raise PlanError(_dedupe(findings))
+    return BoundPlan(plan=plan, stages=bound, source=source, raw=data)
+
+
+def _stage_findings(
+    index: int,
+    uses: Any,
+    params: Any,
+    source: Source,
+    registry: Registry,
+    overridden: set[tuple[str, ...]],
+) -> list[Finding]:
+    stage_cls = registry.get(uses) if isinstance(uses, str) else None
+    where: FieldPath = ("stages", index)
+    if stage_cls is None:
+        if isinstance(uses, str) and uses in registry.broken:
+            return [source.finding((*where, "uses"), f"plugin {uses!r} failed to load: {registry.broken[uses]}")]
+        hint = suggest(str(uses), registry.names())
+        return [source.finding((*where, "uses"), f"unknown stage {uses!r}{hint}; see `llmplan stages`")]
+    if not isinstance(params, dict):
+        return [source.finding((*where, "with"), f"must be a mapping (got {type(params).__name__})")]
+    try:
+        stage_cls.Params.model_validate(params)
+    except ValidationError as bad:
+        return _findings(bad, source, (*where, "with"), stage_cls.Params, params, overridden, stage_index=index)
+    return []
+
+
+def _findings(
+    error: ValidationError,
+    source: Source,
+    prefix: FieldPath,
+    model: type[BaseModel],
+    data: Any,
+    overridden: set[tuple[str, ...]],
+    stage_index: int | None = None,
+) -> list[Finding]:
+    found = []
+    for item in error.errors():
+        loc = tuple(part for part in item["loc"] if not _is_union_branch(part))
+        path = (*prefix, *loc)
+        allowed = _allowed_keys(model, loc[:-1]) if item["type"] == "extra_forbidden" else ()
+        message = describe(item, allowed)
+        is_key = item["type"] == "extra_forbidden"
+        override = _override_for(source, path, overridden, stage_index)
+        if override is not None:
+            found.append(Finding("--set", 1, 1, override, message))
+        else:
+            found.append(source.finding(path, message, key=is_key, field_text=format_path(path)))
+    return found
+
+
+def _is_union_branch(part: Any) -> bool:
+    # pydantic puts union branch names ("int", "list[str]", "function-after[...]") in the loc
+    return isinstance(part, str) and ("[" in part or part in {"int", "str", "float", "bool", "none"})
+
+
+def _override_for(
+    source: Source, path: FieldPath, overridden: set[tuple[str, ...]], stage_index: int | None
+) -> str | None:
+    """If a finding concerns a value set by --set, name the override instead of a file position."""
+    if not overridden:
+        return None
+    data = source.data if isinstance(source.data, dict) else {}
+    stages = data.get("stages") if isinstance(data.get("stages"), list) else []
+    if stage_index is not None and stage_index < len(stages) and isinstance(stages[stage_index], dict):
+        stage_id = stages[stage_index].get("id")
+        inner = tuple(str(p) for p in path[3:])
+        for parts in overridden:
+            if parts[0] == stage_id and tuple(parts[1:]) == inner[: len(parts) - 1]:
+                return ".".join(parts)
+    else:
+        flat = tuple(str(p) for p in path)
+        for parts in overridden:
+            if tuple(parts) == flat[: len(parts)]:
+                return ".".join(parts)
+    return None
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = getattr(current, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        current = _model_of(field.annotation)
+        if current is None:
+            return []
+    fields = getattr(current, "model_fields", {})
+    return [f.alias or name for name, f in fields.items()]
+
+
+def _model_of(annotation: Any) -> Any:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _dedupe(findings: list[Finding]) -> list[Finding]:
+    seen: set[str] = set()
+    unique = []
+    for finding in findings:
+        if str(finding) not in seen:
+            seen.add(str(finding))
+            unique.append(finding)
+    return sorted(unique, key=lambda f: (f.file, f.line, f.column))

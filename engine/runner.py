@@ -1,0 +1,263 @@
+"""Runs a bound plan: stages in graph order, each measured, logged and checked.
+
+Per stage the runner records wall time and memory before/after, writes structured events, and
+checks that the stage wrote every slot it promised. A stage runs only while something still needs
+it: when a slot is already filled (a cache hit), its writer and whatever only that writer needed
+are skipped. On an error or Ctrl-C the `always` stages (release) still run, what finished is kept,
+and the run ends with one clear line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+import structlog
+
+from .context import Context
+from .findings import StageFailure
+from .graph import DATA, FILL, build_graph, execution_order, upstream
+from .memory import MemorySampler, device_bytes, peak_rss_bytes, rss_bytes
+from .plan import BoundPlan
+
+
+@dataclass
+class StageRecord:
+    id: str
+    uses: str
+    phase: str
+    status: str  # ok | skipped | failed | not_run
+    wall_s: float = 0.0
+    rss_before: int = 0
+    rss_after: int = 0
+    device_before: int | None = None
+    device_after: int | None = None
+    reason: str = ""
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    status: str  # ok | failed | interrupted
+    exit_code: int
+    message: str
+    records: list[StageRecord] = field(default_factory=list)
+    context: Context | None = None
+
+
+Reporter = Callable[[StageRecord], None]
+
+
+def make_run_dir(root: str | Path, plan_name: str) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = Path(root) / f"{stamp}-{plan_name}"
+    candidate, n = base, 1
+    while True:
+        try:
+            candidate.mkdir(parents=True, exist_ok=False)
+            return candidate
+        except FileExistsError:
+            n += 1
+            candidate = base.with_name(f"{base.name}-{n}")
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Atomic: a temp file renamed into place, so a crash never leaves half a JSON file."""
+    temp = path.with_name(f".{path.name}.tmp")
+    temp.write_text(json.dumps(data, indent=2, default=str, ensure_ascii=False), encoding="utf-8")
+    os.replace(temp, path)
+
+
+class Runner:
+    def __init__(
+        self,
+        bound: BoundPlan,
+        context: Context,
+        run_dir: Path,
+        *,
+        until: str | None = None,
+        report: Reporter | None = None,
+        debug: bool = False,
+    ) -> None:
+        self.bound = bound
+        self.ctx = context
+        self.run_dir = run_dir
+        self.graph = build_graph(bound.stages)
+        self.order = execution_order(self.graph)
+        if until is not None:
+            keep = upstream(self.graph, until)
+            self.order = [s for s in self.order if s in keep]
+        self.report = report or (lambda record: None)
+        self.debug = debug
+        self.records: dict[str, StageRecord] = {}
+
+    # --- the run ---------------------------------------------------------------------------------
+
+    def run(self) -> RunResult:
+        ctx = self.ctx
+        ctx.plan = self.bound
+        ctx.run_dir = self.run_dir
+        (self.run_dir / "plan.resolved.yaml").write_text(self.bound.resolved_yaml(), encoding="utf-8")
+        events = (self.run_dir / "events.jsonl").open("a", encoding="utf-8")
+        log = structlog.wrap_logger(
+            structlog.WriteLogger(events),
+            processors=[
+                structlog.processors.add_log_level,
+                structlog.processors.TimeStamper(fmt="iso", utc=True),
+                structlog.processors.JSONRenderer(default=str, ensure_ascii=False),
+            ],
+        ).bind(plan=self.bound.plan.name)
+        ctx.log = log
+        sampler = MemorySampler(self.bound.plan.observe.memory_interval_ms).start()
+        started = time.perf_counter()
+        status, code, message = "ok", 0, "ok"
+        ran: set[str] = set()
+        try:
+            for stage_id in self.order:
+                bound = self.graph.nodes[stage_id]["stage"]
+                if bound.cls.always:
+                    continue  # always-stages run last, in the finally block, whatever happened
+                if not self._needed(stage_id, ran):
+                    self._record(stage_id, "skipped", reason="outputs already available")
+                    log.info("stage_skipped", stage=stage_id, reason="outputs already available")
+                    continue
+                self._run_stage(stage_id, sampler, log)
+                ran.add(stage_id)
+        except KeyboardInterrupt:
+            status, code, message = "interrupted", 130, "interrupted (Ctrl-C); ran the cleanup stages"
+            log.warning("run_interrupted")
+        except StageFailure as failure:
+            status, code, message = "failed", 1, str(failure)
+        except Exception as bug:  # a stage's bug: one line for the user, the traceback in the run dir
+            status, code = "failed", 1
+            message = f"{type(bug).__name__}: {bug}"
+            (self.run_dir / "traceback.txt").write_text(traceback.format_exc(), encoding="utf-8")
+            if self.debug:
+                traceback.print_exc()
+        finally:
+            cleanup_error = self._run_always(sampler, log)
+            if cleanup_error and status == "ok":
+                status, code, message = "failed", 1, cleanup_error
+            sampler.stop()
+            failed = next((r for r in self.records.values() if r.status == "failed"), None)
+            if failed is not None and status != "ok" and not message.startswith(f"stage {failed.id!r}"):
+                message = f"stage {failed.id!r} ({failed.uses}): {message}"
+            for stage_id in self.order:
+                if stage_id not in self.records:
+                    self._record(stage_id, "not_run")
+            total = time.perf_counter() - started
+            log.info("run_finished", status=status, wall_s=round(total, 4), peak_rss=peak_rss_bytes())
+            ctx.metrics.by_stage.setdefault("run", {}).update(
+                {"wall_s": total, "status": status, "peak_rss_bytes": peak_rss_bytes()}
+            )
+            write_json(self.run_dir / "stages.json", [asdict(r) for r in self.records.values()])
+            write_json(self.run_dir / "metrics.json", ctx.metrics.by_stage)
+            write_json(self.run_dir / "memory.json", sampler.to_dict())
+            write_json(
+                self.run_dir / "run.json",
+                {"plan": self.bound.plan.name, "status": status, "message": message, "wall_s": total},
+            )
+            events.close()
+        return RunResult(self.run_dir, status, code, message, list(self.records.values()), ctx)
+
+    # --- one stage -------------------------------------------------------------------------------
+
+    def _run_stage(self, stage_id: str, sampler: MemorySampler, log: Any) -> None:
+        bound = self.graph.nodes[stage_id]["stage"]
+        ctx = self.ctx
+        ctx.metrics.current = stage_id
+        ctx.log = log.bind(stage=stage_id)
+        record = StageRecord(stage_id, bound.spec.uses, str(bound.cls.phase), "failed")
+        record.rss_before, record.device_before = rss_bytes(), device_bytes()
+        self.records[stage_id] = record
+        sampler.mark(stage_id, "start")
+        log.info("stage_started", stage=stage_id, uses=bound.spec.uses)
+        t0 = time.perf_counter()
+        try:
+            bound.cls().run(ctx, bound.params)
+            missing = [slot for slot in bound.cls.writes if not ctx.has(slot)]
+            if missing:
+                raise StageFailure(f"stage {stage_id!r} ({bound.spec.uses}) did not write {', '.join(missing)}")
+            record.status = "ok"
+        except BaseException as error:
+            record.reason = f"{type(error).__name__}: {error}"
+            log.error("stage_failed", stage=stage_id, error=record.reason)
+            raise
+        finally:
+            record.wall_s = time.perf_counter() - t0
+            record.rss_after, record.device_after = rss_bytes(), device_bytes()
+            sampler.mark(stage_id, "end")
+            if record.status == "ok":
+                log.info(
+                    "stage_finished",
+                    stage=stage_id,
+                    wall_s=round(record.wall_s, 6),
+                    rss_before=record.rss_before,
+                    rss_after=record.rss_after,
+                    device_before=record.device_before,
+                    device_after=record.device_after,
+                )
+            self.report(record)
+
+    def _run_always(self, sampler: MemorySampler, log: Any) -> str | None:
+        error = None
+        for stage_id in self.order:
+            bound = self.graph.nodes[stage_id]["stage"]
+            if not bound.cls.always:
+                continue
+            if any(not self.ctx.has(slot) for slot in bound.cls.reads):
+                self._record(stage_id, "skipped", reason="inputs missing")
+                continue
+            try:
+                self._run_stage(stage_id, sampler, log)
+            except BaseException as bad:  # cleanup must not hide the original failure
+                error = error or f"stage {stage_id!r}: {type(bad).__name__}: {bad}"
+        return error
+
+    def _needed(self, stage_id: str, ran: set[str]) -> bool:
+        """Whether some remaining stage still needs this one's output (or it is a sink)."""
+        return _needed(self.graph, stage_id, self.ctx, set(self.order), ran, {})
+
+    def _record(self, stage_id: str, status: str, reason: str = "") -> None:
+        bound = self.graph.nodes[stage_id]["stage"]
+        record = StageRecord(stage_id, bound.spec.uses, str(bound.cls.phase), status, reason=reason)
+        self.records[stage_id] = record
+        if status == "skipped":
+            self.report(record)
+
+
+def _needed(graph: nx.DiGraph, node: str, ctx: Context, active: set[str], ran: set[str], memo: dict[str, bool]) -> bool:
+    if node in memo:
+        return memo[node]
+    bound = graph.nodes[node]["stage"]
+    writes = set(bound.cls.writes)
+    if writes and all(ctx.has(slot) for slot in writes) and node not in ran:
+        memo[node] = False  # everything it would produce is already there
+        return False
+    consumers = [
+        dst
+        for dst in graph.successors(node)
+        if dst in active
+        and (graph.edges[node, dst]["kinds"] & {DATA, FILL})
+        and not graph.nodes[dst]["stage"].cls.always
+    ]
+    if not consumers:
+        memo[node] = True  # a sink: its effect is the point of the plan
+        return True
+    result = False
+    for dst in consumers:
+        slots = graph.edges[node, dst]["slots"]
+        unfilled = any(not ctx.has(slot) for slot in slots) or not slots
+        if unfilled and dst not in ran and _needed(graph, dst, ctx, active, ran, memo):
+            result = True
+            break
+    memo[node] = result
+    return result

@@ -1,0 +1,83 @@
+"""The stage contract: what a plugin declares and implements.
+
+A stage is a class with a name (`uses:` in a plan), a phase, a Pydantic `Params` model that forbids
+unknown keys, the context slots it `reads` and `writes`, and `run(ctx, params)`. The engine derives
+the graph from reads/writes (Hamilton/Kedro style), so a plan never wires stages by hand.
+
+- `writes` are promises: after `run`, each must be set on the context, or the run fails.
+- `fills` are optional writes that can make another stage redundant (a cache hit fills
+  `generations`, so generation and everything only it needs is skipped).
+- `optional_reads` are used when present and never create a graph edge requirement.
+- `always` stages (release) run even after a failure or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    from .context import Context
+
+
+class Phase(StrEnum):
+    LOAD = "load"
+    COMPUTE = "compute"
+    OUTPUT = "output"
+    OBSERVE = "observe"
+    OTHER = "other"
+
+
+class Params(BaseModel):
+    """Base of every stage's parameters: unknown keys are errors, not silent defaults."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NoParams(Params):
+    pass
+
+
+class Stage:
+    name: ClassVar[str]
+    phase: ClassVar[Phase] = Phase.OTHER
+    Params: ClassVar[type[Params]] = NoParams
+    reads: ClassVar[tuple[str, ...]] = ()
+    optional_reads: ClassVar[tuple[str, ...]] = ()
+    writes: ClassVar[tuple[str, ...]] = ()
+    fills: ClassVar[tuple[str, ...]] = ()
+    always: ClassVar[bool] = False
+
+    def run(self, ctx: Context, params: Any) -> None:
+        raise NotImplementedError
+
+    def check(self, params: Any, deep: DeepCheck) -> None:
+        """`validate --deep`: look at files and the machine without loading a model."""
+
+    @classmethod
+    def summary(cls) -> str:
+        doc = (cls.__doc__ or "").strip()
+        return doc.splitlines()[0] if doc else ""
+
+
+class DeepCheck:
+    """What `validate --deep` hands each stage: a place to report problems and estimates.
+
+    Stages run their checks in plan order and may share facts through `facts` (e.g. the model
+    source puts the model directory there, the convert stage the weight bytes).
+    """
+
+    def __init__(self, plan: Any) -> None:
+        self.plan = plan
+        self.facts: dict[str, Any] = {}
+        self.problems: list[tuple[str, str, str]] = []  # (stage id, field path inside `with`, message)
+        self.estimates: dict[str, int] = {}
+        self.current: str = ""
+
+    def problem(self, message: str, field: str = "") -> None:
+        self.problems.append((self.current, field, message))
+
+    def estimate(self, region: str, nbytes: int) -> None:
+        self.estimates[region] = self.estimates.get(region, 0) + int(nbytes)

@@ -1,0 +1,54 @@
+"""The inference context: one typed field per slot that stages read and write.
+
+Slot names are field names, so a stage's `reads`/`writes` are checked against this class when it is
+registered, and the graph the engine derives from them is the data flow of inference:
+
+    environment → model_source → model_config, tokenizer → shard_manifest (verified) → host_weights
+    → weights (converted) → model, kv_cache → requests → generations → answers → completions
+    → deliveries, cache_record → release_report
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from llmplan.engine.context import Context
+
+if TYPE_CHECKING:
+    from llmplan.llm.checkpoint import ShardManifest
+    from llmplan.llm.config import ModelConfig
+    from llmplan.llm.kv_cache import KVCache
+    from llmplan.llm.model import Transformer
+    from llmplan.llm.tokenizer import Tokenizer
+
+    from .types import (
+        Answer,
+        Completion,
+        ConvertedWeights,
+        Environment,
+        GenerationResult,
+        HostWeights,
+        ModelSource,
+        Request,
+    )
+
+
+@dataclass
+class InferenceContext(Context):
+    environment: Environment | None = None
+    model_source: ModelSource | None = None
+    model_config: ModelConfig | None = None
+    tokenizer: Tokenizer | None = None
+    shard_manifest: ShardManifest | None = None
+    host_weights: HostWeights | None = None
+    weights: ConvertedWeights | None = None
+    model: Transformer | None = None
+    kv_cache: KVCache | None = None
+    requests: list[Request] | None = None
+    generations: list[GenerationResult] | None = None
+    answers: list[Answer] | None = None
+    completions: list[Completion] | None = None
+    deliveries: list[str] | None = None
+    cache_record: dict[str, Any] | None = None
+    release_report: dict[str, Any] | None = None

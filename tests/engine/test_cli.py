@@ -1,0 +1,95 @@
+"""The command line: exit codes, one-line errors, JSON findings, graph pictures, stage listing, schema."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from llmplan.engine.cli import main
+
+GOOD = """\
+name: toy
+stages:
+  - {id: numbers, uses: toy.numbers, with: {count: 3}}
+  - {id: square, uses: toy.square}
+  - {id: total, uses: toy.total}
+  - {id: cleanup, uses: toy.cleanup}
+"""
+
+
+def test_validate_ok_and_bad(write_plan, toy_plugin, capsys):
+    good = write_plan(GOOD, "good.yaml")
+    assert main(["validate", str(good)]) == 0
+    bad = write_plan(GOOD.replace("count: 3", "count: 0"), "bad.yaml")
+    assert main(["validate", str(good), str(bad)]) == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == [f"{bad}:3:52: stages[0].with.count: must be >= 1 (got 0)"]
+
+
+def test_validate_json_findings(write_plan, toy_plugin, capsys):
+    bad = write_plan(GOOD.replace("toy.square", "toy.squares"), "bad.yaml")
+    assert main(["validate", "--format", "json", str(bad)]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is False
+    (finding,) = report["findings"]
+    assert (finding["line"], finding["column"], finding["field"]) == (4, 24, "stages[1].uses")
+    assert finding["message"].startswith("unknown stage 'toy.squares' (did you mean 'toy.square'?)")
+
+
+def test_run_with_set_and_until(write_plan, toy_plugin, tmp_path, capsys):
+    plan = write_plan(GOOD)
+    code = main(["run", str(plan), "--set", "numbers.count=5", "--out", str(tmp_path / "r"), "--quiet"])
+    assert code == 0
+    metrics = json.loads((tmp_path / "r" / "metrics.json").read_text())
+    assert metrics["total"]["total"] == 1 + 4 + 9 + 16 + 25
+    code = main(["run", str(plan), "--until", "nope", "--out", str(tmp_path / "r2"), "--quiet"])
+    assert code == 1
+    assert capsys.readouterr().err.strip().endswith("--until: no stage with id 'nope' in " + str(plan))
+
+
+def test_run_failure_is_one_line_without_traceback(write_plan, toy_plugin, tmp_path, capsys):
+    plan = write_plan(GOOD.replace("toy.square}", "toy.crash}"))
+    assert main(["run", str(plan), "--out", str(tmp_path / "r"), "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: stage 'square' (toy.crash): ZeroDivisionError: division by zero"]
+
+
+def test_graph_outputs(write_plan, toy_plugin, tmp_path):
+    plan = write_plan(GOOD)
+    assert main(["graph", str(plan), "-o", str(tmp_path / "g.dot")]) == 0
+    dot = (tmp_path / "g.dot").read_text()
+    assert '"numbers" -> "square" [label="ext.numbers"' in dot
+    assert main(["graph", str(plan), "-o", str(tmp_path / "g.mmd")]) == 0
+    assert (tmp_path / "g.mmd").read_text().startswith("flowchart LR")
+    assert main(["graph", str(plan), "-o", str(tmp_path / "g.png")]) == 0
+    assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_stages_lists_third_party_plugin_with_params(toy_plugin, capsys):
+    assert main(["stages", "--json"]) == 0
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    numbers = rows["toy.numbers"]
+    assert numbers["module"] == "toy_stages"
+    assert numbers["writes"] == ["ext.numbers"]
+    count = next(p for p in numbers["params"] if p["name"] == "count")
+    assert count == {"name": "count", "type": "int", "required": False, "default": 3, "doc": "how many numbers"}
+
+
+def test_schema_types_each_stage_params(toy_plugin, capsys):
+    assert main(["schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    text = json.dumps(schema)
+    assert "Stage_toy_numbers" in text and '"maximum": 1000' in text
+    assert schema["required"] == ["name", "stages"]
+
+
+def test_cli_entry_point_exit_code_and_stderr(tmp_path):
+    bad = tmp_path / "x.yaml"
+    bad.write_text("name: [\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "llmplan.engine.cli", "validate", str(bad)], capture_output=True, text=True
+    )
+    assert proc.returncode == 1
+    assert proc.stdout.strip().startswith(f"{bad}:2:1: YAML syntax error")
+    assert "Traceback" not in proc.stdout + proc.stderr
