@@ -193,6 +193,7 @@ class Runner:
             raise
         finally:
             record.wall_s = time.perf_counter() - t0
+            ctx.metrics.by_stage.setdefault(stage_id, {})["wall_s"] = record.wall_s
             record.rss_after, record.device_after = rss_bytes(), device_bytes()
             sampler.mark(stage_id, "end")
             if record.status == "ok":

@@ -1,0 +1,352 @@
+"""The shard manifest of a checkpoint directory and its integrity checks.
+
+`build_manifest` finds the shards (from an index or a single file), refuses index entries that point outside
+the model directory, and collects each shard's known SHA-256. `verify` then checks every shard before any
+tensor is read: cheap checks (existence, exact size, header) for all shards first, then the streamed hashes,
+so a missing last shard fails in milliseconds instead of after hashing the others.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any, Literal
+
+from .manifest import MANIFEST_NAME, ManifestError, read_sha256sums, sha256_file
+
+Format = Literal["safetensors", "torch"]
+HashSource = Literal["SHA256SUMS", "hf-cache-blob", "plan"]
+Policy = Literal["required", "if_present", "off"]
+ProgressFn = Callable[[int], None]
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+TORCH_INDEX = "pytorch_model.bin.index.json"
+TORCH_SINGLE = "pytorch_model.bin"
+
+# safetensors itself refuses headers above 100 MB; a bigger length means the first 8 bytes are garbage.
+_MAX_HEADER = 100 << 20
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+    "U32": 4, "I32": 4, "F32": 4,
+    "U64": 8, "I64": 8, "F64": 8,
+}  # fmt: skip
+
+
+class IntegrityError(ValueError):
+    """A checkpoint file is missing, damaged, unsafe or unverifiable; the one-line message names the file."""
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    name: str
+    """The file name as the index (or the single-file convention) gives it, relative to model_dir."""
+    path: Path
+    size: int | None
+    """Expected file size in bytes, from the safetensors header at build time; None for torch files."""
+    sha256: str | None
+    hash_source: HashSource | None
+
+
+@dataclass
+class ShardManifest:
+    model_dir: Path
+    format: Format
+    shards: list[ShardInfo]
+    tensor_to_shard: dict[str, str]
+    """Tensor name -> shard name. Empty for a single `pytorch_model.bin` (its names live in the pickle)."""
+    index: Path | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        """Sum of the known expected sizes, e.g. for a progress bar's total."""
+        return sum(shard.size or 0 for shard in self.shards)
+
+    def shard(self, name: str) -> ShardInfo:
+        for shard in self.shards:
+            if shard.name == name:
+                return shard
+        raise KeyError(name)
+
+
+@dataclass
+class VerifyReport:
+    files_checked: int = 0
+    bytes_hashed: int = 0
+    seconds: float = 0.0
+    unhashed: list[str] = field(default_factory=list)
+    """Shards that passed without a hash check (policy 'if_present' with no known hash, or 'off')."""
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    tensors: dict[str, dict[str, Any]]
+    metadata: dict[str, str]
+    expected_size: int
+
+
+def read_safetensors_header(path: Path) -> SafetensorsHeader:
+    """Parse and sanity-check a safetensors header without touching tensor data."""
+    actual = path.stat().st_size
+    with open(path, "rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise IntegrityError(f"{path}: truncated: {actual} bytes, expected at least 8")
+        length = int.from_bytes(prefix, "little")
+        if length > _MAX_HEADER:
+            raise IntegrityError(f"{path}: corrupt safetensors header: implausible header length {length}")
+        if 8 + length > actual:
+            raise IntegrityError(f"{path}: truncated: {actual} bytes, expected at least {8 + length}")
+        raw = handle.read(length)
+    try:
+        header = json.loads(raw)
+    except UnicodeDecodeError:
+        raise IntegrityError(f"{path}: corrupt safetensors header: not UTF-8") from None
+    except json.JSONDecodeError as exc:
+        raise IntegrityError(
+            f"{path}: corrupt safetensors header: not valid JSON ({exc.msg} at byte {exc.pos})"
+        ) from None
+    if not isinstance(header, dict):
+        raise IntegrityError(f"{path}: corrupt safetensors header: not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    end = 0
+    for name, entry in header.items():
+        problem = _entry_problem(entry)
+        if problem:
+            raise IntegrityError(f"{path}: corrupt safetensors header: tensor {name!r}: {problem}")
+        end = max(end, entry["data_offsets"][1])
+    return SafetensorsHeader(tensors=header, metadata=metadata, expected_size=8 + length + end)
+
+
+def _entry_problem(entry: Any) -> str | None:
+    if not isinstance(entry, dict):
+        return "entry is not an object"
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str):
+        return "missing dtype"
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        return "bad shape"
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        return "bad data_offsets"
+    itemsize = _DTYPE_BYTES.get(dtype)
+    if itemsize is not None:  # unknown (future) dtypes: offsets are still checked, sizes are not
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        if offsets[1] - offsets[0] != numel * itemsize:
+            span = offsets[1] - offsets[0]
+            return f"data_offsets span {span} bytes, {dtype}{shape} needs {numel * itemsize}"
+    return None
+
+
+# --------------------------------------------------------------------------------------------- build
+
+
+def build_manifest(model_dir: str | Path, plan_hashes: dict[str, str] | None = None) -> ShardManifest:
+    """Find the shards of `model_dir` and every SHA-256 that is known for them (no file data is hashed)."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise IntegrityError(f"{model_dir}: not a directory")
+    root = model_dir.resolve()
+    blobs = _hf_blobs_dir(root)
+
+    fmt, index, names, tensor_to_shard = _find_shards(model_dir, root, blobs)
+    sums = _read_sums(model_dir)
+    plan = {
+        _normalise_name(key): _normalise_hash(value, f"plan hash for {key!r}")
+        for key, value in (plan_hashes or {}).items()
+    }
+    shards = []
+    for name in names:
+        path = model_dir / name
+        size = None
+        if fmt == "safetensors":
+            try:
+                header = read_safetensors_header(path)
+                size = header.expected_size
+                if index is None:
+                    tensor_to_shard = dict.fromkeys(header.tensors, name)
+            except (OSError, IntegrityError):
+                pass  # left for verify(), which reports it with the right message
+        sha, source = _known_hash(path, name, plan, sums, blobs)
+        shards.append(ShardInfo(name=name, path=path, size=size, sha256=sha, hash_source=source))
+    return ShardManifest(model_dir=model_dir, format=fmt, shards=shards, tensor_to_shard=tensor_to_shard, index=index)
+
+
+def _find_shards(
+    model_dir: Path, root: Path, blobs: Path | None
+) -> tuple[Format, Path | None, list[str], dict[str, str]]:
+    """(format, index or None, shard names in order, tensor -> shard from the index)."""
+    layouts: tuple[tuple[str, str, Format], ...] = (
+        (SAFETENSORS_INDEX, SAFETENSORS_SINGLE, "safetensors"),
+        (TORCH_INDEX, TORCH_SINGLE, "torch"),
+    )
+    for index_name, single_name, fmt in layouts:
+        index = model_dir / index_name
+        if index.exists():
+            tensor_to_shard = _read_index(index)
+            checked: set[str] = set()
+            for tensor, name in tensor_to_shard.items():
+                if name not in checked:  # each file once, naming the first entry that uses it
+                    _check_entry(index, tensor, name, root, blobs)
+                    checked.add(name)
+            return fmt, index, sorted(checked), tensor_to_shard
+        if (model_dir / single_name).exists():
+            _check_entry(None, None, single_name, root, blobs)
+            return fmt, None, [single_name], {}
+    raise IntegrityError(
+        f"{model_dir}: no checkpoint found (looked for {SAFETENSORS_INDEX}, {SAFETENSORS_SINGLE}, "
+        f"{TORCH_INDEX}, {TORCH_SINGLE})"
+    )
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise IntegrityError(f"{index}: not a valid JSON index ({exc})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise IntegrityError(f"{index}: no 'weight_map' object")
+    for tensor, shard in weight_map.items():
+        if not isinstance(shard, str):
+            raise IntegrityError(f"{index}: entry {tensor!r} -> {shard!r}: shard name is not a string")
+    return weight_map
+
+
+def _hf_blobs_dir(root: Path) -> Path | None:
+    """`<repo cache>/blobs` when `root` lies in `<repo cache>/snapshots/<revision>/`, else None."""
+    for ancestor in (root, *root.parents):
+        if ancestor.parent.name == "snapshots":
+            return ancestor.parent.parent / "blobs"
+    return None
+
+
+def _check_entry(index: Path | None, tensor: str | None, name: str, root: Path, blobs: Path | None) -> None:
+    """Refuse a shard name that would read a file outside the model directory."""
+    where = f"{index}: entry {tensor!r} -> {name!r}" if index else f"{root / name}"
+    if not name or PurePosixPath(name).is_absolute() or PureWindowsPath(name).is_absolute() or ":" in name:
+        raise IntegrityError(f"{where}: absolute path outside the model directory")
+    if ".." in PurePosixPath(name.replace("\\", "/")).parts:
+        raise IntegrityError(f"{where}: '..' path escapes the model directory")
+    resolved = (root / name).resolve()
+    # HF hub caches store snapshot files as symlinks to ../../blobs/<hash> of the same repo cache.
+    in_blobs = blobs is not None and resolved.parent == blobs
+    if not resolved.is_relative_to(root) and not in_blobs:
+        raise IntegrityError(f"{where}: symlink escapes the model directory (resolves to {resolved})")
+
+
+def _read_sums(model_dir: Path) -> dict[str, str]:
+    path = model_dir / MANIFEST_NAME
+    if not path.exists():
+        return {}
+    try:
+        return {_normalise_name(name): digest for name, digest in read_sha256sums(path).items()}
+    except ManifestError as exc:
+        raise IntegrityError(str(exc)) from None
+
+
+def _normalise_name(name: str) -> str:
+    return name[2:] if name.startswith("./") else name
+
+
+def _normalise_hash(value: str, what: str) -> str:
+    digest = value.lower().removeprefix("sha256:")
+    if not _SHA256.match(digest):
+        raise IntegrityError(f"{what}: not a 64-hex SHA-256 ({value!r})")
+    return digest
+
+
+def _known_hash(
+    path: Path, name: str, plan: dict[str, str], sums: dict[str, str], blobs: Path | None
+) -> tuple[str | None, HashSource | None]:
+    """The shard's hash by precedence plan > SHA256SUMS > HF blob name; sources that disagree are an error."""
+    found: list[tuple[HashSource, str]] = []
+    if name in plan:
+        found.append(("plan", plan[name]))
+    if name in sums:
+        found.append(("SHA256SUMS", sums[name]))
+    if blobs is not None and path.is_symlink():
+        target = path.resolve()
+        if target.parent == blobs and _SHA256.match(target.name):  # git (non-LFS) blobs are 40-hex sha1
+            found.append(("hf-cache-blob", target.name))
+    if not found:
+        return None, None
+    source, digest = found[0]
+    for other_source, other in found[1:]:
+        if other != digest:
+            raise IntegrityError(
+                f"{path}: SHA-256 from {source} ({digest[:16]}…) disagrees with {other_source} ({other[:16]}…)"
+            )
+    return digest, source
+
+
+# -------------------------------------------------------------------------------------------- verify
+
+
+def verify(manifest: ShardManifest, policy: Policy = "if_present", progress: ProgressFn | None = None) -> VerifyReport:
+    """Check every shard; raise IntegrityError (one line, naming the file) on the first problem found.
+
+    `off`: existence only. `if_present`: existence, exact size and header, and the SHA-256 where known.
+    `required`: as `if_present`, and a shard without a known SHA-256 is an error.
+    """
+    if policy not in ("required", "if_present", "off"):
+        raise ValueError(f"unknown verify policy {policy!r} (use 'required', 'if_present' or 'off')")
+    start = time.perf_counter()
+    report = VerifyReport()
+    listed = f" (listed in {manifest.index})" if manifest.index else ""
+    by_shard: dict[str, list[str]] = {}
+    for tensor, name in manifest.tensor_to_shard.items():
+        by_shard.setdefault(name, []).append(tensor)
+    for shard in manifest.shards:
+        if not shard.path.is_file():
+            raise IntegrityError(f"{shard.path}: missing shard{listed}")
+        if policy == "off":
+            continue
+        if manifest.format == "safetensors":
+            _check_safetensors(manifest, shard, by_shard.get(shard.name, []))
+        if shard.sha256 is None and policy == "required":
+            raise IntegrityError(
+                f"{shard.path}: no known SHA-256 and verify policy is 'required' "
+                f"(add it to {MANIFEST_NAME} or the plan, or use policy 'if_present')"
+            )
+    # Hashing last: it is the only slow check, and everything cheap has already passed.
+    for shard in manifest.shards:
+        report.files_checked += 1
+        if policy == "off" or shard.sha256 is None:
+            report.unhashed.append(shard.name)
+            continue
+        actual = sha256_file(shard.path, progress)
+        report.bytes_hashed += shard.path.stat().st_size
+        if actual != shard.sha256:
+            raise IntegrityError(f"{shard.path}: SHA-256 mismatch: expected {shard.sha256[:16]}…, got {actual[:16]}…")
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _check_safetensors(manifest: ShardManifest, shard: ShardInfo, indexed: list[str]) -> None:
+    header = read_safetensors_header(shard.path)
+    actual = shard.path.stat().st_size
+    if actual < header.expected_size:
+        raise IntegrityError(f"{shard.path}: truncated: {actual} bytes, expected {header.expected_size}")
+    if actual > header.expected_size:
+        raise IntegrityError(
+            f"{shard.path}: wrong size: {actual} bytes, expected {header.expected_size} (trailing data)"
+        )
+    if manifest.index is not None:
+        for tensor in indexed:
+            if tensor not in header.tensors:
+                raise IntegrityError(
+                    f"{shard.path}: {manifest.index.name} lists tensor {tensor!r} but the shard does not contain it"
+                )
