@@ -195,6 +195,11 @@ def deep_check(bound: BoundPlan) -> tuple[list[Finding], dict[str, int]]:
             stage.cls().check(stage.params, deep)
         except Exception as bad:
             deep.problem(f"check failed: {type(bad).__name__}: {bad}")
+    total = sum(deep.estimates.values())
+    if deep.capacity is not None and total > deep.capacity[1]:
+        what, available = deep.capacity
+        deep.current = bound.stages[0].id
+        deep.problem(f"estimated memory {total / (1 << 20):.0f} MiB does not fit {what} ({available / (1 << 20):.0f} MiB)")
     findings = []
     index = {b.id: b.index for b in bound.stages}
     for stage_id, field, message in deep.problems:

@@ -74,6 +74,7 @@ class DeepCheck:
         self.facts: dict[str, Any] = {}
         self.problems: list[tuple[str, str, str]] = []  # (stage id, field path inside `with`, message)
         self.estimates: dict[str, int] = {}
+        self.capacity: tuple[str, int] | None = None  # (what, bytes) the estimates must fit in
         self.current: str = ""
 
     def problem(self, message: str, field: str = "") -> None:

@@ -1,0 +1,189 @@
+"""`cache.lookup` and `output.cache`: reuse stored results instead of generating, and store new ones.
+
+The key of a request (results_store.cache_key) is the SHA-256 of the model fingerprint, the
+prompt ids, the generation stage's parameters as the plan resolved them (`generate_stage`, dumped
+to JSON), the request's own overrides, and the plan seed: change any of them and the key changes.
+
+`cache.lookup` (mode `reuse`) fills `generations` only when EVERY request is found: the runner
+then skips the generate stage and everything only it needs (weights, model, KV cache). A partial
+hit fills nothing and the whole batch is generated again — mixing replayed and fresh rows would
+need a second, smaller batch for no real gain, and keeps the two paths simple. `refresh` and
+`off` never fill. A missing database is a miss; the lookup never creates one.
+
+`output.cache` stores every completion of the run (replayed ones marked `from_cache`, failed ones
+without a key so they are never replayed) with the run's metadata, in one transaction.
+Both stages must name the same `db` and `generate_stage`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import Field
+
+from llmplan.engine.findings import StageFailure
+from llmplan.engine.stage import Params, Phase, Stage
+
+from .results_store import ResultRow, ResultsStore, RunRow, StoreError, cache_key, open_existing
+from .slots import InferenceContext
+from .types import Candidate, Completion, GenerationResult, Request
+
+DEFAULT_DB = "runs/results.sqlite"
+
+
+class StoreParams(Params):
+    db: str = Field(DEFAULT_DB, description="the SQLite results database (relative to the current directory)")
+    generate_stage: str = Field("generate", description="id of the plan's generation stage (its params are keyed)")
+
+
+class LookupParams(StoreParams):
+    mode: Literal["reuse", "refresh", "off"] = Field(
+        "reuse", description="reuse: fill generations when all requests are stored; refresh/off: never"
+    )
+
+
+def generation_params(ctx: InferenceContext, stage_id: str) -> tuple[dict[str, Any], int]:
+    """(the generation stage's resolved params as JSON, the plan seed) from the bound plan."""
+    if ctx.plan is None:
+        raise StageFailure("the cache needs the plan (to key on the generation parameters)")
+    try:
+        bound = ctx.plan.stage(stage_id)
+    except KeyError:
+        plan = ctx.plan.plan.name
+        raise StageFailure(
+            f"generate_stage: no stage with id {stage_id!r} in plan {plan!r} (set it to the generation stage's id)"
+        ) from None
+    return bound.params.model_dump(mode="json"), int(ctx.plan.plan.seed)
+
+
+def request_key(ctx: InferenceContext, request: Request, params: dict[str, Any], seed: int) -> str:
+    assert ctx.model_source is not None
+    return cache_key(ctx.model_source.fingerprint, request.prompt_ids, params, request.overrides, seed)
+
+
+def _store_error(error: StoreError) -> StageFailure:
+    return StageFailure(str(error))
+
+
+class CacheLookup(Stage):
+    """Replay stored generations when every request's key is in the results database."""
+
+    name = "cache.lookup"
+    phase = Phase.COMPUTE
+    Params = LookupParams
+    reads = ("requests", "model_source")
+    fills = ("generations",)
+
+    def run(self, ctx: InferenceContext, params: Any) -> None:
+        assert ctx.requests is not None
+        ctx.metrics.set("mode", params.mode)
+        if params.mode != "reuse":
+            return
+        gen_params, seed = generation_params(ctx, params.generate_stage)
+        started = time.perf_counter()
+        try:
+            store = open_existing(params.db)
+        except StoreError as bad:
+            raise _store_error(bad) from None
+        if store is None:
+            ctx.metrics.set("hits", 0)
+            ctx.metrics.set("misses", len(ctx.requests))
+            return
+        found: list[GenerationResult] = []
+        with store:
+            for request in ctx.requests:
+                row = store.lookup(request_key(ctx, request, gen_params, seed))
+                if row is None:
+                    break
+                found.append(_replay(request, row, gen_params))
+        hits = len(found)
+        ctx.metrics.set("hits", hits)
+        ctx.metrics.set("misses", len(ctx.requests) - hits)
+        if ctx.requests and hits == len(ctx.requests):
+            ctx.generations = found
+            ctx.log.info("cache_hit", requests=hits, lookup_s=round(time.perf_counter() - started, 6))
+        else:
+            ctx.log.info("cache_miss", hits=hits, requests=len(ctx.requests))
+
+
+def _replay(request: Request, row: dict[str, Any], gen_params: dict[str, Any]) -> GenerationResult:
+    usage = row.get("usage") or {}
+    return GenerationResult(
+        request_id=request.id,
+        prompt_tokens=int(usage.get("prompt_tokens", len(request.prompt_ids))),
+        tokens=[int(t) for t in row["tokens"]],
+        finish_reason=row["finish_reason"],
+        logprobs=[float(x) if x is not None else float("-inf") for x in row.get("logprobs") or []],
+        candidates=[
+            Candidate([int(t) for t in c.get("tokens", [])], float(c.get("score") or 0.0), c.get("finish_reason"))
+            for c in row.get("candidates") or []
+        ],
+        timings={},  # the original run's speed says nothing about this one
+        params=gen_params,
+        from_cache=True,
+    )
+
+
+class OutputCache(Stage):
+    """Store the run's completions and metadata in the results database (history + cache)."""
+
+    name = "output.cache"
+    phase = Phase.OUTPUT
+    Params = StoreParams
+    reads = ("completions",)
+    optional_reads = ("model_source", "requests")
+    writes = ("cache_record",)
+
+    def run(self, ctx: InferenceContext, params: Any) -> None:
+        assert ctx.completions is not None
+        fingerprint = ctx.model_source.fingerprint if ctx.model_source is not None else None
+        keys: dict[str, str] = {}
+        if ctx.model_source is not None and ctx.requests is not None:
+            gen_params, seed = generation_params(ctx, params.generate_stage)
+            keys = {r.id: request_key(ctx, r, gen_params, seed) for r in ctx.requests}
+        rows = [_row(c, keys.get(c.request_id)) for c in ctx.completions]
+        plan = ctx.plan.plan.name if ctx.plan is not None else "-"
+        status = "ok" if all(c.error is None for c in ctx.completions) else "errors"
+        run = RunRow(plan, fingerprint, ctx.device, status, str(ctx.run_dir) if ctx.run_dir else None)
+        try:
+            with ResultsStore(params.db) as store:
+                run_id = store.record_run(run, rows)
+        except StoreError as bad:
+            raise _store_error(bad) from None
+        except OSError as bad:
+            raise StageFailure(f"{params.db}: cannot write the results database ({bad})") from None
+        ctx.cache_record = {
+            "db": params.db,
+            "run_id": run_id,
+            "results": len(rows),
+            "keys": [r.cache_key for r in rows],
+        }
+        ctx.metrics.set("run_id", run_id)
+        ctx.metrics.set("stored", len(rows))
+
+
+def _row(c: Completion, key: str | None) -> ResultRow:
+    return ResultRow(
+        request_id=c.request_id,
+        prompt=c.prompt,
+        text=c.text,
+        tokens=list(c.tokens),
+        finish_reason=c.finish_reason,
+        usage={"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens},
+        timings=dict(c.timings),
+        candidates=[
+            {
+                "tokens": list(x.get("tokens", [])),
+                "score": x.get("score"),
+                "finish_reason": x.get("finish_reason"),
+                "text": x.get("text", ""),
+            }
+            for x in c.candidates
+        ],
+        # A failed or filtered-out generation is history, not something to replay.
+        cache_key=key if c.error is None else None,
+        logprobs=list(c.logprobs) if c.logprobs else None,
+        error=c.error,
+        from_cache=c.from_cache,
+    )

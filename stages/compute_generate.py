@@ -1,0 +1,261 @@
+"""`compute.generate`: prefill + KV-cached decode, the sampler chain or beam search, stopping, streaming.
+
+Requests are decoded in batches (left-padded; each row has its own sampler, seed and limits). Each
+sequence ends with a finish reason: eos | length | stop_string | cache_full | error. Out-of-memory
+and NaN/inf logits end the affected requests with reason `error` instead of killing the run.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+import torch
+from pydantic import Field, model_validator
+
+from llmplan.engine.findings import StageFailure
+from llmplan.engine.stage import Params, Phase, Stage
+from llmplan.llm.beam_search import beam_search
+from llmplan.llm.generate import Generation, generate
+from llmplan.llm.sampling import SamplingParams, build_picker
+from llmplan.llm.tokenizer import StreamDecoder
+
+from .compute_tokenize import truncate
+from .slots import InferenceContext
+from .types import Candidate, GenerationResult, Request
+
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "no_repeat_ngram_size",
+    "seed",
+)
+
+
+class GenerateParams(Params):
+    max_new_tokens: int = Field(256, ge=1, le=1 << 20, description="generated tokens per request, at most")
+    temperature: float = Field(0.0, ge=0, le=100, description="0 = greedy")
+    top_k: int = Field(0, ge=0, description="keep the k most likely tokens; 0 = off")
+    top_p: float = Field(1.0, gt=0, le=1, description="keep the smallest set with this probability; 1 = off")
+    min_p: float = Field(0.0, ge=0, le=1, description="drop tokens below min_p × p(best); 0 = off")
+    repetition_penalty: float = Field(1.0, gt=0, le=10, description="HF-style, over prompt and output; 1 = off")
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, description="OpenAI-style, over generated tokens")
+    presence_penalty: float = Field(0.0, ge=-2, le=2, description="OpenAI-style, over generated tokens")
+    no_repeat_ngram_size: int = Field(0, ge=0, le=64, description="ban repeating any n-gram; 0 = off")
+    seed: int | None = Field(None, ge=0, description="sampling seed; default: the plan's seed")
+    logprobs: int = Field(0, ge=0, le=20, description="top-n alternatives per token (0 = only the chosen)")
+    num_beams: int = Field(1, ge=1, le=64, description="beam search when > 1 (greedy beams, scored)")
+    length_penalty: float = Field(1.0, ge=-10, le=10, description="beam score = logprob sum / len ** this")
+    num_return_sequences: int = Field(1, ge=1, le=64, description="beam candidates returned per request")
+    early_stopping: bool | Literal["never"] = Field(False, description="beam search stopping rule (as HF)")
+    stop: list[str] = Field(default_factory=list, max_length=16, description="stop strings (on decoded text)")
+    ignore_eos: bool = Field(False, description="generate exactly max_new_tokens (benchmarks)")
+    batch_size: int | None = Field(None, ge=1, le=4096, description="requests per batch; default: cache rows")
+    prefill_chunk: int | None = Field(None, ge=1, description="prefill at most this many tokens per pass")
+    stream: bool = Field(True, description="print text as it is generated (single request, terminal)")
+
+    @model_validator(mode="after")
+    def _beams(self) -> GenerateParams:
+        if self.num_return_sequences > self.num_beams:
+            raise ValueError(f"num_return_sequences ({self.num_return_sequences}) exceeds num_beams ({self.num_beams})")
+        if self.num_beams > 1 and self.temperature > 0:
+            raise ValueError("beam search is deterministic here: use temperature 0 with num_beams > 1")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        return self
+
+
+def settings_for(request: Request, params: GenerateParams, plan_seed: int) -> dict[str, Any]:
+    """The request's effective generation settings: the stage's, then the request's own overrides."""
+    settings = {name: getattr(params, name) for name in (*SAMPLING_FIELDS, "max_new_tokens", "stop")}
+    settings["seed"] = plan_seed if params.seed is None else params.seed
+    settings.update(request.overrides)
+    return settings
+
+
+class Generate(Stage):
+    """Prefill and decode with the KV cache; sample (or beam-search); stop; stream text."""
+
+    name = "compute.generate"
+    phase = Phase.COMPUTE
+    Params = GenerateParams
+    reads = ("model", "kv_cache", "requests", "tokenizer", "model_config")
+    writes = ("generations",)
+
+    def run(self, ctx: InferenceContext, params: Any) -> None:
+        model, cache, requests, tok, cfg = ctx.model, ctx.kv_cache, ctx.requests, ctx.tokenizer, ctx.model_config
+        assert model is not None and cache is not None and requests is not None and tok is not None and cfg
+        eos = (
+            set() if params.ignore_eos else set(cfg.eos_token_ids) | ({tok.eos_id} if tok.eos_id is not None else set())
+        )
+        pad = cfg.pad_token_id if cfg.pad_token_id is not None else (tok.pad_id or 0)
+        seed = ctx.plan.plan.seed
+        results: list[GenerationResult] = []
+        started = time.perf_counter()
+        if params.num_beams > 1:
+            if cache.max_batch < params.num_beams:
+                raise StageFailure(
+                    f"num_beams {params.num_beams} needs {params.num_beams} KV-cache rows; "
+                    f"the cache has {cache.max_batch} (set max_batch on the load.to_device stage)"
+                )
+            for request in requests:
+                results.append(self._beams(ctx, model, cache, request, params, eos, seed))
+        else:
+            size = min(params.batch_size or cache.max_batch, cache.max_batch)
+            stream = params.stream and len(requests) == 1 and not ctx.json_mode
+            for first in range(0, len(requests), size):
+                group = requests[first : first + size]
+                results += self._batch(ctx, model, cache, group, params, eos, pad, seed, stream)
+        ctx.generations = results
+        total = sum(len(r.tokens) for r in results)
+        wall = time.perf_counter() - started
+        ctx.metrics.set("generated_tokens", total)
+        ctx.metrics.set("tokens_per_s", total / wall if wall > 0 else 0.0)
+        ctx.metrics.set("finish_reasons", [r.finish_reason for r in results])
+        ctx.metrics.set("per_request", [{"id": r.request_id, **r.timings} for r in results])
+
+    # --- sampling / greedy, batched ----------------------------------------------------------------
+
+    def _batch(
+        self,
+        ctx: InferenceContext,
+        model: Any,
+        cache: Any,
+        group: list[Request],
+        params: GenerateParams,
+        eos: set[int],
+        pad: int,
+        seed: int,
+        stream: bool,
+    ) -> list[GenerationResult]:
+        tok = ctx.tokenizer
+        settings = [settings_for(r, params, seed) for r in group]
+        prompts = [self._fit(ctx, r, cache.max_tokens) for r, s in zip(group, settings, strict=True)]
+        pickers = [
+            build_picker(SamplingParams(**{k: s[k] for k in SAMPLING_FIELDS}, logprobs_top_n=params.logprobs), len(p))
+            for s, p in zip(settings, prompts, strict=True)
+        ]
+        stops = [s["stop"] for s in settings]
+        decoders = [StreamDecoder(tok, skip_special_tokens=True) for _ in group] if stream else []
+
+        def stop_fn(row: int, ids: list[int]) -> bool:
+            if not stops[row]:
+                return False
+            tail = tok.decode(ids[-64:], skip_special_tokens=True)
+            return any(s in tail for s in stops[row])
+
+        def on_token(row: int, token: int) -> None:
+            if decoders and token not in eos:
+                piece = decoders[row].push(token)
+                if piece:
+                    ctx.stream(piece)
+
+        cache.reset(len(group))
+        with torch.inference_mode():
+            gens = generate(
+                model,
+                cache,
+                prompts,
+                pickers=pickers,
+                max_new_tokens=[s["max_new_tokens"] for s in settings],
+                eos_ids=eos,
+                pad_id=pad,
+                stop_fn=stop_fn if any(stops) else None,
+                on_token=on_token if stream else None,
+                prefill_chunk=params.prefill_chunk,
+            )
+        if decoders:
+            tail = decoders[0].flush()
+            ctx.stream(tail + "\n")
+        out = []
+        for request, gen, prompt, s in zip(group, gens, prompts, settings, strict=True):
+            result = _result(request, gen, len(prompt), s, len(group))
+            result.streamed = stream
+            if gen.finish_reason == "error":
+                ctx.log.warning("generation_error", request=request.id, error=gen.error)
+            out.append(result)
+        return out
+
+    def _fit(self, ctx: InferenceContext, request: Request, capacity: int) -> list[int]:
+        """Leave room for at least one generated token; with policy stop, the rest ends as cache_full."""
+        limit = capacity - 1
+        ids, dropped = truncate(request.prompt_ids, limit, "keep_end", 1 if request.prompt_ids[:1] else 0)
+        if dropped:
+            ctx.log.warning("prompt_truncated", request=request.id, dropped=dropped, kept=len(ids), limit=limit)
+            request.truncated += dropped
+        return ids
+
+    # --- beam search --------------------------------------------------------------------------------
+
+    def _beams(
+        self,
+        ctx: InferenceContext,
+        model: Any,
+        cache: Any,
+        request: Request,
+        params: GenerateParams,
+        eos: set[int],
+        seed: int,
+    ) -> GenerationResult:
+        settings = settings_for(request, params, seed)
+        max_new = settings["max_new_tokens"]
+        prompt = self._fit(ctx, request, cache.max_tokens - max_new + 1)
+        cache.reset(params.num_beams)
+        start = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                candidates = beam_search(
+                    model,
+                    cache,
+                    prompt,
+                    num_beams=params.num_beams,
+                    max_new_tokens=max_new,
+                    eos_ids=eos,
+                    length_penalty=params.length_penalty,
+                    num_return_sequences=params.num_return_sequences,
+                    early_stopping=params.early_stopping,
+                )
+        except (torch.OutOfMemoryError, RuntimeError) as bad:
+            ctx.log.warning("generation_error", request=request.id, error=str(bad))
+            return GenerationResult(request.id, len(prompt), [], "error", error=f"{type(bad).__name__}: {bad}")
+        wall = time.perf_counter() - start
+        best = candidates[0]
+        return GenerationResult(
+            request_id=request.id,
+            prompt_tokens=len(prompt),
+            tokens=list(best.tokens),
+            finish_reason=best.finish_reason,
+            candidates=[Candidate(list(c.tokens), float(c.score), c.finish_reason) for c in candidates],
+            timings={"wall_s": wall, "decode_tokens_per_s": len(best.tokens) / wall if wall > 0 else 0.0},
+            params=settings | {"num_beams": params.num_beams, "length_penalty": params.length_penalty},
+        )
+
+
+def _result(
+    request: Request, gen: Generation, prompt_len: int, settings: dict[str, Any], batch: int
+) -> GenerationResult:
+    decoded = max(len(gen.tokens) - 1, 0)
+    timings = {
+        "prefill_s": gen.prefill_s,
+        "ttft_s": gen.ttft_s if gen.ttft_s is not None else 0.0,
+        "decode_s": gen.decode_s,
+        "prefill_tokens_per_s": prompt_len / gen.prefill_s if gen.prefill_s > 0 else 0.0,
+        "decode_tokens_per_s": decoded / gen.decode_s if gen.decode_s > 0 else 0.0,
+        "batch": float(batch),
+    }
+    return GenerationResult(
+        request_id=request.id,
+        prompt_tokens=prompt_len,
+        tokens=list(gen.tokens),
+        finish_reason=gen.finish_reason or "length",
+        logprobs=list(gen.logprobs),
+        top_logprobs=[t or [] for t in gen.top_logprobs] if any(gen.top_logprobs) else None,
+        error=gen.error,
+        timings=timings,
+        params=settings,
+    )

@@ -1,0 +1,183 @@
+"""`compute.tokenize`: prompts (plan messages, raw text, or a JSONL file) into token ids.
+
+Chat prompts go through the model's chat template with the generation prompt added; raw prompts
+get BOS when the model wants it. Prompts longer than the context are truncated by a stated policy
+(keep the end by default) with a warning event. A bad JSONL line is reported with its line number
+and skipped (or fatal, by `on_bad_line`); it never takes the good lines down with it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from llmplan.engine.findings import StageFailure
+from llmplan.engine.messages import describe
+from llmplan.engine.stage import Params, Phase, Stage
+from llmplan.llm.tokenizer import TokenizerError
+
+from .slots import InferenceContext
+from .types import Request
+
+Truncation = Literal["keep_end", "keep_start", "error"]
+MAX_PROMPT_FILE_BYTES = 64 << 20
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class Overrides(BaseModel):
+    """Per-request generation settings a JSONL line may carry (checked by the generate stage)."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_new_tokens: int | None = Field(None, ge=1, le=1 << 20)
+    temperature: float | None = Field(None, ge=0, le=100)
+    top_k: int | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    no_repeat_ngram_size: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0)
+    stop: list[str] | None = None
+
+
+class RequestLine(Overrides):
+    id: str | None = Field(None, max_length=200)
+    messages: list[Message] | None = Field(None, min_length=1)
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> RequestLine:
+        if (self.messages is None) == (self.text is None):
+            raise ValueError("give exactly one of `messages` or `text`")
+        return self
+
+
+class TokenizeParams(Params):
+    messages: list[Message] | None = Field(None, description="a chat: [{role, content}, ...]")
+    system: str | None = Field(None, description="a system prompt put before `messages`")
+    text: str | None = Field(None, description="a raw prompt (no chat template)")
+    prompts_file: str | None = Field(None, description="JSONL: one request per line")
+    id: str = Field("prompt", description="request id for a single prompt")
+    chat_template: Literal["auto", "never"] = Field("auto", description="auto: chat prompts use the template")
+    add_bos: Literal["auto", "always", "never"] = Field("auto", description="auto: as the tokenizer says")
+    truncation: Truncation = Field("keep_end", description="when a prompt is longer than the context")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="default: the model's context")
+    on_bad_line: Literal["skip", "fail"] = Field("skip", description="a malformed JSONL line")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TokenizeParams:
+        given = [n for n in ("messages", "text", "prompts_file") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of messages, text or prompts_file (got {', '.join(given) or 'none'})")
+        return self
+
+
+def truncate(ids: list[int], limit: int, policy: Truncation, keep_first: int = 0) -> tuple[list[int], int]:
+    """Cut `ids` to `limit` tokens; keep_end keeps the first `keep_first` (BOS) and the most recent rest."""
+    if len(ids) <= limit:
+        return ids, 0
+    dropped = len(ids) - limit
+    if policy == "error":
+        raise StageFailure(f"prompt has {len(ids)} tokens; the limit is {limit} (truncation: error)")
+    if policy == "keep_start":
+        return ids[:limit], dropped
+    head = ids[: min(keep_first, limit)]
+    return head + ids[len(ids) - (limit - len(head)) :], dropped
+
+
+def read_prompt_file(path: Path, on_bad_line: str, log: Any) -> list[RequestLine]:
+    if not path.is_file():
+        raise StageFailure(f"{path}: prompts file not found")
+    if path.stat().st_size > MAX_PROMPT_FILE_BYTES:
+        raise StageFailure(f"{path}: larger than {MAX_PROMPT_FILE_BYTES >> 20} MiB")
+    good: list[RequestLine] = []
+    bad = 0
+    with path.open(encoding="utf-8", errors="replace") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            problem = None
+            try:
+                good.append(RequestLine.model_validate(json.loads(line)))
+            except json.JSONDecodeError as error:
+                problem = f"{path}:{number}:{error.colno}: not valid JSON ({error.msg})"
+            except ValidationError as error:
+                first = error.errors()[0]
+                where = ".".join(str(p) for p in first["loc"]) or "line"
+                problem = f"{path}:{number}: {where}: {describe(first)}"
+            if problem:
+                bad += 1
+                if on_bad_line == "fail":
+                    raise StageFailure(problem)
+                log.warning("bad_prompt_line", problem=problem)
+    if not good:
+        raise StageFailure(f"{path}: no valid request ({bad} bad line(s))")
+    return good
+
+
+class Tokenize(Stage):
+    """Render chat templates, add BOS, truncate to the context, and tokenize every request."""
+
+    name = "compute.tokenize"
+    phase = Phase.COMPUTE
+    Params = TokenizeParams
+    reads = ("tokenizer", "model_config")
+    writes = ("requests",)
+
+    def run(self, ctx: InferenceContext, params: Any) -> None:
+        tok, cfg = ctx.tokenizer, ctx.model_config
+        assert tok is not None and cfg is not None
+        if params.prompts_file is not None:
+            lines = read_prompt_file(Path(params.prompts_file), params.on_bad_line, ctx.log)
+        else:
+            lines = [RequestLine(id=params.id, messages=params.messages, text=params.text)]
+        limit = params.max_prompt_tokens or cfg.max_position_embeddings
+        requests = []
+        seen: set[str] = set()
+        for number, line in enumerate(lines, start=1):
+            request_id = line.id or f"r{number}"
+            if request_id in seen:
+                request_id = f"{request_id}-{number}"
+            seen.add(request_id)
+            requests.append(self._request(request_id, line, params, tok, limit, ctx))
+        ctx.requests = requests
+        ctx.metrics.set("requests", len(requests))
+        ctx.metrics.set("prompt_tokens", [len(r.prompt_ids) for r in requests])
+
+    def _request(self, request_id: str, line: RequestLine, params: Any, tok: Any, limit: int, ctx: Any) -> Request:
+        overrides = line.model_dump(exclude={"id", "messages", "text"}, exclude_none=True)
+        try:
+            if line.messages is not None and params.chat_template == "auto" and tok.has_chat_template:
+                chat = [m.model_dump() for m in line.messages]
+                if params.system and not any(m["role"] == "system" for m in chat):
+                    chat.insert(0, {"role": "system", "content": params.system})
+                text, kind = tok.apply_chat_template(chat, add_generation_prompt=True), "chat"
+                # The template writes BOS itself when the model wants one; never add a second.
+                add_bos = params.add_bos == "always"
+            else:
+                if line.messages is not None:
+                    parts = ([params.system] if params.system else []) + [m.content for m in line.messages]
+                    text = "\n".join(parts)
+                else:
+                    text = line.text or ""
+                kind = "text"
+                add_bos = None if params.add_bos == "auto" else params.add_bos == "always"
+            ids = tok.encode(text, add_bos=add_bos)
+        except TokenizerError as bad:
+            raise StageFailure(f"request {request_id!r}: {bad}") from None
+        keep_first = 1 if ids and tok.bos_id is not None and ids[0] == tok.bos_id else 0
+        ids, dropped = truncate(ids, limit, params.truncation, keep_first)
+        if dropped:
+            ctx.log.warning("prompt_truncated", request=request_id, dropped=dropped, kept=len(ids), limit=limit)
+        if not ids:
+            raise StageFailure(f"request {request_id!r}: the prompt is empty after tokenization")
+        return Request(request_id, ids, text, kind, overrides, dropped)

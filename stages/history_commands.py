@@ -1,0 +1,123 @@
+"""CLI commands over the results database: `llmplan history` and `llmplan show ID`.
+
+Registered through the `llmplan.commands` entry point group; both only read the database and
+never create it (a missing file is one line and exit status 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from llmplan.engine.cli import CliError
+
+from .cache_stages import DEFAULT_DB
+from .results_store import ResultsStore, StoreError
+
+
+def register(subparsers: Any) -> None:
+    history = subparsers.add_parser("history", help="list past results from the results database")
+    history.add_argument("--db", default=DEFAULT_DB, help=f"results database (default {DEFAULT_DB})")
+    history.add_argument("--limit", type=_positive, default=20, help="how many results, newest first")
+    history.add_argument("--json", action="store_true", help="one JSON object per result per line")
+    history.set_defaults(handler=cmd_history)
+
+    show = subparsers.add_parser("show", help="print one stored result")
+    show.add_argument("id", type=int, help="result id (the first column of `llmplan history`)")
+    show.add_argument("--db", default=DEFAULT_DB, help=f"results database (default {DEFAULT_DB})")
+    show.add_argument("--json", action="store_true", help="the result as one JSON object")
+    show.set_defaults(handler=cmd_show)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _open(path: str) -> ResultsStore:
+    try:
+        return ResultsStore(path, create=False)
+    except StoreError as bad:
+        hint = " (run a plan with output.cache first)" if "no results" in str(bad) else ""
+        raise CliError(f"{bad}{hint}") from None
+
+
+def cmd_history(args: argparse.Namespace) -> int:
+    with _open(args.db) as store:
+        rows = store.history(args.limit)
+    if args.json:
+        for row in rows:
+            print(json.dumps(_public(row), ensure_ascii=False))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"results in {args.db}", show_lines=False)
+    for column, justify in (
+        ("id", "right"),
+        ("time", "left"),
+        ("plan", "left"),
+        ("model", "left"),
+        ("prompt", "left"),
+        ("tokens", "right"),
+        ("tok/s", "right"),
+        ("finish", "left"),
+    ):
+        table.add_column(column, justify=justify, overflow="fold" if column == "prompt" else "ellipsis")  # type: ignore[arg-type]
+    for row in rows:
+        usage = row.get("usage") or {}
+        speed = (row.get("timings") or {}).get("decode_tokens_per_s")
+        table.add_row(
+            str(row["id"]),
+            str(row.get("run_time") or row.get("created") or ""),
+            str(row.get("plan") or ""),
+            (row.get("model_fingerprint") or "-")[:12],
+            _excerpt(row.get("prompt_excerpt") or ""),
+            f"{usage.get('prompt_tokens', 0)}+{usage.get('completion_tokens', 0)}",
+            "cache" if row.get("from_cache") else ("-" if speed is None else f"{float(speed):.1f}"),
+            str(row.get("finish_reason") or ""),
+        )
+    Console(highlight=False).print(table if rows else "no results yet")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    with _open(args.db) as store:
+        row = store.get(args.id)
+    if row is None:
+        raise CliError(f"no result with id {args.id} in {args.db}")
+    if args.json:
+        print(json.dumps(_public(row), ensure_ascii=False))
+        return 0
+    usage = row.get("usage") or {}
+    out = sys.stdout
+    out.write(f"result {row['id']}  ·  run {row['run_id']} ({row.get('run_time')})  ·  plan {row.get('plan')}\n")
+    out.write(f"model {row.get('model_fingerprint') or '-'}  ·  device {row.get('device') or '-'}\n")
+    out.write(f"request {row['request_id']}  ·  finish {row['finish_reason']}")
+    out.write(f"  ·  {usage.get('prompt_tokens', 0)} prompt + {usage.get('completion_tokens', 0)} generated tokens\n")
+    timings = {k: v for k, v in (row.get("timings") or {}).items() if v is not None}
+    if timings:
+        out.write("timings " + ", ".join(f"{k}={_number(v)}" for k, v in timings.items()) + "\n")
+    if row.get("error"):
+        out.write(f"error: {row['error']}\n")
+    out.write("\nprompt:\n" + (row.get("prompt_excerpt") or "") + "\n\nanswer:\n" + (row.get("text") or "") + "\n")
+    for rank, cand in enumerate(row.get("candidates") or [], start=1):
+        out.write(f"\ncandidate {rank} (score {_number(cand.get('score'))}):\n{cand.get('text', '')}\n")
+    return 0
+
+
+def _public(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if k != "run_dir" or v is not None}
+
+
+def _excerpt(text: str, limit: int = 48) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def _number(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

@@ -1,0 +1,168 @@
+"""`load.convert`: reassemble (fuse q/k/v and gate/up) and convert to fp32, fp16, bf16, int8 or int4.
+
+Tensors arrive one at a time from the shard reader; each fused group is converted as soon as its
+parts are all in, and the parts are dropped, so the fp32 checkpoint is never held whole. Linear
+weights take the plan's precision; embeddings and norms stay in the activation dtype (a gather and
+a scale are cheap, and their precision matters for every token).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+from torch import Tensor
+
+from llmplan.engine.findings import StageFailure
+from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
+from llmplan.llm.config import ModelConfig
+from llmplan.llm.quantize import FLOAT_DTYPES, nbytes, quantize_weight, relative_error
+from llmplan.llm.weights import internal_shapes
+
+from .slots import InferenceContext
+from .types import ConvertedWeights
+
+Precision = Literal["fp32", "fp16", "bf16", "int8", "int4"]
+
+
+class ConvertParams(Params):
+    dtype: Precision = Field("fp32", description="precision of the linear weights")
+    group_size: int = Field(32, ge=8, le=1024, description="int4: weights per scale/zero group")
+    head: Literal["same", "fp32", "bf16", "fp16", "int8"] = Field(
+        "same", description="precision of the output head (the largest matmul of decode)"
+    )
+    kernel: Literal["auto", "reference"] = Field("auto", description="reference = plain weight-only matmuls")
+
+
+def activation_dtype(precision: str) -> torch.dtype:
+    """fp16/bf16 plans compute in that dtype; fp32 and weight-only int8/int4 plans compute in fp32."""
+    return FLOAT_DTYPES.get(precision, torch.float32) if precision in ("fp16", "bf16") else torch.float32
+
+
+def fusion_table(cfg: ModelConfig) -> dict[str, list[str]]:
+    """Internal name -> the HF tensors concatenated (dim 0) to make it."""
+    table = {
+        "tok_embeddings.weight": ["model.embed_tokens.weight"],
+        "norm.weight": ["model.norm.weight"],
+        "output.weight": ["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"],
+    }
+    for i in range(cfg.n_layers):
+        hf, ours = f"model.layers.{i}", f"layers.{i}"
+        table |= {
+            f"{ours}.attention.wqkv.weight": [f"{hf}.self_attn.{p}_proj.weight" for p in "qkv"],
+            f"{ours}.attention.wo.weight": [f"{hf}.self_attn.o_proj.weight"],
+            f"{ours}.feed_forward.w13.weight": [f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight"],
+            f"{ours}.feed_forward.w2.weight": [f"{hf}.mlp.down_proj.weight"],
+            f"{ours}.attention_norm.weight": [f"{hf}.input_layernorm.weight"],
+            f"{ours}.ffn_norm.weight": [f"{hf}.post_attention_layernorm.weight"],
+        }
+    return table
+
+
+def is_linear(name: str) -> bool:
+    return name.endswith(("wqkv.weight", "wo.weight", "w13.weight", "w2.weight")) or name == "output.weight"
+
+
+def weight_bytes(cfg: ModelConfig, precision: str, group_size: int, head: str = "same") -> int:
+    """Bytes of the converted weights, for `validate --deep` (same rules as the conversion)."""
+    act = torch.tensor([], dtype=activation_dtype(precision)).element_size()
+    total = 0
+    for name, shape in internal_shapes(cfg).items():
+        count = 1
+        for d in shape:
+            count *= d
+        kind = (head if head != "same" else precision) if name == "output.weight" else precision
+        if not is_linear(name):
+            total += count * act
+        elif kind in ("fp32",):
+            total += count * 4
+        elif kind in ("fp16", "bf16"):
+            total += count * 2
+        elif kind == "int8":
+            total += count + shape[0] * 4
+        else:  # int4: half a byte per weight, fp16 scale and zero per group
+            total += count // 2 + (count // group_size) * 4
+    return total
+
+
+class Convert(Stage):
+    """Fuse q/k/v and gate/up, convert to the plan's precision; report bytes and quantization error."""
+
+    name = "load.convert"
+    phase = Phase.LOAD
+    Params = ConvertParams
+    reads = ("host_weights", "model_config")
+    writes = ("weights",)
+
+    def run(self, ctx: InferenceContext, params: Any) -> None:
+        cfg, host = ctx.model_config, ctx.host_weights
+        assert cfg is not None and host is not None
+        table = fusion_table(cfg)
+        if params.dtype == "int4":
+            bad = sorted({s[1] for n, s in internal_shapes(cfg).items() if is_linear(n) and s[1] % params.group_size})
+            if bad:
+                raise StageFailure(f"group_size {params.group_size} does not divide the input dims {bad}")
+        users: dict[str, int] = {}
+        for parts in table.values():
+            for part in parts:
+                users[part] = users.get(part, 0) + 1
+        waiting: dict[str, list[str]] = {}
+        for internal, parts in table.items():
+            for part in parts:
+                waiting.setdefault(part, []).append(internal)
+        pending: dict[str, Tensor] = {}
+        out: dict[str, Any] = {}
+        errors: dict[str, float] = {}
+        bytes_in = 0
+        act = activation_dtype(params.dtype)
+        start = time.perf_counter()
+
+        def convert(internal: str, parts: list[Tensor]) -> Any:
+            whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            if not is_linear(internal):
+                return whole.to(act)
+            precision = params.head if internal == "output.weight" and params.head != "same" else params.dtype
+            converted = quantize_weight(whole.float(), precision, params.group_size)
+            if precision in ("int8", "int4"):
+                errors[internal] = relative_error(whole.float(), converted)
+            return converted
+
+        def on_tensor(name: str, tensor: Tensor) -> None:
+            nonlocal bytes_in
+            bytes_in += tensor.nbytes
+            pending[name] = tensor
+            for internal in waiting.get(name, []):
+                parts = table[internal]
+                if internal not in out and all(p in pending for p in parts):
+                    out[internal] = convert(internal, [pending[p] for p in parts])
+                    for p in parts:
+                        users[p] -= 1
+                        if users[p] == 0:
+                            del pending[p]  # the fp32 source is no longer needed
+
+        host.stream(on_tensor)
+        missing = sorted(set(table) - set(out))
+        if missing:
+            raise StageFailure(f"conversion incomplete: no tensors for {', '.join(missing[:5])}")
+        total = sum(nbytes(w) if not isinstance(w, Tensor) else w.nbytes for w in out.values())
+        ctx.weights = ConvertedWeights(
+            tensors=out, dtype=params.dtype, nbytes=total, errors=errors, kernel=params.kernel
+        )
+        ctx.host_weights = None  # nothing more to read
+        ctx.metrics.set("dtype", params.dtype)
+        ctx.metrics.set("bytes_before", bytes_in)
+        ctx.metrics.set("bytes_after", total)
+        ctx.metrics.set("convert_s", time.perf_counter() - start)
+        if errors:
+            ctx.metrics.set("quant_error_max", max(errors.values()))
+            ctx.metrics.set("quant_error_mean", sum(errors.values()) / len(errors))
+            ctx.metrics.set("quant_error_by_tensor", errors)
+
+    def check(self, params: Any, deep: DeepCheck) -> None:
+        cfg = deep.facts.get("model_config")
+        if cfg is None:
+            return
+        deep.estimate("weights", weight_bytes(cfg, params.dtype, params.group_size, params.head))
+        deep.facts["activation_dtype"] = activation_dtype(params.dtype)

@@ -1,0 +1,71 @@
+"""`load.read_shards`: shards in order through a bounded FIFO buffer, mmap-backed, unused tensors skipped.
+
+Reading is streamed into the convert stage: this stage prepares the reader (which tensors, how many
+shards may be held at once) and the convert stage pulls tensors through it, converting each group as
+soon as it is complete. So host memory peaks near (converted weights + N shards), never at
+(all fp32 shards + converted copy). The reader's own numbers (bytes, seconds, peak buffer) are
+recorded under this stage's id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import Field
+from torch import Tensor
+
+from llmplan.engine.findings import StageFailure
+from llmplan.engine.stage import Params, Phase, Stage
+from llmplan.llm.checkpoint import IntegrityError
+from llmplan.llm.shard_reader import ReadResult, read_shards
+from llmplan.llm.weights import expected_hf_names
+
+from .slots import InferenceContext
+from .types import HostWeights
+
+
+class ReadParams(Params):
+    buffer_shards: int = Field(1, ge=1, le=64, description="shards held in host memory at once (FIFO)")
+
+
+class ReadShards(Stage):
+    """Read the model's tensors shard by shard through a bounded FIFO buffer (streamed into convert)."""
+
+    name = "load.read_shards"
+    phase = Phase.LOAD
+    Params = ReadParams
+    reads = ("shard_manifest", "model_config")
+    writes = ("host_weights",)
+
+    def run(self, ctx: InferenceContext, params: Any) -> None:
+        manifest, cfg = ctx.shard_manifest, ctx.model_config
+        assert manifest is not None and cfg is not None
+        wanted = expected_hf_names(cfg)
+        stage_id = ctx.metrics.current
+        metrics = ctx.metrics
+
+        def stream(on_tensor: Callable[[str, Tensor], None]) -> ReadResult:
+            try:
+                with ctx.progress.task("read shards", manifest.total_bytes) as advance:
+                    result = read_shards(manifest, wanted, params.buffer_shards, on_tensor, advance)
+            except IntegrityError as bad:
+                raise StageFailure(str(bad)) from None
+            bucket = metrics.by_stage.setdefault(stage_id, {})
+            bucket.update(
+                {
+                    "bytes_read": result.total_bytes,
+                    "read_s": result.seconds,
+                    "peak_buffer_bytes": result.peak_buffer_bytes,
+                    "peak_buffer_shards": result.peak_buffer_shards,
+                    "skipped": result.skipped,
+                    "shards": [vars(s) for s in result.shards],
+                }
+            )
+            if result.skipped:
+                ctx.log.info("tensors_skipped", stage=stage_id, count=len(result.skipped), names=result.skipped[:20])
+            return result
+
+        ctx.host_weights = HostWeights(stream=stream, wanted=sorted(wanted), buffer_shards=params.buffer_shards)
+        ctx.metrics.set("tensors_wanted", len(wanted))
+        ctx.metrics.set("buffer_shards", params.buffer_shards)

@@ -1,0 +1,106 @@
+"""`load.to_device`: build the model on the device around the converted weights, preallocate the KV cache.
+
+Every weight's shape is checked against the config while the model is assembled; the memory of each
+region (weights, KV cache, work buffers) is recorded so the report can draw it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+
+from llmplan.engine.findings import StageFailure
+from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
+from llmplan.llm.kv_cache import KVCache
+from llmplan.llm.model import Transformer
+from llmplan.llm.quantize import make_linear
+from llmplan.llm.weights import WeightError
+
+from .load_convert import activation_dtype
+from .slots import InferenceContext
+
+CACHE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class KVCacheParams(Params):
+    max_tokens: int = Field(2048, ge=8, le=1 << 20, description="tokens per sequence (prompt + generated)")
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="auto = the activation dtype")
+    policy: Literal["stop", "slide"] = Field("stop", description="when full: stop (cache_full) or slide")
+    sink_tokens: int = Field(4, ge=0, le=1024, description="slide: first tokens always kept (attention sinks)")
+
+
+class ToDeviceParams(Params):
+    kv_cache: KVCacheParams = Field(default_factory=KVCacheParams)
+    max_batch: int = Field(1, ge=1, le=4096, description="sequences decoded together (batch or beams)")
+
+
+def kv_cache_bytes(cfg: Any, params: ToDeviceParams, act: torch.dtype) -> int:
+    dtype = CACHE_DTYPES.get(params.kv_cache.dtype, act)
+    per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
+    return per_token * params.kv_cache.max_tokens * params.max_batch
+
+
+class ToDevice(Stage):
+    """Move weights to the device, preallocate the KV cache and work buffers, check every shape."""
+
+    name = "load.to_device"
+    phase = Phase.LOAD
+    Params = ToDeviceParams
+    reads = ("weights", "model_config", "environment")
+    writes = ("model", "kv_cache")
+
+    def run(self, ctx: InferenceContext, params: Any) -> None:
+        cfg, weights = ctx.model_config, ctx.weights
+        assert cfg is not None and weights is not None
+        kv = params.kv_cache
+        if kv.max_tokens > cfg.max_position_embeddings:
+            raise StageFailure(
+                f"kv_cache.max_tokens {kv.max_tokens} exceeds the model's context ({cfg.max_position_embeddings})"
+            )
+        factory = functools.partial(make_linear, kernel=weights.kernel)
+        try:
+            model = Transformer.from_weights(
+                cfg,
+                weights.tensors,
+                linear_factory=factory,
+                device=ctx.device,
+                dtype=activation_dtype(weights.dtype),
+                max_seq_len=kv.max_tokens,
+            )
+        except WeightError as bad:
+            raise StageFailure(f"weights do not fit the config: {bad}") from None
+        cache_dtype = CACHE_DTYPES.get(kv.dtype, model.dtype)
+        try:
+            cache = KVCache.for_model(
+                model, params.max_batch, kv.max_tokens, dtype=cache_dtype, policy=kv.policy, sink_tokens=kv.sink_tokens
+            )
+        except (ValueError, torch.OutOfMemoryError) as bad:
+            raise StageFailure(f"kv_cache: {bad}") from None
+        ctx.model, ctx.kv_cache = model, cache
+        ctx.weights = None  # the model owns the tensors now
+        rope = sum(b.nbytes for b in model.buffers())
+        ctx.metrics.set("regions", {"weights": weights.nbytes, "kv_cache": cache.nbytes, "work_buffers": rope})
+        ctx.metrics.set("device", str(model.device))
+        ctx.metrics.set("activation_dtype", str(model.dtype).removeprefix("torch."))
+        ctx.metrics.set("kv_cache_shape", list(cache.k.shape))
+
+    def check(self, params: Any, deep: DeepCheck) -> None:
+        cfg = deep.facts.get("model_config")
+        if cfg is None:
+            return
+        act = deep.facts.get("activation_dtype", torch.float32)
+        deep.estimate("kv_cache", kv_cache_bytes(cfg, params, act))
+        # work buffers: RoPE tables and one step's logits/activations
+        deep.estimate(
+            "work_buffers", params.kv_cache.max_tokens * cfg.head_dim * 4 + params.max_batch * cfg.vocab_size * 8
+        )
+        if params.kv_cache.max_tokens > cfg.max_position_embeddings:
+            deep.problem(
+                f"max_tokens {params.kv_cache.max_tokens} exceeds the model's context ({cfg.max_position_embeddings})",
+                "kv_cache.max_tokens",
+            )
+        deep.facts["max_batch"] = params.max_batch
+        deep.facts["max_tokens"] = params.kv_cache.max_tokens

@@ -1,0 +1,66 @@
+"""`load.verify`: the shard list, and each shard's existence, size and SHA-256 — before any tensor is read."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from llmplan.engine.findings import StageFailure
+from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
+from llmplan.llm.checkpoint import IntegrityError, build_manifest, verify
+
+from .slots import InferenceContext
+
+
+class VerifyParams(Params):
+    hashes: Literal["required", "if_present", "off"] = Field(
+        "if_present", description="required: every shard needs a known SHA-256; off: existence only"
+    )
+    sha256: dict[str, str] = Field(default_factory=dict, description="shard file name -> expected SHA-256")
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, digest in value.items():
+            if not re.fullmatch(r"[0-9a-fA-F]{64}", digest):
+                raise ValueError(f"{name}: not a 64-digit hex SHA-256")
+        return value
+
+
+class LoadVerify(Stage):
+    """Build the shard manifest and check every shard (exists, size, header, SHA-256)."""
+
+    name = "load.verify"
+    phase = Phase.LOAD
+    Params = VerifyParams
+    reads = ("model_source",)
+    writes = ("shard_manifest",)
+
+    def run(self, ctx: InferenceContext, params: Any) -> None:
+        assert ctx.model_source is not None
+        try:
+            manifest = build_manifest(ctx.model_source.model_dir, params.sha256 or None)
+            with ctx.progress.task("verify shards", manifest.total_bytes) as advance:
+                report = verify(manifest, params.hashes, advance)
+        except IntegrityError as bad:
+            raise StageFailure(str(bad)) from None
+        ctx.shard_manifest = manifest
+        ctx.metrics.set("shards", len(manifest.shards))
+        ctx.metrics.set("bytes", manifest.total_bytes)
+        ctx.metrics.set("bytes_hashed", report.bytes_hashed)
+        ctx.metrics.set("seconds", report.seconds)
+        ctx.metrics.set("unhashed", report.unhashed)
+
+    def check(self, params: Any, deep: DeepCheck) -> None:
+        model_dir = deep.facts.get("model_dir")
+        if model_dir is None:
+            return
+        try:
+            manifest = build_manifest(model_dir, params.sha256 or None)
+            verify(manifest, params.hashes)
+        except IntegrityError as bad:
+            deep.problem(str(bad))
+            return
+        deep.facts["manifest"] = manifest

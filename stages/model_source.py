@@ -1,0 +1,120 @@
+"""`model.source`: find the model — an HF-format directory, a GGUF file, or a file inside a package.
+
+A GGUF is imported once into an HF-format directory under the cache (config, tokenizer, sharded
+safetensors, SHA256SUMS), atomically; later runs reuse it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from llmplan.engine.findings import StageFailure
+from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
+from llmplan.llm.manifest import MANIFEST_NAME, manifest_fingerprint
+
+from .slots import InferenceContext
+from .types import ModelSource
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("LLMPLAN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "llmplan")
+    return Path(root) / "models"
+
+
+class SourceParams(Params):
+    path: str | None = Field(None, description="an HF-format Llama directory or a .gguf file")
+    package: str | None = Field(None, description="an installed package holding the model file")
+    file: str | None = Field(None, description="the file inside `package`")
+    cache_dir: str | None = Field(None, description="where GGUF imports go (default $LLMPLAN_CACHE or ~/.cache)")
+    shard_mb: int = Field(200, ge=1, le=100_000, description="shard size of a GGUF import")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> SourceParams:
+        if (self.path is None) == (self.package is None):
+            raise ValueError("give either `path`, or `package` with `file`")
+        if self.package is not None and not self.file:
+            raise ValueError("`package` needs `file`")
+        if self.file is not None and (Path(self.file).is_absolute() or ".." in Path(self.file).parts):
+            raise ValueError("`file` must be a relative path inside the package")
+        return self
+
+
+def locate(params: SourceParams) -> Path:
+    """The model path on disk, without importing the package (its __init__ may need more)."""
+    if params.path is not None:
+        path = Path(params.path).expanduser()
+        if not path.exists():
+            raise StageFailure(f"{path}: model path not found")
+        return path
+    spec = importlib.util.find_spec(params.package or "")
+    if spec is None or not spec.submodule_search_locations:
+        raise StageFailure(f"package {params.package!r} is not installed (pip install it, or use `path:`)")
+    for folder in spec.submodule_search_locations:
+        candidate = Path(folder) / (params.file or "")
+        if candidate.is_file():
+            return candidate
+    raise StageFailure(f"package {params.package!r} has no file {params.file!r}")
+
+
+def fingerprint(model_dir: Path) -> str:
+    sums = model_dir / MANIFEST_NAME
+    if sums.is_file():
+        return manifest_fingerprint(sums)
+    digest = hashlib.sha256()
+    for path in sorted(model_dir.glob("*")):
+        if path.is_file() and path.suffix in (".safetensors", ".bin", ".pth", ".json"):
+            digest.update(f"{path.name}:{path.stat().st_size}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+class ModelSourceStage(Stage):
+    """Locate the model; import a GGUF into an HF-format directory once (cached, atomic)."""
+
+    name = "model.source"
+    phase = Phase.LOAD
+    Params = SourceParams
+    reads = ("environment",)
+    writes = ("model_source",)
+
+    def run(self, ctx: InferenceContext, params: Any) -> None:
+        ctx.model_source = resolve_source(params, ctx)
+        ctx.metrics.set("model_dir", str(ctx.model_source.model_dir))
+        ctx.metrics.set("origin", ctx.model_source.origin)
+        ctx.metrics.set("fingerprint", ctx.model_source.fingerprint)
+
+    def check(self, params: Any, deep: DeepCheck) -> None:
+        try:
+            source = resolve_source(params, None)
+        except StageFailure as bad:
+            deep.problem(str(bad), "path" if params.path else "package")
+            return
+        deep.facts["model_dir"] = source.model_dir
+
+
+def resolve_source(params: SourceParams, ctx: InferenceContext | None) -> ModelSource:
+    from llmplan.llm.gguf_import import GGUFImportError, import_gguf
+
+    path = locate(params)
+    origin = "package" if params.package else "hf-dir"
+    if path.is_file() and path.suffix == ".gguf":
+        cache = Path(params.cache_dir).expanduser() if params.cache_dir else default_cache_dir()
+        try:
+            if ctx is not None:
+                with ctx.progress.task(f"import {path.name}", None) as advance:
+                    model_dir = import_gguf(path, cache, lambda *_: advance(0), shard_bytes=params.shard_mb << 20)
+            else:
+                model_dir = import_gguf(path, cache, shard_bytes=params.shard_mb << 20)
+        except GGUFImportError as bad:
+            raise StageFailure(str(bad)) from None
+        return ModelSource(model_dir, "gguf" if origin == "hf-dir" else origin, fingerprint(model_dir), path)
+    if path.is_file():
+        raise StageFailure(f"{path}: not a model directory or a .gguf file")
+    if not (path / "config.json").is_file():
+        raise StageFailure(f"{path}: no config.json (not an HF-format model directory)")
+    return ModelSource(path, origin, fingerprint(path))

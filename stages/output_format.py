@@ -1,0 +1,176 @@
+"""Formatting of completions: text, Markdown, and JSON in the versioned schema "llmplan.result/v1".
+
+A result object (one per request; one line each on stdout under `llmplan run --json`):
+
+    {
+      "schema": "llmplan.result/v1",
+      "id": str,                    # the request id
+      "plan": str | null,           # plan name
+      "model": str | null,          # model fingerprint (ModelSource.fingerprint)
+      "prompt": str,                # the prompt text as sent (after the chat template)
+      "text": str,                  # the answer: special tokens removed, filtered if a filter ran
+      "tokens": [int],              # generated ids as produced (aligned with "logprobs")
+      "finish_reason": "eos" | "length" | "stop_string" | "cache_full" | "error",
+      "usage": {"prompt_tokens": int, "completion_tokens": int, "total_tokens": int},
+      "logprobs": [float] | null,   # per generated token, when the generator recorded them
+      "candidates": [               # beam search: every returned beam, best first; [] otherwise
+        {"text": str, "tokens": [int], "score": float, "finish_reason": str}
+      ],
+      "timings": {"load_s": float|null, "ttft_s": float|null, "prefill_tokens_per_s": float|null,
+                  "decode_tokens_per_s": float|null, ...other timings of the generator},
+      "error": str | null,
+      "from_cache": bool,
+      "flagged": [str]              # blocklist entries the output filter matched
+    }
+
+A JSON file holds {"schema": "llmplan.result/v1", "plan", "model", "created", "results": [result objects]}.
+Adding keys is a compatible change; removing or retyping one bumps the version.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+from .types import Completion
+
+SCHEMA = "llmplan.result/v1"
+TIMING_KEYS = ("load_s", "ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s")
+RESULT_KEYS = (
+    "schema",
+    "id",
+    "plan",
+    "model",
+    "prompt",
+    "text",
+    "tokens",
+    "finish_reason",
+    "usage",
+    "logprobs",
+    "candidates",
+    "timings",
+    "error",
+    "from_cache",
+    "flagged",
+)
+
+
+def result_object(
+    completion: Completion, *, plan: str | None = None, model: str | None = None, load_s: float | None = None
+) -> dict[str, Any]:
+    """The v1 result object of one completion."""
+    c = completion
+    timings: dict[str, Any] = dict.fromkeys(TIMING_KEYS)
+    timings.update({k: _finite(v) if isinstance(v, float) else v for k, v in c.timings.items()})
+    timings["load_s"] = load_s
+    return {
+        "schema": SCHEMA,
+        "id": c.request_id,
+        "plan": plan,
+        "model": model,
+        "prompt": c.prompt,
+        "text": c.text,
+        "tokens": list(c.tokens),
+        "finish_reason": c.finish_reason,
+        "usage": {
+            "prompt_tokens": c.prompt_tokens,
+            "completion_tokens": c.completion_tokens,
+            "total_tokens": c.prompt_tokens + c.completion_tokens,
+        },
+        "logprobs": None if not c.logprobs else [_finite(x) for x in c.logprobs],
+        "candidates": [
+            {
+                "text": cand.get("text", ""),
+                "tokens": list(cand.get("tokens", [])),
+                "score": _finite(cand.get("score")),
+                "finish_reason": cand.get("finish_reason"),
+            }
+            for cand in c.candidates
+        ],
+        "timings": timings,
+        "error": c.error,
+        "from_cache": c.from_cache,
+        "flagged": list(c.flagged),
+    }
+
+
+def _finite(value: Any) -> float | None:
+    """JSON has no NaN/Infinity: a -inf beam score or logprob becomes null instead of invalid JSON."""
+    if value is None:
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+def json_line(result: dict[str, Any]) -> str:
+    """One line: json.dumps escapes newlines inside strings, so a result never spans lines."""
+    return json.dumps(result, ensure_ascii=False, separators=(",", ":"), allow_nan=False, default=str)
+
+
+def json_document_chunks(results: list[dict[str, Any]], *, plan: str | None, model: str | None) -> Iterator[str]:
+    """The JSON file, in pieces, so a writer can stream it (and an interrupted write is testable)."""
+    document = {
+        "schema": SCHEMA,
+        "plan": plan,
+        "model": model,
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "results": results,
+    }
+    encoder = json.JSONEncoder(ensure_ascii=False, indent=2, allow_nan=False, default=str)
+    yield from encoder.iterencode(document)
+    yield "\n"
+
+
+def text_chunks(completions: Iterable[Completion]) -> Iterator[str]:
+    """Plain text: the answers; with several requests each is headed by `[id]`."""
+    items = list(completions)
+    for index, c in enumerate(items):
+        if len(items) > 1:
+            yield ("\n" if index else "") + f"[{c.request_id}]\n"
+        yield c.text if c.error is None or c.text else f"(error: {c.error})"
+        yield "\n"
+
+
+def markdown_chunks(
+    completions: Iterable[Completion], *, plan: str | None = None, model: str | None = None
+) -> Iterator[str]:
+    """A Markdown report: per request the prompt (quoted), the answer (as the model wrote it), and stats."""
+    title = f"# {plan}" if plan else "# Results"
+    yield title + "\n"
+    if model:
+        yield f"\nmodel `{model}`\n"
+    for c in completions:
+        yield f"\n## {c.request_id}\n\n"
+        yield "\n".join(f"> {line}" for line in (c.prompt or "").splitlines() or [""]) + "\n\n"
+        yield (c.text if c.text else "_(empty)_") + "\n\n"
+        for rank, cand in enumerate(c.candidates, start=1):
+            yield f"{rank}. (score {float(cand.get('score') or 0.0):.4f}) {cand.get('text', '')}\n"
+        if c.candidates:
+            yield "\n"
+        yield f"_{stats_text(c)}_\n"
+        if c.error:
+            yield f"\n**error:** {c.error}\n"
+        if c.flagged:
+            yield f"\n**flagged:** {', '.join(c.flagged)}\n"
+
+
+def stats_text(c: Completion, load_s: float | None = None) -> str:
+    """`12 prompt + 64 generated tokens · finish length · TTFT 0.120 s · 45.1 tok/s decode`."""
+    parts = [f"{c.prompt_tokens} prompt + {c.completion_tokens} generated tokens", f"finish {c.finish_reason}"]
+    if load_s is not None:
+        parts.append(f"load {load_s:.2f} s")
+    ttft = c.timings.get("ttft_s")
+    if ttft is not None:
+        parts.append(f"TTFT {float(ttft):.3f} s")
+    prefill = c.timings.get("prefill_tokens_per_s")
+    if prefill is not None:
+        parts.append(f"{float(prefill):.1f} tok/s prefill")
+    decode = c.timings.get("decode_tokens_per_s")
+    if decode is not None:
+        parts.append(f"{float(decode):.1f} tok/s decode")
+    if c.from_cache:
+        parts.append("from cache")
+    return " · ".join(parts)

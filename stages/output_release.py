@@ -1,0 +1,91 @@
+"""`output.release`: give memory back at the end of a run, even after a failure or Ctrl-C.
+
+Drops the context's references to the KV cache, the host (pre-conversion) weights and — unless
+`keep_weights` — the converted weights and the model, closing any that hold files (mmap'd shard
+readers), then collects garbage and empties the CUDA caching allocator so the memory really
+returns to the system. It measures RSS and device memory before and after, so the claim is checked
+each run: `release_report` = {rss_before, rss_after, freed_bytes, device_before, device_after, released}.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import sys
+from typing import Any
+
+from pydantic import Field
+
+from llmplan.engine.memory import device_bytes, mib, rss_bytes
+from llmplan.engine.stage import Params, Phase, Stage
+
+from .slots import InferenceContext
+
+# In release order: the biggest, most derived holders first.
+WEIGHT_SLOTS = ("model", "weights")
+ALWAYS_SLOTS = ("kv_cache", "host_weights")
+
+
+class ReleaseParams(Params):
+    keep_weights: bool = Field(False, description="keep the model and its weights (free only KV cache and buffers)")
+
+
+class OutputRelease(Stage):
+    """Free the KV cache, buffers and (unless keep_weights) the weights; report the memory freed."""
+
+    name = "output.release"
+    phase = Phase.OUTPUT
+    Params = ReleaseParams
+    always = True
+    writes = ("release_report",)
+
+    def run(self, ctx: InferenceContext, params: Any) -> None:
+        rss_before, device_before = rss_bytes(), device_bytes()
+        slots = ALWAYS_SLOTS if params.keep_weights else (*WEIGHT_SLOTS, *ALWAYS_SLOTS)
+        released: list[str] = []
+        for slot in slots:
+            value = getattr(ctx, slot, None)
+            if value is None:
+                continue
+            _close(value)
+            setattr(ctx, slot, None)
+            released.append(slot)
+        del value  # the loop variable would keep the last object alive
+        gc.collect()
+        _empty_device_cache()
+        rss_after, device_after = rss_bytes(), device_bytes()
+        report = {
+            "rss_before": rss_before,
+            "rss_after": rss_after,
+            "freed_bytes": max(0, rss_before - rss_after),
+            "device_before": device_before,
+            "device_after": device_after,
+            "released": released,
+        }
+        ctx.release_report = report
+        for key, number in report.items():
+            ctx.metrics.set(key, number)
+        if not ctx.json_mode:
+            what = ", ".join(released) if released else "nothing"
+            line = f"released {what}: RSS {mib(rss_before)} → {mib(rss_after)}"
+            if device_before is not None:
+                line += f", device {mib(device_before)} → {mib(device_after)}"
+            print(line, file=sys.stderr)
+
+
+def _close(value: Any) -> None:
+    """Close what holds files or handles (shard readers, mmaps); a failing close must not stop the release."""
+    holders = [value, *(getattr(value, "tensors", {}) or {}).values()] if hasattr(value, "tensors") else [value]
+    for holder in holders:
+        close = getattr(holder, "close", None)
+        if callable(close):
+            # Best effort: the memory is released either way.
+            with contextlib.suppress(Exception):
+                close()
+
+
+def _empty_device_cache() -> None:
+    torch = sys.modules.get("torch")  # never import torch just to clean up
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
