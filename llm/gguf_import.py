@@ -1,0 +1,465 @@
+"""Import a Llama GGUF once into an HF-format directory: config, tokenizer, fp32 safetensors shards.
+
+The GGUF is the distribution format; everything downstream (config.py, the tokenizer, the weight
+loader) reads plain HF files. Importing is a one-off cost, cached under the GGUF's content hash:
+
+    model_dir = import_gguf(Path("SmolLM2-135M-Instruct.Q4_1.gguf"), Path("~/.cache/llmplan"))
+
+Two llama.cpp conventions are undone on the way:
+  * quantized blocks are dequantized with gguf-py (`gguf.quants.dequantize`), which implements
+    llama.cpp's own definitions (Q4_1: d*q + m, Q8_0: d*q, ...), into float32;
+  * convert_hf_to_gguf.py permutes the rows of q_proj/k_proj so that ggml's interleaved RoPE
+    (rotating pairs (0,1), (2,3), ...) matches HF's rotate_half RoPE (pairs (i, i + d/2)); HF
+    layout needs the inverse permutation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .manifest import MANIFEST_NAME, sha256_file, write_sha256sums
+
+ProgressFn = Callable[[str, int, int], None]
+"""Called as progress(stage, done, total); stages: "hash" (bytes), "tensors" (tensors written)."""
+
+DEFAULT_SHARD_BYTES = 200 * 1000 * 1000
+SUPPORTED_ARCHITECTURES = ("llama",)
+_TEMP_MARK = ".importing-"  # temp dirs are ".<name>.importing-<id>": hidden, never a finished import
+
+# llama.cpp's token types (llama_token_type / gguf TokenType)
+_CONTROL, _USER_DEFINED = 3, 4
+
+# tokenizer.ggml.pre -> how text is split before byte-level BPE. These mirror llama.cpp's
+# llama-vocab.cpp regexes for the same names (and each model's original tokenizer.json).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_TOKENIZERS: dict[str, str] = {
+    # "\p{N}" first, then the GPT-2 regex: every digit is its own pre-token
+    "smollm": "digits+gpt2",
+    "starcoder": "digits+gpt2",
+    "refact": "digits+gpt2",
+    "codeshell": "digits+gpt2",
+    # the GPT-2 regex alone
+    "gpt2": "gpt2",
+    "mpt": "gpt2",
+    "olmo": "gpt2",
+    # llama3's regex (digits in runs of up to three)
+    "llama-bpe": "llama3",
+    "llama3": "llama3",
+    "llama-v3": "llama3",
+}
+# llama.cpp sets ignore_merges for llama3-style vocabularies: a word found whole in the vocab
+# is one token even when the merges would not build it.
+_IGNORE_MERGES = {"llama3"}
+
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight$")
+
+
+class GGUFImportError(ValueError):
+    """The GGUF cannot be imported: unreadable, corrupt or not a supported Llama. One line naming the file."""
+
+
+@dataclass(frozen=True)
+class _Planned:
+    gguf_name: str
+    hf_name: str
+    hf_shape: tuple[int, ...]
+    unpermute_heads: int | None  # q/k: the head count whose RoPE row permutation to undo
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.hf_shape)) * 4
+
+
+def import_gguf(
+    gguf_path: Path,
+    cache_root: Path,
+    progress: ProgressFn | None = None,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> Path:
+    """Import `gguf_path` into `cache_root/<sha256[:16]>-<stem>` (once) and return that directory."""
+    gguf_path, cache_root = Path(gguf_path), Path(cache_root)
+    if not gguf_path.is_file():
+        raise GGUFImportError(f"{gguf_path}: file not found")
+    total = gguf_path.stat().st_size
+    done = 0
+
+    def on_hashed(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress("hash", done, total)
+
+    digest = sha256_file(gguf_path, progress=on_hashed)
+    target = cache_root / f"{digest[:16]}-{gguf_path.stem}"
+    # The rename below is the commit point, so an existing target is a finished import.
+    if (target / MANIFEST_NAME).is_file():
+        return target
+    if target.exists():  # only something outside this module can leave the target half-made
+        raise GGUFImportError(f"{target}: exists but has no {MANIFEST_NAME}, so it is not a finished import")
+
+    cache_root.mkdir(parents=True, exist_ok=True)
+    temp = cache_root / f".{target.name}{_TEMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    temp.mkdir()
+    try:
+        _write_import(gguf_path, temp, progress, shard_bytes)
+        try:
+            os.rename(temp, target)
+        except OSError:
+            # Another process finished the same import first; theirs is as good as ours.
+            if not (target / MANIFEST_NAME).is_file():
+                raise
+            shutil.rmtree(temp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    return target
+
+
+def _fail(path: Path, reason: object) -> GGUFImportError:
+    return GGUFImportError(f"{path}: {' '.join(str(reason).split())}")
+
+
+def _write_import(gguf_path: Path, out: Path, progress: ProgressFn | None, shard_bytes: int) -> None:
+    import gguf  # heavy-ish; only needed when actually importing
+
+    try:
+        reader = gguf.GGUFReader(gguf_path)
+    except Exception as bad:  # gguf-py raises ValueError, struct/numpy errors, IndexError...
+        raise _fail(gguf_path, f"not a readable GGUF file ({type(bad).__name__}: {bad})") from None
+    meta = _Metadata(reader, gguf_path)
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise _fail(gguf_path, f"unsupported architecture {arch!r} (supported: {supported})")
+
+    tensors = {t.name: t for t in reader.tensors}
+    config = _hf_config(meta, tensors, gguf_path)
+    plan = _plan_tensors(tensors, config, gguf_path)
+
+    tokenizer_json, tokenizer_config = _hf_tokenizer(meta, gguf_path)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
+    weight_files = _write_shards(reader, tensors, plan, out, gguf_path, progress, shard_bytes)
+    # The manifest is written last: its presence marks a complete directory.
+    write_sha256sums(out, ["config.json", "tokenizer.json", "tokenizer_config.json", *weight_files])
+
+
+class _Metadata:
+    """Typed access to GGUF key/values, turning absent or ill-typed keys into GGUFImportError."""
+
+    def __init__(self, reader: Any, path: Path) -> None:
+        self._fields = reader.fields
+        self._path = path
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self._fields.get(key)
+        if field is None:
+            return default
+        try:
+            return field.contents()
+        except Exception as bad:
+            raise _fail(self._path, f"metadata {key} is unreadable ({bad})") from None
+
+    def require(self, key: str, kind: type) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise _fail(self._path, f"metadata {key} is missing")
+        if kind is int and isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+            return int(value)
+        if kind is float and isinstance(value, (int, float, np.number)):
+            return float(value)
+        if not isinstance(value, kind):
+            raise _fail(self._path, f"metadata {key} should be {kind.__name__}, got {type(value).__name__}")
+        return value
+
+
+def _f32(value: float) -> float:
+    # GGUF stores float32; its shortest round-tripping repr is the value the converter was given (1e-05, not
+    # 9.999999747378752e-06).
+    return float(repr(np.float32(value)).removeprefix("np.float32(").removesuffix(")"))
+
+
+def _hf_config(meta: _Metadata, tensors: dict[str, Any], path: Path) -> dict[str, Any]:
+    a = meta.get("general.architecture")
+    hidden = meta.require(f"{a}.embedding_length", int)
+    n_heads = meta.require(f"{a}.attention.head_count", int)
+    n_kv = meta.get(f"{a}.attention.head_count_kv", n_heads)
+    if isinstance(n_kv, list):  # per-layer head counts (some hybrids); a plain Llama has one
+        raise _fail(path, "per-layer attention.head_count_kv is not supported")
+    if n_heads <= 0 or hidden % n_heads:
+        raise _fail(path, f"embedding_length {hidden} is not divisible by head_count {n_heads}")
+    head_dim = meta.get(f"{a}.attention.key_length") or hidden // n_heads
+    rope_dim = meta.get(f"{a}.rope.dimension_count") or head_dim
+    if rope_dim != head_dim:
+        raise _fail(path, f"partial RoPE (rope.dimension_count {rope_dim} != head_dim {head_dim}) is unsupported")
+    scaling = meta.get(f"{a}.rope.scaling.type")
+    if "rope_freqs.weight" in tensors or scaling not in (None, "none"):
+        raise _fail(path, f"RoPE scaling ({scaling or 'rope_freqs tensor'}) is not supported yet")
+    embd = tensors.get("token_embd.weight")
+    if embd is None:
+        raise _fail(path, "tensor token_embd.weight is missing")
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    vocab = int(meta.get(f"{a}.vocab_size") or embd.shape[-1] or len(tokens))
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_hidden_layers": meta.require(f"{a}.block_count", int),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(n_kv),
+        "head_dim": int(head_dim),
+        "intermediate_size": meta.require(f"{a}.feed_forward_length", int),
+        "vocab_size": vocab,
+        "rope_theta": _f32(meta.get(f"{a}.rope.freq_base", 10000.0)),
+        "rms_norm_eps": _f32(meta.require(f"{a}.attention.layer_norm_rms_epsilon", float)),
+        "max_position_embeddings": int(meta.get(f"{a}.context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+        "torch_dtype": "float32",
+    }
+    return config
+
+
+def _plan_tensors(tensors: dict[str, Any], config: dict[str, Any], path: Path) -> list[_Planned]:
+    """Map every GGUF tensor to its HF name and shape; refuse unknown or missing ones."""
+    n_layers = config["num_hidden_layers"]
+    planned: list[_Planned] = []
+    for name, tensor in tensors.items():
+        unpermute: int | None = None
+        if name in _GLOBAL_TENSORS:
+            hf_name = _GLOBAL_TENSORS[name]
+        elif (match := _LAYER_NAME.match(name)) and match.group(2) in _LAYER_TENSORS:
+            layer, kind = int(match.group(1)), match.group(2)
+            if layer >= n_layers:
+                raise _fail(path, f"tensor {name} is beyond block_count {n_layers}")
+            hf_name = f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.weight"
+            if kind == "attn_q":
+                unpermute = config["num_attention_heads"]
+            elif kind == "attn_k":
+                unpermute = config["num_key_value_heads"]
+        else:
+            raise _fail(path, f"unexpected tensor {name} for a Llama model")
+        # ggml lists dimensions fastest-first; torch/numpy want them slowest-first.
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        planned.append(_Planned(name, hf_name, shape, unpermute))
+    have = {p.hf_name for p in planned}
+    wanted = {"model.embed_tokens.weight", "model.norm.weight"} | {
+        f"model.layers.{i}.{part}.weight" for i in range(n_layers) for part in _LAYER_TENSORS.values()
+    }
+    if missing := sorted(wanted - have):
+        raise _fail(path, f"{len(missing)} tensor(s) missing, e.g. {missing[0]}")
+    _check_shapes(planned, config, path)
+    return sorted(planned, key=_hf_order)
+
+
+def _hf_order(p: _Planned) -> tuple[int, str]:
+    if p.hf_name == "model.embed_tokens.weight":
+        return (-1, p.hf_name)
+    match = re.match(r"model\.layers\.(\d+)\.", p.hf_name)
+    return (int(match.group(1)), p.hf_name) if match else (1 << 30, p.hf_name)
+
+
+def _check_shapes(planned: list[_Planned], c: dict[str, Any], path: Path) -> None:
+    d, hd, inter, vocab = c["hidden_size"], c["head_dim"], c["intermediate_size"], c["vocab_size"]
+    expect = {
+        "embed_tokens": (vocab, d),
+        "lm_head": (vocab, d),
+        "q_proj": (c["num_attention_heads"] * hd, d),
+        "k_proj": (c["num_key_value_heads"] * hd, d),
+        "v_proj": (c["num_key_value_heads"] * hd, d),
+        "o_proj": (d, c["num_attention_heads"] * hd),
+        "gate_proj": (inter, d),
+        "up_proj": (inter, d),
+        "down_proj": (d, inter),
+        "norm": (d,),
+        "layernorm": (d,),
+    }
+    for p in planned:
+        key = next(k for k in expect if k in p.hf_name.rsplit(".", 2)[-2])
+        if p.hf_shape != expect[key]:
+            raise _fail(path, f"tensor {p.gguf_name} has shape {p.hf_shape}, expected {expect[key]}")
+
+
+def unpermute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo convert_hf_to_gguf.py's q/k row permutation (per head: interleaved pairs -> two halves)."""
+    rows = weight.shape[0]
+    head_dim = rows // n_heads
+    # GGUF row order within a head is (i, pair-member) for i < head_dim/2; HF wants (pair-member, i).
+    return weight.reshape(n_heads, head_dim // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _dequantized(tensor: Any, planned: _Planned, path: Path) -> np.ndarray:
+    from gguf import quants
+
+    if int(tensor.data.nbytes) != int(tensor.n_bytes):
+        raise _fail(path, f"tensor {tensor.name} is truncated ({tensor.data.nbytes}/{tensor.n_bytes} bytes)")
+    try:
+        values = quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+        values = np.ascontiguousarray(values, dtype=np.float32).reshape(planned.hf_shape)
+    except NotImplementedError:
+        raise _fail(path, f"tensor {tensor.name}: type {tensor.tensor_type.name} is not supported") from None
+    except ValueError as bad:
+        raise _fail(path, f"tensor {tensor.name} is corrupt ({bad})") from None
+    if planned.unpermute_heads is not None:
+        values = np.ascontiguousarray(unpermute_rope_rows(values, planned.unpermute_heads))
+    return values
+
+
+def _write_shards(
+    reader: Any,
+    tensors: dict[str, Any],
+    plan: list[_Planned],
+    out: Path,
+    path: Path,
+    progress: ProgressFn | None,
+    shard_bytes: int,
+) -> list[str]:
+    from safetensors.numpy import save_file
+
+    # Assign shards up front (sizes are known from shapes), so file names can carry the shard count.
+    shards: list[list[_Planned]] = [[]]
+    size = 0
+    for p in plan:
+        if shards[-1] and size + p.nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(p)
+        size += p.nbytes
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+
+    written = 0
+    weight_map: dict[str, str] = {}
+    for shard, name in zip(shards, names, strict=True):
+        arrays = {}
+        for p in shard:  # one shard in memory at a time
+            arrays[p.hf_name] = _dequantized(tensors[p.gguf_name], p, path)
+            weight_map[p.hf_name] = name
+            written += 1
+            if progress is not None:
+                progress("tensors", written, len(plan))
+        save_file(arrays, str(out / name), metadata={"format": "pt"})
+        os.chmod(out / name, 0o644)  # safetensors creates 0600; the rest of the dir is world-readable
+        del arrays
+    index = {"metadata": {"total_size": sum(p.nbytes for p in plan)}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    return [*names, "model.safetensors.index.json"]
+
+
+def _hf_tokenizer(meta: _Metadata, path: Path) -> tuple[str, dict[str, Any]]:
+    """Rebuild a `tokenizers` byte-level BPE from tokenizer.ggml.* metadata; also tokenizer_config.json."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise _fail(path, f"tokenizer.ggml.model {kind!r} is not supported (only byte-level BPE 'gpt2')")
+    pre = meta.get("tokenizer.ggml.pre", "gpt2")  # files older than the key were GPT-2 style
+    style = _PRE_TOKENIZERS.get(pre)
+    if style is None:
+        raise _fail(path, f"tokenizer.ggml.pre {pre!r} is unsupported (supported: {', '.join(_PRE_TOKENIZERS)})")
+    tokens: list[str] = meta.require("tokenizer.ggml.tokens", list)
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges_raw: list[str] = meta.require("tokenizer.ggml.merges", list)
+    if len(types) != len(tokens):
+        raise _fail(path, f"token_type has {len(types)} entries for {len(tokens)} tokens")
+    vocab = {token: i for i, token in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise _fail(path, "tokenizer.ggml.tokens has duplicate entries")
+    merges: list[tuple[str, str]] = []
+    for merge in merges_raw:
+        left, sep, right = merge.partition(" ")
+        if not sep or not left or not right:
+            raise _fail(path, f"malformed merge {merge!r}")
+        merges.append((left, right))
+
+    bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=style in _IGNORE_MERGES)
+    tok = Tokenizer(bpe)
+    if style == "digits+gpt2":
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
+    elif style == "gpt2":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    tok.decoder = decoders.ByteLevel()
+    # Control tokens are matched whole and are special (skippable on decode); user-defined ones are
+    # matched whole but are ordinary text.
+    typed = list(zip(tokens, types, strict=True))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in typed if k == _CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in typed if k == _USER_DEFINED])
+
+    def token(key: str) -> str | None:
+        index = meta.get(f"tokenizer.ggml.{key}")
+        if index is None:
+            return None
+        if not 0 <= int(index) < len(tokens):
+            raise _fail(path, f"tokenizer.ggml.{key} {index} is outside the vocabulary")
+        return tokens[int(index)]
+
+    bos = token("bos_token_id")
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+    if add_bos and bos is not None:
+        bos_id = vocab[bos]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, bos_id)]
+        )
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": token("eos_token_id"),
+        "unk_token": token("unknown_token_id"),
+        "pad_token": token("padding_token_id"),
+        "add_bos_token": add_bos,
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(meta.get(f"{meta.get('general.architecture')}.context_length", 2048)),
+    }
+    template = meta.get("tokenizer.chat_template")
+    if template is not None:
+        config["chat_template"] = template
+    return tok.to_str(pretty=False), config

@@ -1,0 +1,126 @@
+"""HF Llama state dict -> this library's fused parameter names, with shape checks.
+
+q/k/v are concatenated into one `wqkv` and gate/up into one `w13`: two matmuls fewer per layer, which
+matters most where per-call overhead dominates (small layers, CPU, decode with batch 1).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import torch
+from torch import Tensor
+
+from .config import ModelConfig
+
+# Buffers some older checkpoints carry that the model recomputes itself; never worth a warning.
+_IGNORABLE = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+
+
+class WeightError(ValueError):
+    """A tensor is missing, unexpected (in strict mode) or of the wrong shape."""
+
+
+def _hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name the model needs, with its expected shape."""
+    q_out, kv_out = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (cfg.vocab_size, cfg.dim),
+        "model.norm.weight": (cfg.dim,),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, cfg.dim)
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}"
+        shapes |= {
+            f"{p}.self_attn.q_proj.weight": (q_out, cfg.dim),
+            f"{p}.self_attn.k_proj.weight": (kv_out, cfg.dim),
+            f"{p}.self_attn.v_proj.weight": (kv_out, cfg.dim),
+            f"{p}.self_attn.o_proj.weight": (cfg.dim, q_out),
+            f"{p}.mlp.gate_proj.weight": (cfg.intermediate_size, cfg.dim),
+            f"{p}.mlp.up_proj.weight": (cfg.intermediate_size, cfg.dim),
+            f"{p}.mlp.down_proj.weight": (cfg.dim, cfg.intermediate_size),
+            f"{p}.input_layernorm.weight": (cfg.dim,),
+            f"{p}.post_attention_layernorm.weight": (cfg.dim,),
+        }
+    return shapes
+
+
+def expected_hf_names(cfg: ModelConfig) -> set[str]:
+    """The HF tensor names a checkpoint for `cfg` must contain (no `lm_head` when embeddings are tied)."""
+    return set(_hf_shapes(cfg))
+
+
+def unused_hf_names(sd: dict[str, Tensor], cfg: ModelConfig) -> list[str]:
+    """Names in `sd` the model does not use (a tied checkpoint's `lm_head.weight` counts as unused)."""
+    wanted = expected_hf_names(cfg)
+    return sorted(name for name in sd if name not in wanted and not _IGNORABLE.match(name))
+
+
+def check_hf_state_dict(sd: dict[str, Tensor], cfg: ModelConfig) -> None:
+    """Raise WeightError for the first missing tensor or shape mismatch (all missing names are listed)."""
+    shapes = _hf_shapes(cfg)
+    missing = sorted(name for name in shapes if name not in sd)
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise WeightError(f"missing tensors: {', '.join(missing[:5])}{more}")
+    for name, shape in shapes.items():
+        got = tuple(sd[name].shape)
+        if got != shape:
+            raise WeightError(f"{name}: expected shape {shape}, got {got}")
+
+
+def fuse_hf_state_dict(sd: dict[str, Tensor], cfg: ModelConfig, *, strict: bool = False) -> dict[str, Tensor]:
+    """Map HF Llama names to internal ones, fusing q/k/v -> `wqkv` and gate/up -> `w13`.
+
+    Unused names raise WeightError when `strict`, else are reported in one `UserWarning`; they are never
+    dropped silently. Tied models get `output.weight` as the very same tensor as `tok_embeddings.weight`.
+    Fusion concatenates, so the fused tensors are new allocations; the caller may drop `sd` afterwards.
+    """
+    check_hf_state_dict(sd, cfg)
+    unused = unused_hf_names(sd, cfg)
+    if unused:
+        message = f"{len(unused)} checkpoint tensors are not used by the model: {', '.join(unused[:10])}"
+        if strict:
+            raise WeightError(message)
+        warnings.warn(message, stacklevel=2)
+    out: dict[str, Tensor] = {
+        "tok_embeddings.weight": sd["model.embed_tokens.weight"],
+        "norm.weight": sd["model.norm.weight"],
+    }
+    out["output.weight"] = out["tok_embeddings.weight"] if cfg.tie_word_embeddings else sd["lm_head.weight"]
+    for i in range(cfg.n_layers):
+        hf, ours = f"model.layers.{i}", f"layers.{i}"
+        attn, mlp = f"{hf}.self_attn", f"{hf}.mlp"
+        qkv = [sd[f"{attn}.{p}_proj.weight"] for p in "qkv"]
+        out[f"{ours}.attention.wqkv.weight"] = torch.cat(qkv, dim=0)
+        out[f"{ours}.attention.wo.weight"] = sd[f"{attn}.o_proj.weight"]
+        out[f"{ours}.feed_forward.w13.weight"] = torch.cat(
+            [sd[f"{mlp}.gate_proj.weight"], sd[f"{mlp}.up_proj.weight"]], dim=0
+        )
+        out[f"{ours}.feed_forward.w2.weight"] = sd[f"{mlp}.down_proj.weight"]
+        out[f"{ours}.attention_norm.weight"] = sd[f"{hf}.input_layernorm.weight"]
+        out[f"{ours}.ffn_norm.weight"] = sd[f"{hf}.post_attention_layernorm.weight"]
+    return out
+
+
+def internal_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Expected shape of every internal (fused) name, for loaders that build weights another way (GGUF)."""
+    q_out, kv_out = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "tok_embeddings.weight": (cfg.vocab_size, cfg.dim),
+        "norm.weight": (cfg.dim,),
+        "output.weight": (cfg.vocab_size, cfg.dim),
+    }
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}"
+        shapes |= {
+            f"{p}.attention.wqkv.weight": (q_out + 2 * kv_out, cfg.dim),
+            f"{p}.attention.wo.weight": (cfg.dim, q_out),
+            f"{p}.feed_forward.w13.weight": (2 * cfg.intermediate_size, cfg.dim),
+            f"{p}.feed_forward.w2.weight": (cfg.dim, cfg.intermediate_size),
+            f"{p}.attention_norm.weight": (cfg.dim,),
+            f"{p}.ffn_norm.weight": (cfg.dim,),
+        }
+    return shapes
