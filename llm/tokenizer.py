@@ -51,10 +51,10 @@ class Tokenizer:
 
         model_dir = Path(model_dir)
         path = model_dir / TOKENIZER_FILE
+        if not path.is_file():
+            raise TokenizerError(f"{path}: file not found")
         try:
             backend = Backend.from_file(str(path))
-        except FileNotFoundError:
-            raise TokenizerError(f"{path}: file not found") from None
         except Exception as bad:  # tokenizers raises a bare Exception on malformed JSON
             raise TokenizerError(f"{path}: not a valid tokenizers file ({_one_line(bad)})") from None
         config_path = model_dir / TOKENIZER_CONFIG_FILE
