@@ -3,7 +3,7 @@
 The GGUF is the distribution format; everything downstream (config.py, the tokenizer, the weight
 loader) reads plain HF files. Importing is a one-off cost, cached under the GGUF's content hash:
 
-    model_dir = import_gguf(Path("SmolLM2-135M-Instruct.Q4_1.gguf"), Path("~/.cache/llmplan"))
+    model_dir = import_gguf(Path("SmolLM2-135M-Instruct.Q4_1.gguf"), Path.home() / ".cache/llmplan")
 
 Two llama.cpp conventions are undone on the way:
   * quantized blocks are dequantized with gguf-py (`gguf.quants.dequantize`), which implements
@@ -118,7 +118,10 @@ def import_gguf(
         if progress is not None:
             progress("hash", done, total)
 
-    digest = sha256_file(gguf_path, progress=on_hashed)
+    try:
+        digest = sha256_file(gguf_path, progress=on_hashed)
+    except OSError as bad:
+        raise _fail(gguf_path, f"cannot read ({bad.strerror or bad})") from None
     target = cache_root / f"{digest[:16]}-{gguf_path.stem}"
     # The rename below is the commit point, so an existing target is a finished import.
     if (target / MANIFEST_NAME).is_file():
@@ -131,6 +134,8 @@ def import_gguf(
     temp.mkdir()
     try:
         _write_import(gguf_path, temp, progress, shard_bytes)
+        for item in [*temp.iterdir(), temp]:  # durable before the rename publishes it as finished
+            _fsync(item)
         try:
             os.rename(temp, target)
         except OSError:
@@ -138,10 +143,20 @@ def import_gguf(
             if not (target / MANIFEST_NAME).is_file():
                 raise
             shutil.rmtree(temp, ignore_errors=True)
+        else:
+            _fsync(cache_root)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
     return target
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fail(path: Path, reason: object) -> GGUFImportError:
@@ -171,7 +186,7 @@ def _write_import(gguf_path: Path, out: Path, progress: ProgressFn | None, shard
     (out / "tokenizer_config.json").write_text(
         json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
     )
-    weight_files = _write_shards(reader, tensors, plan, out, gguf_path, progress, shard_bytes)
+    weight_files = _write_shards(tensors, plan, out, gguf_path, progress, shard_bytes)
     # The manifest is written last: its presence marks a complete directory.
     write_sha256sums(out, ["config.json", "tokenizer.json", "tokenizer_config.json", *weight_files])
 
@@ -208,7 +223,7 @@ class _Metadata:
 def _f32(value: float) -> float:
     # GGUF stores float32; its shortest round-tripping repr is the value the converter was given (1e-05, not
     # 9.999999747378752e-06).
-    return float(repr(np.float32(value)).removeprefix("np.float32(").removesuffix(")"))
+    return float(str(np.float32(value)))
 
 
 def _hf_config(meta: _Metadata, tensors: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -218,9 +233,11 @@ def _hf_config(meta: _Metadata, tensors: dict[str, Any], path: Path) -> dict[str
     n_kv = meta.get(f"{a}.attention.head_count_kv", n_heads)
     if isinstance(n_kv, list):  # per-layer head counts (some hybrids); a plain Llama has one
         raise _fail(path, "per-layer attention.head_count_kv is not supported")
-    if n_heads <= 0 or hidden % n_heads:
-        raise _fail(path, f"embedding_length {hidden} is not divisible by head_count {n_heads}")
-    head_dim = meta.get(f"{a}.attention.key_length") or hidden // n_heads
+    head_dim = meta.get(f"{a}.attention.key_length")
+    if head_dim is None:
+        if n_heads <= 0 or hidden % n_heads:
+            raise _fail(path, f"embedding_length {hidden} is not divisible by head_count {n_heads}")
+        head_dim = hidden // n_heads
     rope_dim = meta.get(f"{a}.rope.dimension_count") or head_dim
     if rope_dim != head_dim:
         raise _fail(path, f"partial RoPE (rope.dimension_count {rope_dim} != head_dim {head_dim}) is unsupported")
@@ -230,8 +247,10 @@ def _hf_config(meta: _Metadata, tensors: dict[str, Any], path: Path) -> dict[str
     embd = tensors.get("token_embd.weight")
     if embd is None:
         raise _fail(path, "tensor token_embd.weight is missing")
-    tokens = meta.get("tokenizer.ggml.tokens") or []
-    vocab = int(meta.get(f"{a}.vocab_size") or embd.shape[-1] or len(tokens))
+    vocab = int(meta.get(f"{a}.vocab_size") or embd.shape[-1])  # ggml order: shape[-1] is the row count
+    # Generation stops at EOS, and at end-of-turn/-message tokens where the file names distinct ones.
+    eos = [meta.get(f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    eos_ids = list(dict.fromkeys(int(i) for i in eos if i is not None))
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -249,12 +268,16 @@ def _hf_config(meta: _Metadata, tensors: dict[str, Any], path: Path) -> dict[str
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+        "bos_token_id": _optional_int(meta.get("tokenizer.ggml.bos_token_id")),
+        "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
+        "pad_token_id": _optional_int(meta.get("tokenizer.ggml.padding_token_id")),
         "torch_dtype": "float32",
     }
     return config
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def _plan_tensors(tensors: dict[str, Any], config: dict[str, Any], path: Path) -> list[_Planned]:
@@ -298,23 +321,25 @@ def _hf_order(p: _Planned) -> tuple[int, str]:
 
 def _check_shapes(planned: list[_Planned], c: dict[str, Any], path: Path) -> None:
     d, hd, inter, vocab = c["hidden_size"], c["head_dim"], c["intermediate_size"], c["vocab_size"]
-    expect = {
+    q_rows, kv_rows = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    expect = {  # keyed by the module name just before ".weight"
         "embed_tokens": (vocab, d),
         "lm_head": (vocab, d),
-        "q_proj": (c["num_attention_heads"] * hd, d),
-        "k_proj": (c["num_key_value_heads"] * hd, d),
-        "v_proj": (c["num_key_value_heads"] * hd, d),
-        "o_proj": (d, c["num_attention_heads"] * hd),
+        "q_proj": (q_rows, d),
+        "k_proj": (kv_rows, d),
+        "v_proj": (kv_rows, d),
+        "o_proj": (d, q_rows),
         "gate_proj": (inter, d),
         "up_proj": (inter, d),
         "down_proj": (d, inter),
         "norm": (d,),
-        "layernorm": (d,),
+        "input_layernorm": (d,),
+        "post_attention_layernorm": (d,),
     }
     for p in planned:
-        key = next(k for k in expect if k in p.hf_name.rsplit(".", 2)[-2])
-        if p.hf_shape != expect[key]:
-            raise _fail(path, f"tensor {p.gguf_name} has shape {p.hf_shape}, expected {expect[key]}")
+        want = expect[p.hf_name.split(".")[-2]]
+        if p.hf_shape != want:
+            raise _fail(path, f"tensor {p.gguf_name} has shape {p.hf_shape}, expected {want}")
 
 
 def unpermute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
@@ -343,7 +368,6 @@ def _dequantized(tensor: Any, planned: _Planned, path: Path) -> np.ndarray:
 
 
 def _write_shards(
-    reader: Any,
     tensors: dict[str, Any],
     plan: list[_Planned],
     out: Path,

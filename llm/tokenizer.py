@@ -93,8 +93,8 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         ids = list(ids)
-        if any(not 0 <= i < self._vocab_size for i in ids):
-            bad = next(i for i in ids if not 0 <= i < self._vocab_size)
+        bad = next((i for i in ids if not 0 <= i < self._vocab_size), None)
+        if bad is not None:  # tokenizers would silently drop it
             raise TokenizerError(f"token id {bad} is outside the vocabulary (size {self._vocab_size})")
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 

@@ -2,7 +2,8 @@
 
 The key of a request (results_store.cache_key) is the SHA-256 of the model fingerprint, the
 prompt ids, the generation stage's parameters as the plan resolved them (`generate_stage`, dumped
-to JSON), the request's own overrides, and the plan seed: change any of them and the key changes.
+to JSON; minus `stream`, which only changes how text is shown), the request's own overrides, and
+the plan seed: change any of them and the key changes.
 
 `cache.lookup` (mode `reuse`) fills `generations` only when EVERY request is found: the runner
 then skips the generate stage and everything only it needs (weights, model, KV cache). A partial
@@ -20,7 +21,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import Params, Phase, Stage
@@ -30,6 +31,8 @@ from .slots import InferenceContext
 from .types import Candidate, Completion, GenerationResult, Request
 
 DEFAULT_DB = "runs/results.sqlite"
+# Generation params that change how output is shown, never what is generated: not part of the key.
+UNKEYED_PARAMS = frozenset({"stream"})
 
 
 class StoreParams(Params):
@@ -41,6 +44,12 @@ class LookupParams(StoreParams):
     mode: Literal["reuse", "refresh", "off"] = Field(
         "reuse", description="reuse: fill generations when all requests are stored; refresh/off: never"
     )
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        # YAML 1.1 reads an unquoted `off` as false; that is what the user meant.
+        return "off" if value is False else value
 
 
 def generation_params(ctx: InferenceContext, stage_id: str) -> tuple[dict[str, Any], int]:
@@ -54,7 +63,8 @@ def generation_params(ctx: InferenceContext, stage_id: str) -> tuple[dict[str, A
         raise StageFailure(
             f"generate_stage: no stage with id {stage_id!r} in plan {plan!r} (set it to the generation stage's id)"
         ) from None
-    return bound.params.model_dump(mode="json"), int(ctx.plan.plan.seed)
+    dumped = bound.params.model_dump(mode="json")
+    return {k: v for k, v in dumped.items() if k not in UNKEYED_PARAMS}, int(ctx.plan.plan.seed)
 
 
 def request_key(ctx: InferenceContext, request: Request, params: dict[str, Any], seed: int) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from typing import Any
 
@@ -15,6 +16,8 @@ from llmplan.engine.cli import CliError
 
 from .cache_stages import DEFAULT_DB
 from .results_store import ResultsStore, StoreError
+
+_MARKERS = re.compile(r"<\|[^|<>]{1,40}\|>|</?s>")  # chat-template markers, hidden in the listing
 
 
 def register(subparsers: Any) -> None:
@@ -53,10 +56,11 @@ def cmd_history(args: argparse.Namespace) -> int:
         for row in rows:
             print(json.dumps(_public(row), ensure_ascii=False))
         return 0
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"results in {args.db}", show_lines=False)
+    table = Table(title=f"results in {args.db}", box=box.SIMPLE_HEAD)
     for column, justify in (
         ("id", "right"),
         ("time", "left"),
@@ -67,15 +71,22 @@ def cmd_history(args: argparse.Namespace) -> int:
         ("tok/s", "right"),
         ("finish", "left"),
     ):
-        table.add_column(column, justify=justify, overflow="fold" if column == "prompt" else "ellipsis")  # type: ignore[arg-type]
+        wide = column == "prompt"
+        table.add_column(
+            column,
+            justify=justify,
+            no_wrap=column in ("id", "tokens", "tok/s"),
+            min_width=12 if wide else None,
+            max_width=40 if wide else None,
+        )  # type: ignore[arg-type]
     for row in rows:
         usage = row.get("usage") or {}
         speed = (row.get("timings") or {}).get("decode_tokens_per_s")
         table.add_row(
             str(row["id"]),
-            str(row.get("run_time") or row.get("created") or ""),
+            _short_time(str(row.get("run_time") or row.get("created") or "")),
             str(row.get("plan") or ""),
-            (row.get("model_fingerprint") or "-")[:12],
+            (row.get("model_fingerprint") or "-")[:8],
             _excerpt(row.get("prompt_excerpt") or ""),
             f"{usage.get('prompt_tokens', 0)}+{usage.get('completion_tokens', 0)}",
             "cache" if row.get("from_cache") else ("-" if speed is None else f"{float(speed):.1f}"),
@@ -115,8 +126,14 @@ def _public(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _excerpt(text: str, limit: int = 48) -> str:
-    flat = " ".join(text.split())
-    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+    """The end of the prompt (where a chat prompt's question is), template markers removed."""
+    flat = " ".join(_MARKERS.sub(" ", text).split())
+    return flat if len(flat) <= limit else "…" + flat[-(limit - 1) :]
+
+
+def _short_time(iso: str) -> str:
+    # "2026-11-30T14:20:05+00:00" -> "11-30 14:20" (UTC, as stored; `show` has the full time)
+    return iso[5:16].replace("T", " ")
 
 
 def _number(value: Any) -> str:

@@ -12,9 +12,9 @@ A result object (one per request; one line each on stdout under `llmplan run --j
       "tokens": [int],              # generated ids as produced (aligned with "logprobs")
       "finish_reason": "eos" | "length" | "stop_string" | "cache_full" | "error",
       "usage": {"prompt_tokens": int, "completion_tokens": int, "total_tokens": int},
-      "logprobs": [float] | null,   # per generated token, when the generator recorded them
+      "logprobs": [float|null] | null,  # per generated token when recorded (null: not finite)
       "candidates": [               # beam search: every returned beam, best first; [] otherwise
-        {"text": str, "tokens": [int], "score": float, "finish_reason": str}
+        {"text": str, "tokens": [int], "score": float | null, "finish_reason": str}
       ],
       "timings": {"load_s": float|null, "ttft_s": float|null, "prefill_tokens_per_s": float|null,
                   "decode_tokens_per_s": float|null, ...other timings of the generator},

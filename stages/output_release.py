@@ -2,14 +2,16 @@
 
 Drops the context's references to the KV cache, the host (pre-conversion) weights and — unless
 `keep_weights` — the converted weights and the model, closing any that hold files (mmap'd shard
-readers), then collects garbage and empties the CUDA caching allocator so the memory really
-returns to the system. It measures RSS and device memory before and after, so the claim is checked
-each run: `release_report` = {rss_before, rss_after, freed_bytes, device_before, device_after, released}.
+readers), then collects garbage, trims the C heap (glibc's malloc_trim) and empties the CUDA caching
+allocator, so the memory really returns to the system. It measures RSS and device memory before
+and after, so the claim is checked each run: `release_report` = {rss_before, rss_after,
+freed_bytes, device_before, device_after, released}.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import sys
 from typing import Any
@@ -52,6 +54,7 @@ class OutputRelease(Stage):
             released.append(slot)
         del value  # the loop variable would keep the last object alive
         gc.collect()
+        _trim_heap()
         _empty_device_cache()
         rss_after, device_after = rss_bytes(), device_bytes()
         report = {
@@ -82,6 +85,17 @@ def _close(value: Any) -> None:
             # Best effort: the memory is released either way.
             with contextlib.suppress(Exception):
                 close()
+
+
+def _trim_heap() -> None:
+    """Return freed heap pages to the OS (glibc keeps them, after its mmap threshold has grown)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # musl or another libc: nothing to trim with
+        pass
 
 
 def _empty_device_cache() -> None:

@@ -217,7 +217,7 @@ class ResultsStore:
                         run_id,
                         r.cache_key,
                         r.request_id,
-                        r.prompt[:EXCERPT_CHARS],
+                        excerpt(r.prompt),
                         r.text,
                         _dumps(r.tokens),
                         r.finish_reason,
@@ -273,6 +273,14 @@ class ResultsStore:
         if table not in ("results", "runs"):
             raise ValueError(table)
         return int(self._conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0])
+
+
+def excerpt(prompt: str, limit: int = EXCERPT_CHARS) -> str:
+    """Head and tail of a long prompt: a chat prompt starts with the system text, ends with the question."""
+    if len(prompt) <= limit:
+        return prompt
+    head = limit // 4
+    return prompt[:head] + " … " + prompt[-(limit - head - 3) :]
 
 
 def open_existing(path: str | Path) -> ResultsStore | None:

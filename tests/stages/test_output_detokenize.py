@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+import pytest
+
+from llmplan.llm.tokenizer import StreamDecoder
+from llmplan.stages.output_detokenize import OutputDetokenize
+from llmplan.stages.output_postprocess import OutputPostprocess, PostprocessParams
+from llmplan.stages.types import Candidate
+
+ROUND_TRIPS = [
+    "  leading spaces\n\ttabs and\nnew lines\n\n",
+    "日本語のテキスト。天空是蓝色的。",
+    "emoji 🎉👍🏽😀 and a unicorn 🦄 (not in the vocabulary)",
+    " one leading space",
+    "mixed: Hello 你好 🚀\nnext line",
+]
+
+
+def _complete(ctx, gens, requests):
+    ctx.generations, ctx.requests = gens, requests
+    OutputPostprocess().run(ctx, PostprocessParams())
+    OutputDetokenize().run(ctx, None)
+    return ctx.completions
+
+
+@pytest.mark.parametrize("text", ROUND_TRIPS)
+def test_round_trip_is_exact(ctx, tokenizer, gen, req, text):
+    (completion,) = _complete(ctx, [gen(tokenizer, "a", text)], [req(tokenizer, "a", "p")])
+    assert completion.text == text
+    # The whole-sequence decode agrees with what a stream showed token by token.
+    stream = StreamDecoder(tokenizer)
+    streamed = "".join(stream.push(i) for i in tokenizer.encode(text)) + stream.flush()
+    assert streamed == completion.text
+
+
+def test_completion_fields(ctx, tokenizer, gen, req):
+    g = gen(
+        tokenizer,
+        "a",
+        "Hello world.",
+        logprobs=[-0.1] * 4,
+        timings={"ttft_s": 0.02, "decode_tokens_per_s": 50.0},
+        from_cache=True,
+        streamed=True,
+    )
+    g.prompt_tokens = 7
+    (c,) = _complete(ctx, [g], [req(tokenizer, "a", "Say hello")])
+    assert c.request_id == "a" and c.prompt == "Say hello" and c.finish_reason == "eos"
+    assert c.prompt_tokens == 7 and c.completion_tokens == len(g.tokens) and c.tokens == g.tokens
+    assert c.logprobs == [-0.1] * 4
+    assert c.timings == {"ttft_s": 0.02, "decode_tokens_per_s": 50.0}
+    assert c.from_cache and c.streamed and c.error is None
+
+
+def test_beam_candidates_have_text_tokens_and_scores(ctx, tokenizer, gen, req):
+    eos = tokenizer.eos_id
+    g = gen(tokenizer, "b", "The sky is blue.")
+    g.candidates = [
+        Candidate([*tokenizer.encode("The sky is blue."), eos], -1.25, "eos"),
+        Candidate([*tokenizer.encode("The grass is green!"), eos], -2.5, "eos"),
+        Candidate(tokenizer.encode("Is it"), -3.0, "length"),
+    ]
+    (c,) = _complete(ctx, [g], [req(tokenizer, "b", "p")])
+    assert [x["text"] for x in c.candidates] == ["The sky is blue.", "The grass is green!", "Is it"]
+    assert [x["score"] for x in c.candidates] == [-1.25, -2.5, -3.0]
+    assert c.candidates[0]["tokens"] == g.candidates[0].tokens
+    assert c.candidates[2]["finish_reason"] == "length"
+
+
+def test_error_generation_is_carried(ctx, tokenizer, gen, req):
+    g = gen(tokenizer, "e", "partial", finish="error", error="non-finite logits")
+    (c,) = _complete(ctx, [g], [req(tokenizer, "e", "p")])
+    assert c.finish_reason == "error" and c.error == "non-finite logits" and c.text == "partial"

@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+import pytest
+
+from llmplan.engine.findings import StageFailure
+from llmplan.stages.output_filter import FilterParams, OutputFilter
+from llmplan.stages.types import Completion
+
+
+def _completion(text: str, **kw) -> Completion:
+    return Completion("a", "prompt", text, "eos", 3, 4, [1, 2, 3, 4], **kw)
+
+
+@pytest.fixture
+def blocklist(tmp_path):
+    path = tmp_path / "block.txt"
+    path.write_text("# words and patterns\n\nclass\n\nre:gr[ae]y\n坏\n", encoding="utf-8")
+    return path
+
+
+def _run(ctx, completions, path, action="mask"):
+    ctx.completions = completions
+    OutputFilter().run(ctx, FilterParams(blocklist=str(path), action=action))
+    return completions
+
+
+def test_mask(ctx, blocklist):
+    c, clean = _completion("A Class of classic grey and GRAY things 这是坏的"), _completion("nothing here")
+    _run(ctx, [c, clean], blocklist)
+    assert c.text == "A *** of classic *** and *** things 这是***的"  # whole words only for ASCII entries
+    assert c.flagged == ["class", "re:gr[ae]y", "坏"]
+    assert c.error is None and c.finish_reason == "eos"
+    assert clean.text == "nothing here" and clean.flagged == []
+    assert ctx.metrics.get("run", "flagged") == 1
+
+
+def test_reject_keeps_finish_reason(ctx, blocklist):
+    c = _completion("a grey day", candidates=[{"text": "grey", "tokens": [1], "score": -1.0}])
+    _run(ctx, [c], blocklist, action="reject")
+    assert c.text == "" and c.candidates[0]["text"] == ""
+    assert c.error == "rejected by filter" and c.finish_reason == "eos" and c.flagged == ["re:gr[ae]y"]
+
+
+def test_candidates_are_masked(ctx, blocklist):
+    c = _completion("fine", candidates=[{"text": "a class act", "tokens": [1], "score": -1.0}])
+    _run(ctx, [c], blocklist)
+    assert c.text == "fine" and c.candidates[0]["text"] == "a *** act" and c.flagged == ["class"]
+
+
+def test_bad_regex_names_file_and_line(ctx, tmp_path):
+    path = tmp_path / "bad.txt"
+    path.write_text("# comment\nok\nre:(unclosed\n", encoding="utf-8")
+    with pytest.raises(StageFailure, match=rf"^{path}:3: bad regular expression '\(unclosed'"):
+        _run(ctx, [_completion("x")], path)
+
+
+def test_empty_matching_regex_and_missing_file(ctx, tmp_path):
+    path = tmp_path / "empty.txt"
+    path.write_text("re:a*\n", encoding="utf-8")
+    with pytest.raises(StageFailure, match=rf"{path}:1: .*matches the empty string"):
+        _run(ctx, [_completion("x")], path)
+    with pytest.raises(StageFailure, match="blocklist file not found"):
+        _run(ctx, [_completion("x")], tmp_path / "nope.txt")

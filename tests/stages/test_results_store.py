@@ -1,0 +1,137 @@
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import sqlite3
+
+import pytest
+
+from llmplan.engine.cli import CliError
+from llmplan.stages import history_commands
+from llmplan.stages.results_store import SCHEMA_VERSION, ResultRow, ResultsStore, RunRow, StoreError, open_existing
+
+
+def _row(i: int, key: str | None = None) -> ResultRow:
+    return ResultRow(
+        request_id=f"r{i}",
+        prompt=f"prompt {i} " + "x" * 300,
+        text=f"answer {i} 你好 🎉",
+        tokens=[1, 2, i],
+        finish_reason="eos",
+        usage={"prompt_tokens": 4, "completion_tokens": 3},
+        timings={"ttft_s": 0.01, "decode_tokens_per_s": 80.0 + i},
+        candidates=[{"text": "c", "tokens": [1], "score": -1.0, "finish_reason": "eos"}],
+        cache_key=key,
+        logprobs=[-0.5, -0.25, float("-inf")],
+    )
+
+
+def _run(plan: str = "p") -> RunRow:
+    return RunRow(plan, "fp-1", "cpu", "ok", "/runs/x")
+
+
+def test_schema_and_round_trip(tmp_path):
+    db = tmp_path / "sub" / "results.sqlite"
+    with ResultsStore(db) as store:
+        run_id = store.record_run(_run(), [_row(1, "k1"), _row(2)])
+        assert store.count("runs") == 1 and store.count("results") == 2
+        hit = store.lookup("k1")
+        assert hit is not None and hit["run_id"] == run_id and hit["text"] == "answer 1 你好 🎉"
+        assert hit["tokens"] == [1, 2, 1] and hit["logprobs"][2] == float("-inf")
+        assert len(hit["prompt_excerpt"]) == 200
+        assert store.lookup("nope") is None
+        newest = store.history(limit=1)
+        assert [r["request_id"] for r in newest] == ["r2"] and newest[0]["plan"] == "p"
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert conn.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
+
+
+def test_failed_insert_leaves_nothing_half_written(tmp_path):
+    db = tmp_path / "r.sqlite"
+    with ResultsStore(db) as store:
+        store.record_run(_run(), [_row(1)])
+        bad = _row(2)
+        bad.request_id = None  # type: ignore[assignment]  # NOT NULL: the second row fails
+        with pytest.raises(sqlite3.IntegrityError):
+            store.record_run(_run("second"), [_row(3), bad])
+        assert store.count("runs") == 1 and store.count("results") == 1  # the run and row 3 rolled back
+
+
+def test_newer_schema_and_non_database_are_refused(tmp_path):
+    db = tmp_path / "r.sqlite"
+    ResultsStore(db).close()
+    conn = sqlite3.connect(db)
+    conn.execute("UPDATE schema_version SET version = 99")
+    conn.commit()
+    conn.close()
+    with pytest.raises(StoreError, match=r"schema version 99 is newer than this llmplan supports \(1\)"):
+        ResultsStore(db)
+    junk = tmp_path / "junk.sqlite"
+    junk.write_bytes(b"this is not a database" * 100)
+    with pytest.raises(StoreError, match=r"junk\.sqlite: cannot use the results database"):
+        ResultsStore(junk)
+    assert open_existing(tmp_path / "missing.sqlite") is None
+    assert not (tmp_path / "missing.sqlite").exists()
+
+
+def _writer(db: str, worker: int, start: multiprocessing.synchronize.Event) -> None:
+    start.wait()
+    with ResultsStore(db) as store:
+        for i in range(50):
+            store.record_run(RunRow(f"w{worker}", None, "cpu", "ok"), [_row(worker * 1000 + i, f"{worker}-{i}")])
+
+
+def test_two_processes_lose_nothing(tmp_path):
+    db = str(tmp_path / "shared.sqlite")
+    mp = multiprocessing.get_context("fork")
+    start = mp.Event()
+    workers = [mp.Process(target=_writer, args=(db, w, start)) for w in (1, 2)]
+    for p in workers:
+        p.start()
+    start.set()  # both create the schema and write at the same moment
+    for p in workers:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    with ResultsStore(db) as store:
+        assert store.count("results") == 100 and store.count("runs") == 100
+        assert store.lookup("1-49") is not None and store.lookup("2-0") is not None
+
+
+# --- llmplan history / show ----------------------------------------------------------------------
+
+
+def _cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    history_commands.register(parser.add_subparsers())
+    args = parser.parse_args(argv)
+    return args.handler(args)
+
+
+def test_history_and_show(tmp_path, capsys):
+    db = tmp_path / "r.sqlite"
+    with ResultsStore(db) as store:
+        store.record_run(_run("plan-a"), [_row(1), _row(2)])
+    assert _cli(["history", "--db", str(db)]) == 0
+    out = capsys.readouterr().out
+    assert "plan-a" in out and "82.0" in out and "81.0" in out and "4+3" in out and "…xxx" in out
+    assert _cli(["history", "--db", str(db), "--json", "--limit", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["request_id"] == "r2"
+    assert _cli(["show", "1", "--db", str(db)]) == 0
+    out = capsys.readouterr().out
+    assert "answer 1 你好 🎉" in out and "plan plan-a" in out and "candidate 1" in out
+    assert _cli(["show", "2", "--db", str(db), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == "answer 2 你好 🎉"
+
+
+def test_missing_db_and_unknown_id_are_one_line(tmp_path):
+    missing = tmp_path / "none.sqlite"
+    with pytest.raises(CliError, match="no results database here"):
+        _cli(["history", "--db", str(missing)])
+    assert not missing.exists()
+    db = tmp_path / "r.sqlite"
+    ResultsStore(db).close()
+    with pytest.raises(CliError, match="no result with id 7"):
+        _cli(["show", "7", "--db", str(db)])
