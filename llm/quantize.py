@@ -60,6 +60,7 @@ fbgemm packed copy lazily on the first CPU forward; RAM is the codes plus that c
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Literal
@@ -123,11 +124,31 @@ def quantize_weight(w: Tensor, dtype: str, group_size: int = DEFAULT_GROUP_SIZE)
         raise ValueError(f"w: expected a 2-D [out, in] weight, got shape {tuple(w.shape)}")
     if dtype in FLOAT_DTYPES:
         return w.to(FLOAT_DTYPES[dtype])
-    if dtype == "int8":
-        return _quantize_int8(w)
-    if dtype == "int4":
-        return _quantize_int4(w, group_size)
-    raise ValueError(f"dtype: unsupported {dtype!r} (supported: {', '.join(QUANT_DTYPES)})")
+    if dtype not in ("int8", "int4"):
+        raise ValueError(f"dtype: unsupported {dtype!r} (supported: {', '.join(QUANT_DTYPES)})")
+    # Rows are quantized independently, so a large matrix (the vocabulary head) is done in row blocks:
+    # the fp32 temporaries then stay a few MB instead of several copies of the whole matrix.
+    parts = [
+        _quantize_int8(block) if dtype == "int8" else _quantize_int4(block, group_size)
+        for block in w.split(_CHUNK_ROWS, dim=0)
+    ]
+    return parts[0] if len(parts) == 1 else _concat(parts)
+
+
+_CHUNK_ROWS = 2048
+
+
+def _concat(parts: list[Int8Weight] | list[Int4Weight]) -> Int8Weight | Int4Weight:
+    if isinstance(parts[0], Int8Weight):
+        return Int8Weight(
+            qweight=torch.cat([p.qweight for p in parts]),  # type: ignore[union-attr]
+            scale=torch.cat([p.scale for p in parts]),
+        )
+    return Int4Weight(
+        packed=torch.cat([p.packed for p in parts]),  # type: ignore[union-attr]
+        scale=torch.cat([p.scale for p in parts]),
+        zero=torch.cat([p.zero for p in parts]),  # type: ignore[union-attr]
+    )
 
 
 def _quantize_int8(w: Tensor) -> Int8Weight:
@@ -184,11 +205,23 @@ def dequantize(q: QuantizedWeight, dtype: torch.dtype = torch.float32) -> Tensor
 
 
 def relative_error(w: Tensor, q: QuantizedWeight) -> float:
-    """Relative Frobenius error ||w - dequantize(q)|| / ||w|| (computed in float64)."""
-    ref = w.double()
-    denom = ref.norm().item()
-    diff = (ref - dequantize(q, torch.float64)).norm().item()
-    return diff / denom if denom > 0 else diff
+    """Relative Frobenius error ||w - dequantize(q)|| / ||w|| (float64, in row blocks to bound memory)."""
+    num = den = 0.0
+    for start in range(0, w.shape[0], _CHUNK_ROWS):
+        ref = w[start : start + _CHUNK_ROWS].double()
+        den += float(ref.square().sum())
+        num += float((ref - dequantize(_rows(q, start, _CHUNK_ROWS), torch.float64)).square().sum())
+    return math.sqrt(num / den) if den > 0 else math.sqrt(num)
+
+
+def _rows(q: QuantizedWeight, start: int, count: int) -> QuantizedWeight:
+    """Rows start..start+count of a (possibly quantized) weight, as views."""
+    end = start + count
+    if isinstance(q, Tensor):
+        return q[start:end]
+    if isinstance(q, Int8Weight):
+        return Int8Weight(q.qweight[start:end], q.scale[start:end])
+    return Int4Weight(q.packed[start:end], q.scale[start:end], q.zero[start:end])
 
 
 def nbytes(q: QuantizedWeight) -> int:

@@ -21,6 +21,28 @@ class EnvParams(Params):
     require_cuda: bool = Field(False, description="fail unless a CUDA device is present")
 
 
+M_MMAP_THRESHOLD = -3
+
+
+def tune_allocator() -> bool:
+    """Serve allocations of 1 MiB and more with mmap, so freed tensors go back to the OS at once.
+
+    glibc otherwise raises its mmap threshold as large blocks are freed, and the fp32 tensors the
+    loader converts and drops then fragment the heap: measured on the int8 plan, RSS after loading
+    was 796 MiB with the default and 513 MiB with this (weights 237 MiB, Python/torch 243 MiB).
+    """
+    import ctypes
+    import ctypes.util
+
+    if platform.system() != "Linux":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 20))
+    except (OSError, AttributeError):
+        return False
+
+
 def resolve_device(requested: str) -> str:
     """'auto' → the first CUDA device when present, else CPU; an explicit 'cuda' must exist."""
     import torch
@@ -56,6 +78,7 @@ class EnvCheck(Stage):
             raise StageFailure("env.check: require_cuda is set, but no CUDA device is present")
         if plan.threads:
             torch.set_num_threads(plan.threads)
+        ctx.metrics.set("allocator_tuned", tune_allocator())
         torch.manual_seed(plan.seed)
         packages = {}
         for name in PACKAGES:
