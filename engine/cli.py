@@ -20,6 +20,7 @@ from .registry import Registry, discover
 from .stage import DeepCheck
 
 COMMAND_GROUP = "llmplan.commands"
+REPORTER_GROUP = "llmplan.reporters"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="machine-readable results on stdout, nothing else")
     run.add_argument("--out", metavar="DIR", help="run directory (default: <runs_dir>/<time>-<plan>)")
     run.add_argument("--quiet", action="store_true", help="no per-stage lines on stderr")
+    run.add_argument("--report", action="store_true", help="write the HTML report of the run at the end")
     run.set_defaults(handler=cmd_run)
 
     validate = sub.add_parser("validate", help="check plans without loading a model")
@@ -134,9 +136,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     result = Runner(bound, ctx, run_dir, until=args.until, report=reporter, debug=args.debug).run()
     if not args.quiet:
         stderr.print(f"[dim]run directory: {result.run_dir}[/dim]")
+    if args.report:
+        page = write_report(result.run_dir)
+        stderr.print(f"report: {page}" if page else "[yellow]report: no reporter plugin is installed[/yellow]")
     if result.exit_code:
         _err(f"error: {result.message}")
     return result.exit_code
+
+
+def write_report(run_dir: Path) -> Path | None:
+    """Ask the installed reporter plugin (entry-point group `llmplan.reporters`) for the run's report."""
+    for point in entry_points(group=REPORTER_GROUP):
+        return Path(point.load()(run_dir))
+    return None
 
 
 def _stdout_stream(text: str) -> None:
@@ -199,7 +211,9 @@ def deep_check(bound: BoundPlan) -> tuple[list[Finding], dict[str, int]]:
     if deep.capacity is not None and total > deep.capacity[1]:
         what, available = deep.capacity
         deep.current = bound.stages[0].id
-        deep.problem(f"estimated memory {total / (1 << 20):.0f} MiB does not fit {what} ({available / (1 << 20):.0f} MiB)")
+        deep.problem(
+            f"estimated memory {total / (1 << 20):.0f} MiB does not fit {what} ({available / (1 << 20):.0f} MiB)"
+        )
     findings = []
     index = {b.id: b.index for b in bound.stages}
     for stage_id, field, message in deep.problems:

@@ -21,6 +21,7 @@ from llmplan.llm.sampling import SamplingParams, build_picker
 from llmplan.llm.tokenizer import StreamDecoder
 
 from .compute_tokenize import truncate
+from .observe import finish_observing
 from .slots import InferenceContext
 from .types import Candidate, GenerationResult, Request
 
@@ -112,6 +113,7 @@ class Generate(Stage):
                 group = requests[first : first + size]
                 results += self._batch(ctx, model, cache, group, params, eos, pad, seed, stream)
         ctx.generations = results
+        finish_observing(ctx, results)  # generations.json; timings / attention files when observed
         total = sum(len(r.tokens) for r in results)
         wall = time.perf_counter() - started
         ctx.metrics.set("generated_tokens", total)

@@ -20,6 +20,7 @@ from llmplan.llm.quantize import make_linear
 from llmplan.llm.weights import WeightError
 
 from .load_convert import activation_dtype
+from .observe import begin_observing
 from .slots import InferenceContext
 
 CACHE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -80,6 +81,7 @@ class ToDevice(Stage):
         except (ValueError, torch.OutOfMemoryError) as bad:
             raise StageFailure(f"kv_cache: {bad}") from None
         ctx.model, ctx.kv_cache = model, cache
+        begin_observing(ctx, model, cache)  # model.json always; hooks only when plan.observe asks
         ctx.weights = None  # the model owns the tensors now
         rope = sum(b.nbytes for b in model.buffers())
         ctx.metrics.set("regions", {"weights": weights.nbytes, "kv_cache": cache.nbytes, "work_buffers": rope})

@@ -11,7 +11,7 @@ import pytest
 
 from llmplan.engine.plan import load_plan
 from llmplan.engine.registry import discover
-from llmplan.engine.runner import RunResult, Runner
+from llmplan.engine.runner import Runner, RunResult
 
 REPO = Path(__file__).resolve().parents[2]
 PLANS = REPO / "plans"

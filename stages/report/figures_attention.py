@@ -1,0 +1,72 @@
+"""Attention heatmaps (attention.json): weights over the prompt's tokens for the chosen layers and heads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .common import Figure, plt, save
+from .fonts import drawable, pick_font
+from .run_data import RunData
+from .tokens import token_labels
+
+
+def labels_of(data: dict[str, Any]) -> list[str]:
+    return token_labels(data.get("token_ids") or [], data.get("pieces"), data.get("tokens"))
+
+
+def draw_attention(run: RunData, out_dir: Path) -> list[Figure]:
+    data = run.attention
+    if not data:
+        asked = run.observe.get("attention")
+        why = (
+            "asked for, but attention.json was not written (observe wiring missing?)"
+            if asked
+            else "not asked for (plan `observe: {attention: {layers: [...], heads: [...]}}`)"
+        )
+        return [Figure("attention", "Attention heatmaps", None, notes=[why])]
+    maps = data.get("maps") or []
+    if not maps:
+        return [Figure("attention", "Attention heatmaps", None, notes=["no prefill pass was captured"])]
+    labels = labels_of(data)
+    font = pick_font(labels)
+    shown = [drawable(label, font) for label in labels]
+    props = font.properties()
+    layers, heads = sorted({m["layer"] for m in maps}), sorted({m["head"] for m in maps})
+    n = len(labels) or len(maps[0]["weights"])
+    cell = min(0.16 * n + 1.6, 9.0)
+    fig, axes = plt.subplots(
+        len(layers),
+        len(heads),
+        figsize=(cell * len(heads) + 2, cell * len(layers) + 1),
+        squeeze=False,
+        layout="constrained",
+    )
+    image = None
+    for m in maps:
+        ax = axes[layers.index(m["layer"])][heads.index(m["head"])]
+        image = ax.imshow(m["weights"], cmap="magma", vmin=0, vmax=1, interpolation="nearest")
+        ax.set_title(f"layer {m['layer']}, head {m['head']}", fontsize=9)
+        if shown and n <= 96:
+            size = max(4.0, min(8.0, 420 / n))
+            ax.set_xticks(range(n), shown, rotation=90, fontsize=size, fontproperties=props)
+            ax.set_yticks(range(n), shown, fontsize=size, fontproperties=props)
+            if props is not None:
+                for tick in (*ax.get_xticklabels(), *ax.get_yticklabels()):
+                    tick.set_fontsize(size)
+        ax.set_xlabel("key (attended-to token)", fontsize=8)
+        ax.set_ylabel("query token", fontsize=8)
+    if image is not None:
+        fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
+    fig.suptitle("Attention over the prompt (first request, first prefill pass; each row sums to 1)", fontsize=11)
+    path = save(fig, out_dir / "attention.png")
+    notes = [font.note] if font.note else []
+    ignored = data.get("ignored") or {}
+    if ignored.get("layers") or ignored.get("heads"):
+        notes.append(f"ignored out-of-range indexes: layers {ignored.get('layers')}, heads {ignored.get('heads')}")
+    caption = (
+        f"{n} prompt tokens (max_tokens {data.get('max_tokens')}); weights recomputed from the attention "
+        "module's own inputs as softmax(QKᵀ/√d) with the causal mask. <xx yy> = bytes of a character split "
+        "over several tokens; ␣ = space."
+    )
+    return [Figure("attention", "Attention heatmaps", path, caption, notes)]

@@ -1,0 +1,48 @@
+"""The plan's stage graph, rebuilt from plan.resolved.yaml, each stage labelled with its time and memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .common import Figure, mib
+from .run_data import RunData
+
+
+def stage_label(record: dict | None) -> str:
+    if record is None:
+        return "not run"
+    status = record.get("status", "?")
+    if status != "ok":
+        return status
+    delta = (record.get("rss_after") or 0) - (record.get("rss_before") or 0)
+    text = f"{record.get('wall_s', 0.0):.3f} s, RSS {'+' if delta >= 0 else '-'}{mib(abs(delta))}"
+    if record.get("device_before") is not None and record.get("device_after") is not None:
+        ddev = record["device_after"] - record["device_before"]
+        text += f"\ndevice {'+' if ddev >= 0 else '-'}{mib(abs(ddev))}"
+    return text
+
+
+def draw_plan_graph(run: RunData, out_dir: Path) -> list[Figure]:
+    from llmplan.engine.drawing import draw_graph
+    from llmplan.engine.findings import PlanError
+    from llmplan.engine.graph import build_graph
+    from llmplan.engine.plan import load_plan
+    from llmplan.engine.registry import discover
+
+    title = "Plan graph"
+    plan_path = run.run_dir / "plan.resolved.yaml"
+    if not plan_path.is_file():
+        return [Figure("plan", title, None, notes=["plan.resolved.yaml is missing from the run directory"])]
+    try:
+        bound = load_plan(plan_path, discover())
+    except PlanError as bad:
+        why = "; ".join(str(f) for f in bad.findings[:3])
+        return [Figure("plan", title, None, notes=[f"the plan no longer validates here: {why}"])]
+    graph = build_graph(bound.stages)
+    labels = {node: stage_label(run.record(node)) for node in graph.nodes}
+    path = draw_graph(graph, out_dir / "plan_graph.png", labels=labels, title=f"plan {bound.plan.name}")
+    caption = (
+        "Stages coloured by phase, each with its wall time and the change of host memory (RSS) while it ran. "
+        "Solid arrows carry slots; dashed ones only order stages."
+    )
+    return [Figure("plan", title, path, caption)]

@@ -1,0 +1,163 @@
+"""Observers: model.json from the loaded model, hooks only when asked, timings per layer, exact attention."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from llmplan.engine.plan import AttentionCapture, Observe
+from llmplan.llm.model import Transformer
+from llmplan.stages import compute_generate
+from llmplan.stages.observe import install_observers, model_summary
+from tests.llm.tiny import load_tiny
+from tests.stages.tiny_run import make_tiny_model_dir, run_plan, wire_observers, write_plan
+
+N_LAYERS, NEW_TOKENS = 3, 12
+
+
+def hook_count(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny"), n_layers=N_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def model(tiny: tuple[Path, Any]) -> Transformer:
+    return load_tiny(tiny[0])
+
+
+@pytest.fixture
+def wired(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """The observe wiring, plus a spy counting the forward hooks on the model generate runs."""
+    wire_observers(monkeypatch)
+    seen: dict[str, int] = {}
+    inner = compute_generate.Generate.run
+
+    def spy(self: Any, ctx: Any, params: Any) -> None:
+        seen["hooks"] = hook_count(ctx.model)
+        inner(self, ctx, params)
+
+    monkeypatch.setattr(compute_generate.Generate, "run", spy)
+    return seen
+
+
+def test_nothing_asked_installs_nothing(model: Transformer) -> None:
+    assert install_observers(model, Observe()) is None
+    assert hook_count(model) == 0
+
+
+def test_nothing_asked_in_a_run_costs_nothing(tiny: tuple[Path, Any], tmp_path: Path, wired: dict[str, int]) -> None:
+    run = run_plan(write_plan(tmp_path, tiny[0]), tmp_path / "run")
+    assert wired["hooks"] == 0
+    assert not (run / "layer_timings.json").exists() and not (run / "attention.json").exists()
+    assert (run / "model.json").is_file() and (run / "generations.json").is_file()
+
+
+def test_model_json_matches_the_config(tiny: tuple[Path, Any], tmp_path: Path, wired: dict[str, int]) -> None:
+    run = run_plan(write_plan(tmp_path, tiny[0]), tmp_path / "run")
+    cfg = tiny[1].config
+    summary = json.loads((run / "model.json").read_text())
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    assert summary["n_layers"] == cfg.num_hidden_layers == len(summary["layer_kinds"])
+    assert (summary["dim"], summary["n_heads"], summary["n_kv_heads"], summary["head_dim"]) == (
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        head_dim,
+    )
+    mods = summary["modules"]
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * head_dim
+    assert mods["layers.0.attention.wqkv"]["tensors"]["weight"]["shape"] == [qkv, cfg.hidden_size]
+    assert mods["layers.0.feed_forward.w13"]["tensors"]["weight"]["shape"] == [
+        2 * cfg.intermediate_size,
+        cfg.hidden_size,
+    ]
+    assert mods["tok_embeddings"]["tensors"]["weight"]["shape"] == [cfg.vocab_size, cfg.hidden_size]
+    assert mods["output"]["kind"] == "FloatLinear" and mods["output"]["format"] == "fp32"
+    assert summary["activation_dtype"] == "float32"
+    assert summary["kv_cache"]["shape"] == [cfg.num_hidden_layers, 1, cfg.num_key_value_heads, 128, head_dim]
+    generations = json.loads((run / "generations.json").read_text())
+    assert len(generations[0]["tokens"]) == len(generations[0]["logprobs"]) == NEW_TOKENS
+
+
+def test_observed_run_records_timings_and_attention(
+    tiny: tuple[Path, Any], tmp_path: Path, wired: dict[str, int]
+) -> None:
+    observe = {"layer_timings": True, "attention": {"layers": [0, -1, 99], "heads": [0, 3], "max_tokens": 8}}
+    run = run_plan(write_plan(tmp_path, tiny[0], observe=observe), tmp_path / "run")
+    assert wired["hooks"] > 0
+    timings = json.loads((run / "layer_timings.json").read_text())
+    assert timings["n_layers"] == N_LAYERS
+    assert timings["prefill"]["passes"] == 1
+    assert timings["decode"]["passes"] == NEW_TOKENS - 1  # the first token comes from prefill
+    for phase in ("prefill", "decode"):
+        for key in ("attention_s", "mlp_s"):
+            assert len(timings[phase][key]) == N_LAYERS and all(t > 0 for t in timings[phase][key])
+    attention = json.loads((run / "attention.json").read_text())
+    assert attention["layers"] == [0, N_LAYERS - 1] and attention["ignored"]["layers"] == [99]
+    assert len(attention["token_ids"]) == 8 and len(attention["pieces"]) == 8
+    assert [(m["layer"], m["head"]) for m in attention["maps"]] == [(0, 0), (0, 3), (2, 0), (2, 3)]
+    for m in attention["maps"]:
+        weights = torch.tensor(m["weights"])
+        assert weights.shape == (8, 8)
+        assert torch.allclose(weights.sum(-1), torch.ones(8), atol=1e-5)
+        assert torch.all(weights.triu(1) == 0)  # causal
+
+
+def test_attention_equals_transformers_eager(tiny: tuple[Path, Any], model: Transformer) -> None:
+    hf = tiny[1]
+    hf.config._attn_implementation = "eager"
+    tokens = torch.tensor([[1, 40, 41, 50, 60, 70, 80, 90, 100]])
+    settings = Observe(attention=AttentionCapture(layers=[0, 1, 2], heads=[0, 1, 2, 3], max_tokens=64))
+    observer = install_observers(model, settings)
+    assert observer is not None
+    with torch.inference_mode():
+        model(tokens, torch.arange(tokens.shape[1])[None])
+        expected = hf(tokens, output_attentions=True).attentions
+    observer.remove()
+    assert hook_count(model) == 0
+    record = observer.attention_record()
+    assert record is not None and record["token_ids"] == tokens[0].tolist()
+    for m in record["maps"]:
+        ref = expected[m["layer"]][0, m["head"]].float()
+        torch.testing.assert_close(torch.tensor(m["weights"]), ref, atol=1e-5, rtol=1e-4)
+
+
+def test_attention_skips_left_padding(model: Transformer) -> None:
+    """Row 0 of a left-padded batch gets the same map as its prompt alone."""
+    prompt = [1, 40, 41, 50, 60]
+    settings = Observe(attention=AttentionCapture(layers=[1], heads=[2], max_tokens=64))
+    maps = []
+    for tokens, valid in (
+        (torch.tensor([prompt]), None),
+        (
+            torch.tensor([[0, 0, *prompt], [1, 2, 3, 4, 5, 6, 7]]),
+            torch.tensor([[False, False] + [True] * 5, [True] * 7]),
+        ),
+    ):
+        observer = install_observers(model, settings)
+        assert observer is not None
+        positions = torch.arange(tokens.shape[1])[None].expand(tokens.shape[0], -1)
+        if valid is not None:
+            positions = (valid.cumsum(1) - 1).clamp(min=0)
+        with torch.inference_mode():
+            model(tokens, positions, valid=valid)
+        observer.remove()
+        record = observer.attention_record()
+        assert record is not None
+        assert record["token_ids"] == prompt
+        maps.append(torch.tensor(record["maps"][0]["weights"]))
+    torch.testing.assert_close(maps[0], maps[1], atol=1e-5, rtol=1e-4)
+
+
+def test_model_summary_without_a_cache(model: Transformer) -> None:
+    summary = model_summary(model)
+    assert summary["n_layers"] == N_LAYERS and "kv_cache" not in summary
+    assert summary["layers_identical"] and summary["modules"]["norm"]["kind"] == "RMSNorm"
