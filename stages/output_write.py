@@ -99,6 +99,11 @@ class OutputWrite(Stage):
                 for completion in ctx.completions:
                     prefix = f"[{completion.request_id}] " if len(ctx.completions) > 1 else ""
                     print(prefix + fmt.stats_text(completion, load_s), file=sys.stderr)
+        if ctx.json_mode and not printed_json:  # --json always means the JSON lines on stdout
+            for result in results:
+                sys.stdout.write(fmt.json_line(result) + "\n")
+            sys.stdout.flush()
+            deliveries.append("stdout_json")
         ctx.deliveries = deliveries
         ctx.metrics.set("deliveries", deliveries)
 
