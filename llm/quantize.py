@@ -37,19 +37,18 @@ What "auto" picks on CPU (any other device, or kernel="reference", uses the refe
   converted to fp16, which is exact for every bf16 value with 2^-14 <= |w| <= 65504 (fp16 has more mantissa
   bits) and off by < 2^-25 absolute below that; weights beyond fp16 range fall back to the reference.
   It is *more* accurate than the reference (which rounds activations to bf16/fp16) and 2-4x faster.
-* int8: fbgemm's dynamic int8 linear on weights prepacked once. It also quantizes the activations per call,
-  per tensor (all rows share one asymmetric uint8 grid), with ``reduce_range=True``: on this AVX2 CPU the
-  full 8-bit range saturates the int16 pair-sums (vpmaddubsw) and gives wrong results (measured: up to 2%
-  error vs an exact integer simulation with reduce_range=False, 1e-7 with True). The extra error vs the
-  weight-only reference (relative Frobenius error of the output, measured): ~2% on N(0,1) activations,
-  ~1% on ReLU-like ones, but ~16% (36% on the worst row) when 1% of the input channels are 30x outliers -
-  LLM activations do have such channels, so the reference path stays selectable (`kernel="reference"`).
-* int4: the stored 4-bit weight is dequantized once and re-quantized per-output-channel to int8, then runs
-  on the int8 fbgemm path above: the fastest kernel here, while the checkpoint keeps the 0.625 byte/weight.
-  In RAM the module holds the packed int4 codes plus the fbgemm int8 copy (~1.6 byte/weight). The re-quantization
-  adds a 0.75% relative weight error in quadrature (group 32: 0.0783 → 0.0787 vs the fp32 weight). The alternative
-  _weight_int4pack_mm_for_cpu with bf16 activations would keep 0.5 byte/weight in RAM but is 1.3-3.6x
-  slower than int8 fbgemm (and ~4x more at 16 rows) - a possible later option for memory-bound hosts.
+* int8 and int4: the weight is dequantized once and packed for the same fbgemm fp16 GEMM: a weight-only
+  product (activations stay fp32), so the only error is the weight quantization itself (plus fp16 rounding
+  of the dequantized value, < 2^-11 relative). Why not fbgemm's dynamic int8 linear, 1.1-2x faster still?
+  It quantizes the activations per call with one scale for the whole tensor, and SmolLM2's residual
+  stream has outlier channels: measured end to end on SmolLM2-135M (fp32 logits as reference, one
+  40-token chat prompt), dynamic int8 gave a relative logit error of 0.51 with 33% top-1 agreement, the
+  weight-only product 0.04 and 98%. Folding the RMSNorm gains into the weights did not rescue it (0.37).
+  So `dynamic_int8` remains selectable for models without outliers, never the default.
+  (fbgemm's int8 path also needs ``reduce_range=True`` here: on this AVX2 CPU the full 8-bit range
+  saturates the int16 pair-sums (vpmaddubsw); measured up to 2% error vs an exact integer simulation.)
+  RAM: the module keeps its int8/int4 codes (for `state_dict`, saving and other devices) plus the packed
+  fp16 copy, ~3 byte/weight for int8 and ~2.6 for int4 while loaded; the files keep 1 and 0.625.
 
 The reference paths (the oracle in tests, and the path on non-CPU devices): fp32/fp16/bf16 cast x to the
 weight's dtype and F.linear; int8 F.linear(x, q.to(x.dtype)) * scale (the per-row scale factors out of the
@@ -69,7 +68,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-Kernel = Literal["auto", "reference"]
+Kernel = Literal["auto", "reference", "dynamic_int8"]
 QuantDtype = Literal["fp32", "fp16", "bf16", "int8", "int4"]
 
 FLOAT_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -326,25 +325,33 @@ class FloatLinear(nn.Module):
             self._packed = self._prepack()
         if self._packed is False:
             return F.linear(x.to(w.dtype), w).to(x.dtype)
-        x2, lead = _flatten(x)
-        y = torch.ops.quantized.linear_dynamic_fp16(x2, self._packed)
-        return y.reshape(*lead, self.out_features).to(x.dtype)
+        return _fbgemm_fp16(x, self._packed, self.out_features)
 
     def _prepack(self) -> object:
-        w = self.weight
-        if not _fbgemm_ready() or not torch.isfinite(w).all() or w.abs().max().item() > _FP16_MAX:
-            return False
-        try:
-            # linear_prepack_fp16 takes fp32 and rounds to fp16 itself; bf16 → fp32 → fp16 is exact
-            # in fp16's normal range, so the packed weight holds the same values
-            return torch.ops.quantized.linear_prepack_fp16(w.float().contiguous(), None)
-        except (RuntimeError, NotImplementedError) as err:
-            _warn_fallback("FloatLinear", err)
-            return False
+        return _prepack_fp16(self.weight, "FloatLinear")
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         self._packed = None  # a move/cast invalidates the packed copy
         return super()._apply(fn, recurse)
+
+
+def _prepack_fp16(w: Tensor, what: str) -> object:
+    """fbgemm's packed fp16 weight, or False when the kernel or the value range does not allow it."""
+    if not _fbgemm_ready() or not torch.isfinite(w).all() or w.abs().max().item() > _FP16_MAX:
+        return False
+    try:
+        # linear_prepack_fp16 takes fp32 and rounds to fp16 itself; bf16 → fp32 → fp16 is exact
+        # in fp16's normal range, so the packed weight holds the same values
+        return torch.ops.quantized.linear_prepack_fp16(w.float().contiguous(), None)
+    except (RuntimeError, NotImplementedError) as err:
+        _warn_fallback(what, err)
+        return False
+
+
+def _fbgemm_fp16(x: Tensor, packed: object, out_features: int) -> Tensor:
+    x2, lead = _flatten(x)
+    y = torch.ops.quantized.linear_dynamic_fp16(x2, packed)
+    return y.reshape(*lead, out_features).to(x.dtype)
 
 
 def _prepack_int8(qweight: Tensor, scale: Tensor, what: str) -> object:
@@ -372,7 +379,8 @@ def _fbgemm_int8(x: Tensor, packed: object, out_features: int) -> Tensor:
 
 
 class Int8Linear(nn.Module):
-    """Weight-only int8 linear. auto on CPU: fbgemm dynamic int8; reference: F.linear(x, q) * scale."""
+    """Weight-only int8 linear. auto on CPU: the dequantized weight in fbgemm's fp16 GEMM;
+    dynamic_int8: fbgemm's dynamic int8 (activations quantized too); reference: F.linear(x, q) * scale."""
 
     def __init__(self, weight: Int8Weight, kernel: Kernel = "auto") -> None:
         super().__init__()
@@ -390,11 +398,16 @@ class Int8Linear(nn.Module):
         return int(self.qweight.shape[0])
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.kernel == "auto" and self.qweight.device.type == "cpu":
+        if self.kernel != "reference" and self.qweight.device.type == "cpu":
             if self._packed is None:
-                self._packed = _prepack_int8(self.qweight, self.scale, "Int8Linear")
+                if self.kernel == "dynamic_int8":
+                    self._packed = _prepack_int8(self.qweight, self.scale, "Int8Linear")
+                else:
+                    self._packed = _prepack_fp16(dequantize(Int8Weight(self.qweight, self.scale)), "Int8Linear")
             if self._packed is not False:
-                return _fbgemm_int8(x, self._packed, self.out_features)
+                if self.kernel == "dynamic_int8":
+                    return _fbgemm_int8(x, self._packed, self.out_features)
+                return _fbgemm_fp16(x, self._packed, self.out_features)
         return self.reference(x)
 
     def reference(self, x: Tensor) -> Tensor:
@@ -409,8 +422,8 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """Weight-only int4 linear. auto on CPU: re-quantize once to per-channel int8 and use fbgemm;
-    reference: dequantize to x's dtype per call and F.linear."""
+    """Weight-only int4 linear. auto on CPU: the dequantized weight in fbgemm's fp16 GEMM; dynamic_int8:
+    re-quantized once to per-channel int8 for fbgemm's dynamic int8; reference: dequantize per call."""
 
     def __init__(self, weight: Int4Weight, kernel: Kernel = "auto") -> None:
         super().__init__()
@@ -432,12 +445,17 @@ class Int4Linear(nn.Module):
         return Int4Weight(packed=self.packed, scale=self.scale, zero=self.zero)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.kernel == "auto" and self.packed.device.type == "cpu":
+        if self.kernel != "reference" and self.packed.device.type == "cpu":
             if self._packed is None:
-                q8 = _quantize_int8(dequantize(self.quantized_weight()))
-                self._packed = _prepack_int8(q8.qweight, q8.scale, "Int4Linear")
+                if self.kernel == "dynamic_int8":
+                    q8 = _quantize_int8(dequantize(self.quantized_weight()))
+                    self._packed = _prepack_int8(q8.qweight, q8.scale, "Int4Linear")
+                else:
+                    self._packed = _prepack_fp16(dequantize(self.quantized_weight()), "Int4Linear")
             if self._packed is not False:
-                return _fbgemm_int8(x, self._packed, self.out_features)
+                if self.kernel == "dynamic_int8":
+                    return _fbgemm_int8(x, self._packed, self.out_features)
+                return _fbgemm_fp16(x, self._packed, self.out_features)
         return self.reference(x)
 
     def reference(self, x: Tensor) -> Tensor:
@@ -455,8 +473,8 @@ def make_linear(weight: QuantizedWeight, kernel: Kernel = "auto") -> nn.Module:
     kernel="auto" uses the fast CPU kernels described in the module docstring; "reference" forces the
     plain weight-only path (always used on non-CPU devices).
     """
-    if kernel not in ("auto", "reference"):
-        raise ValueError(f"kernel: expected 'auto' or 'reference', got {kernel!r}")
+    if kernel not in ("auto", "reference", "dynamic_int8"):
+        raise ValueError(f"kernel: expected 'auto', 'reference' or 'dynamic_int8', got {kernel!r}")
     if isinstance(weight, Int8Weight):
         return Int8Linear(weight, kernel)
     if isinstance(weight, Int4Weight):

@@ -33,7 +33,11 @@ class ConvertParams(Params):
     head: Literal["same", "fp32", "bf16", "fp16", "int8"] = Field(
         "same", description="precision of the output head (the largest matmul of decode)"
     )
-    kernel: Literal["auto", "reference"] = Field("auto", description="reference = plain weight-only matmuls")
+    kernel: Literal["auto", "reference", "dynamic_int8"] = Field(
+        "auto",
+        description="auto: fastest weight-only kernels; reference: plain matmuls; "
+        "dynamic_int8: fbgemm int8 with activations quantized too (faster, much less accurate on SmolLM2)",
+    )
 
 
 def activation_dtype(precision: str) -> torch.dtype:
