@@ -275,8 +275,7 @@ def describe_stage(name: str, registry: Registry) -> dict[str, Any]:
     cls = registry.stages[name]
     params = []
     for field_name, field in cls.Params.model_fields.items():
-        annotation = field.annotation
-        type_name = getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+        type_name = type_text(field.annotation)
         default = None if field.is_required() else field.get_default(call_default_factory=True)
         if hasattr(default, "model_dump"):
             default = default.model_dump()
@@ -300,6 +299,23 @@ def describe_stage(name: str, registry: Registry) -> dict[str, Any]:
         "params": params,
         "module": cls.__module__,
     }
+
+
+def type_text(annotation: Any) -> str:
+    """A readable type: Literal['a', 'b'] -> 'a' | 'b', Optional[int] -> int | None."""
+    import types
+    import typing
+
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(type_text(a) for a in args)
+    if annotation is type(None):
+        return "None"
+    if origin is not None:
+        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(type_text(a) for a in args)}]"
+    return getattr(annotation, "__name__", str(annotation).replace("typing.", ""))
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
