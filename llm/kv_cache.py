@@ -72,6 +72,9 @@ class KVCache:
         self.batch = max_batch  # active rows: the first `batch` of the preallocated ones
         self.length = 0  # slots in use, the same for every row
         self.evicted = 0  # slots dropped by "slide" since the last reset
+        # Whether any slot in use is padding: without it attention needs no mask (decode sees every slot,
+        # prefill from slot 0 is plain causal), and the mask-free SDPA paths are several times faster.
+        self.padded = False
 
     @classmethod
     def for_model(
@@ -117,6 +120,7 @@ class KVCache:
         if not 0 < batch <= self.max_batch:
             raise ValueError(f"batch {batch} does not fit a cache of {self.max_batch} rows")
         self.batch, self.length, self.evicted = batch, 0, 0
+        self.padded = False
         self.valid.zero_()
         self.next_pos.zero_()
 
@@ -151,6 +155,8 @@ class KVCache:
             self.next_pos[:b] = last
         else:
             self.valid[:b, start:end] = valid
+            if not self.padded:
+                self.padded = not bool(valid.all())  # one small sync, at prefill only
             self.next_pos[:b] = torch.where(valid[:, -1], last, self.next_pos[:b])
         self.length = end
         return start
@@ -210,6 +216,7 @@ class KVCache:
             self.v[layer, :b, :, :keep_n] = self.v[layer, :b, :, :s].gather(2, index)
         self.valid[:b, :keep_n] = new_valid
         self.valid[:b, keep_n:s] = False
+        self.padded = not bool(new_valid.all())  # padding is dropped first: usually none is left
         self.pos[:b, :keep_n] = new_pos
         self.next_pos[:b] = new_valid.sum(1)
         self.length = keep_n
