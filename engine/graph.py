@@ -185,6 +185,10 @@ def layout_layers(graph: nx.DiGraph) -> dict[str, Any]:
     depth: dict[str, int] = {}
     for node in execution_order(graph):
         depth[node] = max((depth[p] + 1 for p in graph.predecessors(node)), default=0)
+    last = max(depth.values(), default=0)
+    for node in graph:  # `always` stages (release) run last: draw them there
+        if graph.nodes[node]["stage"].cls.always:
+            depth[node] = last + 1
     rows: dict[int, int] = defaultdict(int)
     pos = {}
     for node in execution_order(graph):

@@ -93,3 +93,38 @@ def test_cli_entry_point_exit_code_and_stderr(tmp_path):
     assert proc.returncode == 1
     assert proc.stdout.strip().startswith(f"{bad}:2:1: YAML syntax error")
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_ctrl_c_from_outside_runs_cleanup_and_exits_130(tmp_path):
+    import os
+    import signal
+    import time
+
+    from .conftest import TOY
+
+    plan = tmp_path / "plan.yaml"
+    ready, marker = tmp_path / "ready", tmp_path / "cleaned"
+    plan.write_text(
+        GOOD.replace("uses: toy.square}", f"uses: toy.sleep, with: {{ready: '{ready}'}}}}").replace(
+            "uses: toy.cleanup}", f"uses: toy.cleanup, with: {{marker: '{marker}'}}}}"
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": f"{TOY}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmplan.engine.cli", "run", str(plan), "--out", str(tmp_path / "run")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert marker.read_text() == "cleaned"
+    assert err.strip().splitlines()[-1] == "error: stage 'square' (toy.sleep): interrupted (Ctrl-C); ran the cleanup stages"
+    assert "Traceback" not in err
+    statuses = {s["id"]: s["status"] for s in json.loads((tmp_path / "run" / "stages.json").read_text())}
+    assert statuses == {"numbers": "ok", "square": "failed", "total": "not_run", "cleanup": "ok"}

@@ -134,3 +134,22 @@ class Crash(Stage):
     def run(self, ctx, params):
         CALLS.append("crash")
         raise ZeroDivisionError("division by zero")
+
+
+class Sleep(Stage):
+    """Waits (for a Ctrl-C from outside)."""
+
+    name = "toy.sleep"
+    reads = ("ext.numbers",)
+    writes = ("ext.squares",)
+
+    class Params(Params):
+        seconds: float = Field(30, ge=0, le=600)
+        ready: str | None = None
+
+    def run(self, ctx, params):
+        import time
+
+        if params.ready:
+            Path(params.ready).write_text("sleeping")
+        time.sleep(params.seconds)

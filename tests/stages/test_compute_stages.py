@@ -1,0 +1,145 @@
+"""compute.tokenize and compute.generate as stages, on a tiny random Llama with a real BPE tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.pipeline.conftest import run_plan
+from tests.stages.tiny_run import make_tiny_model_dir, write_plan
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny"))[0]
+
+
+def run(tmp_path: Path, model_dir: Path, overrides: list[str], **plan_kw):  # type: ignore[no-untyped-def]
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    plan = write_plan(tmp_path, model_dir, **plan_kw)
+    result = run_plan(plan, tmp_path / "run", overrides, until="generate")
+    return result
+
+
+def prompts_file(tmp_path: Path, lines: list[str]) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_chat_prompt_goes_through_the_template(tmp_path: Path, model_dir: Path) -> None:
+    result = run(tmp_path, model_dir, [], prompt="Hello model")
+    (request,) = result.context.requests
+    assert request.kind == "chat"
+    assert request.prompt_text == "<|user|>Hello model</s><|assistant|>"
+    assert result.context.tokenizer.decode(request.prompt_ids) == request.prompt_text
+
+
+def test_long_prompt_keeps_its_end_with_a_warning(tmp_path: Path, model_dir: Path) -> None:
+    text = "Hello world, hello model, hello tokens and layers. " * 20
+    result = run(tmp_path, model_dir, ["prompt.max_prompt_tokens=16"], prompt=text)
+    (request,) = result.context.requests
+    assert len(request.prompt_ids) == 16 and request.truncated > 0
+    full = result.context.tokenizer.encode(request.prompt_text)
+    assert request.prompt_ids == full[-16:]
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "prompt_truncated" and e["kept"] == 16 for e in events)
+
+
+def test_truncation_error_policy_refuses(tmp_path: Path, model_dir: Path) -> None:
+    result = run(tmp_path, model_dir, ["prompt.max_prompt_tokens=4", "prompt.truncation=error"])
+    assert result.exit_code == 1 and "the limit is 4 (truncation: error)" in result.message
+
+
+def test_jsonl_bad_lines_are_skipped_with_their_line_numbers(tmp_path: Path, model_dir: Path) -> None:
+    path = prompts_file(
+        tmp_path,
+        [
+            '{"id": "a", "text": "Hello model"}',
+            '{"id": "b", "text": ',
+            '{"id": "c", "messages": [{"role": "user", "content": "Hi"}], "temperature": 9000}',
+            '{"id": "d", "messages": [{"role": "user", "content": "Hi"}], "max_new_tokens": 3}',
+        ],
+    )
+    result = run(tmp_path, model_dir, [f"prompt.prompts_file={path}", "prompt.messages=null"])
+    assert result.exit_code == 0, result.message
+    assert [r.id for r in result.context.requests] == ["a", "d"]
+    assert [len(g.tokens) for g in result.context.generations] == [12, 3]  # d's own max_new_tokens
+    events = (tmp_path / "run" / "events.jsonl").read_text()
+    assert f"{path}:2:" in events and f"{path}:3: temperature: must be <= 100" in events
+
+
+def test_jsonl_bad_line_is_fatal_when_asked(tmp_path: Path, model_dir: Path) -> None:
+    path = prompts_file(tmp_path, ['{"id": "a", "text": "Hi"}', '{"id": "b", "txt": "Hi"}'])
+    result = run(
+        tmp_path, model_dir, [f"prompt.prompts_file={path}", "prompt.messages=null", "prompt.on_bad_line=fail"]
+    )
+    assert result.exit_code == 1
+    assert f"{path}:2: txt: unknown field" in result.message
+
+
+def test_same_seed_same_text_different_seed_different_text(tmp_path: Path, model_dir: Path) -> None:
+    sampled = ["generate.temperature=1.5", "generate.max_new_tokens=16"]
+    a = run(tmp_path / "a", model_dir, [*sampled, "generate.seed=1"]).context.generations[0].tokens
+    b = run(tmp_path / "b", model_dir, [*sampled, "generate.seed=1"]).context.generations[0].tokens
+    c = run(tmp_path / "c", model_dir, [*sampled, "generate.seed=2"]).context.generations[0].tokens
+    assert a == b and a != c
+
+
+def test_stop_string_ends_the_sequence(tmp_path: Path, model_dir: Path) -> None:
+    free = run(tmp_path / "free", model_dir, ["generate.max_new_tokens=24"])
+    tokens = free.context.generations[0].tokens
+    tok = free.context.tokenizer
+    text = tok.decode(tokens, skip_special_tokens=True)
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop.strip(), f"need a visible stop string, got {stop!r} from {text!r}"
+    stopped = run(tmp_path / "stop", model_dir, ["generate.max_new_tokens=24", f"generate.stop={json.dumps([stop])}"])
+    result = stopped.context.generations[0]
+    assert result.finish_reason == "stop_string"
+    assert stop in tok.decode(result.tokens, skip_special_tokens=True)
+    assert len(result.tokens) < len(tokens)
+
+
+def test_full_cache_stops_with_cache_full(tmp_path: Path, model_dir: Path) -> None:
+    result = run(tmp_path, model_dir, ["place.kv_cache.max_tokens=24", "generate.max_new_tokens=40"])
+    generation = result.context.generations[0]
+    assert generation.finish_reason == "cache_full"
+    assert generation.prompt_tokens + len(generation.tokens) == 24 + 1  # the last token needs no slot
+
+
+def test_beam_search_returns_scored_candidates(tmp_path: Path, model_dir: Path) -> None:
+    result = run(
+        tmp_path,
+        model_dir,
+        ["place.max_batch=3", "generate.num_beams=3", "generate.num_return_sequences=3", "generate.max_new_tokens=6"],
+    )
+    (generation,) = result.context.generations
+    scores = [c.score for c in generation.candidates]
+    assert len(scores) == 3 and scores == sorted(scores, reverse=True)
+    assert generation.tokens == generation.candidates[0].tokens
+
+
+def test_beam_search_needs_enough_cache_rows(tmp_path: Path, model_dir: Path) -> None:
+    result = run(tmp_path, model_dir, ["generate.num_beams=4"])
+    assert result.exit_code == 1
+    assert (
+        "num_beams 4 needs 4 KV-cache rows; the cache has 1 (set max_batch on the load.to_device stage)"
+        in result.message
+    )
+
+
+def test_generate_params_are_checked_before_running(tmp_path: Path, model_dir: Path) -> None:
+    plan = write_plan(tmp_path, model_dir)
+    data = yaml.safe_load(plan.read_text())
+    data["stages"][-1]["with"]["num_return_sequences"] = 3
+    plan.write_text(yaml.safe_dump(data))
+    from llmplan.engine.findings import PlanError
+    from llmplan.engine.plan import load_plan
+    from llmplan.engine.registry import discover
+
+    with pytest.raises(PlanError) as caught:
+        load_plan(plan, discover())
+    assert "num_return_sequences (3) exceeds num_beams (1)" in str(caught.value)
