@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, Literal
 
+from .hash_cache import HashCache
 from .manifest import MANIFEST_NAME, ManifestError, read_sha256sums, sha256_file
 
 Format = Literal["safetensors", "torch"]
@@ -81,6 +82,8 @@ class VerifyReport:
     bytes_hashed: int = 0
     seconds: float = 0.0
     unhashed: list[str] = field(default_factory=list)
+    cached: list[str] = field(default_factory=list)
+    """Shards whose hash was taken from the hash cache (same size, mtime, inode as when hashed)."""
     """Shards that passed without a hash check (policy 'if_present' with no known hash, or 'off')."""
 
 
@@ -295,7 +298,12 @@ def _known_hash(
 # -------------------------------------------------------------------------------------------- verify
 
 
-def verify(manifest: ShardManifest, policy: Policy = "if_present", progress: ProgressFn | None = None) -> VerifyReport:
+def verify(
+    manifest: ShardManifest,
+    policy: Policy = "if_present",
+    progress: ProgressFn | None = None,
+    hash_cache: HashCache | None = None,
+) -> VerifyReport:
     """Check every shard; raise IntegrityError (one line, naming the file) on the first problem found.
 
     `off`: existence only. `if_present`: existence, exact size and header, and the SHA-256 where known.
@@ -327,10 +335,19 @@ def verify(manifest: ShardManifest, policy: Policy = "if_present", progress: Pro
         if policy == "off" or shard.sha256 is None:
             report.unhashed.append(shard.name)
             continue
-        actual = sha256_file(shard.path, progress)
-        report.bytes_hashed += shard.path.stat().st_size
+        actual = hash_cache.get(shard.path) if hash_cache is not None else None
+        fresh = actual is None
+        if actual is None:
+            actual = sha256_file(shard.path, progress)
+            report.bytes_hashed += shard.path.stat().st_size
+        else:
+            report.cached.append(shard.name)
         if actual != shard.sha256:
             raise IntegrityError(f"{shard.path}: SHA-256 mismatch: expected {shard.sha256[:16]}…, got {actual[:16]}…")
+        if fresh and hash_cache is not None:
+            hash_cache.put(shard.path, actual)  # only a hash that matched is remembered
+    if hash_cache is not None:
+        hash_cache.save()
     report.seconds = time.perf_counter() - start
     return report
 

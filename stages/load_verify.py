@@ -10,6 +10,7 @@ from pydantic import Field, field_validator
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
 from llmplan.llm.checkpoint import IntegrityError, build_manifest, verify
+from llmplan.llm.hash_cache import HashCache
 
 from .slots import InferenceContext
 
@@ -19,6 +20,7 @@ class VerifyParams(Params):
         "if_present", description="required: every shard needs a known SHA-256; off: existence only"
     )
     sha256: dict[str, str] = Field(default_factory=dict, description="shard file name -> expected SHA-256")
+    rehash: bool = Field(False, description="hash every shard even when its hash is cached for that file identity")
 
     @field_validator("sha256")
     @classmethod
@@ -43,13 +45,15 @@ class LoadVerify(Stage):
         try:
             manifest = build_manifest(ctx.model_source.model_dir, params.sha256 or None)
             with ctx.progress.task("verify shards", manifest.total_bytes) as advance:
-                report = verify(manifest, params.hashes, advance)
+                cache = None if params.rehash else HashCache(manifest.model_dir)
+                report = verify(manifest, params.hashes, advance, cache)
         except IntegrityError as bad:
             raise StageFailure(str(bad)) from None
         ctx.shard_manifest = manifest
         ctx.metrics.set("shards", len(manifest.shards))
         ctx.metrics.set("bytes", manifest.total_bytes)
         ctx.metrics.set("bytes_hashed", report.bytes_hashed)
+        ctx.metrics.set("hash_cached", report.cached)
         ctx.metrics.set("seconds", report.seconds)
         ctx.metrics.set("unhashed", report.unhashed)
 

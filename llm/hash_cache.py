@@ -1,0 +1,60 @@
+"""Remember SHA-256 results by file identity, so an unchanged multi-GB shard is not re-hashed every load.
+
+A file's identity is (size, mtime_ns, inode, device): rewriting, truncating, replacing or touching a
+file changes it, and the hash is then computed again. This is the same trust `git status` and `make`
+place in file metadata; `rehash` in the verify stage ignores the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+CACHE_NAME = ".llmplan-hashes.json"
+
+
+def identity(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]
+
+
+class HashCache:
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / CACHE_NAME
+        self.entries: dict[str, dict[str, object]] = {}
+        self.dirty = False
+        try:
+            raw = json.loads(self.path.read_text(encoding="utf-8"))
+            if isinstance(raw, dict):
+                self.entries = {k: v for k, v in raw.items() if isinstance(v, dict)}
+        except (OSError, ValueError):
+            self.entries = {}  # absent or damaged: start over, never fail a load on it
+
+    def get(self, file: Path) -> str | None:
+        entry = self.entries.get(file.name)
+        try:
+            if entry and entry.get("identity") == identity(file):
+                digest = entry.get("sha256")
+                return digest if isinstance(digest, str) else None
+        except OSError:
+            return None
+        return None
+
+    def put(self, file: Path, sha256: str) -> None:
+        self.entries[file.name] = {"identity": identity(file), "sha256": sha256}
+        self.dirty = True
+
+    def save(self) -> bool:
+        """Write atomically; a read-only model directory just means no cache (False)."""
+        if not self.dirty:
+            return True
+        temp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        try:
+            temp.write_text(json.dumps(self.entries, indent=1), encoding="utf-8")
+            os.replace(temp, self.path)
+        except OSError:
+            temp.unlink(missing_ok=True)
+            return False
+        self.dirty = False
+        return True
