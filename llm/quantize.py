@@ -37,18 +37,21 @@ What "auto" picks on CPU (any other device, or kernel="reference", uses the refe
   converted to fp16, which is exact for every bf16 value with 2^-14 <= |w| <= 65504 (fp16 has more mantissa
   bits) and off by < 2^-25 absolute below that; weights beyond fp16 range fall back to the reference.
   It is *more* accurate than the reference (which rounds activations to bf16/fp16) and 2-4x faster.
-* int8 and int4: the weight is dequantized once and packed for the same fbgemm fp16 GEMM: a weight-only
-  product (activations stay fp32), so the only error is the weight quantization itself (plus fp16 rounding
-  of the dequantized value, < 2^-11 relative). Why not fbgemm's dynamic int8 linear, 1.1-2x faster still?
-  It quantizes the activations per call with one scale for the whole tensor, and SmolLM2's residual
-  stream has outlier channels: measured end to end on SmolLM2-135M (fp32 logits as reference, one
-  40-token chat prompt), dynamic int8 gave a relative logit error of 0.51 with 33% top-1 agreement, the
-  weight-only product 0.04 and 98%. Folding the RMSNorm gains into the weights did not rescue it (0.37).
-  So `dynamic_int8` remains selectable for models without outliers, never the default.
-  (fbgemm's int8 path also needs ``reduce_range=True`` here: on this AVX2 CPU the full 8-bit range
-  saturates the int16 pair-sums (vpmaddubsw); measured up to 2% error vs an exact integer simulation.)
-  RAM: the module keeps its int8/int4 codes (for `state_dict`, saving and other devices) plus the packed
-  fp16 copy, ~3 byte/weight for int8 and ~2.6 for int4 while loaded; the files keep 1 and 0.625.
+* int8: torch's int8-weight GEMM (`_weight_int8pack_mm`) on the stored codes, with activations rounded to
+  bf16: a weight-only product (the per-channel scale applies to the sum), 1 byte/weight in RAM, nothing to
+  pack at load. Measured, 1 thread, ms per call for [3072,576] / [960,576] / [576,1536] / head: fp32 0.225 /
+  0.066 / 0.113 / 13.7; this kernel 0.162 / 0.055 / 0.080 / 8.7 (with fp32 activations it is 8x slower:
+  1.8 ms). End to end on SmolLM2-135M (fp32 logits as reference, a 40-token chat prompt): relative logit
+  error 0.041, top-1 agreement 97.7% - the same as the exact fp32 weight-only product (0.042), so the bf16
+  activation rounding costs nothing measurable next to the int8 weights.
+* int4: dequantized and re-quantized once to per-channel int8 (adds 0.75% weight error in quadrature:
+  0.0783 → 0.0787 at group 32), then the int8 path: 1 byte/weight in RAM, 0.625 on disk.
+* Not the default: fbgemm's dynamic int8 linear (`kernel: dynamic_int8`). It quantizes the activations per
+  call with one scale for the whole tensor, and SmolLM2's residual stream has outlier channels: end to end
+  it gave a relative logit error of 0.51 and 33% top-1 agreement. fbgemm's fp16 GEMM on dequantized
+  weights was as accurate as the int8 GEMM but packing costs ~90 ms per matrix (12 s per load) and 2 byte
+  /weight. (fbgemm's int8 path needs ``reduce_range=True`` on this AVX2 CPU: the full 8-bit range
+  saturates the int16 pair-sums of vpmaddubsw; measured up to 2% error vs exact integers.)
 
 The reference paths (the oracle in tests, and the path on non-CPU devices): fp32/fp16/bf16 cast x to the
 weight's dtype and F.linear; int8 F.linear(x, q.to(x.dtype)) * scale (the per-row scale factors out of the
@@ -204,12 +207,15 @@ def dequantize(q: QuantizedWeight, dtype: torch.dtype = torch.float32) -> Tensor
 
 
 def relative_error(w: Tensor, q: QuantizedWeight) -> float:
-    """Relative Frobenius error ||w - dequantize(q)|| / ||w|| (float64, in row blocks to bound memory)."""
+    """Relative Frobenius error ||w - dequantize(q)|| / ||w||, in row blocks to bound memory.
+
+    fp32 per block (fast on CPUs without fast fp64), the block sums added in Python floats (fp64).
+    """
     num = den = 0.0
     for start in range(0, w.shape[0], _CHUNK_ROWS):
-        ref = w[start : start + _CHUNK_ROWS].double()
+        ref = w[start : start + _CHUNK_ROWS].float()
         den += float(ref.square().sum())
-        num += float((ref - dequantize(_rows(q, start, _CHUNK_ROWS), torch.float64)).square().sum())
+        num += float((ref - dequantize(_rows(q, start, _CHUNK_ROWS), torch.float32)).square().sum())
     return math.sqrt(num / den) if den > 0 else math.sqrt(num)
 
 
@@ -330,6 +336,12 @@ class FloatLinear(nn.Module):
     def _prepack(self) -> object:
         return _prepack_fp16(self.weight, "FloatLinear")
 
+    def prepack(self) -> None:
+        """Build the fast kernel's packed weight now (at load) instead of on the first forward."""
+        w = self.weight
+        if self._packed is None and w.dtype != torch.float32 and self.kernel != "reference" and w.device.type == "cpu":
+            self._packed = self._prepack()
+
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         self._packed = None  # a move/cast invalidates the packed copy
         return super()._apply(fn, recurse)
@@ -371,6 +383,25 @@ def _prepack_int8(qweight: Tensor, scale: Tensor, what: str) -> object:
         return False
 
 
+def _int8_weight_ready(qweight: Tensor, scale: Tensor) -> Tensor | bool:
+    """The bf16 scales `_weight_int8pack_mm` takes, or False when the kernel is missing here."""
+    try:
+        scale16 = scale.to(torch.bfloat16).contiguous()
+        probe = torch.zeros(1, qweight.shape[1], dtype=torch.bfloat16)
+        torch._weight_int8pack_mm(probe, qweight[:1].contiguous(), scale16[:1])
+    except (RuntimeError, NotImplementedError, AttributeError) as err:
+        _warn_fallback("Int8Linear", err)
+        return False
+    return scale16
+
+
+def _int8_weight_mm(x: Tensor, qweight: Tensor, scale16: Tensor) -> Tensor:
+    # A weight-only product: int8 codes times bf16 activations, the per-channel scale applied to the sum.
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+    y = torch._weight_int8pack_mm(x2, qweight, scale16)
+    return y.reshape(*x.shape[:-1], qweight.shape[0]).to(x.dtype)
+
+
 def _fbgemm_int8(x: Tensor, packed: object, out_features: int) -> Tensor:
     x2, lead = _flatten(x)
     # reduce_range=True: 7-bit activations; the full 8-bit range saturates int16 sums on AVX2 (no VNNI)
@@ -379,7 +410,7 @@ def _fbgemm_int8(x: Tensor, packed: object, out_features: int) -> Tensor:
 
 
 class Int8Linear(nn.Module):
-    """Weight-only int8 linear. auto on CPU: the dequantized weight in fbgemm's fp16 GEMM;
+    """Weight-only int8 linear. auto on CPU: torch's int8-weight GEMM with bf16 activations;
     dynamic_int8: fbgemm's dynamic int8 (activations quantized too); reference: F.linear(x, q) * scale."""
 
     def __init__(self, weight: Int8Weight, kernel: Kernel = "auto") -> None:
@@ -397,17 +428,22 @@ class Int8Linear(nn.Module):
     def out_features(self) -> int:
         return int(self.qweight.shape[0])
 
+    def prepack(self) -> None:
+        """Prepare the fast kernel now (at load) instead of on the first forward."""
+        if self._packed is not None or self.kernel == "reference" or self.qweight.device.type != "cpu":
+            return
+        if self.kernel == "dynamic_int8":
+            self._packed = _prepack_int8(self.qweight, self.scale, "Int8Linear")
+        else:
+            self._packed = _int8_weight_ready(self.qweight, self.scale)
+
     def forward(self, x: Tensor) -> Tensor:
         if self.kernel != "reference" and self.qweight.device.type == "cpu":
-            if self._packed is None:
-                if self.kernel == "dynamic_int8":
-                    self._packed = _prepack_int8(self.qweight, self.scale, "Int8Linear")
-                else:
-                    self._packed = _prepack_fp16(dequantize(Int8Weight(self.qweight, self.scale)), "Int8Linear")
-            if self._packed is not False:
-                if self.kernel == "dynamic_int8":
-                    return _fbgemm_int8(x, self._packed, self.out_features)
-                return _fbgemm_fp16(x, self._packed, self.out_features)
+            self.prepack()
+            if self.kernel == "dynamic_int8" and self._packed is not False:
+                return _fbgemm_int8(x, self._packed, self.out_features)
+            if isinstance(self._packed, Tensor):
+                return _int8_weight_mm(x, self.qweight, self._packed)
         return self.reference(x)
 
     def reference(self, x: Tensor) -> Tensor:
@@ -422,8 +458,8 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """Weight-only int4 linear. auto on CPU: the dequantized weight in fbgemm's fp16 GEMM; dynamic_int8:
-    re-quantized once to per-channel int8 for fbgemm's dynamic int8; reference: dequantize per call."""
+    """Weight-only int4 linear. auto on CPU: re-quantized once to per-channel int8 for the int8-weight GEMM;
+    dynamic_int8: the same codes in fbgemm's dynamic int8; reference: dequantize per call."""
 
     def __init__(self, weight: Int4Weight, kernel: Kernel = "auto") -> None:
         super().__init__()
@@ -444,18 +480,24 @@ class Int4Linear(nn.Module):
     def quantized_weight(self) -> Int4Weight:
         return Int4Weight(packed=self.packed, scale=self.scale, zero=self.zero)
 
+    def prepack(self) -> None:
+        """Re-quantize once to per-channel int8 for the fast kernel, now (at load) not on the first forward."""
+        if self._packed is not None or self.kernel == "reference" or self.packed.device.type != "cpu":
+            return
+        q8 = _quantize_int8(dequantize(self.quantized_weight()))
+        if self.kernel == "dynamic_int8":
+            self._packed = _prepack_int8(q8.qweight, q8.scale, "Int4Linear")
+            return
+        scale16 = _int8_weight_ready(q8.qweight, q8.scale)
+        self._packed = (q8.qweight, scale16) if isinstance(scale16, Tensor) else False
+
     def forward(self, x: Tensor) -> Tensor:
         if self.kernel != "reference" and self.packed.device.type == "cpu":
-            if self._packed is None:
-                if self.kernel == "dynamic_int8":
-                    q8 = _quantize_int8(dequantize(self.quantized_weight()))
-                    self._packed = _prepack_int8(q8.qweight, q8.scale, "Int4Linear")
-                else:
-                    self._packed = _prepack_fp16(dequantize(self.quantized_weight()), "Int4Linear")
-            if self._packed is not False:
-                if self.kernel == "dynamic_int8":
-                    return _fbgemm_int8(x, self._packed, self.out_features)
-                return _fbgemm_fp16(x, self._packed, self.out_features)
+            self.prepack()
+            if self.kernel == "dynamic_int8" and self._packed is not False:
+                return _fbgemm_int8(x, self._packed, self.out_features)
+            if isinstance(self._packed, tuple):
+                return _int8_weight_mm(x, *self._packed)
         return self.reference(x)
 
     def reference(self, x: Tensor) -> Tensor:
