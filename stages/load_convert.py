@@ -130,7 +130,7 @@ class Convert(Stage):
             precision = params.head if internal == "output.weight" and params.head != "same" else params.dtype
             converted = quantize_weight(whole.float(), precision, params.group_size)
             if precision in ("int8", "int4"):
-                errors[internal] = relative_error(whole.float(), converted)
+                errors[internal] = relative_error(whole, converted, row_step=8)
             return converted
 
         def on_tensor(name: str, tensor: Tensor) -> None:
