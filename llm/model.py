@@ -193,14 +193,17 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.max_seq_len = max_seq_len or cfg.max_position_embeddings
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # Weights always come from a checkpoint: skip the random init (on the meta device, Embedding's
+        # normal_ goes through torch's Python decompositions and imports torch._dynamo: 2.3 s per load).
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim))
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output: nn.Module = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.rope_cos: Tensor
         self.rope_sin: Tensor
         self.rope_inv_freq: Tensor
-        self.setup_rope(self.tok_embeddings.weight.device)
+        if self.tok_embeddings.weight.device.type != "meta":  # from_weights builds them on the real device
+            self.setup_rope(self.tok_embeddings.weight.device)
 
     def setup_rope(self, device: torch.device | str) -> None:
         """(Re)build the fp32 cos/sin tables [max_seq_len, head_dim/2] on `device`."""

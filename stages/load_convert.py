@@ -91,6 +91,21 @@ def weight_bytes(cfg: ModelConfig, precision: str, group_size: int, head: str = 
     return total
 
 
+def converted_bytes(weights: dict[str, Any]) -> int:
+    """Bytes held, counting a tensor shared by two names (tied embeddings and head) once."""
+    seen: set[int] = set()
+    total = 0
+    for weight in weights.values():
+        if isinstance(weight, Tensor):
+            if weight.data_ptr() in seen:
+                continue
+            seen.add(weight.data_ptr())
+            total += weight.nbytes
+        else:
+            total += nbytes(weight)
+    return total
+
+
 class Convert(Stage):
     """Fuse q/k/v and gate/up, convert to the plan's precision; report bytes and quantization error."""
 
@@ -150,7 +165,7 @@ class Convert(Stage):
         missing = sorted(set(table) - set(out))
         if missing:
             raise StageFailure(f"conversion incomplete: no tensors for {', '.join(missing[:5])}")
-        total = sum(nbytes(w) if not isinstance(w, Tensor) else w.nbytes for w in out.values())
+        total = converted_bytes(out)
         ctx.weights = ConvertedWeights(
             tensors=out, dtype=params.dtype, nbytes=total, errors=errors, kernel=params.kernel
         )

@@ -80,6 +80,10 @@ class ToDevice(Stage):
             )
         except (ValueError, torch.OutOfMemoryError) as bad:
             raise StageFailure(f"kv_cache: {bad}") from None
+        for module in model.modules():  # pack fast-kernel weights now, so the first token does not pay for it
+            prepack = getattr(module, "prepack", None)
+            if callable(prepack):
+                prepack()
         ctx.model, ctx.kv_cache = model, cache
         begin_observing(ctx, model, cache)  # model.json always; hooks only when plan.observe asks
         ctx.weights = None  # the model owns the tensors now

@@ -1,0 +1,230 @@
+"""`llmplan bench PLAN`: load time, prefill and decode speed, TTFT and memory of a plan's model.
+
+    llmplan bench plans/llama-int8.yaml [--prompt-tokens 128] [--gen-tokens 128] [--batch 1,4,16] [--runs 3]
+        [--vs transformers] [--format md|json|csv] [--set ID.PARAM=VALUE] [--dtype fp32,int8] [--out PREFIX]
+
+Per dtype of the grid (like llama-bench's): a cold load (after dropping the model files from the page
+cache, when the kernel lets us), a warm load whose model is measured, a warm-up at every batch size, then
+`--runs` runs per batch size; with `--vs transformers` its runs alternate with transformers' (A B A B), so
+both see the same machine load, and the table gives the ratios. Registered through the `llmplan.commands`
+entry point group:
+
+    [project.entry-points."llmplan.commands"]
+    bench = "llmplan.stages.bench.command:register"
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from pathlib import Path
+from typing import Any
+
+from llmplan.engine.cli import CliError
+from llmplan.engine.memory import rss_bytes
+
+from .measure import bench_overrides, drop_page_cache, load, random_prompts, run_once
+from .report import FIGURES, machine, render
+from .stats import PeakRSS, summary
+
+
+def register(subparsers: Any) -> None:
+    bench = subparsers.add_parser("bench", help="measure load, prefill, decode and memory of a plan's model")
+    bench.add_argument("plan")
+    bench.add_argument("--prompt-tokens", type=_positive, default=128, help="prompt length (random ids)")
+    bench.add_argument("--gen-tokens", type=_positive, default=128, help="tokens generated per row (EOS ignored)")
+    bench.add_argument("--batch", type=_int_list, default=[1, 4, 16], help="batch sizes, e.g. 1,4,16")
+    bench.add_argument("--runs", type=_positive, default=3, help="measured runs per batch size (after a warm-up)")
+    bench.add_argument("--vs", choices=["transformers"], help="also run transformers fp32, alternating")
+    bench.add_argument("--format", choices=["md", "json", "csv"], default="md")
+    bench.add_argument("--set", action="append", default=[], metavar="ID.PARAM=VALUE", help="override a parameter")
+    bench.add_argument("--dtype", type=_str_list, help="a grid over the convert stage's dtype, e.g. fp32,int8")
+    bench.add_argument("--no-cold", action="store_true", help="skip the cold (page-cache dropped) load")
+    bench.add_argument("--out", metavar="PREFIX", help="also write PREFIX.json and PREFIX.md")
+    bench.set_defaults(handler=cmd_bench)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError("batch sizes must be at least 1")
+    return values
+
+
+def _str_list(text: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError("expected comma-separated names")
+    return values
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if not Path(args.plan).is_file():
+        raise CliError(f"{args.plan}: no such plan file")
+    result: dict[str, Any] = {
+        "plan": args.plan,
+        "machine": {},
+        "settings": {
+            "prompt_tokens": args.prompt_tokens,
+            "gen_tokens": args.gen_tokens,
+            "batch": args.batch,
+            "runs": args.runs,
+            "vs": args.vs,
+            "set": args.set,
+            "dtype": args.dtype,
+        },
+        "results": [],
+        "ratios": [],
+        "notes": [],
+    }
+    for dtype in args.dtype or [None]:
+        _bench_dtype(args, dtype, result)
+    result["machine"]["loadavg_end"] = machine()["loadavg"]
+    text = render(result, args.format)
+    sys.stdout.write(text)
+    if args.out:
+        from .report import to_markdown
+
+        prefix = Path(args.out)
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        prefix.with_suffix(".json").write_text(render(result, "json"), encoding="utf-8")
+        prefix.with_suffix(".md").write_text(to_markdown(result), encoding="utf-8")
+        _say(f"wrote {prefix.with_suffix('.json')} and {prefix.with_suffix('.md')}")
+    return 0
+
+
+def _bench_dtype(args: argparse.Namespace, dtype: str | None, result: dict[str, Any]) -> None:
+    prompt, gen = args.prompt_tokens, args.gen_tokens
+    overrides = bench_overrides(args.plan, args.set, dtype=dtype, max_batch=max(args.batch), max_tokens=prompt + gen)
+    cold_s: float | None = None
+    if not args.no_cold:
+        probe = load(args.plan, overrides)  # the first load of the process also warms up imports
+        files = probe.files
+        del probe
+        gc.collect()
+        if drop_page_cache(files):
+            _say("bench: cold load (model files dropped from the page cache)")
+            cold = load(args.plan, overrides)
+            cold_s = cold.wall_s
+            del cold
+            gc.collect()
+        else:
+            result["notes"].append("cold load not measurable here: posix_fadvise(DONTNEED) did not drop the files")
+    _say("bench: warm load")
+    loaded = load(args.plan, overrides)
+    if not result["machine"]:
+        result["machine"] = machine()  # now: the plan's env stage has set the thread count
+    label = dtype or str(loaded.metric("load.convert", "dtype") or "?")
+    model, cache, cfg = loaded.model, loaded.cache, loaded.ctx.model_config
+    prompts = {b: random_prompts(b, prompt, cfg.vocab_size, seed=b) for b in args.batch}
+
+    # Warm-up at every batch size, inside the peak-RSS window that began with the load.
+    # The first run after the load pays the one-time costs (lazy kernel prepacking, allocator growth):
+    # its TTFT is what a user waits for after loading, so it is reported apart from the warm TTFT.
+    with PeakRSS() as window:
+        first_ttft: float | None = None
+        for b in args.batch:
+            _say(f"bench: {label} warm-up, batch {b}")
+            warm = run_once(model, cache, prompts[b], min(gen, 8))
+            first_ttft = warm["ttft_s"] if first_ttft is None else first_ttft
+    regions = loaded.regions
+    peak = max(loaded.peak_rss, window.peak)
+    budget = regions.get("weights", 0) + regions.get("kv_cache", 0) + loaded.rss_before
+    memory = {
+        "weights_bytes": regions.get("weights"),
+        "kv_cache_bytes": regions.get("kv_cache"),
+        "rss_before_bytes": loaded.rss_before,
+        "peak_rss_bytes": peak,
+        "peak_over_budget": peak / budget if budget else None,
+    }
+
+    hf = None
+    if args.vs == "transformers":
+        from .hf import hf_run_once, load_transformers
+
+        before = rss_bytes()
+        _say("bench: loading transformers (fp32)")
+        hf, hf_load_s = load_transformers(Path(loaded.ctx.model_source.model_dir))
+        hf_rss = rss_bytes() - before
+        hf_first_ttft = 0.0
+        import transformers
+
+        result["machine"]["transformers"] = transformers.__version__
+
+    for b in args.batch:
+        ours: list[dict[str, Any]] = []
+        theirs: list[dict[str, Any]] = []
+        if hf is not None:
+            warm = hf_run_once(hf, prompts[b], min(gen, 8))  # its warm-up
+            hf_first_ttft = warm["ttft_s"] if b == args.batch[0] else hf_first_ttft
+        for r in range(args.runs):
+            _say(f"bench: {label} batch {b} run {r + 1}/{args.runs}")
+            ours.append(run_once(model, cache, prompts[b], gen))
+            if hf is not None:
+                theirs.append(hf_run_once(hf, prompts[b], gen))
+        row = _row("llmplan", label, b, ours)
+        row["load"] = {"warm_s": loaded.wall_s, "cold_s": cold_s}
+        row["first_ttft_s"] = first_ttft  # the first prefill after the load (batch of the first warm-up)
+        row["load_to_first_token_s"] = loaded.wall_s + (first_ttft or 0.0)
+        row["peak_rss_bytes"] = peak
+        row["memory"] = memory
+        row["stages"] = {
+            "convert_s": loaded.metric("load.convert", "convert_s"),
+            "activation_dtype": loaded.metric("load.to_device", "activation_dtype"),
+        }
+        result["results"].append(row)
+        if hf is not None:
+            hrow = _row("transformers", "fp32", b, theirs)
+            hrow["paired_with"] = label
+            hrow["load"] = {"warm_s": hf_load_s, "cold_s": None}
+            hrow["load_to_first_token_s"] = hf_load_s + hf_first_ttft
+            hrow["rss_delta_load_bytes"] = hf_rss
+            result["results"].append(hrow)
+            result["ratios"].append(_ratios(label, b, row, hrow, ours, theirs, gen))
+    del model, cache, loaded, hf
+    gc.collect()
+
+
+def _row(engine: str, dtype: str, batch: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    row: dict[str, Any] = {"engine": engine, "dtype": dtype, "batch": batch}
+    for figure in FIGURES:
+        row[figure] = summary([r[figure] for r in runs if r[figure] is not None])
+    row["decode_ms_per_step"] = summary([r["decode_ms_per_step"] for r in runs if r["decode_ms_per_step"]])
+    devices = [r["peak_device_bytes"] for r in runs if r["peak_device_bytes"] is not None]
+    row["peak_device_bytes"] = max(devices) if devices else None
+    return row
+
+
+def _ratios(
+    dtype: str,
+    batch: int,
+    ours: dict[str, Any],
+    theirs: dict[str, Any],
+    our_runs: list[dict[str, Any]],
+    their_runs: list[dict[str, Any]],
+    gen: int,
+) -> dict[str, Any]:
+    """llmplan / transformers per figure (medians); and how many leading greedy tokens agree (row 0)."""
+    ratio: dict[str, Any] = {"dtype": dtype, "batch": batch}
+    for figure in FIGURES:
+        a, b = ours[figure]["median"], theirs[figure]["median"]
+        ratio[figure] = a / b if a is not None and b else None
+    mine, hers = our_runs[0]["tokens"][0], their_runs[0]["tokens"][0]
+    same = next((i for i, (x, y) in enumerate(zip(mine, hers, strict=True)) if x != y), gen)
+    ratio["greedy_tokens_agree"] = same
+    return ratio
