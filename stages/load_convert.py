@@ -8,7 +8,9 @@ a scale are cheap, and their precision matters for every token).
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -17,10 +19,12 @@ from torch import Tensor
 
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
+from llmplan.llm.checkpoint_writer import write_checkpoint
 from llmplan.llm.config import ModelConfig
-from llmplan.llm.quantize import FLOAT_DTYPES, nbytes, quantize_weight, relative_error
+from llmplan.llm.quantize import FLOAT_DTYPES, from_tensors, nbytes, quantize_weight, relative_error, to_tensors
 from llmplan.llm.weights import internal_shapes
 
+from .load_read_shards import CONVERTED_MARKER
 from .slots import InferenceContext
 from .types import ConvertedWeights
 
@@ -32,6 +36,9 @@ class ConvertParams(Params):
     group_size: int = Field(32, ge=8, le=1024, description="int4: weights per scale/zero group")
     head: Literal["same", "fp32", "bf16", "fp16", "int8"] = Field(
         "same", description="precision of the output head (the largest matmul of decode)"
+    )
+    save_to: str | None = Field(
+        None, description="also write the converted weights (with scales) as a checkpoint a later plan loads"
     )
     kernel: Literal["auto", "reference", "dynamic_int8"] = Field(
         "auto",
@@ -91,6 +98,38 @@ def weight_bytes(cfg: ModelConfig, precision: str, group_size: int, head: str = 
     return total
 
 
+def save_converted(weights: dict[str, Any], params: ConvertParams, source: Any) -> Path:
+    """Write the converted weights (codes and scales) as a checkpoint with its own SHA256SUMS.
+
+    The directory also gets the model's config and tokenizer files, so `model.source` with `path:` loads
+    it directly; `llmplan_converted.json` tells the read and convert stages what it holds.
+    """
+    tensors: dict[str, Tensor] = {}
+    for name, weight in weights.items():
+        tensors.update(to_tensors(weight, name.removesuffix("weight")))
+    extras: dict[str, bytes | str] = {
+        CONVERTED_MARKER: json.dumps(
+            {
+                "format": "llmplan.converted/v1",
+                "dtype": params.dtype,
+                "group_size": params.group_size,
+                "head": params.head,
+                "source": getattr(source, "fingerprint", None),
+            },
+            indent=2,
+        )
+    }
+    if source is not None:
+        for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            path = source.model_dir / name
+            if path.is_file():
+                extras[name] = path.read_bytes()
+    try:
+        return write_checkpoint(tensors, Path(params.save_to or ""), 200 << 20, {"llmplan": "converted"}, extras, True)
+    except (OSError, ValueError) as bad:
+        raise StageFailure(f"save_to {params.save_to}: {bad}") from None
+
+
 def converted_bytes(weights: dict[str, Any]) -> int:
     """Bytes held, counting a tensor shared by two names (tied embeddings and head) once."""
     seen: set[int] = set()
@@ -113,6 +152,7 @@ class Convert(Stage):
     phase = Phase.LOAD
     Params = ConvertParams
     reads = ("host_weights", "model_config")
+    optional_reads = ("model_source",)
     writes = ("weights",)
 
     def run(self, ctx: InferenceContext, params: Any) -> None:
@@ -123,6 +163,9 @@ class Convert(Stage):
             bad = sorted({s[1] for n, s in internal_shapes(cfg).items() if is_linear(n) and s[1] % params.group_size})
             if bad:
                 raise StageFailure(f"group_size {params.group_size} does not divide the input dims {bad}")
+        if host.converted is not None:
+            self._load_converted(ctx, params, cfg, host)
+            return
         users: dict[str, int] = {}
         for parts in table.values():
             for part in parts:
@@ -174,10 +217,38 @@ class Convert(Stage):
         ctx.metrics.set("bytes_before", bytes_in)
         ctx.metrics.set("bytes_after", total)
         ctx.metrics.set("convert_s", time.perf_counter() - start)
+        if params.save_to:
+            saved = save_converted(out, params, ctx.model_source)
+            ctx.metrics.set("saved_to", str(saved))
+            ctx.log.info("converted_checkpoint_saved", path=str(saved))
         if errors:
             ctx.metrics.set("quant_error_max", max(errors.values()))
             ctx.metrics.set("quant_error_mean", sum(errors.values()) / len(errors))
             ctx.metrics.set("quant_error_by_tensor", errors)
+
+    def _load_converted(self, ctx: InferenceContext, params: Any, cfg: ModelConfig, host: Any) -> None:
+        """A checkpoint this stage saved earlier: rebuild its weights, no conversion work."""
+        marker = host.converted
+        if marker.get("dtype") != params.dtype or (
+            params.dtype == "int4" and marker.get("group_size") != params.group_size
+        ):
+            raise StageFailure(
+                f"the checkpoint was converted to {marker.get('dtype')} (group {marker.get('group_size')}); "
+                f"this plan asks for {params.dtype} (group {params.group_size})"
+            )
+        tensors: dict[str, Tensor] = {}
+        host.stream(tensors.__setitem__)
+        try:
+            out = {name: from_tensors(tensors, name.removesuffix("weight")) for name in internal_shapes(cfg)}
+        except (KeyError, ValueError) as bad:
+            raise StageFailure(f"converted checkpoint: {bad}") from None
+        total = converted_bytes(out)
+        ctx.weights = ConvertedWeights(tensors=out, dtype=params.dtype, nbytes=total, kernel=params.kernel)
+        ctx.host_weights = None
+        ctx.metrics.set("dtype", params.dtype)
+        ctx.metrics.set("bytes_before", total)
+        ctx.metrics.set("bytes_after", total)
+        ctx.metrics.set("preconverted", True)
 
     def check(self, params: Any, deep: DeepCheck) -> None:
         cfg = deep.facts.get("model_config")

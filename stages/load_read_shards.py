@@ -9,7 +9,9 @@ recorded under this stage's id.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from pydantic import Field
@@ -23,6 +25,21 @@ from llmplan.llm.weights import expected_hf_names
 
 from .slots import InferenceContext
 from .types import HostWeights
+
+CONVERTED_MARKER = "llmplan_converted.json"
+
+
+def read_converted_marker(model_dir: Path) -> dict[str, Any] | None:
+    path = model_dir / CONVERTED_MARKER
+    if not path.is_file():
+        return None
+    try:
+        marker = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as bad:
+        raise StageFailure(f"{path}: unreadable ({bad})") from None
+    if not isinstance(marker, dict) or marker.get("format") != "llmplan.converted/v1":
+        raise StageFailure(f"{path}: not a llmplan.converted/v1 marker")
+    return marker
 
 
 class ReadParams(Params):
@@ -41,7 +58,9 @@ class ReadShards(Stage):
     def run(self, ctx: InferenceContext, params: Any) -> None:
         manifest, cfg = ctx.shard_manifest, ctx.model_config
         assert manifest is not None and cfg is not None
-        wanted = expected_hf_names(cfg)
+        converted = read_converted_marker(manifest.model_dir)
+        # A checkpoint saved by load.convert holds the model's own (fused, quantized) tensors: take them all.
+        wanted = set(manifest.tensor_to_shard) if converted is not None else expected_hf_names(cfg)
         stage_id = ctx.metrics.current
         metrics = ctx.metrics
 
@@ -66,6 +85,8 @@ class ReadShards(Stage):
                 ctx.log.info("tensors_skipped", stage=stage_id, count=len(result.skipped), names=result.skipped[:20])
             return result
 
-        ctx.host_weights = HostWeights(stream=stream, wanted=sorted(wanted), buffer_shards=params.buffer_shards)
+        ctx.host_weights = HostWeights(
+            stream=stream, wanted=sorted(wanted), buffer_shards=params.buffer_shards, converted=converted
+        )
         ctx.metrics.set("tensors_wanted", len(wanted))
         ctx.metrics.set("buffer_shards", params.buffer_shards)

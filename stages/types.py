@@ -41,6 +41,7 @@ class HostWeights:
     stream: Callable[[Callable[[str, Any], None]], Any]
     wanted: list[str]
     buffer_shards: int
+    converted: dict[str, Any] | None = None  # a checkpoint saved by load.convert: its dtype and settings
 
 
 @dataclass

@@ -131,3 +131,28 @@ def test_second_identical_run_is_served_from_the_cache_without_reading_a_shard(t
     again = json.loads((tmp_path / "out.json").read_text())
     assert [r["text"] for r in again["results"]] == [r["text"] for r in first_text["results"]]
     assert [r["from_cache"] for r in again["results"]] == [True]
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_converted_checkpoint_is_saved_verified_and_loaded_without_converting(tiny, tmp_path: Path, dtype: str) -> None:  # type: ignore[no-untyped-def]
+    model_dir, _ = tiny
+    saved = tmp_path / f"tiny-{dtype}"
+    plan = write_plan(tmp_path, model_dir)
+    first = run_plan(plan, tmp_path / "first", [f"convert.dtype={dtype}", f"convert.save_to={saved}"], until="place")
+    assert first.exit_code == 0, first.message
+    assert (saved / "SHA256SUMS").is_file() and (saved / "tokenizer.json").is_file()
+    source_bytes = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+    assert sum(p.stat().st_size for p in saved.glob("*.safetensors")) < source_bytes / 2
+
+    (tmp_path / "again").mkdir()
+    again = edit_plan(write_plan(tmp_path / "again", saved), verify={"hashes": "required"})
+    second = run_plan(again, tmp_path / "second", [f"convert.dtype={dtype}"], until="place")
+    assert second.exit_code == 0, second.message
+    assert second.context.metrics.by_stage["convert"]["preconverted"] is True
+    tokens = torch.randint(3, 300, (1, 16), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(16)[None]
+    with torch.inference_mode():
+        torch.testing.assert_close(second.context.model(tokens, positions), first.context.model(tokens, positions))
+
+    wrong = run_plan(again, tmp_path / "wrong", ["convert.dtype=fp32"], until="place")
+    assert wrong.exit_code == 1 and f"the checkpoint was converted to {dtype}" in wrong.message
