@@ -318,6 +318,7 @@ class FloatLinear(nn.Module):
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)
         self.kernel: Kernel = kernel
         self._packed: object | None = None  # fbgemm fp16 prepacked weight, built lazily
+        self._transposed: Tensor | None = None  # wide fp32 weights only, built by prepack()
 
     @property
     def in_features(self) -> int:
@@ -329,6 +330,8 @@ class FloatLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight
+        if self._transposed is not None and x.numel() <= _SMALL_ROWS * w.shape[1]:
+            return (x @ self._transposed).to(x.dtype)
         if w.dtype == torch.float32 or self.kernel == "reference" or w.device.type != "cpu":
             return F.linear(x.to(w.dtype), w).to(x.dtype)
         if self._packed is None:
@@ -343,11 +346,16 @@ class FloatLinear(nn.Module):
     def prepack(self) -> None:
         """Build the fast kernel's packed weight now (at load) instead of on the first forward."""
         w = self.weight
+        if w.dtype == torch.float32 and self.kernel == "auto" and w.device.type == "cpu" and w.shape[0] >= _WIDE:
+            # A wide fp32 matrix (the vocabulary head): x @ W^T from a contiguous W^T streams the weight
+            # in the order the single-row product reads it; measured 2x faster at 1-16 rows (13.8 -> 8.7 ms
+            # for [49152, 576], 1 row). Costs a transposed copy (113 MB for SmolLM2's tied head).
+            self._transposed = w.t().contiguous()
         if self._packed is None and w.dtype != torch.float32 and self.kernel != "reference" and w.device.type == "cpu":
             self._packed = self._prepack()
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        self._packed = None  # a move/cast invalidates the packed copy
+        self._packed = self._transposed = None  # a move/cast invalidates the packed copies
         return super()._apply(fn, recurse)
 
 
@@ -385,6 +393,13 @@ def _prepack_int8(qweight: Tensor, scale: Tensor, what: str) -> object:
     except (RuntimeError, NotImplementedError, AttributeError) as err:
         _warn_fallback(what, err)
         return False
+
+
+_SMALL_ROWS = 16  # up to this many rows (decode) the transposed fp32 head is faster
+_WIDE = 16384  # "wide": the vocabulary head, not the per-layer matrices
+# From this many rows (prefill) converting the int8 codes to fp32 and using the fp32 GEMM beats the
+# int8-weight GEMM, which is built for few rows: measured 6.2 vs 8.6 ms for [3072, 576] at 128 rows.
+_MANY_ROWS = 64
 
 
 def _int8_weight_ready(qweight: Tensor, scale: Tensor) -> Tensor | bool:
@@ -446,7 +461,7 @@ class Int8Linear(nn.Module):
             self.prepack()
             if self.kernel == "dynamic_int8" and self._packed is not False:
                 return _fbgemm_int8(x, self._packed, self.out_features)
-            if isinstance(self._packed, Tensor):
+            if isinstance(self._packed, Tensor) and x.numel() < _MANY_ROWS * self.in_features:
                 return _int8_weight_mm(x, self.qweight, self._packed)
         return self.reference(x)
 
@@ -501,7 +516,10 @@ class Int4Linear(nn.Module):
             if self.kernel == "dynamic_int8" and self._packed is not False:
                 return _fbgemm_int8(x, self._packed, self.out_features)
             if isinstance(self._packed, tuple):
-                return _int8_weight_mm(x, *self._packed)
+                qweight, scale16 = self._packed
+                if x.numel() < _MANY_ROWS * self.in_features:
+                    return _int8_weight_mm(x, qweight, scale16)
+                return (F.linear(x.float(), qweight.float()) * scale16.float()).to(x.dtype)
         return self.reference(x)
 
     def reference(self, x: Tensor) -> Tensor:

@@ -163,3 +163,24 @@ def test_quantized_fast_paths_have_bounded_error(tiny, precision: str, bound: fl
         approx = models["auto"](tokens, positions)
     rel = float((approx - exact).norm() / exact.norm())
     assert 0 < rel < bound, rel  # > 0: the fast kernel really ran
+
+
+def test_wide_fp32_head_uses_the_transposed_copy_and_matches_f_linear() -> None:
+    w = torch.randn(20000, 64)
+    module = make_linear(w)
+    module.prepack()
+    assert module._transposed is not None and module._transposed.is_contiguous()
+    for rows in (1, 4, 40):  # 40 rows: back on F.linear
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(module(x), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 100])
+def test_int8_few_and_many_rows_agree_with_the_reference(rows: int) -> None:
+    q = quantize_weight(torch.randn(256, 128), "int8")
+    fast, reference = make_linear(q, "auto"), make_linear(q, "reference")
+    fast.prepack()
+    x = torch.randn(rows, 128)
+    # bf16 activations on the few-rows kernel (~2^-9 relative); the many-rows path is the exact product
+    tolerance = 2e-2 if rows == 1 else 1e-5
+    torch.testing.assert_close(fast(x), reference(x), rtol=tolerance, atol=tolerance * 5)
