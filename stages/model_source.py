@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +99,23 @@ class ModelSourceStage(Stage):
         deep.facts["model_dir"] = source.model_dir
 
 
+def _bars(ctx: InferenceContext | None, bars: ExitStack, name: str) -> Callable[[str, int, int], None] | None:
+    """Turn the importer's (stage, done, total) reports into one progress bar per stage."""
+    if ctx is None:
+        return None
+    advance: dict[str, tuple[Callable[[float], None], list[int]]] = {}
+
+    def report(stage: str, done: int, total: int) -> None:
+        if stage not in advance:
+            label = "hash" if stage == "hash" else "import"
+            advance[stage] = (bars.enter_context(ctx.progress.task(f"{label} {name}", total)), [0])
+        step, last = advance[stage]
+        step(done - last[0])
+        last[0] = done
+
+    return report
+
+
 def resolve_source(params: SourceParams, ctx: InferenceContext | None) -> ModelSource:
     from llmplan.llm.gguf_import import GGUFImportError, import_gguf
 
@@ -105,11 +124,8 @@ def resolve_source(params: SourceParams, ctx: InferenceContext | None) -> ModelS
     if path.is_file() and path.suffix == ".gguf":
         cache = Path(params.cache_dir).expanduser() if params.cache_dir else default_cache_dir()
         try:
-            if ctx is not None:
-                with ctx.progress.task(f"import {path.name}", None) as advance:
-                    model_dir = import_gguf(path, cache, lambda *_: advance(0), shard_bytes=params.shard_mb << 20)
-            else:
-                model_dir = import_gguf(path, cache, shard_bytes=params.shard_mb << 20)
+            with ExitStack() as bars:
+                model_dir = import_gguf(path, cache, _bars(ctx, bars, path.name), shard_bytes=params.shard_mb << 20)
         except GGUFImportError as bad:
             raise StageFailure(str(bad)) from None
         return ModelSource(model_dir, "gguf" if origin == "hf-dir" else origin, fingerprint(model_dir), path)
