@@ -176,7 +176,7 @@ class Generate(Stage):
             ctx.stream(tail + "\n")
         out = []
         for request, gen, prompt, s in zip(group, gens, prompts, settings, strict=True):
-            result = _result(request, gen, len(prompt), s, len(group))
+            result = _result(request, gen, len(prompt), s, len(group), sum(len(p) for p in prompts))
             result.streamed = stream
             if gen.finish_reason == "error":
                 ctx.log.warning("generation_error", request=request.id, error=gen.error)
@@ -239,14 +239,15 @@ class Generate(Stage):
 
 
 def _result(
-    request: Request, gen: Generation, prompt_len: int, settings: dict[str, Any], batch: int
+    request: Request, gen: Generation, prompt_len: int, settings: dict[str, Any], batch: int, batch_prompt: int
 ) -> GenerationResult:
+    """Per-request timings; prefill is one pass for the whole batch, so its rate counts the batch's tokens."""
     decoded = max(len(gen.tokens) - 1, 0)
     timings = {
         "prefill_s": gen.prefill_s,
         "ttft_s": gen.ttft_s if gen.ttft_s is not None else 0.0,
         "decode_s": gen.decode_s,
-        "prefill_tokens_per_s": prompt_len / gen.prefill_s if gen.prefill_s > 0 else 0.0,
+        "prefill_tokens_per_s": batch_prompt / gen.prefill_s if gen.prefill_s > 0 else 0.0,
         "decode_tokens_per_s": decoded / gen.decode_s if gen.decode_s > 0 else 0.0,
         "batch": float(batch),
     }
