@@ -85,24 +85,37 @@ def fuse_hf_state_dict(sd: dict[str, Tensor], cfg: ModelConfig, *, strict: bool 
         if strict:
             raise WeightError(message)
         warnings.warn(message, stacklevel=2)
-    out: dict[str, Tensor] = {
-        "tok_embeddings.weight": sd["model.embed_tokens.weight"],
-        "norm.weight": sd["model.norm.weight"],
+    out: dict[str, Tensor] = {}
+    for internal, parts in fusion_table(cfg).items():
+        if internal == "output.weight" and cfg.tie_word_embeddings:
+            out[internal] = out["tok_embeddings.weight"]  # the very same tensor
+        else:
+            out[internal] = sd[parts[0]] if len(parts) == 1 else torch.cat([sd[p] for p in parts], dim=0)
+    return out
+
+
+def fusion_table(cfg: ModelConfig) -> dict[str, list[str]]:
+    """Internal name -> the HF tensors concatenated (dim 0) to make it, in model order.
+
+    The one statement of the HF -> internal mapping: `fuse_hf_state_dict` uses it on a whole state dict,
+    the streaming loader (stages/load_convert.py) group by group as tensors arrive.
+    """
+    table = {
+        "tok_embeddings.weight": ["model.embed_tokens.weight"],
+        "norm.weight": ["model.norm.weight"],
+        "output.weight": ["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"],
     }
-    out["output.weight"] = out["tok_embeddings.weight"] if cfg.tie_word_embeddings else sd["lm_head.weight"]
     for i in range(cfg.n_layers):
         hf, ours = f"model.layers.{i}", f"layers.{i}"
-        attn, mlp = f"{hf}.self_attn", f"{hf}.mlp"
-        qkv = [sd[f"{attn}.{p}_proj.weight"] for p in "qkv"]
-        out[f"{ours}.attention.wqkv.weight"] = torch.cat(qkv, dim=0)
-        out[f"{ours}.attention.wo.weight"] = sd[f"{attn}.o_proj.weight"]
-        out[f"{ours}.feed_forward.w13.weight"] = torch.cat(
-            [sd[f"{mlp}.gate_proj.weight"], sd[f"{mlp}.up_proj.weight"]], dim=0
-        )
-        out[f"{ours}.feed_forward.w2.weight"] = sd[f"{mlp}.down_proj.weight"]
-        out[f"{ours}.attention_norm.weight"] = sd[f"{hf}.input_layernorm.weight"]
-        out[f"{ours}.ffn_norm.weight"] = sd[f"{hf}.post_attention_layernorm.weight"]
-    return out
+        table |= {
+            f"{ours}.attention.wqkv.weight": [f"{hf}.self_attn.{p}_proj.weight" for p in "qkv"],
+            f"{ours}.attention.wo.weight": [f"{hf}.self_attn.o_proj.weight"],
+            f"{ours}.feed_forward.w13.weight": [f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight"],
+            f"{ours}.feed_forward.w2.weight": [f"{hf}.mlp.down_proj.weight"],
+            f"{ours}.attention_norm.weight": [f"{hf}.input_layernorm.weight"],
+            f"{ours}.ffn_norm.weight": [f"{hf}.post_attention_layernorm.weight"],
+        }
+    return table
 
 
 def internal_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

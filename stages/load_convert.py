@@ -22,7 +22,7 @@ from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
 from llmplan.llm.checkpoint_writer import write_checkpoint
 from llmplan.llm.config import ModelConfig
 from llmplan.llm.quantize import FLOAT_DTYPES, from_tensors, nbytes, quantize_weight, relative_error, to_tensors
-from llmplan.llm.weights import internal_shapes
+from llmplan.llm.weights import fusion_table, internal_shapes
 
 from .load_read_shards import CONVERTED_MARKER
 from .slots import InferenceContext
@@ -50,26 +50,6 @@ class ConvertParams(Params):
 def activation_dtype(precision: str) -> torch.dtype:
     """fp16/bf16 plans compute in that dtype; fp32 and weight-only int8/int4 plans compute in fp32."""
     return FLOAT_DTYPES.get(precision, torch.float32) if precision in ("fp16", "bf16") else torch.float32
-
-
-def fusion_table(cfg: ModelConfig) -> dict[str, list[str]]:
-    """Internal name -> the HF tensors concatenated (dim 0) to make it."""
-    table = {
-        "tok_embeddings.weight": ["model.embed_tokens.weight"],
-        "norm.weight": ["model.norm.weight"],
-        "output.weight": ["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"],
-    }
-    for i in range(cfg.n_layers):
-        hf, ours = f"model.layers.{i}", f"layers.{i}"
-        table |= {
-            f"{ours}.attention.wqkv.weight": [f"{hf}.self_attn.{p}_proj.weight" for p in "qkv"],
-            f"{ours}.attention.wo.weight": [f"{hf}.self_attn.o_proj.weight"],
-            f"{ours}.feed_forward.w13.weight": [f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight"],
-            f"{ours}.feed_forward.w2.weight": [f"{hf}.mlp.down_proj.weight"],
-            f"{ours}.attention_norm.weight": [f"{hf}.input_layernorm.weight"],
-            f"{ours}.ffn_norm.weight": [f"{hf}.post_attention_layernorm.weight"],
-        }
-    return table
 
 
 def is_linear(name: str) -> bool:
