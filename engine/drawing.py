@@ -6,7 +6,7 @@ from pathlib import Path
 
 import networkx as nx
 
-from .graph import DATA, ORDER, execution_order, layout_layers, phase_of
+from .graph import DATA, execution_order, layout_layers, phase_of
 
 PHASE_COLORS = {
     "load": "#9ec5fe",
@@ -59,6 +59,3 @@ def draw_graph(graph: nx.DiGraph, out: Path, labels: dict[str, str] | None = Non
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
-
-
-__all__ = ["ORDER", "draw_graph"]

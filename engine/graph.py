@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import networkx as nx
 
 from .findings import Finding
+from .messages import suggest
 from .registry import Registry
 
 if TYPE_CHECKING:
@@ -79,8 +80,6 @@ def graph_findings(plan: Plan, stages: list[BoundStage], source: Source, registr
     for bound in stages:
         for j, before in enumerate(bound.spec.after):
             if before not in ids:
-                from .messages import suggest
-
                 findings.append(
                     source.finding(
                         ("stages", bound.index, "after", j), f"no stage with id {before!r}{suggest(before, ids)}"
@@ -176,7 +175,7 @@ def to_mermaid(graph: nx.DiGraph) -> str:
     for src, dst, data in graph.edges(data=True):
         label = ", ".join(sorted(data["slots"]))
         arrow = "-.->" if data["kinds"] != {DATA} else "-->"
-        lines.append(f"  {safe[src]} {arrow}|{label or 'after'}| {safe[dst]}" if label or arrow else "")
+        lines.append(f"  {safe[src]} {arrow}|{label or 'after'}| {safe[dst]}")
     return "\n".join(lines) + "\n"
 
 

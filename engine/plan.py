@@ -64,7 +64,7 @@ class Plan(_Strict):
 
     @field_validator("runs_dir")
     @classmethod
-    def _relative_or_absolute_path(cls, value: str) -> str:
+    def _no_nul(cls, value: str) -> str:
         if "\x00" in value:
             raise ValueError("must not contain NUL")
         return value

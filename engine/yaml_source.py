@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from .findings import Finding, PlanError
+from .findings import Finding, PlanError, format_path
 from .findings import Path as FieldPath
 
 MAX_FILE_BYTES = 1 << 20
@@ -54,8 +54,6 @@ class Source:
         return self.values.get((), (1, 1))
 
     def finding(self, path: FieldPath, message: str, *, key: bool = False, field_text: str | None = None) -> Finding:
-        from .findings import format_path
-
         line, column = self.position(path, key=key)
         return Finding(self.file, line, column, format_path(path) if field_text is None else field_text, message)
 
@@ -105,8 +103,6 @@ class _Builder:
         self.scalars = yaml.SafeLoader("")  # only its scalar constructors are used
 
     def fail(self, node: yaml.Node, path: FieldPath, message: str) -> PlanError:
-        from .findings import format_path
-
         line, column = node.start_mark.line + 1, node.start_mark.column + 1
         return PlanError([Finding(self.source.file, line, column, format_path(path), message)])
 
