@@ -71,6 +71,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import native
+
 Kernel = Literal["auto", "reference", "dynamic_int8"]
 QuantDtype = Literal["fp32", "fp16", "bf16", "int8", "int4"]
 
@@ -330,6 +332,10 @@ class FloatLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight
+        if w.dtype == torch.float32 and self.kernel == "auto":
+            fast = native.kernels()
+            if fast is not None and fast.supports(x, w):
+                return fast.linear_f32(x, w)
         if self._transposed is not None and x.numel() <= _SMALL_ROWS * w.shape[1]:
             return (x @ self._transposed).to(x.dtype)
         if w.dtype == torch.float32 or self.kernel == "reference" or w.device.type != "cpu":
@@ -346,7 +352,8 @@ class FloatLinear(nn.Module):
     def prepack(self) -> None:
         """Build the fast kernel's packed weight now (at load) instead of on the first forward."""
         w = self.weight
-        if w.dtype == torch.float32 and self.kernel == "auto" and w.device.type == "cpu" and w.shape[0] >= _WIDE:
+        auto_fp32_cpu = w.dtype == torch.float32 and self.kernel == "auto" and w.device.type == "cpu"
+        if auto_fp32_cpu and w.shape[0] >= _WIDE and native.kernels() is None:
             # A wide fp32 matrix (the vocabulary head): x @ W^T from a contiguous W^T streams the weight
             # in the order the single-row product reads it; measured 2x faster at 1-16 rows (13.8 -> 8.7 ms
             # for [49152, 576], 1 row). Costs a transposed copy (113 MB for SmolLM2's tied head).
@@ -403,7 +410,9 @@ _MANY_ROWS = 64
 
 
 def _int8_weight_ready(qweight: Tensor, scale: Tensor) -> Tensor | bool:
-    """The bf16 scales `_weight_int8pack_mm` takes, or False when the kernel is missing here."""
+    """The bf16 scales `_weight_int8pack_mm` takes, or False when the kernel is missing or wrong here."""
+    if qweight.shape[1] % 8:
+        return False  # torch 2.13's CPU kernel returns wrong sums when K % 8 != 0 (measured: 37% error at K=20)
     try:
         scale16 = scale.to(torch.bfloat16).contiguous()
         probe = torch.zeros(1, qweight.shape[1], dtype=torch.bfloat16)
@@ -457,6 +466,10 @@ class Int8Linear(nn.Module):
             self._packed = _int8_weight_ready(self.qweight, self.scale)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.kernel == "auto":
+            fast = native.kernels()
+            if fast is not None and fast.supports(x, self.qweight):
+                return fast.linear_int8(x, self.qweight, self.scale)
         if self.kernel != "reference" and self.qweight.device.type == "cpu":
             self.prepack()
             if self.kernel == "dynamic_int8" and self._packed is not False:
@@ -507,8 +520,7 @@ class Int4Linear(nn.Module):
         if self.kernel == "dynamic_int8":
             self._packed = _prepack_int8(q8.qweight, q8.scale, "Int4Linear")
             return
-        scale16 = _int8_weight_ready(q8.qweight, q8.scale)
-        self._packed = (q8.qweight, scale16) if isinstance(scale16, Tensor) else False
+        self._packed = (q8.qweight, q8.scale.float().contiguous(), _int8_weight_ready(q8.qweight, q8.scale))
 
     def forward(self, x: Tensor) -> Tensor:
         if self.kernel != "reference" and self.packed.device.type == "cpu":
@@ -516,10 +528,13 @@ class Int4Linear(nn.Module):
             if self.kernel == "dynamic_int8" and self._packed is not False:
                 return _fbgemm_int8(x, self._packed, self.out_features)
             if isinstance(self._packed, tuple):
-                qweight, scale16 = self._packed
-                if x.numel() < _MANY_ROWS * self.in_features:
+                qweight, scale, scale16 = self._packed
+                fast = native.kernels() if self.kernel == "auto" else None
+                if fast is not None and fast.supports(x, qweight):
+                    return fast.linear_int8(x, qweight, scale)
+                if isinstance(scale16, Tensor) and x.numel() < _MANY_ROWS * self.in_features:
                     return _int8_weight_mm(x, qweight, scale16)
-                return (F.linear(x.float(), qweight.float()) * scale16.float()).to(x.dtype)
+                return (F.linear(x.float(), qweight.float()) * scale).to(x.dtype)
         return self.reference(x)
 
     def reference(self, x: Tensor) -> Tensor:

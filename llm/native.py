@@ -1,0 +1,153 @@
+"""The native decode kernels (`cpu_kernels.c`): built once with the system C compiler, loaded with ctypes.
+
+Why C and ctypes rather than a torch extension: the kernels need no torch headers (raw pointers in, raw
+pointers out), so they build with one `cc` call in under a second and need no ninja or Python headers.
+The shared object is cached by source hash under `$LLMPLAN_CACHE/kernels` (default ~/.cache/llmplan), written
+to a temporary name and renamed, so concurrent builds never load a half-written file.
+
+Available when: the CPU has AVX2 (torch reports its capability as AVX2 or AVX512; FMA comes with both),
+a C compiler is on PATH (`$CC`, else cc/gcc/clang), and `LLMPLAN_NATIVE` is not `0`. Otherwise
+`kernels()` returns None and the callers use torch's kernels; the reason is kept in `unavailable_reason()`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+MAX_ROWS = 64  # the kernels keep a per-block [rows, 4] accumulator on the stack; prefill uses torch's GEMM
+
+_lock = threading.Lock()
+_loaded: NativeKernels | None = None
+_reason: str | None = None
+_tried = False
+
+
+class NativeKernels:
+    """Typed entry points of the shared library. Inputs are checked by the wrappers, not by the C code."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._int8 = lib.gemm_int8
+        self._int8.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
+        self._int8.restype = None
+        self._f32 = lib.gemm_f32
+        self._f32.argtypes = [ptr, ptr, ptr, i64, i64, i64]
+        self._f32.restype = None
+
+    @staticmethod
+    def supports(x: Tensor, weight: Tensor) -> bool:
+        """Whether `x @ weight.T` fits these kernels: CPU, few rows, in_features a multiple of 8."""
+        k = weight.shape[1]
+        return (
+            x.device.type == "cpu"
+            and weight.device.type == "cpu"
+            and weight.is_contiguous()
+            and k % 8 == 0
+            and x.shape[-1] == k
+            and x.numel() <= MAX_ROWS * k
+        )
+
+    def linear_int8(self, x: Tensor, qweight: Tensor, scale: Tensor) -> Tensor:
+        """y = (x @ qweight.T) * scale in fp32; x [..., K], qweight int8 [N, K], scale fp32 [N]."""
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+        m, (n, k) = x2.shape[0], qweight.shape
+        y = torch.empty(m, n, dtype=torch.float32)
+        self._int8(x2.data_ptr(), qweight.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k)
+        return y.view(*x.shape[:-1], n).to(x.dtype)
+
+    def linear_f32(self, x: Tensor, weight: Tensor) -> Tensor:
+        """y = x @ weight.T in fp32; x [..., K], weight fp32 [N, K]."""
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+        m, (n, k) = x2.shape[0], weight.shape
+        y = torch.empty(m, n, dtype=torch.float32)
+        self._f32(x2.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k)
+        return y.view(*x.shape[:-1], n).to(x.dtype)
+
+
+def kernels() -> NativeKernels | None:
+    """The loaded kernels, building them on first use; None where they cannot run (see the module doc)."""
+    global _loaded, _reason, _tried
+    if _tried:
+        return _loaded
+    with _lock:
+        if not _tried:
+            try:
+                _loaded = _load()
+            except NativeUnavailable as why:
+                _reason = str(why)
+            _tried = True
+    return _loaded
+
+
+def unavailable_reason() -> str | None:
+    """Why `kernels()` is None (after it was called), else None."""
+    return _reason
+
+
+class NativeUnavailable(RuntimeError):
+    """The native kernels cannot be used here; the message says why."""
+
+
+def _load() -> NativeKernels:
+    if os.environ.get("LLMPLAN_NATIVE", "1") == "0":
+        raise NativeUnavailable("disabled by LLMPLAN_NATIVE=0")
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        raise NativeUnavailable(f"needs an AVX2 CPU (torch reports {capability})")
+    path = build()
+    try:
+        return NativeKernels(ctypes.CDLL(str(path)), path)
+    except OSError as err:
+        raise NativeUnavailable(f"cannot load {path}: {err}") from None
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("LLMPLAN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "llmplan")
+    return Path(root) / "kernels"
+
+
+def compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def build() -> Path:
+    """Compile the source unless a build of this exact source (and flags) is cached; return the .so path."""
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    target = cache_dir() / f"cpu_kernels-{digest}.so"
+    if target.exists():
+        return target
+    cc = compiler()
+    if cc is None:
+        raise NativeUnavailable("no C compiler on PATH (set CC, or install gcc)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".cpu_kernels-", suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            first = (done.stderr.strip().splitlines() or ["no output"])[0]
+            raise NativeUnavailable(f"{cc} failed to build {SOURCE.name}: {first}")
+        os.replace(tmp, target)  # atomic: a concurrent reader sees no file or a whole one
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise NativeUnavailable(f"{cc} failed to build {SOURCE.name}: {err}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target

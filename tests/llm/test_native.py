@@ -1,0 +1,106 @@
+"""The native decode kernels (llm/cpu_kernels.c) against float64 products, and how they are built and loaded.
+
+Tolerance: the kernels multiply and accumulate in fp32 like the reference, in another order (8 lanes,
+then a horizontal sum), so they differ from the float64 product by fp32 rounding over K terms:
+~K * 2^-24 relative in the worst case, ~1e-7 typically. 1e-5 relative to the output's scale leaves room
+for K up to a few thousand without letting a wrong index (an O(1) error) pass.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmplan.llm import native
+from llmplan.llm.quantize import Int8Linear, make_linear, quantize_weight
+
+FAST = native.kernels()
+needs_native = pytest.mark.skipif(FAST is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    scale = want.abs().max().item()
+    assert (got.double() - want).abs().max().item() <= 1e-5 * scale
+
+
+# rows: 1 (the one-row kernel), 2..5 and 16 (the register tiles with a partial last tile); N not a multiple
+# of the 4-row block; K = 24 is a multiple of 8 but not 16 (the one-row kernel's tail), 1536 is SmolLM2's MLP
+@needs_native
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 64])
+@pytest.mark.parametrize(("n", "k"), [(70, 24), (9, 1536), (4, 8)])
+def test_int8_kernel_equals_the_exact_product(rows: int, n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    qweight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    scale = torch.rand(n, generator=gen) + 0.01
+    x = torch.randn(rows, k, generator=gen)
+    want = (x.double() @ qweight.double().T) * scale.double()
+    _close(FAST.linear_int8(x, qweight, scale), want)
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize(("n", "k"), [(70, 24), (1027, 576)])
+def test_f32_kernel_equals_the_exact_product(rows: int, n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(rows + n)
+    w, x = torch.randn(n, k, generator=gen), torch.randn(rows, k, generator=gen)
+    _close(FAST.linear_f32(x, w), x.double() @ w.double().T)
+
+
+@needs_native
+def test_leading_dims_and_dtype_are_kept() -> None:
+    w = torch.randn(12, 16)
+    x = torch.randn(2, 3, 16).bfloat16()
+    y = FAST.linear_f32(x, w)
+    assert y.shape == (2, 3, 12) and y.dtype == torch.bfloat16
+
+
+@needs_native
+def test_modules_take_the_native_path_only_where_it_fits() -> None:
+    q = quantize_weight(torch.randn(40, 20), "int8")  # K = 20: not a multiple of 8
+    assert not FAST.supports(torch.randn(1, 20), q.qweight)
+    module, reference = make_linear(q, "auto"), make_linear(q, "reference")
+    x = torch.randn(3, 20)
+    torch.testing.assert_close(module(x), reference(x))  # torch's int8 kernel is wrong at K % 8 != 0: not used
+    q = quantize_weight(torch.randn(40, 32), "int8")
+    assert FAST.supports(torch.randn(native.MAX_ROWS, 32), q.qweight)
+    assert not FAST.supports(torch.randn(native.MAX_ROWS + 1, 32), q.qweight)  # prefill: torch's GEMM
+    module = make_linear(q, "auto")
+    assert isinstance(module, Int8Linear)
+    x = torch.randn(2, 32)
+    _close(module(x), (x.double() @ q.qweight.double().T) * q.scale.double())
+
+
+@needs_native
+def test_the_library_shares_torchs_openmp_runtime() -> None:
+    # Two OpenMP runtimes in one process would each keep a pool of spinning threads on 2 cores.
+    maps = Path(f"/proc/{os.getpid()}/maps")
+    if not maps.exists():
+        pytest.skip("no /proc on this system")
+    gomp = {line.split()[-1] for line in maps.read_text().splitlines() if "libgomp" in line}
+    assert len(gomp) <= 1, gomp
+
+
+def test_build_is_cached_by_source_hash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if native.compiler() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("LLMPLAN_CACHE", str(tmp_path))
+    first = native.build()
+    assert first.parent == tmp_path / "kernels" and first.exists()
+    stamp = first.stat().st_mtime_ns
+    assert native.build() == first and first.stat().st_mtime_ns == stamp  # not rebuilt
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left behind
+
+
+def test_disabled_or_without_a_compiler_it_says_why(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("LLMPLAN_NATIVE", "0")
+    with pytest.raises(native.NativeUnavailable, match="LLMPLAN_NATIVE=0"):
+        native._load()
+    monkeypatch.delenv("LLMPLAN_NATIVE")
+    monkeypatch.setenv("LLMPLAN_CACHE", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path))  # no compiler reachable
+    monkeypatch.delenv("CC", raising=False)
+    with pytest.raises(native.NativeUnavailable, match="no C compiler"):
+        native.build()
