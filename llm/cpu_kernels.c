@@ -159,3 +159,147 @@ void gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, in
             for (int64_t r = 0; r < nb; r++) y[m * N + n0 + r] = out[m * NB + r];
     }
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// A whole decode step (one new token per row, all layers, the head) in one call, for fp32 activations.
+//
+// The torch model spends as long dispatching its ~30 small ops per layer as it does multiplying, at batch
+// 1 on a small model; here each layer is 4 weight products plus a few loops over a few KB of activations.
+// Same arithmetic as `Transformer.forward`: RMSNorm, fused QKV, rotate-half RoPE at each row's position,
+// K/V stored into the static cache at `slot`, GQA attention over the row's valid slots (the new one
+// included), output projection, residual, RMSNorm, fused gate|up, SiLU(gate) * up, down, residual; then
+// the final norm and the head. Python checks every shape and layout before calling (llm/fused_decode.py).
+
+#include <math.h>
+#include <stdlib.h>
+
+enum { LINEAR_F32 = 0, LINEAR_INT8 = 1 };
+
+typedef struct {
+    int64_t kind;        // LINEAR_F32: w is float [n, k]; LINEAR_INT8: w is int8 [n, k] with scale [n]
+    const void *w;
+    const float *scale;
+    int64_t n, k;
+} Linear;
+
+typedef struct {
+    const float *attn_norm, *ffn_norm;  // [dim]
+    Linear wqkv, wo, w13, w2;
+} Layer;
+
+typedef struct {
+    int64_t n_layers, dim, n_heads, n_kv_heads, head_dim, hidden, vocab;
+    int64_t max_batch, max_tokens;       // KV cache geometry: [n_layers, max_batch, n_kv_heads, max_tokens, head_dim]
+    float eps;
+    const float *embed;                  // [vocab, dim]
+    const float *rope_cos, *rope_sin;    // [max_positions, head_dim / 2]
+    const float *norm;                   // [dim]
+    Linear head;
+    const Layer *layers;                 // [n_layers]
+    float *k_cache, *v_cache;
+    const uint8_t *valid;                // [max_batch, max_tokens]: slot holds a real token of that row
+} DecodeModel;
+
+static void linear(const Linear *l, const float *x, float *y, int64_t M) {
+    if (l->kind == LINEAR_INT8)
+        gemm_int8(x, (const int8_t *)l->w, l->scale, y, M, l->n, l->k);
+    else
+        gemm_f32(x, (const float *)l->w, y, M, l->n, l->k);
+}
+
+static void rms_norm(const float *x, const float *w, float *y, int64_t M, int64_t D, float eps) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * D;
+        float ss = 0.0f;
+        for (int64_t i = 0; i < D; i++) ss += xm[i] * xm[i];
+        const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+        for (int64_t i = 0; i < D; i++) y[m * D + i] = xm[i] * inv * w[i];
+    }
+}
+
+// rotate-half RoPE of one head in place: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)
+static void rope(float *x, const float *c, const float *s, int64_t half) {
+    for (int64_t i = 0; i < half; i++) {
+        const float x1 = x[i], x2 = x[i + half];
+        x[i] = x1 * c[i] - x2 * s[i];
+        x[i + half] = x2 * c[i] + x1 * s[i];
+    }
+}
+
+static float dot(const float *a, const float *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float sum = hsum(acc);
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+// work: floats for h, xn [M, dim], qkv [M, (H + 2 KV) hd], att [M, H hd], gu [M, 2 hidden], act [M, hidden]
+void decode_step(const DecodeModel *m, const int64_t *tokens, const int64_t *positions, int64_t M, int64_t slot,
+                 float *work, float *logits) {
+    const int64_t D = m->dim, H = m->n_heads, KV = m->n_kv_heads, hd = m->head_dim, half = hd / 2;
+    const int64_t I = m->hidden, qkv_w = (H + 2 * KV) * hd, rep = H / KV, T = m->max_tokens;
+    float *h = work, *xn = h + M * D, *qkv = xn + M * D, *att = qkv + M * qkv_w, *gu = att + M * H * hd,
+          *act = gu + M * 2 * I;
+    const float scale = 1.0f / sqrtf((float)hd);
+    for (int64_t r = 0; r < M; r++) memcpy(h + r * D, m->embed + tokens[r] * D, D * sizeof(float));
+
+    for (int64_t l = 0; l < m->n_layers; l++) {
+        const Layer *L = m->layers + l;
+        rms_norm(h, L->attn_norm, xn, M, D, m->eps);
+        linear(&L->wqkv, xn, qkv, M);
+        for (int64_t r = 0; r < M; r++) {
+            float *q = qkv + r * qkv_w, *k = q + H * hd, *v = k + KV * hd;
+            const float *c = m->rope_cos + positions[r] * half, *s = m->rope_sin + positions[r] * half;
+            for (int64_t j = 0; j < H + KV; j++) rope(q + j * hd, c, s, half);  // q heads, then k heads
+            for (int64_t g = 0; g < KV; g++) {
+                const int64_t at = (((l * m->max_batch + r) * KV + g) * T + slot) * hd;
+                memcpy(m->k_cache + at, k + g * hd, hd * sizeof(float));
+                memcpy(m->v_cache + at, v + g * hd, hd * sizeof(float));
+            }
+        }
+#pragma omp parallel
+        {
+            float *p = malloc((slot + 1) * sizeof(float));
+#pragma omp for schedule(static)
+            for (int64_t rh = 0; rh < M * H; rh++) {
+                const int64_t r = rh / H, hq = rh % H, g = hq / rep;
+                const float *q = qkv + r * qkv_w + hq * hd;
+                const int64_t base = ((l * m->max_batch + r) * KV + g) * T * hd;
+                const float *kc = m->k_cache + base, *vc = m->v_cache + base;
+                const uint8_t *ok = m->valid + r * T;
+                float top = -INFINITY, total = 0.0f;
+                for (int64_t t = 0; t <= slot; t++) {
+                    p[t] = ok[t] ? dot(q, kc + t * hd, hd) * scale : -INFINITY;
+                    if (p[t] > top) top = p[t];
+                }
+                for (int64_t t = 0; t <= slot; t++) {
+                    p[t] = ok[t] ? expf(p[t] - top) : 0.0f;
+                    total += p[t];
+                }
+                float *out = att + r * H * hd + hq * hd;
+                for (int64_t i = 0; i < hd; i++) out[i] = 0.0f;
+                for (int64_t t = 0; t <= slot; t++) {
+                    if (p[t] == 0.0f) continue;
+                    const float w = p[t] / total;
+                    const float *vt = vc + t * hd;
+                    for (int64_t i = 0; i < hd; i++) out[i] += w * vt[i];
+                }
+            }
+            free(p);
+        }
+        linear(&L->wo, att, xn, M);
+        for (int64_t i = 0; i < M * D; i++) h[i] += xn[i];
+        rms_norm(h, L->ffn_norm, xn, M, D, m->eps);
+        linear(&L->w13, xn, gu, M);
+        for (int64_t r = 0; r < M; r++) {
+            const float *gate = gu + r * 2 * I, *up = gate + I;
+            for (int64_t i = 0; i < I; i++) act[r * I + i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        }
+        linear(&L->w2, act, xn, M);
+        for (int64_t i = 0; i < M * D; i++) h[i] += xn[i];
+    }
+    rms_norm(h, m->norm, xn, M, D, m->eps);
+    linear(&m->head, xn, logits, M);
+}

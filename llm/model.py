@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig
+from .fused_decode import FusedDecoder
 from .weights import WeightError, internal_shapes
 
 if TYPE_CHECKING:
@@ -204,6 +205,21 @@ class Transformer(nn.Module):
         self.rope_inv_freq: Tensor
         if self.tok_embeddings.weight.device.type != "meta":  # from_weights builds them on the real device
             self.setup_rope(self.tok_embeddings.weight.device)
+        # Decode steps go through the native fused step where the model fits it (llm/fused_decode.py);
+        # False keeps every step on the torch modules (tests compare the two).
+        self.fused_decode = True
+        self._fused: tuple[tuple[int, ...], FusedDecoder | None] | None = None
+
+    def fused_decoder(self, cache: KVCache) -> FusedDecoder | None:
+        """The native decode step bound to `cache`, built on first use and whenever a bound tensor moved."""
+        key = FusedDecoder.key_of(self, cache)
+        if self._fused is None or self._fused[0] != key:
+            self._fused = (key, FusedDecoder.build(self, cache))
+        return self._fused[1]
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        self._fused = None  # a move or cast frees the tensors the native step points at
+        return super()._apply(fn, recurse)
 
     def setup_rope(self, device: torch.device | str) -> None:
         """(Re)build the fp32 cos/sin tables [max_seq_len, head_dim/2] on `device`."""
@@ -213,6 +229,10 @@ class Transformer(nn.Module):
         self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
         self.register_buffer("rope_cos", freqs.cos(), persistent=False)
         self.register_buffer("rope_sin", freqs.sin(), persistent=False)
+
+    def _hooked(self) -> bool:
+        """Whether observers hook modules inside the layers (they need the torch modules to run)."""
+        return any(m._forward_hooks or m._forward_pre_hooks for m in self.layers.modules())
 
     @property
     def device(self) -> torch.device:
@@ -241,6 +261,10 @@ class Transformer(nn.Module):
             is the costliest matmul of a prefill over a large vocabulary).
         """
         seqlen = tokens.shape[1]
+        if seqlen == 1 and cache is not None and valid is None and self.fused_decode:
+            fused = self.fused_decoder(cache)
+            if fused is not None and tokens.shape[0] <= fused.max_rows and not self._hooked():
+                return fused.step(tokens, positions, cache)
         h = self.tok_embeddings(tokens)
         # Gather cos/sin before `cache.append`: `positions` may be a view of the cache's next positions.
         # Once per forward, shared by every layer: [B, T, 1, head_dim] (heads broadcast).

@@ -26,6 +26,7 @@ from torch import Tensor
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+LIBS = ("-lm",)
 MAX_ROWS = 64  # the kernels keep a per-block [rows, 4] accumulator on the stack; prefill uses torch's GEMM
 
 _lock = threading.Lock()
@@ -39,7 +40,10 @@ class NativeKernels:
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
+        self.lib = lib
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.decode_step.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ptr]  # see llm/fused_decode.py
+        lib.decode_step.restype = None
         self._int8 = lib.gemm_int8
         self._int8.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
         self._int8.restype = None
@@ -140,7 +144,7 @@ def build() -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".cpu_kernels-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, *LIBS], capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             first = (done.stderr.strip().splitlines() or ["no output"])[0]
             raise NativeUnavailable(f"{cc} failed to build {SOURCE.name}: {first}")

@@ -32,6 +32,11 @@ to fp32 F.linear, for batch 1 / 16 rows:
 
 What "auto" picks on CPU (any other device, or kernel="reference", uses the reference path):
 
+* Up to 64 rows (decode), fp32 and int8 (and int4, through its int8 re-quantization): the native AVX2
+  kernels of `cpu_kernels.c` (see `llm/native.py`): weights widened to fp32 in registers, fp32
+  activations and sums, so the result is the exact weight-only product up to summation order. Measured
+  per call, 2 threads, 1 row: [3072,576] int8 0.058 ms vs 0.136 for `_weight_int8pack_mm`; the int8 head
+  [49152,576] 2.2 ms (13 GB/s, near the 16 GB/s this machine streams) vs 4.6. Below, the paths without them.
 * fp32: F.linear.
 * fp16 and bf16: fbgemm's fp16 GEMM (fp16 weights, fp32 activations and accumulation). bf16 weights are
   converted to fp16, which is exact for every bf16 value with 2^-14 <= |w| <= 65504 (fp16 has more mantissa

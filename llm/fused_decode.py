@@ -1,0 +1,194 @@
+"""One decode step of the whole model in one native call (`decode_step` in cpu_kernels.c).
+
+At batch 1 on a small model, the torch decoder spends as long dispatching ~30 small ops per layer (norms,
+views, RoPE, SDPA, residuals) as multiplying: 36 ms per SmolLM2 token with the native GEMMs, of which the
+products are ~10. The fused step runs the same arithmetic with no per-op dispatch.
+
+`FusedDecoder.build(model, cache)` checks that the model fits, and returns None (the caller keeps the torch
+path) otherwise: CPU, fp32 activations and KV cache, every linear layer on the native fp32 or int8 kernels
+(int4 runs as its int8 re-quantization, as on the torch path), in-features a multiple of 8, no forward
+hooks inside the layers (observers need the torch modules to run). The pointers it hands to C belong to
+tensors it keeps references to; `Transformer` rebuilds it when the cache or a weight tensor changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from . import native
+from .quantize import FloatLinear, Int4Linear, Int8Linear
+
+if TYPE_CHECKING:
+    from .kv_cache import KVCache
+    from .model import Transformer
+
+_F32, _INT8 = 0, 1
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_int64),
+        ("w", ctypes.c_void_p),
+        ("scale", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("attn_norm", ctypes.c_void_p),
+        ("ffn_norm", ctypes.c_void_p),
+        ("wqkv", _Linear),
+        ("wo", _Linear),
+        ("w13", _Linear),
+        ("w2", _Linear),
+    ]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        *((name, ctypes.c_int64) for name in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "hidden")),
+        *((name, ctypes.c_int64) for name in ("vocab", "max_batch", "max_tokens")),
+        ("eps", ctypes.c_float),
+        *((name, ctypes.c_void_p) for name in ("embed", "rope_cos", "rope_sin", "norm")),
+        ("head", _Linear),
+        ("layers", ctypes.POINTER(_Layer)),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+        ("valid", ctypes.c_void_p),
+    ]
+
+
+class NotFused(Exception):
+    """The model or cache does not fit the fused step; the message says why."""
+
+
+def _native_linear(module: nn.Module, keep: list[Tensor]) -> _Linear:
+    """The C description of one linear layer, or NotFused when it is not on a native kernel."""
+    if isinstance(module, FloatLinear) and module.kernel == "auto" and module.weight.dtype == torch.float32:
+        w, scale, kind = module.weight, None, _F32
+    elif isinstance(module, Int8Linear) and module.kernel == "auto":
+        w, scale, kind = module.qweight, module.scale, _INT8
+    elif isinstance(module, Int4Linear) and module.kernel == "auto":
+        module.prepack()
+        if not isinstance(module._packed, tuple):
+            raise NotFused("an int4 layer has no int8 re-quantization")
+        w, scale, kind = module._packed[0], module._packed[1], _INT8
+    elif isinstance(module, nn.Linear) and module.bias is None and module.weight.dtype == torch.float32:
+        w, scale, kind = module.weight, None, _F32
+    else:
+        raise NotFused(f"{type(module).__name__} is not on a native kernel")
+    if w.device.type != "cpu" or not w.is_contiguous() or w.shape[1] % 8:
+        raise NotFused(f"a weight of shape {tuple(w.shape)} does not fit the native kernels")
+    if scale is not None:
+        scale = scale.float().contiguous()
+    keep.extend(t for t in (w, scale) if t is not None)
+    return _Linear(kind, w.data_ptr(), 0 if scale is None else scale.data_ptr(), w.shape[0], w.shape[1])
+
+
+def _ptr(t: Tensor, keep: list[Tensor]) -> int:
+    if not t.is_contiguous() or t.dtype != torch.float32 or t.device.type != "cpu":
+        raise NotFused(f"a {t.dtype} tensor on {t.device} is not contiguous fp32 on the CPU")
+    keep.append(t)
+    return t.data_ptr()
+
+
+class FusedDecoder:
+    """A native decode step bound to one model and one KV cache."""
+
+    def __init__(self, model: Transformer, cache: KVCache, lib: Any) -> None:
+        cfg = model.cfg
+        keep: list[Tensor] = []
+        if model.device.type != "cpu" or model.dtype != torch.float32:
+            raise NotFused(f"activations are {model.dtype} on {model.device}")
+        if cache.k.dtype != torch.float32 or not (cache.k.is_contiguous() and cache.v.is_contiguous()):
+            raise NotFused(f"the KV cache is {cache.k.dtype}")
+        if cfg.head_dim % 2 or cfg.n_heads % cfg.n_kv_heads:
+            raise NotFused("odd head_dim or heads not grouped evenly")
+        if any(m._forward_hooks or m._forward_pre_hooks for m in model.layers.modules()):
+            raise NotFused("forward hooks inside the layers (observers)")
+        layers = (_Layer * cfg.n_layers)()
+        for i, block in enumerate(model.layers):
+            layers[i] = _Layer(
+                _ptr(block.attention_norm.weight, keep),
+                _ptr(block.ffn_norm.weight, keep),
+                _native_linear(block.attention.wqkv, keep),
+                _native_linear(block.attention.wo, keep),
+                _native_linear(block.feed_forward.w13, keep),
+                _native_linear(block.feed_forward.w2, keep),
+            )
+        valid = cache.valid
+        keep.append(valid)
+        self.model_struct = _Model(
+            cfg.n_layers,
+            cfg.dim,
+            cfg.n_heads,
+            cfg.n_kv_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+            cfg.vocab_size,
+            cache.max_batch,
+            cache.max_tokens,
+            cfg.norm_eps,
+            _ptr(model.tok_embeddings.weight, keep),
+            _ptr(model.rope_cos, keep),
+            _ptr(model.rope_sin, keep),
+            _ptr(model.norm.weight, keep),
+            _native_linear(model.output, keep),
+            layers,
+            _ptr(cache.k, keep),
+            _ptr(cache.v, keep),
+            valid.data_ptr(),
+        )
+        self._layers = layers
+        self._keep = keep
+        self._lib = lib
+        self.key = FusedDecoder.key_of(model, cache)
+        per_row = 2 * cfg.dim + (cfg.n_heads + 2 * cfg.n_kv_heads + cfg.n_heads) * cfg.head_dim
+        self._per_row = per_row + 3 * cfg.intermediate_size
+        self._work = torch.empty(0)
+        self.vocab = cfg.vocab_size
+        self.max_rows = native.MAX_ROWS  # the GEMMs keep [rows, 4] sums on the stack
+
+    @staticmethod
+    def key_of(model: Transformer, cache: KVCache) -> tuple[int, ...]:
+        """What the bound pointers depend on: a move or cast of the model or cache changes it."""
+        return (id(cache), cache.k.data_ptr(), cache.v.data_ptr(), model.tok_embeddings.weight.data_ptr())
+
+    @classmethod
+    def build(cls, model: Transformer, cache: KVCache) -> FusedDecoder | None:
+        fast = native.kernels()
+        if fast is None:
+            return None
+        try:
+            return cls(model, cache, fast.lib)
+        except NotFused:
+            return None
+
+    def step(self, tokens: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
+        """Logits [B, 1, V] (fp32) of one new token per active row; appends its K/V to `cache`."""
+        rows = tokens.shape[0]
+        token_ids = tokens.reshape(rows).contiguous()
+        pos = positions.reshape(rows).clone()  # before append: positions may be a view of the cache's
+        if int(token_ids.min()) < 0 or int(token_ids.max()) >= self.vocab:
+            raise IndexError(f"token ids must be in [0, {self.vocab})")
+        slot = cache.append(positions)
+        need = rows * self._per_row
+        if self._work.numel() < need:
+            self._work = torch.empty(need)  # work buffers, grown once to the largest batch seen
+        logits = torch.empty(rows, self.vocab)
+        self._lib.decode_step(
+            ctypes.byref(self.model_struct),
+            token_ids.data_ptr(),
+            pos.data_ptr(),
+            rows,
+            slot,
+            self._work.data_ptr(),
+            logits.data_ptr(),
+        )
+        return logits.view(rows, 1, self.vocab)

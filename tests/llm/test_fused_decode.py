@@ -1,0 +1,174 @@
+"""The native fused decode step against the torch modules it replaces, on tiny random Llamas.
+
+Tolerance: both paths compute in fp32; they differ only in summation order (the fused GEMMs sum 8 lanes
+then across; attention normalizes after, not during, the weighted sum), ~1e-7 relative per op. Over a few
+layers and 20 steps that stays below 1e-5 relative: the bound. Greedy tokens must be identical (the tiny
+models' init is wide, so their top-two logits are never within 1e-5 of each other).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from tiny import load_tiny, make_tiny_llama
+from torch import Tensor
+
+from llmplan.llm import native
+from llmplan.llm.beam_search import beam_search
+from llmplan.llm.fused_decode import FusedDecoder
+from llmplan.llm.generate import Pick, generate
+from llmplan.llm.kv_cache import KVCache
+from llmplan.llm.model import Transformer
+from llmplan.llm.quantize import make_linear, quantize_weight
+
+pytestmark = pytest.mark.skipif(
+    native.kernels() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}"
+)
+PAD = 0
+PROMPTS = [[1, 17, 99, 4, 250, 31, 8, 40, 41], [1, 5, 9], [1, 200, 13, 77, 3, 3]]
+LINEARS = ("wqkv.weight", "wo.weight", "w13.weight", "w2.weight")
+
+
+def greedy(logits: Tensor, seen: list[int]) -> Pick:
+    token = int(logits.argmax())
+    return Pick(token=token, logprob=float(logits.log_softmax(-1)[token]))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory):
+    path, _ = make_tiny_llama(tmp_path_factory.mktemp("fused"), n_layers=3, heads=8, kv_heads=2, tie=True, seed=7)
+    return path
+
+
+def _model(path, precision: str) -> Transformer:
+    if precision == "fp32":
+        return load_tiny(path)
+    from safetensors.torch import load_file
+
+    from llmplan.llm.config import ModelConfig
+    from llmplan.llm.weights import fuse_hf_state_dict
+
+    cfg = ModelConfig.from_file(path / "config.json")
+    weights = fuse_hf_state_dict({k: v for f in path.glob("*.safetensors") for k, v in load_file(f).items()}, cfg)
+    quantized = {
+        n: quantize_weight(w, precision) if n.endswith(LINEARS) or n == "output.weight" else w
+        for n, w in weights.items()
+    }
+    return Transformer.from_weights(cfg, quantized, linear_factory=functools.partial(make_linear, kernel="auto"))
+
+
+class Counting:
+    """Counts the fused steps that ran, so a test knows which path it measured."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        original = FusedDecoder.step
+
+        def step(decoder: FusedDecoder, *args, **kwargs):  # type: ignore[no-untyped-def]
+            self.calls += 1
+            return original(decoder, *args, **kwargs)
+
+        monkeypatch.setattr(FusedDecoder, "step", step)
+
+
+def _generate(model: Transformer, prompts: list[list[int]], fused: bool, **cache_kw) -> list[list[int]]:
+    model.fused_decode = fused
+    cache = KVCache.for_model(model, len(prompts), cache_kw.pop("max_tokens", 64), **cache_kw)
+    gens = generate(
+        model, cache, prompts, pickers=[greedy] * len(prompts), max_new_tokens=20, eos_ids=set(), pad_id=PAD
+    )
+    return [g.tokens for g in gens]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["one", "padded-batch"])
+def test_fused_generates_the_torch_paths_tokens(tiny_dir, precision, prompts, monkeypatch) -> None:
+    model = _model(tiny_dir, precision)
+    counter = Counting(monkeypatch)
+    want = _generate(model, prompts, fused=False)
+    assert counter.calls == 0
+    assert _generate(model, prompts, fused=True) == want
+    assert counter.calls == 19  # every decode step after the prefill's first token
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_fused_logits_match_the_torch_path(tiny_dir, precision: str) -> None:
+    model = _model(tiny_dir, precision)
+    rows = []
+    for fused in (False, True):
+        model.fused_decode = fused
+        cache = KVCache.for_model(model, 3, 40)
+        width = max(map(len, PROMPTS))
+        tokens = torch.tensor([[PAD] * (width - len(p)) + p for p in PROMPTS])
+        valid = tokens != PAD
+        positions = (valid.cumsum(1) - 1).clamp(min=0)
+        steps = []
+        with torch.inference_mode():
+            model(tokens, positions, cache, valid=valid, last_only=True)
+            for token in (7, 99, 3, 250, 12):
+                steps.append(model(torch.full((3, 1), token), cache.next_positions(), cache))
+        rows.append(torch.cat(steps, 1))
+    torch_path, fused_path = rows
+    assert (fused_path - torch_path).abs().max() <= 1e-5 * torch_path.abs().max()
+
+
+def test_fused_slides_the_cache_like_the_torch_path(tiny_dir) -> None:
+    model = _model(tiny_dir, "fp32")
+    kw = {"max_tokens": 16, "policy": "slide", "sink_tokens": 2, "evict_chunk": 3}
+    assert _generate(model, PROMPTS, fused=True, **kw) == _generate(model, PROMPTS, fused=False, **kw)
+
+
+def test_fused_beam_search_finds_the_same_beams(tiny_dir, monkeypatch) -> None:
+    model = _model(tiny_dir, "fp32")
+    counter = Counting(monkeypatch)
+    results = []
+    for fused in (False, True):
+        model.fused_decode = fused
+        cache = KVCache.for_model(model, 4, 64)
+        found = beam_search(model, cache, PROMPTS[0], num_beams=4, max_new_tokens=12, eos_ids={2})
+        results.append([(c.tokens, round(c.score, 4)) for c in found])
+    assert counter.calls > 0 and results[0] == results[1]
+
+
+def test_hooks_inside_the_layers_keep_the_torch_path(tiny_dir, monkeypatch) -> None:
+    model = _model(tiny_dir, "fp32")
+    seen: list[int] = []
+    handle = model.layers[1].attention.register_forward_hook(lambda m, i, o: seen.append(1))
+    counter = Counting(monkeypatch)
+    _generate(model, PROMPTS[:1], fused=True)
+    assert counter.calls == 0 and len(seen) == 20  # the prefill and 19 decode steps ran the module
+    handle.remove()
+    _generate(model, PROMPTS[:1], fused=True)
+    assert counter.calls == 19
+
+
+def test_models_that_do_not_fit_are_refused(tiny_dir) -> None:
+    cache = KVCache.for_model(_model(tiny_dir, "fp32"), 1, 16)
+    assert FusedDecoder.build(_model(tiny_dir, "fp32"), cache) is not None
+    bf16 = load_tiny(tiny_dir, dtype=torch.bfloat16)
+    assert FusedDecoder.build(bf16, KVCache.for_model(bf16, 1, 16)) is None  # bf16 activations
+    reference = load_tiny(tiny_dir, linear_factory=lambda w: make_linear(quantize_weight(w, "int8"), "reference"))
+    assert FusedDecoder.build(reference, KVCache.for_model(reference, 1, 16)) is None  # a reference kernel
+    fp32 = _model(tiny_dir, "fp32")
+    half_cache = KVCache.for_model(fp32, 1, 16, dtype=torch.bfloat16)
+    assert FusedDecoder.build(fp32, half_cache) is None
+
+
+def test_a_moved_cache_rebinds_the_step(tiny_dir) -> None:
+    model = _model(tiny_dir, "fp32")
+    first = KVCache.for_model(model, 1, 16)
+    decoder = model.fused_decoder(first)
+    assert decoder is not None and model.fused_decoder(first) is decoder
+    second = KVCache.for_model(model, 1, 16)
+    assert model.fused_decoder(second) is not decoder
+
+
+def test_out_of_range_token_ids_raise_instead_of_reading_past_the_table(tiny_dir) -> None:
+    model = _model(tiny_dir, "fp32")
+    cache = KVCache.for_model(model, 1, 16)
+    with torch.inference_mode():
+        model(torch.tensor([[1, 5]]), torch.tensor([[0, 1]]), cache)
+        with pytest.raises(IndexError, match="token ids"):
+            model(torch.tensor([[model.cfg.vocab_size]]), cache.next_positions(), cache)
