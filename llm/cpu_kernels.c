@@ -303,3 +303,52 @@ void decode_step(const DecodeModel *m, const int64_t *tokens, const int64_t *pos
     rms_norm(h, m->norm, xn, M, D, m->eps);
     linear(&m->head, xn, logits, M);
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// Per-row symmetric int8 quantization at load, the same arithmetic as `_quantize_int8` in quantize.py
+// (scale = absmax / 127, or 1 for an all-zero row; q = round-half-even(w / scale) clamped to +-127), in two
+// passes over each row while it is in L1 instead of six full-tensor passes with temporaries.
+// Returns the number of rows holding NaN or infinity (their output is meaningless: the caller falls back).
+int64_t quantize_int8_rows(const float *w, int8_t *q, float *scale, int64_t N, int64_t K) {
+    int64_t bad = 0;
+    const __m256 sign = _mm256_set1_ps(-0.0f), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+#pragma omp parallel for schedule(static) reduction(+ : bad)
+    for (int64_t n = 0; n < N; n++) {
+        const float *row = w + n * K;
+        int8_t *out = q + n * K;
+        __m256 top8 = _mm256_setzero_ps(), poison = _mm256_setzero_ps();  // x * 0 is NaN for NaN and inf
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) {
+            __m256 x = _mm256_loadu_ps(row + k);
+            top8 = _mm256_max_ps(top8, _mm256_andnot_ps(sign, x));
+            poison = _mm256_add_ps(poison, _mm256_mul_ps(x, _mm256_setzero_ps()));
+        }
+        float lanes[8], top = 0.0f, nan_check = hsum(poison);
+        _mm256_storeu_ps(lanes, top8);
+        for (int i = 0; i < 8; i++) top = fmaxf(top, lanes[i]);
+        for (; k < K; k++) {
+            top = fmaxf(top, fabsf(row[k]));
+            nan_check += row[k] * 0.0f;
+        }
+        if (nan_check != 0.0f || nan_check != nan_check) {  // only NaN fails x == x; 0 * finite is 0
+            bad++;
+            continue;
+        }
+        const float s = top > 0.0f ? top / 127.0f : 1.0f;
+        const __m256 s8 = _mm256_set1_ps(s);
+        scale[n] = s;
+        for (k = 0; k + 8 <= K; k += 8) {
+            // a true division, as torch does (a reciprocal multiply would round differently)
+            __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(row + k), s8),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            __m256i i32 = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
+            __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
+            _mm_storel_epi64((__m128i *)(out + k), _mm_packs_epi16(i16, i16));
+        }
+        for (; k < K; k++) {
+            float v = nearbyintf(row[k] / s);  // the default rounding mode: to nearest, ties to even
+            out[k] = (int8_t)(v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v));
+        }
+    }
+    return bad;
+}

@@ -44,6 +44,9 @@ class NativeKernels:
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.decode_step.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ptr]  # see llm/fused_decode.py
         lib.decode_step.restype = None
+        self._quantize = lib.quantize_int8_rows
+        self._quantize.argtypes = [ptr, ptr, ptr, i64, i64]
+        self._quantize.restype = i64
         self._int8 = lib.gemm_int8
         self._int8.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
         self._int8.restype = None
@@ -79,6 +82,18 @@ class NativeKernels:
         y = torch.empty(m, n, dtype=torch.float32)
         self._f32(x2.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k)
         return y.view(*x.shape[:-1], n).to(x.dtype)
+
+
+    def quantize_int8(self, w: Tensor) -> tuple[Tensor, Tensor] | None:
+        """(codes int8 [N, K], scale fp32 [N]) of a 2-D CPU tensor, bit-identical to the torch version;
+        None when w holds NaN or infinity (the torch version decides what those become)."""
+        w = w.to(torch.float32).contiguous()
+        n, k = w.shape
+        q = torch.empty(n, k, dtype=torch.int8)
+        scale = torch.empty(n, dtype=torch.float32)
+        if self._quantize(w.data_ptr(), q.data_ptr(), scale.data_ptr(), n, k):
+            return None
+        return q, scale
 
 
 def kernels() -> NativeKernels | None:

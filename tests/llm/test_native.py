@@ -104,3 +104,34 @@ def test_disabled_or_without_a_compiler_it_says_why(monkeypatch: pytest.MonkeyPa
     monkeypatch.delenv("CC", raising=False)
     with pytest.raises(native.NativeUnavailable, match="no C compiler"):
         native.build()
+
+
+def _torch_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    absmax = w.abs().amax(dim=1)
+    scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
+    return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(64, 576), (7, 1539), (3, 5)])  # vector body, a tail, a tail only
+def test_native_quantization_is_bit_identical_to_torchs(shape: tuple[int, int]) -> None:
+    gen = torch.Generator().manual_seed(shape[1])
+    w = torch.randn(*shape, generator=gen) * (torch.rand(shape[0], 1, generator=gen) * 3)
+    w[0] = 0  # an all-zero row: scale 1
+    step = w[-1].abs().max() / 127
+    w[-1, :3] = torch.tensor([0.5, -2.5, 1.5]) * step  # exact halves: ties round to even
+    got = FAST.quantize_int8(w)
+    assert got is not None
+    want = _torch_int8(w)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@needs_native
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("col", [3, 17])  # in the vector body, in the tail
+def test_native_quantization_leaves_non_finite_weights_to_torch(bad: float, col: int) -> None:
+    w = torch.randn(4, 18)
+    w[2, col] = bad
+    assert FAST.quantize_int8(w) is None
+    q = quantize_weight(w, "int8")  # falls back to the torch arithmetic, whatever it makes of them
+    assert torch.equal(q.qweight, _torch_int8(w)[0])
