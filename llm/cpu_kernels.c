@@ -352,3 +352,33 @@ int64_t quantize_int8_rows(const float *w, int8_t *q, float *scale, int64_t N, i
     }
     return bad;
 }
+
+// Squared-error terms of an int8 quantization, every `step`-th row: out[0] = sum (w - q * scale)^2,
+// out[1] = sum w^2, in double across rows (fp32 within a row, as the torch version does per block).
+void int8_error_terms(const float *w, const int8_t *q, const float *scale, int64_t N, int64_t K, int64_t step,
+                      double *out) {
+    double num = 0.0, den = 0.0;
+#pragma omp parallel for schedule(static) reduction(+ : num, den)
+    for (int64_t n = 0; n < N; n += step) {
+        const float *row = w + n * K;
+        const int8_t *codes = q + n * K;
+        const __m256 s = _mm256_set1_ps(scale[n]);
+        __m256 e = _mm256_setzero_ps(), r = _mm256_setzero_ps();
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) {
+            __m256 x = _mm256_loadu_ps(row + k), d = _mm256_sub_ps(x, _mm256_mul_ps(load_i8(codes + k), s));
+            e = _mm256_fmadd_ps(d, d, e);
+            r = _mm256_fmadd_ps(x, x, r);
+        }
+        float fe = hsum(e), fr = hsum(r);
+        for (; k < K; k++) {
+            float d = row[k] - (float)codes[k] * scale[n];
+            fe += d * d;
+            fr += row[k] * row[k];
+        }
+        num += fe;
+        den += fr;
+    }
+    out[0] = num;
+    out[1] = den;
+}

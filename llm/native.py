@@ -47,6 +47,9 @@ class NativeKernels:
         self._quantize = lib.quantize_int8_rows
         self._quantize.argtypes = [ptr, ptr, ptr, i64, i64]
         self._quantize.restype = i64
+        self._error_terms = lib.int8_error_terms
+        self._error_terms.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr]
+        self._error_terms.restype = None
         self._int8 = lib.gemm_int8
         self._int8.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
         self._int8.restype = None
@@ -94,6 +97,15 @@ class NativeKernels:
         if self._quantize(w.data_ptr(), q.data_ptr(), scale.data_ptr(), n, k):
             return None
         return q, scale
+
+
+    def int8_error_terms(self, w: Tensor, qweight: Tensor, scale: Tensor, row_step: int) -> tuple[float, float]:
+        """(sum (w - q * scale)^2, sum w^2) over every `row_step`-th row of a 2-D weight."""
+        w = w.to(torch.float32).contiguous()
+        out = torch.zeros(2, dtype=torch.float64)
+        scale = scale.to(torch.float32).contiguous()
+        self._error_terms(w.data_ptr(), qweight.data_ptr(), scale.data_ptr(), *w.shape, row_step, out.data_ptr())
+        return float(out[0]), float(out[1])
 
 
 def kernels() -> NativeKernels | None:

@@ -141,13 +141,13 @@ def quantize_weight(w: Tensor, dtype: str, group_size: int = DEFAULT_GROUP_SIZE)
         _quantize_int8(block) if dtype == "int8" else _quantize_int4(block, group_size)
         for block in w.split(_CHUNK_ROWS, dim=0)
     ]
-    return parts[0] if len(parts) == 1 else _concat(parts)
+    return parts[0] if len(parts) == 1 else concat_quantized(parts)
 
 
 _CHUNK_ROWS = 2048
 
 
-def _concat(parts: list[Int8Weight] | list[Int4Weight]) -> Int8Weight | Int4Weight:
+def concat_quantized(parts: list[Int8Weight] | list[Int4Weight]) -> Int8Weight | Int4Weight:
     if isinstance(parts[0], Int8Weight):
         return Int8Weight(
             qweight=torch.cat([p.qweight for p in parts]),  # type: ignore[union-attr]
@@ -220,10 +220,21 @@ def dequantize(q: QuantizedWeight, dtype: torch.dtype = torch.float32) -> Tensor
 def relative_error(w: Tensor, q: QuantizedWeight, row_step: int = 1) -> float:
     """Relative Frobenius error ||w - dequantize(q)|| / ||w||, in row blocks to bound memory.
 
-    fp32 per block (fast on CPUs without fast fp64), the block sums added in Python floats (fp64).
     `row_step` > 1 measures every n-th row only: rows are quantized independently, so a strided sample
     estimates the whole matrix's error (the loader uses 8: its metric, not a test oracle, costs 1/8).
     """
+    num, den = error_terms(w, q, row_step)
+    return math.sqrt(num / den) if den > 0 else math.sqrt(num)
+
+
+def error_terms(w: Tensor, q: QuantizedWeight, row_step: int = 1) -> tuple[float, float]:
+    """(||w - dequantize(q)||^2, ||w||^2) over every `row_step`-th row; terms of parts add up.
+
+    fp32 per block (fast on CPUs without fast fp64), the block sums added in fp64.
+    """
+    fast = native.kernels() if isinstance(q, Int8Weight) and w.device.type == "cpu" and w.dim() == 2 else None
+    if fast is not None:
+        return fast.int8_error_terms(w, q.qweight, q.scale, row_step)
     num = den = 0.0
     rows = range(0, w.shape[0], row_step)
     for begin in range(0, len(rows), _CHUNK_ROWS):
@@ -232,7 +243,7 @@ def relative_error(w: Tensor, q: QuantizedWeight, row_step: int = 1) -> float:
         approx = dequantize(_take_rows(q, index), torch.float32)
         den += float(ref.square().sum())
         num += float((ref - approx).square().sum())
-    return math.sqrt(num / den) if den > 0 else math.sqrt(num)
+    return num, den
 
 
 def _take_rows(q: QuantizedWeight, index: Tensor) -> QuantizedWeight:

@@ -9,6 +9,7 @@ a scale are cheap, and their precision matters for every token).
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -21,7 +22,15 @@ from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
 from llmplan.llm.checkpoint_writer import write_checkpoint
 from llmplan.llm.config import ModelConfig
-from llmplan.llm.quantize import FLOAT_DTYPES, from_tensors, nbytes, quantize_weight, relative_error, to_tensors
+from llmplan.llm.quantize import (
+    FLOAT_DTYPES,
+    concat_quantized,
+    error_terms,
+    from_tensors,
+    nbytes,
+    quantize_weight,
+    to_tensors,
+)
 from llmplan.llm.weights import fusion_table, internal_shapes
 
 from .load_read_shards import CONVERTED_MARKER
@@ -162,14 +171,19 @@ class Convert(Stage):
         start = time.perf_counter()
 
         def convert(internal: str, parts: list[Tensor]) -> Any:
+            precision = params.head if internal == "output.weight" and params.head != "same" else params.dtype
+            if is_linear(internal) and precision in ("int8", "int4"):
+                # Rows quantize independently: quantize each part (q, k, v; gate, up) and join the codes,
+                # not the fp32 parts (a 4x larger copy). The error terms of the parts add up.
+                done = [quantize_weight(p.float(), precision, params.group_size) for p in parts]
+                terms = [error_terms(p, q, row_step=8) for p, q in zip(parts, done, strict=True)]
+                num, den = sum(t[0] for t in terms), sum(t[1] for t in terms)
+                errors[internal] = math.sqrt(num / den) if den > 0 else math.sqrt(num)
+                return done[0] if len(done) == 1 else concat_quantized(done)  # type: ignore[arg-type]
             whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
             if not is_linear(internal):
                 return whole.to(act)
-            precision = params.head if internal == "output.weight" and params.head != "same" else params.dtype
-            converted = quantize_weight(whole.float(), precision, params.group_size)
-            if precision in ("int8", "int4"):
-                errors[internal] = relative_error(whole, converted, row_step=8)
-            return converted
+            return quantize_weight(whole.float(), precision, params.group_size)
 
         def on_tensor(name: str, tensor: Tensor) -> None:
             nonlocal bytes_in

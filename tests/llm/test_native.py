@@ -135,3 +135,16 @@ def test_native_quantization_leaves_non_finite_weights_to_torch(bad: float, col:
     assert FAST.quantize_int8(w) is None
     q = quantize_weight(w, "int8")  # falls back to the torch arithmetic, whatever it makes of them
     assert torch.equal(q.qweight, _torch_int8(w)[0])
+
+
+@needs_native
+@pytest.mark.parametrize("row_step", [1, 8])
+def test_native_error_terms_equal_the_torch_ones(row_step: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    from llmplan.llm.quantize import error_terms
+
+    w = torch.randn(300, 76)  # 76: a tail after the 8-wide body
+    q = quantize_weight(w, "int8")
+    got = error_terms(w, q, row_step)
+    monkeypatch.setattr(native, "kernels", lambda: None)
+    want = error_terms(w, q, row_step)
+    assert got == pytest.approx(want, rel=1e-5)  # fp32 sums within a row, in another order
