@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .kv_cache import KVCache
     from .model import Transformer
 
-_F32, _INT8 = 0, 1
+_F32, _INT8, _INT4 = 0, 1, 2
 
 
 class _Linear(ctypes.Structure):
@@ -34,8 +34,10 @@ class _Linear(ctypes.Structure):
         ("kind", ctypes.c_int64),
         ("w", ctypes.c_void_p),
         ("scale", ctypes.c_void_p),
+        ("zero", ctypes.c_void_p),
         ("n", ctypes.c_int64),
         ("k", ctypes.c_int64),
+        ("group", ctypes.c_int64),
     ]
 
 
@@ -70,25 +72,37 @@ class NotFused(Exception):
 
 def _native_linear(module: nn.Module, keep: list[Tensor]) -> _Linear:
     """The C description of one linear layer, or NotFused when it is not on a native kernel."""
+    zero: Tensor | None = None
+    group = 0
     if isinstance(module, FloatLinear) and module.kernel == "auto" and module.weight.dtype == torch.float32:
         w, scale, kind = module.weight, None, _F32
     elif isinstance(module, Int8Linear) and module.kernel == "auto":
-        w, scale, kind = module.qweight, module.scale, _INT8
+        w, scale, kind = module.qweight, module.scale.float().contiguous(), _INT8
     elif isinstance(module, Int4Linear) and module.kernel == "auto":
         module.prepack()
-        if not isinstance(module._packed, tuple):
-            raise NotFused("an int4 layer has no int8 re-quantization")
-        w, scale, kind = module._packed[0], module._packed[1], _INT8
+        if module._packed == Int4Linear.NATIVE:
+            w, scale, zero, kind, group = module.packed, module.scale, module.zero, _INT4, module.group_size
+        elif isinstance(module._packed, tuple):  # the int8 re-quantization
+            w, scale, kind = module._packed[0], module._packed[1], _INT8
+        else:
+            raise NotFused("an int4 layer has no native kernel")
     elif isinstance(module, nn.Linear) and module.bias is None and module.weight.dtype == torch.float32:
         w, scale, kind = module.weight, None, _F32
     else:
         raise NotFused(f"{type(module).__name__} is not on a native kernel")
-    if w.device.type != "cpu" or not w.is_contiguous() or w.shape[1] % 8:
+    in_features = w.shape[1] * (2 if kind == _INT4 else 1)
+    if w.device.type != "cpu" or not w.is_contiguous() or in_features % 8:
         raise NotFused(f"a weight of shape {tuple(w.shape)} does not fit the native kernels")
-    if scale is not None:
-        scale = scale.float().contiguous()
-    keep.extend(t for t in (w, scale) if t is not None)
-    return _Linear(kind, w.data_ptr(), 0 if scale is None else scale.data_ptr(), w.shape[0], w.shape[1])
+    keep.extend(t for t in (w, scale, zero) if t is not None)
+    return _Linear(
+        kind,
+        w.data_ptr(),
+        0 if scale is None else scale.data_ptr(),
+        0 if zero is None else zero.data_ptr(),
+        w.shape[0],
+        in_features,
+        group,
+    )
 
 
 def _ptr(t: Tensor, keep: list[Tensor]) -> int:
@@ -153,7 +167,6 @@ class FusedDecoder:
         self._per_row = per_row + 3 * cfg.intermediate_size
         self._work = torch.empty(0)
         self.vocab = cfg.vocab_size
-        self.max_rows = native.MAX_ROWS  # the GEMMs keep [rows, 4] sums on the stack
 
     @staticmethod
     def key_of(model: Transformer, cache: KVCache) -> tuple[int, ...]:

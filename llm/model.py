@@ -263,7 +263,7 @@ class Transformer(nn.Module):
         seqlen = tokens.shape[1]
         if seqlen == 1 and cache is not None and valid is None and self.fused_decode:
             fused = self.fused_decoder(cache)
-            if fused is not None and tokens.shape[0] <= fused.max_rows and not self._hooked():
+            if fused is not None and not self._hooked():
                 return fused.step(tokens, positions, cache)
         h = self.tok_embeddings(tokens)
         # Gather cos/sin before `cache.append`: `positions` may be a view of the cache's next positions.

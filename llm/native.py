@@ -25,9 +25,8 @@ import torch
 from torch import Tensor
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
-MAX_ROWS = 64  # the kernels keep a per-block [rows, 4] accumulator on the stack; prefill uses torch's GEMM
 
 _lock = threading.Lock()
 _loaded: NativeKernels | None = None
@@ -56,10 +55,13 @@ class NativeKernels:
         self._f32 = lib.gemm_f32
         self._f32.argtypes = [ptr, ptr, ptr, i64, i64, i64]
         self._f32.restype = None
+        self._int4 = lib.gemm_int4
+        self._int4.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
+        self._int4.restype = None
 
     @staticmethod
     def supports(x: Tensor, weight: Tensor) -> bool:
-        """Whether `x @ weight.T` fits these kernels: CPU, few rows, in_features a multiple of 8."""
+        """Whether `x @ weight.T` fits these kernels: CPU tensors, in_features a multiple of 8."""
         k = weight.shape[1]
         return (
             x.device.type == "cpu"
@@ -67,7 +69,6 @@ class NativeKernels:
             and weight.is_contiguous()
             and k % 8 == 0
             and x.shape[-1] == k
-            and x.numel() <= MAX_ROWS * k
         )
 
     def linear_int8(self, x: Tensor, qweight: Tensor, scale: Tensor) -> Tensor:
@@ -76,6 +77,30 @@ class NativeKernels:
         m, (n, k) = x2.shape[0], qweight.shape
         y = torch.empty(m, n, dtype=torch.float32)
         self._int8(x2.data_ptr(), qweight.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k)
+        return y.view(*x.shape[:-1], n).to(x.dtype)
+
+    @staticmethod
+    def supports_int4(x: Tensor, packed: Tensor, scale: Tensor, zero: Tensor) -> bool:
+        """Whether the int4 kernel fits: CPU, contiguous fp16 scale/zero, groups a multiple of 32 columns."""
+        k = packed.shape[1] * 2
+        groups = scale.shape[1]
+        return (
+            x.device.type == "cpu"
+            and packed.device.type == "cpu"
+            and all(t.is_contiguous() for t in (packed, scale, zero))
+            and scale.dtype == zero.dtype == torch.float16
+            and k % groups == 0
+            and (k // groups) % 32 == 0
+            and x.shape[-1] == k
+        )
+
+    def linear_int4(self, x: Tensor, packed: Tensor, scale: Tensor, zero: Tensor) -> Tensor:
+        """y = x @ dequantize(Int4Weight(packed, scale, zero)).T in fp32, without dequantizing in memory."""
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+        m, n, k = x2.shape[0], packed.shape[0], packed.shape[1] * 2
+        y = torch.empty(m, n, dtype=torch.float32)
+        group = k // scale.shape[1]
+        self._int4(x2.data_ptr(), packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), y.data_ptr(), m, n, k, group)
         return y.view(*x.shape[:-1], n).to(x.dtype)
 
     def linear_f32(self, x: Tensor, weight: Tensor) -> Tensor:

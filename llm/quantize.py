@@ -32,11 +32,12 @@ to fp32 F.linear, for batch 1 / 16 rows:
 
 What "auto" picks on CPU (any other device, or kernel="reference", uses the reference path):
 
-* Up to 64 rows (decode), fp32 and int8 (and int4, through its int8 re-quantization): the native AVX2
+* fp32 and int8 (and int4, through its int8 re-quantization), decode and prefill: the native AVX2
   kernels of `cpu_kernels.c` (see `llm/native.py`): weights widened to fp32 in registers, fp32
   activations and sums, so the result is the exact weight-only product up to summation order. Measured
   per call, 2 threads, 1 row: [3072,576] int8 0.058 ms vs 0.136 for `_weight_int8pack_mm`; the int8 head
-  [49152,576] 2.2 ms (13 GB/s, near the 16 GB/s this machine streams) vs 4.6. Below, the paths without them.
+  [49152,576] 2.2 ms (13 GB/s, near the 16 GB/s this machine streams) vs 4.6. At 16 and 128 rows 42-53
+  GMAC/s, 1.1-2x MKL's fp32 sgemm. Below, the paths where they cannot run (no compiler, no AVX2).
 * fp32: F.linear.
 * fp16 and bf16: fbgemm's fp16 GEMM (fp16 weights, fp32 activations and accumulation). bf16 weights are
   converted to fp16, which is exact for every bf16 value with 2^-14 <= |w| <= 65504 (fp16 has more mantissa
@@ -49,8 +50,11 @@ What "auto" picks on CPU (any other device, or kernel="reference", uses the refe
   1.8 ms). End to end on SmolLM2-135M (fp32 logits as reference, a 40-token chat prompt): relative logit
   error 0.041, top-1 agreement 97.7% - the same as the exact fp32 weight-only product (0.042), so the bf16
   activation rounding costs nothing measurable next to the int8 weights.
-* int4: dequantized and re-quantized once to per-channel int8 (adds 0.75% weight error in quadrature:
-  0.0783 → 0.0787 at group 32), then the int8 path: 1 byte/weight in RAM, 0.625 on disk.
+* int4: the native int4 kernel on the packed codes (groups a multiple of 32 columns): the exact int4
+  product, 0.625 byte/weight in RAM. On this CPU it decodes at about the int8 kernel's speed: it reads half
+  the bytes but widening nibbles costs more instructions than widening bytes, and the int8 kernel is
+  already near the memory bandwidth. Without it: dequantized and re-quantized once to per-channel int8
+  (adds 0.75% weight error in quadrature: 0.0783 → 0.0787 at group 32), then the int8 path.
 * Not the default: fbgemm's dynamic int8 linear (`kernel: dynamic_int8`). It quantizes the activations per
   call with one scale for the whole tensor, and SmolLM2's residual stream has outlier channels: end to end
   it gave a relative logit error of 0.51 and 33% top-1 agreement. fbgemm's fp16 GEMM on dequantized
@@ -510,8 +514,11 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """Weight-only int4 linear. auto on CPU: re-quantized once to per-channel int8 for the int8-weight GEMM;
-    dynamic_int8: the same codes in fbgemm's dynamic int8; reference: dequantize per call."""
+    """Weight-only int4 linear. auto on CPU: the native int4 kernel on the packed codes (0.5 byte/weight),
+    else re-quantized once to per-channel int8 for the int8 kernels; dynamic_int8: the same int8 codes in
+    fbgemm's dynamic int8; reference: dequantize per call."""
+
+    NATIVE = "native int4"  # `_packed` when the native kernel reads the codes as they are
 
     def __init__(self, weight: Int4Weight, kernel: Kernel = "auto") -> None:
         super().__init__()
@@ -529,12 +536,21 @@ class Int4Linear(nn.Module):
     def out_features(self) -> int:
         return int(self.packed.shape[0])
 
+    @property
+    def group_size(self) -> int:
+        return self.in_features // int(self.scale.shape[1])
+
     def quantized_weight(self) -> Int4Weight:
         return Int4Weight(packed=self.packed, scale=self.scale, zero=self.zero)
 
     def prepack(self) -> None:
-        """Re-quantize once to per-channel int8 for the fast kernel, now (at load) not on the first forward."""
+        """Choose the kernel now (at load) and re-quantize to int8 if it needs that, not on the first forward."""
         if self._packed is not None or self.kernel == "reference" or self.packed.device.type != "cpu":
+            return
+        fast = native.kernels() if self.kernel == "auto" else None
+        probe = self.packed.new_empty(0, self.in_features, dtype=torch.float32)
+        if fast is not None and fast.supports_int4(probe, self.packed, self.scale, self.zero):
+            self._packed = self.NATIVE
             return
         q8 = _quantize_int8(dequantize(self.quantized_weight()))
         if self.kernel == "dynamic_int8":
@@ -545,6 +561,10 @@ class Int4Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.kernel != "reference" and self.packed.device.type == "cpu":
             self.prepack()
+            if self._packed == self.NATIVE:
+                fast = native.kernels()
+                assert fast is not None
+                return fast.linear_int4(x, self.packed, self.scale, self.zero)
             if self.kernel == "dynamic_int8" and self._packed is not False:
                 return _fbgemm_int8(x, self._packed, self.out_features)
             if isinstance(self._packed, tuple):

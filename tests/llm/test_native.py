@@ -26,10 +26,11 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert (got.double() - want).abs().max().item() <= 1e-5 * scale
 
 
-# rows: 1 (the one-row kernel), 2..5 and 16 (the register tiles with a partial last tile); N not a multiple
-# of the 4-row block; K = 24 is a multiple of 8 but not 16 (the one-row kernel's tail), 1536 is SmolLM2's MLP
+# rows: 1 (the one-row kernel), 2..5 and 16 (the 3x4 register tiles with a partial last tile), 130 (chunks
+# of 64 activation rows and a partial one); N not a multiple of the 4- or 3-row blocks; K = 24 is a multiple
+# of 8 but not 16 (the one-row kernel's tail), 1536 is SmolLM2's MLP
 @needs_native
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 130])
 @pytest.mark.parametrize(("n", "k"), [(70, 24), (9, 1536), (4, 8)])
 def test_int8_kernel_equals_the_exact_product(rows: int, n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + n)
@@ -41,7 +42,7 @@ def test_int8_kernel_equals_the_exact_product(rows: int, n: int, k: int) -> None
 
 
 @needs_native
-@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("rows", [1, 3, 16, 130])
 @pytest.mark.parametrize(("n", "k"), [(70, 24), (1027, 576)])
 def test_f32_kernel_equals_the_exact_product(rows: int, n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(rows + n)
@@ -65,8 +66,8 @@ def test_modules_take_the_native_path_only_where_it_fits() -> None:
     x = torch.randn(3, 20)
     torch.testing.assert_close(module(x), reference(x))  # torch's int8 kernel is wrong at K % 8 != 0: not used
     q = quantize_weight(torch.randn(40, 32), "int8")
-    assert FAST.supports(torch.randn(native.MAX_ROWS, 32), q.qweight)
-    assert not FAST.supports(torch.randn(native.MAX_ROWS + 1, 32), q.qweight)  # prefill: torch's GEMM
+    assert FAST.supports(torch.randn(300, 32), q.qweight)  # prefill too
+    assert not FAST.supports(torch.randn(3, 32), q.qweight.t())  # a transposed view: not row-major
     module = make_linear(q, "auto")
     assert isinstance(module, Int8Linear)
     x = torch.randn(2, 32)
@@ -148,3 +149,33 @@ def test_native_error_terms_equal_the_torch_ones(row_step: int, monkeypatch: pyt
     monkeypatch.setattr(native, "kernels", lambda: None)
     want = error_terms(w, q, row_step)
     assert got == pytest.approx(want, rel=1e-5)  # fp32 sums within a row, in another order
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 3, 16, 130])
+@pytest.mark.parametrize(("n", "k", "group"), [(70, 64, 32), (9, 1536, 64), (5, 576, 32)])
+def test_int4_kernel_equals_the_exact_product(rows: int, n: int, k: int, group: int) -> None:
+    from llmplan.llm.quantize import Int4Weight, dequantize
+
+    gen = torch.Generator().manual_seed(rows + n + group)
+    q = quantize_weight(torch.randn(n, k, generator=gen), "int4", group)
+    assert isinstance(q, Int4Weight)
+    x = torch.randn(rows, k, generator=gen)
+    _close(FAST.linear_int4(x, q.packed, q.scale, q.zero), x.double() @ dequantize(q).double().T)
+
+
+@needs_native
+def test_int4_modules_read_the_packed_codes_or_fall_back_to_int8() -> None:
+    from llmplan.llm.quantize import Int4Linear, dequantize
+
+    w = torch.randn(40, 64)
+    native_module = make_linear(quantize_weight(w, "int4", 32))
+    native_module.prepack()
+    assert isinstance(native_module, Int4Linear) and native_module._packed == Int4Linear.NATIVE
+    x = torch.randn(2, 64)
+    _close(native_module(x), x.double() @ dequantize(native_module.quantized_weight()).double().T)
+    odd_groups = make_linear(quantize_weight(w, "int4", 16))  # groups of 16: not the kernel's 32-column steps
+    odd_groups.prepack()
+    assert isinstance(odd_groups._packed, tuple)  # the int8 re-quantization
+    got, want = odd_groups(x), odd_groups.reference(x)
+    assert float((got - want).norm() / want.norm()) < 0.02  # the re-quantization: ~0.01 (see test_quantize)
