@@ -7,13 +7,15 @@ products are ~10. The fused step runs the same arithmetic with no per-op dispatc
 `FusedDecoder.build(model, cache)` checks that the model fits, and returns None (the caller keeps the torch
 path) otherwise: CPU, fp32 activations and KV cache, every linear layer on the native fp32 or int8 kernels
 (int4 runs as its int8 re-quantization, as on the torch path), in-features a multiple of 8, no forward
-hooks inside the layers (observers need the torch modules to run). The pointers it hands to C belong to
-tensors it keeps references to; `Transformer` rebuilds it when the cache or a weight tensor changes.
+hooks inside the layers (observers need the torch modules to run; `Transformer` checks that per step).
+The pointers it hands to C belong to tensors it keeps references to; `Transformer` rebuilds it when the
+cache or a weight tensor changes.
 """
 
 from __future__ import annotations
 
 import ctypes
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -124,8 +126,6 @@ class FusedDecoder:
             raise NotFused(f"the KV cache is {cache.k.dtype}")
         if cfg.head_dim % 2 or cfg.n_heads % cfg.n_kv_heads:
             raise NotFused("odd head_dim or heads not grouped evenly")
-        if any(m._forward_hooks or m._forward_pre_hooks for m in model.layers.modules()):
-            raise NotFused("forward hooks inside the layers (observers)")
         layers = (_Layer * cfg.n_layers)()
         for i, block in enumerate(model.layers):
             layers[i] = _Layer(
@@ -169,9 +169,16 @@ class FusedDecoder:
         self.vocab = cfg.vocab_size
 
     @staticmethod
-    def key_of(model: Transformer, cache: KVCache) -> tuple[int, ...]:
-        """What the bound pointers depend on: a move or cast of the model or cache changes it."""
-        return (id(cache), cache.k.data_ptr(), cache.v.data_ptr(), model.tok_embeddings.weight.data_ptr())
+    def key_of(model: Transformer, cache: KVCache) -> tuple[Any, ...]:
+        """What the bound pointers depend on. The cache is held weakly: a new cache at a recycled address
+        (same id, same data pointers) is still a new cache."""
+        return (
+            weakref.ref(cache),
+            cache.k.data_ptr(),
+            cache.v.data_ptr(),
+            cache.valid.data_ptr(),
+            model.tok_embeddings.weight.data_ptr(),
+        )
 
     @classmethod
     def build(cls, model: Transformer, cache: KVCache) -> FusedDecoder | None:

@@ -208,7 +208,7 @@ class Transformer(nn.Module):
         # Decode steps go through the native fused step where the model fits it (llm/fused_decode.py);
         # False keeps every step on the torch modules (tests compare the two).
         self.fused_decode = True
-        self._fused: tuple[tuple[int, ...], FusedDecoder | None] | None = None
+        self._fused: tuple[tuple[Any, ...], FusedDecoder | None] | None = None
 
     def fused_decoder(self, cache: KVCache) -> FusedDecoder | None:
         """The native decode step bound to `cache`, built on first use and whenever a bound tensor moved."""
