@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
 import struct
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from safetensors import safe_open
 from llmplan.llm import gguf_import
 from llmplan.llm.config import ModelConfig
 from llmplan.llm.gguf_import import GGUFImportError, import_gguf, unpermute_rope_rows
+from llmplan.llm.hash_cache import CACHE_NAME as HASHES
 from llmplan.llm.manifest import MANIFEST_NAME, read_sha256sums, sha256_file
 from llmplan.llm.tokenizer import Tokenizer
 
@@ -192,7 +195,7 @@ def test_second_call_reuses_without_reading(smollm_dir: Path, monkeypatch: pytes
     mtime = (smollm_dir / MANIFEST_NAME).stat().st_mtime_ns
     again = import_gguf(_smollm_path(), smollm_dir.parent, progress=lambda stage, done, total: stages.add(stage))
     assert again == smollm_dir
-    assert stages == {"hash"}
+    assert stages == set()  # found by the file's identity (size, mtime, inode): not even re-hashed
     assert (smollm_dir / MANIFEST_NAME).stat().st_mtime_ns == mtime
 
 
@@ -340,7 +343,23 @@ def test_interrupted_import_leaves_nothing(tiny, tmp_path: Path, monkeypatch, in
 
     monkeypatch.setattr(gguf_import, "_dequantized", real)
     out = import_gguf(path, tmp_path, shard_bytes=40_000)
-    assert [p.name for p in tmp_path.iterdir()] == [out.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([out.name, HASHES])  # and the hash index
+
+
+def test_a_touched_gguf_is_hashed_again(tiny, tmp_path: Path) -> None:
+    path, _ = tiny
+    copy = tmp_path / "copy.gguf"
+    shutil.copyfile(path, copy)
+    cache = tmp_path / "cache"
+    stages: list[str] = []
+    first = import_gguf(copy, cache, progress=lambda stage, done, total: stages.append(stage))
+    assert "hash" in stages
+    stages.clear()
+    assert import_gguf(copy, cache, progress=lambda stage, done, total: stages.append(stage)) == first
+    assert stages == []  # unchanged file: the digest comes from the index
+    os.utime(copy, ns=(copy.stat().st_atime_ns, copy.stat().st_mtime_ns + 10**9))
+    assert import_gguf(copy, cache, progress=lambda stage, done, total: stages.append(stage)) == first
+    assert set(stages) == {"hash"}  # touched: hashed again, same content, same import
 
 
 def _corrupt(kind: str, tiny_path: Path, tmp: Path) -> Path:
