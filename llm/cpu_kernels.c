@@ -93,23 +93,32 @@ static void rows3(const float *w0, const float *w1, const float *w2, const float
         out[3] = hsum(_mm256_add_ps(a3, b3));                                                    \
     }
 
+// One activation row against all N weight rows, 4 at a time over the threads; y[n] = dot * scale[n] (scale
+// may be NULL).
+#define ONE_ROW(T)                                                                                 \
+    static void one_row_##T(const T *w, const float *scale, const float *x, float *y, int64_t N, int64_t K) { \
+        const int64_t blocks = (N + NB - 1) / NB;                                                  \
+        _Pragma("omp parallel for schedule(static)")                                               \
+        for (int64_t b = 0; b < blocks; b++) {                                                     \
+            const int64_t n0 = b * NB, nb = N - n0 < NB ? N - n0 : NB;                             \
+            const T *rows[NB];                                                                     \
+            for (int64_t r = 0; r < NB; r++) rows[r] = w + (n0 + (r < nb ? r : 0)) * K;            \
+            float out[NB];                                                                         \
+            dot4_one_##T(rows[0], rows[1], rows[2], rows[3], x, K, out);                           \
+            for (int64_t r = 0; r < nb; r++) y[n0 + r] = out[r] * (scale ? scale[n0 + r] : 1.0f);  \
+        }                                                                                          \
+    }
+
 DOT4_ONE(int8_t, load_i8)
 DOT4_ONE(float, load_f32)
+ONE_ROW(int8_t)
+ONE_ROW(float)
 
 // int8 codes with one fp32 scale per output row: y[m, n] = scale[n] * sum_k x[m, k] * q[n, k].
 // Requires K % 8 == 0 (checked by the caller).
 void gemm_int8(const float *x, const int8_t *q, const float *scale, float *y, int64_t M, int64_t N, int64_t K) {
     if (M == 1) {
-        const int64_t blocks = (N + NB - 1) / NB;
-#pragma omp parallel for schedule(static)
-        for (int64_t b = 0; b < blocks; b++) {
-            const int64_t n0 = b * NB, nb = N - n0 < NB ? N - n0 : NB;
-            const int8_t *rows[NB];
-            for (int64_t r = 0; r < NB; r++) rows[r] = q + (n0 + (r < nb ? r : 0)) * K;
-            float out[NB];
-            dot4_one_int8_t(rows[0], rows[1], rows[2], rows[3], x, K, out);
-            for (int64_t r = 0; r < nb; r++) y[n0 + r] = out[r] * scale[n0 + r];
-        }
+        one_row_int8_t(q, scale, x, y, N, K);
         return;
     }
     const int64_t blocks = (N + NR - 1) / NR;
@@ -135,16 +144,7 @@ void gemm_int8(const float *x, const int8_t *q, const float *scale, float *y, in
 // fp32 weights: y[m, n] = sum_k x[m, k] * w[n, k]. Requires K % 8 == 0.
 void gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K) {
     if (M == 1) {
-        const int64_t blocks = (N + NB - 1) / NB;
-#pragma omp parallel for schedule(static)
-        for (int64_t b = 0; b < blocks; b++) {
-            const int64_t n0 = b * NB, nb = N - n0 < NB ? N - n0 : NB;
-            const float *rows[NB];
-            for (int64_t r = 0; r < NB; r++) rows[r] = w + (n0 + (r < nb ? r : 0)) * K;
-            float out[NB];
-            dot4_one_float(rows[0], rows[1], rows[2], rows[3], x, K, out);
-            for (int64_t r = 0; r < nb; r++) y[n0 + r] = out[r];
-        }
+        one_row_float(w, NULL, x, y, N, K);
         return;
     }
     const int64_t blocks = (N + NR - 1) / NR;
@@ -606,4 +606,73 @@ void int8_error_terms(const float *w, const int8_t *q, const float *scale, int64
     }
     out[0] = num;
     out[1] = den;
+}
+
+// Group-wise asymmetric int4 at load, the arithmetic of `_quantize_int4` in quantize.py: per group of G
+// columns zero = fp16(min), scale = fp16((max - zero) / 15) (1 where that is not > 0), code = clamp(
+// round-half-even((w - zero) / scale), 0, 15), two codes per byte (even k in the low nibble). Returns the
+// number of groups holding NaN, infinity or values beyond fp16's range: the caller then uses the torch
+// version, which decides what those mean (an error, for out-of-range values).
+int64_t quantize_int4_groups(const float *w, uint8_t *packed, uint16_t *scale, uint16_t *zero, int64_t N, int64_t K,
+                             int64_t G) {
+    int64_t bad = 0;
+    const int64_t groups = K / G;
+#pragma omp parallel for schedule(static) reduction(+ : bad)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const float *src = w + n * K + g * G;
+            float lo = src[0], hi = src[0], poison = 0.0f;
+            int64_t i = 0;
+            if (G % 8 == 0) {
+                __m256 lo8 = _mm256_loadu_ps(src), hi8 = lo8, p8 = _mm256_setzero_ps();
+                for (; i < G; i += 8) {
+                    const __m256 v = _mm256_loadu_ps(src + i);
+                    lo8 = _mm256_min_ps(lo8, v);
+                    hi8 = _mm256_max_ps(hi8, v);
+                    p8 = _mm256_add_ps(p8, _mm256_mul_ps(v, _mm256_setzero_ps()));
+                }
+                float l[8], h[8];
+                _mm256_storeu_ps(l, lo8);
+                _mm256_storeu_ps(h, hi8);
+                for (int j = 0; j < 8; j++) lo = fminf(lo, l[j]), hi = fmaxf(hi, h[j]);
+                poison = hsum(p8);
+            }
+            for (; i < G; i++) {
+                lo = fminf(lo, src[i]);
+                hi = fmaxf(hi, src[i]);
+                poison += src[i] * 0.0f;  // NaN for NaN and infinity
+            }
+            if (poison != 0.0f || poison != poison || fabsf(lo) > 65504.0f || fabsf(hi) > 65504.0f) {
+                bad++;
+                continue;
+            }
+            const uint16_t z16 = _cvtss_sh(lo, _MM_FROUND_TO_NEAREST_INT);
+            const float z = _cvtsh_ss(z16);
+            uint16_t s16 = _cvtss_sh((hi - z) / 15.0f, _MM_FROUND_TO_NEAREST_INT);
+            float s = _cvtsh_ss(s16);
+            if (!(s > 0.0f)) s16 = 0x3C00, s = 1.0f;  // fp16 1.0
+            scale[n * groups + g] = s16;
+            zero[n * groups + g] = z16;
+            uint8_t *out = packed + (n * K + g * G) / 2;
+            int64_t k = 0;
+            if (G % 8 == 0) {  // 8 codes at a time: the division and rounding dominate, vectorize them
+                const __m256 z8 = _mm256_set1_ps(z), s8 = _mm256_set1_ps(s), top = _mm256_set1_ps(15.0f);
+                int32_t c[8];
+                for (; k < G; k += 8) {
+                    __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(src + k), z8), s8),
+                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                    v = _mm256_min_ps(_mm256_max_ps(v, _mm256_setzero_ps()), top);
+                    _mm256_storeu_si256((__m256i *)c, _mm256_cvtps_epi32(v));
+                    for (int i = 0; i < 8; i += 2) out[(k + i) / 2] = (uint8_t)(c[i] | (c[i + 1] << 4));
+                }
+            }
+            for (; k < G; k += 2) {  // groups of 2, 4 or 6 columns
+                float a = nearbyintf((src[k] - z) / s), b = nearbyintf((src[k + 1] - z) / s);
+                a = a < 0.0f ? 0.0f : (a > 15.0f ? 15.0f : a);
+                b = b < 0.0f ? 0.0f : (b > 15.0f ? 15.0f : b);
+                out[k / 2] = (uint8_t)a | (uint8_t)((uint8_t)b << 4);
+            }
+        }
+    }
+    return bad;
 }

