@@ -145,7 +145,38 @@ def top_k(logits: Tensor, ctx: StepContext, k: int) -> Tensor:
     return logits.masked_fill_(logits < kth, -math.inf)
 
 
+_NUCLEUS_CANDIDATES = 1024
+
+
+def _nucleus_in_top(logits: Tensor, p: float) -> Tensor | None:
+    """The ids top-p keeps, found among the `_NUCLEUS_CANDIDATES` largest logits; None if it may reach past.
+
+    Sorting a whole vocabulary (an argsort of SmolLM2's 49152 logits: ~7 ms) costs more than a decode step,
+    while a nucleus is usually a few dozen tokens. When the candidates hold mass >= p, every token outside
+    them has ascending cumulative mass <= 1 - p and is dropped by the rule below anyway, so the candidates
+    decide it alone: the same rule, applied to one topk instead of a full sort.
+    """
+    values, ids = torch.topk(logits, _NUCLEUS_CANDIDATES)  # descending
+    if not torch.isfinite(values[-1]):
+        return None  # fewer live tokens than candidates: the plain path sorts no more than these
+    probs = (values - torch.logsumexp(logits, dim=-1)).exp()
+    inside = probs.sum()
+    if inside < p:
+        return None
+    ascending = (1 - inside).clamp(min=0) + probs.flip(0).cumsum(dim=0)
+    drop = ascending <= 1 - p
+    drop[-1] = False  # always keep the most likely token
+    return ids[~drop.flip(0)]
+
+
 def top_p(logits: Tensor, ctx: StepContext, p: float) -> Tensor:
+    if logits.numel() > _NUCLEUS_CANDIDATES:
+        kept = _nucleus_in_top(logits, p)
+        if kept is not None:
+            values = logits[kept]
+            logits.fill_(-math.inf)
+            logits[kept] = values
+            return logits
     # sort only the live candidates (after top-k that is k tokens, not the whole vocabulary)
     live = torch.isfinite(logits).nonzero().squeeze(1)
     values = logits[live]
@@ -235,8 +266,14 @@ class Picker:
         if self.params.greedy:
             token = int(torch.argmax(logits))
         else:
-            probs = logits.softmax(dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=self._generator))
+            # Draw among the tokens the chain left (a nucleus is a few dozen of 49152): multinomial over the
+            # whole vocabulary draws one exponential per entry, which cost more than the model's decode step.
+            live = torch.isfinite(logits).nonzero().squeeze(1)
+            if live.numel() < logits.numel():
+                chosen = torch.multinomial(logits[live].softmax(dim=-1), 1, generator=self._generator)
+                token = int(live[chosen])
+            else:
+                token = int(torch.multinomial(logits.softmax(dim=-1), 1, generator=self._generator))
         lse = torch.logsumexp(raw, dim=-1)
         top = None
         if self.params.logprobs_top_n > 0:

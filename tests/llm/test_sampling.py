@@ -97,6 +97,17 @@ def test_top_p_after_top_k_matches_hf_chain() -> None:
     torch.testing.assert_close(ours, theirs)
 
 
+@pytest.mark.parametrize("spread", [0.5, 3.0, 8.0])  # flat (nucleus past the candidates), peaked, very peaked
+def test_top_p_over_a_real_vocabulary_matches_hf(spread: float) -> None:
+    # 49152 logits, SmolLM2's vocabulary: the top-k shortcut when the nucleus lies in the top 1024, the full
+    # sort when it does not; either must keep exactly HF's set
+    gen = torch.Generator().manual_seed(int(spread * 10))
+    logits = torch.randn(49152, generator=gen) * spread
+    ctx = StepContext([], 0)
+    for p in (0.5, 0.9, 0.95):
+        torch.testing.assert_close(top_p(logits.clone(), ctx, p), _hf(TopPLogitsWarper(p), logits, []))
+
+
 def test_top_p_boundary_token_is_kept() -> None:
     # probs 0.5, 0.3, 0.2: p=0.6 needs the 0.3 token to reach the mass (HF keeps the boundary token)
     logits = torch.tensor([0.5, 0.3, 0.2]).log()
