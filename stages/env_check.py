@@ -61,6 +61,16 @@ def resolve_device(requested: str) -> str:
     return requested
 
 
+def native_kernels_status(device: str) -> str:
+    """Whether the CPU decode kernels (llm/cpu_kernels.c) run here; building them now, not at the first token."""
+    if not device.startswith("cpu"):
+        return f"not used on {device}"
+    from llmplan.llm import native
+
+    fast = native.kernels()
+    return f"available ({fast.path.name})" if fast is not None else f"unavailable: {native.unavailable_reason()}"
+
+
 class EnvCheck(Stage):
     """Check Python, torch and the device; pick CUDA when present (device: auto)."""
 
@@ -104,7 +114,10 @@ class EnvCheck(Stage):
         )
         ctx.metrics.set("device", device)
         ctx.metrics.set("threads", torch.get_num_threads())
-        ctx.log.info("environment", **{k: v for k, v in vars(ctx.environment).items() if k != "packages"})
+        kernels = native_kernels_status(device)
+        ctx.metrics.set("native_kernels", kernels)
+        facts = {k: v for k, v in vars(ctx.environment).items() if k != "packages"}
+        ctx.log.info("environment", native_kernels=kernels, **facts)
 
     def check(self, params: Any, deep: DeepCheck) -> None:
         try:

@@ -89,6 +89,16 @@ def test_same_seed_same_text_different_seed_different_text(tmp_path: Path, model
     assert a == b and a != c
 
 
+def test_env_check_says_whether_the_native_kernels_run(tmp_path: Path, model_dir: Path) -> None:
+    from llmplan.llm import native
+
+    status = run(tmp_path, model_dir, ["generate.max_new_tokens=2"]).context.metrics.get("env", "native_kernels")
+    if native.kernels() is None:
+        assert status == f"unavailable: {native.unavailable_reason()}"
+    else:
+        assert status == f"available ({native.kernels().path.name})"
+
+
 def test_stop_string_ends_the_sequence(tmp_path: Path, model_dir: Path) -> None:
     free = run(tmp_path / "free", model_dir, ["generate.max_new_tokens=24"])
     tokens = free.context.generations[0].tokens
