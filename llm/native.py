@@ -208,8 +208,11 @@ def build() -> Path:
     cc = compiler()
     if cc is None:
         raise NativeUnavailable("no C compiler on PATH (set CC, or install gcc)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".cpu_kernels-", suffix=".so", dir=target.parent)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".cpu_kernels-", suffix=".so", dir=target.parent)
+    except OSError as err:  # a read-only cache: run on torch's kernels rather than fail the load
+        raise NativeUnavailable(f"cannot write to {target.parent}: {err.strerror or err}") from None
     os.close(fd)
     try:
         done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, *LIBS], capture_output=True, text=True, timeout=120)

@@ -95,6 +95,16 @@ def test_build_is_cached_by_source_hash(tmp_path: Path, monkeypatch: pytest.Monk
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left behind
 
 
+def test_an_unwritable_cache_is_a_reason_not_a_crash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if native.compiler() is None:
+        pytest.skip("no C compiler")
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("LLMPLAN_CACHE", str(blocker))  # kernels/ cannot be made under a file
+    with pytest.raises(native.NativeUnavailable, match="cannot write to"):
+        native.build()
+
+
 def test_disabled_or_without_a_compiler_it_says_why(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("LLMPLAN_NATIVE", "0")
     with pytest.raises(native.NativeUnavailable, match="LLMPLAN_NATIVE=0"):
