@@ -76,11 +76,9 @@ class NativeKernels:
 
     def linear_int8(self, x: Tensor, qweight: Tensor, scale: Tensor) -> Tensor:
         """y = (x @ qweight.T) * scale in fp32; x [..., K], qweight int8 [N, K], scale fp32 [N]."""
-        x2 = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
-        m, (n, k) = x2.shape[0], qweight.shape
-        y = torch.empty(m, n, dtype=torch.float32)
-        self._int8(x2.data_ptr(), qweight.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k)
-        return y.view(*x.shape[:-1], n).to(x.dtype)
+        x2, y = _rows(x, qweight.shape[0])
+        self._int8(x2.data_ptr(), qweight.data_ptr(), scale.data_ptr(), y.data_ptr(), x2.shape[0], *qweight.shape)
+        return _restore(x, y)
 
     @staticmethod
     def supports_int4(x: Tensor, packed: Tensor, scale: Tensor, zero: Tensor) -> bool:
@@ -99,20 +97,17 @@ class NativeKernels:
 
     def linear_int4(self, x: Tensor, packed: Tensor, scale: Tensor, zero: Tensor) -> Tensor:
         """y = x @ dequantize(Int4Weight(packed, scale, zero)).T in fp32, without dequantizing in memory."""
-        x2 = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
-        m, n, k = x2.shape[0], packed.shape[0], packed.shape[1] * 2
-        y = torch.empty(m, n, dtype=torch.float32)
-        group = k // scale.shape[1]
-        self._int4(x2.data_ptr(), packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), y.data_ptr(), m, n, k, group)
-        return y.view(*x.shape[:-1], n).to(x.dtype)
+        n, k = packed.shape[0], packed.shape[1] * 2
+        x2, y = _rows(x, n)
+        ptrs = (x2.data_ptr(), packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), y.data_ptr())
+        self._int4(*ptrs, x2.shape[0], n, k, k // scale.shape[1])
+        return _restore(x, y)
 
     def linear_f32(self, x: Tensor, weight: Tensor) -> Tensor:
         """y = x @ weight.T in fp32; x [..., K], weight fp32 [N, K]."""
-        x2 = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
-        m, (n, k) = x2.shape[0], weight.shape
-        y = torch.empty(m, n, dtype=torch.float32)
-        self._f32(x2.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k)
-        return y.view(*x.shape[:-1], n).to(x.dtype)
+        x2, y = _rows(x, weight.shape[0])
+        self._f32(x2.data_ptr(), weight.data_ptr(), y.data_ptr(), x2.shape[0], *weight.shape)
+        return _restore(x, y)
 
 
     def quantize_int8(self, w: Tensor) -> tuple[Tensor, Tensor] | None:
@@ -147,6 +142,17 @@ class NativeKernels:
         scale = scale.to(torch.float32).contiguous()
         self._error_terms(w.data_ptr(), qweight.data_ptr(), scale.data_ptr(), *w.shape, row_step, out.data_ptr())
         return float(out[0]), float(out[1])
+
+
+def _rows(x: Tensor, out_features: int) -> tuple[Tensor, Tensor]:
+    """x [..., K] as contiguous fp32 rows [M, K], and the fp32 output [M, out_features] the kernel fills."""
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+    return x2, torch.empty(x2.shape[0], out_features, dtype=torch.float32)
+
+
+def _restore(x: Tensor, y: Tensor) -> Tensor:
+    """y [M, N] back to x's leading dims and dtype."""
+    return y.view(*x.shape[:-1], y.shape[1]).to(x.dtype)
 
 
 def kernels() -> NativeKernels | None:

@@ -231,7 +231,11 @@ def relative_error(w: Tensor, q: QuantizedWeight, row_step: int = 1) -> float:
     `row_step` > 1 measures every n-th row only: rows are quantized independently, so a strided sample
     estimates the whole matrix's error (the loader uses 8: its metric, not a test oracle, costs 1/8).
     """
-    num, den = error_terms(w, q, row_step)
+    return relative_from_terms(*error_terms(w, q, row_step))
+
+
+def relative_from_terms(num: float, den: float) -> float:
+    """sqrt(num / den), the relative error from `error_terms` (summed over parts); absolute when w is 0."""
     return math.sqrt(num / den) if den > 0 else math.sqrt(num)
 
 

@@ -9,7 +9,6 @@ a scale are cheap, and their precision matters for every token).
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -29,6 +28,7 @@ from llmplan.llm.quantize import (
     from_tensors,
     nbytes,
     quantize_weight,
+    relative_from_terms,
     to_tensors,
 )
 from llmplan.llm.weights import fusion_table, internal_shapes
@@ -177,8 +177,7 @@ class Convert(Stage):
                 # not the fp32 parts (a 4x larger copy). The error terms of the parts add up.
                 done = [quantize_weight(p.float(), precision, params.group_size) for p in parts]
                 terms = [error_terms(p, q, row_step=8) for p, q in zip(parts, done, strict=True)]
-                num, den = sum(t[0] for t in terms), sum(t[1] for t in terms)
-                errors[internal] = math.sqrt(num / den) if den > 0 else math.sqrt(num)
+                errors[internal] = relative_from_terms(sum(t[0] for t in terms), sum(t[1] for t in terms))
                 return done[0] if len(done) == 1 else concat_quantized(done)  # type: ignore[arg-type]
             whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
             if not is_linear(internal):

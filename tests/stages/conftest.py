@@ -4,7 +4,6 @@ inside the real engine."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from llmplan.stages.output_release import OutputRelease
 from llmplan.stages.output_write import OutputWrite
 from llmplan.stages.slots import InferenceContext
 from llmplan.stages.types import GenerationResult, ModelSource, Request
+from tests.stages.tiny_run import train_byte_bpe
 
 SPECIALS = ["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
@@ -41,20 +41,8 @@ CALLS: list[str] = []  # what the fake stages ran, in order
 
 
 def build_tokenizer_dir(folder: Path) -> Path:
-    from tokenizers import Tokenizer as Backend
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    backend = Backend(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=420, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    backend.train_from_iterator(CORPUS * 4, trainer)
-    folder.mkdir(parents=True, exist_ok=True)
-    backend.save(str(folder / "tokenizer.json"))
     config = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "add_bos_token": False}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    train_byte_bpe(folder, CORPUS * 4, SPECIALS, config)
     return folder
 
 

@@ -23,22 +23,27 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tokenizer(out: Path) -> int:
-    """Train a byte-level BPE (ids 0/1/2 = pad/bos/eos, as the tiny model's config) into `out`; return its size."""
+def train_byte_bpe(out: Path, corpus: list[str], specials: list[str], config: dict[str, Any]) -> int:
+    """Train a 420-entry byte-level BPE on `corpus` into `out` (tokenizer.json + tokenizer_config.json)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=420, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=420, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    tok.train_from_iterator(SENTENCES * 4 + SENTENCES[2:3] * 20, trainer)
+    tok.train_from_iterator(corpus, trainer)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
-    config = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "chat_template": CHAT_TEMPLATE}
     (out / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
     return tok.get_vocab_size()
+
+
+def make_tokenizer(out: Path) -> int:
+    """Train a byte-level BPE (ids 0/1/2 = pad/bos/eos, as the tiny model's config) into `out`; return its size."""
+    config = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "chat_template": CHAT_TEMPLATE}
+    return train_byte_bpe(out, SENTENCES * 4 + SENTENCES[2:3] * 20, SPECIALS, config)
 
 
 def make_tiny_model_dir(tmp_path: Path, n_layers: int = 3) -> tuple[Path, Any]:
