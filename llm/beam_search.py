@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from .fused_decode import decode_step
 from .generate import FinishReason
 from .kv_cache import KVCache
 from .model import Transformer
@@ -121,7 +122,7 @@ def beam_search(
             cache.reorder(beam_index)
             if not cache.make_room(1):
                 break
-            logits = model(running[:, step : step + 1], cache.next_positions(), cache, last_only=True)[:, -1]
+            logits = decode_step(model, running[:, step : step + 1], cache.next_positions(), cache)[:, -1]
 
     out = []
     for i in range(num_return_sequences):

@@ -303,6 +303,7 @@ void gemm_int4(const float *x, const uint8_t *packed, const uint16_t *scale, con
 // the final norm and the head. Python checks every shape and layout before calling (llm/fused_decode.py).
 
 #include <math.h>
+#include <stddef.h>
 #include <stdlib.h>
 
 enum { LINEAR_F32 = 0, LINEAR_INT8 = 1, LINEAR_INT4 = 2 };
@@ -332,6 +333,22 @@ typedef struct {
     float *k_cache, *v_cache;
     const uint8_t *valid;                // [max_batch, max_tokens]: slot holds a real token of that row
 } DecodeModel;
+
+// The structs' sizes and field offsets, so the ctypes mirror in llm/fused_decode.py can be checked against
+// what this compiler laid out before a single pointer is handed over (a mismatch would corrupt memory).
+int64_t decode_layout(int64_t *out, int64_t cap) {
+    const int64_t v[] = {
+        sizeof(Linear), offsetof(Linear, w), offsetof(Linear, scale), offsetof(Linear, zero), offsetof(Linear, n),
+        offsetof(Linear, k), offsetof(Linear, group), sizeof(Layer), offsetof(Layer, ffn_norm), offsetof(Layer, wqkv),
+        offsetof(Layer, wo), offsetof(Layer, w13), offsetof(Layer, w2), sizeof(DecodeModel),
+        offsetof(DecodeModel, max_batch), offsetof(DecodeModel, eps), offsetof(DecodeModel, embed),
+        offsetof(DecodeModel, norm), offsetof(DecodeModel, head), offsetof(DecodeModel, layers),
+        offsetof(DecodeModel, k_cache), offsetof(DecodeModel, v_cache), offsetof(DecodeModel, valid),
+    };
+    const int64_t n = (int64_t)(sizeof(v) / sizeof(v[0]));
+    for (int64_t i = 0; i < n && i < cap; i++) out[i] = v[i];
+    return n;
+}
 
 static void linear(const Linear *l, const float *x, float *y, int64_t M) {
     if (l->kind == LINEAR_INT8)
@@ -456,9 +473,11 @@ static void attend_chunk(const float *q, const float *kc, const float *vc, const
     }
 }
 
+// Input r is cache row rows[r]: its K/V go to slot slots[r] and it attends over that row's valid slots
+// 0..slots[r]. Rows may sit at different lengths (a scheduler's slots), or all at one slot (a static batch).
 // work: floats for h, xn [M, dim], qkv [M, (H + 2 KV) hd], att [M, H hd], gu [M, 2 hidden], act [M, hidden]
-void decode_step(const DecodeModel *m, const int64_t *tokens, const int64_t *positions, int64_t M, int64_t slot,
-                 float *work, float *logits) {
+void decode_step(const DecodeModel *m, const int64_t *tokens, const int64_t *positions, const int64_t *rows,
+                 const int64_t *slots, int64_t M, float *work, float *logits) {
     const int64_t D = m->dim, H = m->n_heads, KV = m->n_kv_heads, hd = m->head_dim, half = hd / 2;
     const int64_t I = m->hidden, qkv_w = (H + 2 * KV) * hd, rep = H / KV, T = m->max_tokens;
     float *h = work, *xn = h + M * D, *qkv = xn + M * D, *att = qkv + M * qkv_w, *gu = att + M * H * hd,
@@ -467,10 +486,13 @@ void decode_step(const DecodeModel *m, const int64_t *tokens, const int64_t *pos
     for (int64_t r = 0; r < M; r++) memcpy(h + r * D, m->embed + tokens[r] * D, D * sizeof(float));
     // Attention work items: (row, KV head, chunk of slots); enough chunks that both threads have work even
     // at batch 1 (3 KV heads), not so many that the merge costs more than it spreads.
+    // Chunks are sized for the longest row; a shorter row's surplus chunks are empty.
+    int64_t longest = 0;
+    for (int64_t r = 0; r < M; r++) longest = slots[r] + 1 > longest ? slots[r] + 1 : longest;
     const int64_t want = 8, per_row_group = M * KV;
     int64_t chunks = per_row_group >= want ? 1 : (want + per_row_group - 1) / per_row_group;
-    if (chunks > (slot + 1 + 31) / 32) chunks = (slot + 1 + 31) / 32;  // at least 32 slots per chunk
-    const int64_t span = (slot + 1 + chunks - 1) / chunks, items = M * KV * chunks;
+    if (chunks > (longest + 31) / 32) chunks = (longest + 31) / 32;  // at least 32 slots per chunk
+    const int64_t span = (longest + chunks - 1) / chunks, items = M * KV * chunks;
     float *parts = (float *)malloc((size_t)items * rep * (hd + 2 + span) * sizeof(float));
     float *scores = parts + items * rep * (hd + 2);
 
@@ -483,7 +505,7 @@ void decode_step(const DecodeModel *m, const int64_t *tokens, const int64_t *pos
             const float *c = m->rope_cos + positions[r] * half, *s = m->rope_sin + positions[r] * half;
             for (int64_t j = 0; j < H + KV; j++) rope(q + j * hd, c, s, half);  // q heads, then k heads
             for (int64_t g = 0; g < KV; g++) {
-                const int64_t at = (((l * m->max_batch + r) * KV + g) * T + slot) * hd;
+                const int64_t at = (((l * m->max_batch + rows[r]) * KV + g) * T + slots[r]) * hd;
                 memcpy(m->k_cache + at, k + g * hd, hd * sizeof(float));
                 memcpy(m->v_cache + at, v + g * hd, hd * sizeof(float));
             }
@@ -491,10 +513,10 @@ void decode_step(const DecodeModel *m, const int64_t *tokens, const int64_t *pos
 #pragma omp parallel for schedule(static)
         for (int64_t item = 0; item < items; item++) {
             const int64_t rg = item / chunks, c = item % chunks, r = rg / KV, g = rg % KV;
-            const int64_t t0 = c * span, t1 = t0 + span < slot + 1 ? t0 + span : slot + 1;
-            const int64_t base = ((l * m->max_batch + r) * KV + g) * T * hd;
+            const int64_t t0 = c * span, t1 = t0 + span < slots[r] + 1 ? t0 + span : slots[r] + 1;
+            const int64_t base = ((l * m->max_batch + rows[r]) * KV + g) * T * hd;
             float *part = parts + item * rep * (hd + 2);
-            attend_chunk(qkv + r * qkv_w + g * rep * hd, m->k_cache + base, m->v_cache + base, m->valid + r * T,
+            attend_chunk(qkv + r * qkv_w + g * rep * hd, m->k_cache + base, m->v_cache + base, m->valid + rows[r] * T,
                          t0, t1 > t0 ? t1 : t0, hd, rep, scale, scores + item * rep * span, part, part + rep,
                          part + 2 * rep);
         }

@@ -72,6 +72,31 @@ class NotFused(Exception):
     """The model or cache does not fit the fused step; the message says why."""
 
 
+def mirror_layout() -> list[int]:
+    """Sizes and field offsets of the ctypes mirror, in the order `decode_layout` in cpu_kernels.c reports."""
+    fields = {
+        _Linear: ("w", "scale", "zero", "n", "k", "group"),
+        _Layer: ("ffn_norm", "wqkv", "wo", "w13", "w2"),
+        _Model: ("max_batch", "eps", "embed", "norm", "head", "layers", "k_cache", "v_cache", "valid"),
+    }
+    out: list[int] = []
+    for struct, names in fields.items():
+        out.append(ctypes.sizeof(struct))
+        out.extend(getattr(struct, name).offset for name in names)
+    return out
+
+
+def check_layout(lib: Any) -> None:
+    """Refuse (NotFused) when the compiled structs and the ctypes mirror disagree: handing the C code a
+    struct it reads at other offsets would corrupt memory rather than fail."""
+    want = mirror_layout()
+    buf = (ctypes.c_int64 * 64)()
+    n = lib.decode_layout(buf, len(buf))
+    native_layout = list(buf[: min(n, len(buf))])
+    if native_layout != want:
+        raise NotFused(f"the fused step's C structs {native_layout} differ from their ctypes mirror {want}")
+
+
 def _native_linear(module: nn.Module, keep: list[Tensor]) -> _Linear:
     """The C description of one linear layer, or NotFused when it is not on a native kernel."""
     zero: Tensor | None = None
@@ -162,7 +187,6 @@ class FusedDecoder:
         self._layers = layers
         self._keep = keep
         self._lib = lib
-        self.key = FusedDecoder.key_of(model, cache)
         per_row = 2 * cfg.dim + (cfg.n_heads + 2 * cfg.n_kv_heads + cfg.n_heads) * cfg.head_dim
         self._per_row = per_row + 3 * cfg.intermediate_size
         self._work = torch.empty(0)
@@ -178,7 +202,22 @@ class FusedDecoder:
             cache.v.data_ptr(),
             cache.valid.data_ptr(),
             model.tok_embeddings.weight.data_ptr(),
+            id(model.output),
         )
+
+    @classmethod
+    def bound(cls, model: Transformer, cache: Any) -> FusedDecoder | None:
+        """The native step for `model` and `cache` when it applies now, else None (run the torch modules).
+
+        Built on first use and rebuilt whenever a bound tensor moved; never while observers hook the layers.
+        """
+        if not model.fused_decode or model.hooked():
+            return None
+        key = cls.key_of(model, cache)
+        binding = model.native_binding
+        if binding is None or binding[0] != key:
+            binding = model.native_binding = (key, cls.build(model, cache))
+        return binding[1]
 
     @classmethod
     def build(cls, model: Transformer, cache: KVCache) -> FusedDecoder | None:
@@ -186,29 +225,54 @@ class FusedDecoder:
         if fast is None:
             return None
         try:
+            check_layout(fast.lib)
             return cls(model, cache, fast.lib)
         except NotFused:
             return None
 
     def step(self, tokens: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
-        """Logits [B, 1, V] (fp32) of one new token per active row; appends its K/V to `cache`."""
+        """Logits [B, 1, V] (fp32) of one new token per active row of a static batch; appends its K/V."""
         rows = tokens.shape[0]
         token_ids = tokens.reshape(rows).contiguous()
         pos = positions.reshape(rows).clone()  # before append: positions may be a view of the cache's
+        self._check_ids(token_ids)
+        slot = cache.append(positions)
+        row_ids = torch.arange(rows)
+        return self._run(token_ids, pos, row_ids, torch.full((rows,), slot)).view(rows, 1, self.vocab)
+
+    def step_rows(self, tokens: Tensor, positions: Tensor, rows: Tensor, slots: Tensor) -> Tensor:
+        """Logits [M, V] (fp32) for one token per input: input i is cache row rows[i], writes its K/V at
+        slot slots[i] and attends over that row's valid slots up to it (mark the new slot valid first).
+        All four are int64 [M] on the CPU; rows at different lengths share one call."""
+        self._check_ids(tokens)
+        return self._run(tokens.contiguous(), positions.contiguous(), rows.contiguous(), slots.contiguous())
+
+    def _check_ids(self, token_ids: Tensor) -> None:
         if int(token_ids.min()) < 0 or int(token_ids.max()) >= self.vocab:
             raise IndexError(f"token ids must be in [0, {self.vocab})")
-        slot = cache.append(positions)
-        need = rows * self._per_row
+
+    def _run(self, tokens: Tensor, positions: Tensor, rows: Tensor, slots: Tensor) -> Tensor:
+        m = tokens.shape[0]
+        need = m * self._per_row
         if self._work.numel() < need:
             self._work = torch.empty(need)  # work buffers, grown once to the largest batch seen
-        logits = torch.empty(rows, self.vocab)
+        logits = torch.empty(m, self.vocab)
         self._lib.decode_step(
             ctypes.byref(self.model_struct),
-            token_ids.data_ptr(),
-            pos.data_ptr(),
-            rows,
-            slot,
+            tokens.data_ptr(),
+            positions.data_ptr(),
+            rows.data_ptr(),
+            slots.data_ptr(),
+            m,
             self._work.data_ptr(),
             logits.data_ptr(),
         )
-        return logits.view(rows, 1, self.vocab)
+        return logits
+
+
+def decode_step(model: Transformer, tokens: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
+    """Logits [B, 1, V] of one token per row of a static batch: the fused step where it applies, else torch."""
+    fused = FusedDecoder.bound(model, cache)
+    if fused is not None:
+        return fused.step(tokens, positions, cache)
+    return model(tokens, positions, cache, last_only=True)

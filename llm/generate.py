@@ -15,6 +15,7 @@ from typing import Literal, Protocol
 import torch
 from torch import Tensor
 
+from .fused_decode import decode_step
 from .kv_cache import KVCache
 from .model import Transformer
 
@@ -187,7 +188,7 @@ def generate(
                 break
             step_tokens.copy_(torch.tensor(next_ids).view(batch, 1))
             try:
-                logits = model(step_tokens, cache.next_positions(), cache, last_only=True)
+                logits = decode_step(model, step_tokens, cache.next_positions(), cache)
             except RuntimeError as err:
                 if not _is_oom(err):
                     raise

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig
-from .fused_decode import FusedDecoder
 from .weights import WeightError, internal_shapes
 
 if TYPE_CHECKING:
@@ -205,20 +204,13 @@ class Transformer(nn.Module):
         self.rope_inv_freq: Tensor
         if self.tok_embeddings.weight.device.type != "meta":  # from_weights builds them on the real device
             self.setup_rope(self.tok_embeddings.weight.device)
-        # Decode steps go through the native fused step where the model fits it (llm/fused_decode.py);
-        # False keeps every step on the torch modules (tests compare the two).
+        # Whether decode loops may run this model through the native fused step (llm/fused_decode.py), which
+        # binds itself here; the model itself always computes with the torch modules below (the reference).
         self.fused_decode = True
-        self._fused: tuple[tuple[Any, ...], FusedDecoder | None] | None = None
-
-    def fused_decoder(self, cache: KVCache) -> FusedDecoder | None:
-        """The native decode step bound to `cache`, built on first use and whenever a bound tensor moved."""
-        key = FusedDecoder.key_of(self, cache)
-        if self._fused is None or self._fused[0] != key:
-            self._fused = (key, FusedDecoder.build(self, cache))
-        return self._fused[1]
+        self.native_binding: Any = None
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        self._fused = None  # a move or cast frees the tensors the native step points at
+        self.native_binding = None  # a move or cast frees the tensors a native step points at
         return super()._apply(fn, recurse)
 
     def setup_rope(self, device: torch.device | str) -> None:
@@ -230,7 +222,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", freqs.cos(), persistent=False)
         self.register_buffer("rope_sin", freqs.sin(), persistent=False)
 
-    def _hooked(self) -> bool:
+    def hooked(self) -> bool:
         """Whether observers hook modules inside the layers (they need the torch modules to run)."""
         return any(m._forward_hooks or m._forward_pre_hooks for m in self.layers.modules())
 
@@ -261,10 +253,6 @@ class Transformer(nn.Module):
             is the costliest matmul of a prefill over a large vocabulary).
         """
         seqlen = tokens.shape[1]
-        if seqlen == 1 and cache is not None and valid is None and self.fused_decode:
-            fused = self.fused_decoder(cache)
-            if fused is not None and not self._hooked():
-                return fused.step(tokens, positions, cache)
         h = self.tok_embeddings(tokens)
         # Gather cos/sin before `cache.append`: `positions` may be a view of the cache's next positions.
         # Once per forward, shared by every layer: [B, T, 1, head_dim] (heads broadcast).

@@ -41,7 +41,9 @@ class NativeKernels:
         self.path = path
         self.lib = lib
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.decode_step.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ptr]  # see llm/fused_decode.py
+        lib.decode_step.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr]  # see llm/fused_decode.py
+        lib.decode_layout.argtypes = [ptr, i64]
+        lib.decode_layout.restype = i64
         lib.decode_step.restype = None
         self._quantize = lib.quantize_int8_rows
         self._quantize.argtypes = [ptr, ptr, ptr, i64, i64]

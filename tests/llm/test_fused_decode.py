@@ -17,7 +17,7 @@ from torch import Tensor
 
 from llmplan.llm import native
 from llmplan.llm.beam_search import beam_search
-from llmplan.llm.fused_decode import FusedDecoder
+from llmplan.llm.fused_decode import FusedDecoder, decode_step
 from llmplan.llm.generate import Pick, generate
 from llmplan.llm.kv_cache import KVCache
 from llmplan.llm.model import Transformer
@@ -159,10 +159,10 @@ def test_models_that_do_not_fit_are_refused(tiny_dir) -> None:
 def test_a_moved_cache_rebinds_the_step(tiny_dir) -> None:
     model = _model(tiny_dir, "fp32")
     first = KVCache.for_model(model, 1, 16)
-    decoder = model.fused_decoder(first)
-    assert decoder is not None and model.fused_decoder(first) is decoder
+    decoder = FusedDecoder.bound(model, first)
+    assert decoder is not None and FusedDecoder.bound(model, first) is decoder
     second = KVCache.for_model(model, 1, 16)
-    assert model.fused_decoder(second) is not decoder
+    assert FusedDecoder.bound(model, second) is not decoder
 
 
 def test_out_of_range_token_ids_raise_instead_of_reading_past_the_table(tiny_dir) -> None:
@@ -171,4 +171,4 @@ def test_out_of_range_token_ids_raise_instead_of_reading_past_the_table(tiny_dir
     with torch.inference_mode():
         model(torch.tensor([[1, 5]]), torch.tensor([[0, 1]]), cache)
         with pytest.raises(IndexError, match="token ids"):
-            model(torch.tensor([[model.cfg.vocab_size]]), cache.next_positions(), cache)
+            decode_step(model, torch.tensor([[model.cfg.vocab_size]]), cache.next_positions(), cache)

@@ -160,6 +160,7 @@ class _Faulty:
     def __init__(self, model: Transformer, at: int, row: int | None = None) -> None:
         self.model, self.at, self.row, self.calls = model, at, row, 0
         self.device, self.dtype = model.device, model.dtype
+        self.fused_decode = False  # every step goes through __call__, where the fault is injected
 
     def __call__(self, *args, **kwargs) -> Tensor:
         self.calls += 1
