@@ -35,7 +35,7 @@ class TokenPicker(Protocol):
     def __call__(self, logits_row: Tensor, seen: list[int]) -> Pick: ...
 
 
-FinishReason = Literal["eos", "length", "stop_string", "cache_full", "error"]
+FinishReason = Literal["eos", "length", "stop_string", "cache_full", "error", "cancelled"]
 
 
 @dataclass
@@ -48,19 +48,20 @@ class Generation:
     top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None
-    prefill_s: float = 0.0  # the whole batch's prefill
-    ttft_s: float | None = None  # generate() start -> this row's first token picked
+    prefill_s: float = 0.0  # the whole batch's prefill (scheduler: this request's own, admission to logits)
+    ttft_s: float | None = None  # generate() start (scheduler: submission) -> this row's first token picked
+    queued_s: float = 0.0  # scheduler: submission -> admission into a slot
     decode_s: float = 0.0  # first token -> this row's last token
     decode_steps: int = 0  # decode forward passes this row took part in
 
 
-def _is_oom(err: BaseException) -> bool:
+def is_oom(err: BaseException) -> bool:
     # torch.OutOfMemoryError (CUDA, and other backends) subclasses RuntimeError; some backends raise a
     # plain RuntimeError whose message says so.
     return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err)
 
 
-def _release_memory(device: torch.device) -> None:
+def release_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -167,10 +168,10 @@ def generate(
                     break
                 logits = model(tokens[:, lo:hi], positions[:, lo:hi], cache, valid=valid[:, lo:hi], last_only=True)
         except RuntimeError as err:
-            if not _is_oom(err):
+            if not is_oom(err):
                 raise
             logits = None
-            _release_memory(device)
+            release_memory(device)
             finish_live("error", f"out of memory during prefill: {err}")
         if logits is not None:
             last = logits[:, -1].float()
@@ -190,9 +191,9 @@ def generate(
             try:
                 logits = decode_step(model, step_tokens, cache.next_positions(), cache)
             except RuntimeError as err:
-                if not _is_oom(err):
+                if not is_oom(err):
                     raise
-                _release_memory(device)
+                release_memory(device)
                 finish_live("error", f"out of memory during decode: {err}")
                 break
             for row in range(batch):
