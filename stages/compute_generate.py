@@ -1,13 +1,17 @@
 """`compute.generate`: prefill + KV-cached decode, the sampler chain or beam search, stopping, streaming.
 
-Requests are decoded in batches (left-padded; each row has its own sampler, seed and limits). Each
-sequence ends with a finish reason: eos | length | stop_string | cache_full | error. Out-of-memory
-and NaN/inf logits end the affected requests with reason `error` instead of killing the run.
+Requests run through the continuous-batching scheduler (llm/scheduler.py) on slots of the plan's KV cache:
+each request joins as soon as a slot is free and leaves the moment it ends, with its own sampler, seed and
+limits; prompts sharing a prefix (a chat template's system prompt) reuse its K/V. Each sequence ends with a
+finish reason: eos | length | stop_string | cache_full | error. Out-of-memory and NaN/inf logits end the
+affected requests with reason `error` instead of killing the run. Beam search, and a cache with the
+"slide" policy (StreamingLLM eviction over one shared write pointer), run as static batches.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -18,6 +22,8 @@ from llmplan.engine.stage import Params, Phase, Stage
 from llmplan.llm.beam_search import beam_search
 from llmplan.llm.generate import Generation, generate
 from llmplan.llm.sampling import SamplingParams, build_picker
+from llmplan.llm.scheduler import GenerationRequest, Scheduler
+from llmplan.llm.slot_cache import SlotCache
 from llmplan.llm.tokenizer import StreamDecoder
 
 from .compute_tokenize import truncate
@@ -56,8 +62,12 @@ class GenerateParams(Params):
     early_stopping: bool | Literal["never"] = Field(False, description="beam search stopping rule (as HF)")
     stop: list[str] = Field(default_factory=list, max_length=16, description="stop strings (on decoded text)")
     ignore_eos: bool = Field(False, description="generate exactly max_new_tokens (benchmarks)")
-    batch_size: int | None = Field(None, ge=1, le=4096, description="requests per batch; default: cache rows")
+    batch_size: int | None = Field(None, ge=1, le=4096, description="requests running at once; default: cache rows")
     prefill_chunk: int | None = Field(None, ge=1, description="prefill at most this many tokens per pass")
+    max_step_tokens: int = Field(
+        512, ge=2, le=1 << 16, description="tokens per scheduler step: one per decoding row, the rest prompt chunks"
+    )
+    prefix_reuse: bool = Field(True, description="start a prompt from cached K/V of the same leading tokens")
     stream: bool = Field(True, description="print text as it is generated (single request, terminal)")
 
     @model_validator(mode="after")
@@ -109,9 +119,12 @@ class Generate(Stage):
         else:
             size = min(params.batch_size or cache.max_batch, cache.max_batch)
             stream = params.stream and len(requests) == 1 and not ctx.json_mode
-            for first in range(0, len(requests), size):
-                group = requests[first : first + size]
-                results += self._batch(ctx, model, cache, group, params, eos, pad, seed, stream)
+            if cache.policy == "slide":
+                for first in range(0, len(requests), size):
+                    group = requests[first : first + size]
+                    results += self._batch(ctx, model, cache, group, params, eos, pad, seed, stream)
+            else:
+                results = self._scheduled(ctx, model, cache, requests, params, eos, seed, stream, size)
         ctx.generations = results
         finish_observing(ctx, results)  # generations.json; timings / attention files when observed
         total = sum(len(r.tokens) for r in results)
@@ -121,7 +134,86 @@ class Generate(Stage):
         ctx.metrics.set("finish_reasons", [r.finish_reason for r in results])
         ctx.metrics.set("per_request", [{"id": r.request_id, **r.timings} for r in results])
 
-    # --- sampling / greedy, batched ----------------------------------------------------------------
+    # --- sampling / greedy, through the scheduler -------------------------------------------------
+
+    def _scheduled(
+        self,
+        ctx: InferenceContext,
+        model: Any,
+        cache: Any,
+        requests: list[Request],
+        params: GenerateParams,
+        eos: set[int],
+        seed: int,
+        stream: bool,
+        running: int,
+    ) -> list[GenerationResult]:
+        tok = ctx.tokenizer
+        assert tok is not None
+        slots = SlotCache.over(cache)
+        try:
+            scheduler = Scheduler(
+                model,
+                slots,
+                max_step_tokens=params.max_step_tokens,
+                prefill_chunk=params.prefill_chunk,
+                max_running=running,
+                prefix_reuse=params.prefix_reuse,
+            )
+        except ValueError as bad:
+            raise StageFailure(f"compute.generate: {bad}") from None
+        decoder = StreamDecoder(tok, skip_special_tokens=True) if stream else None
+        eos_ids = frozenset(eos)
+
+        def on_token(token: int) -> None:
+            if decoder is not None and token not in eos_ids:
+                piece = decoder.push(token)
+                if piece:
+                    ctx.stream(piece)
+
+        submitted = []
+        for request in requests:
+            settings = settings_for(request, params, seed)
+            prompt = self._fit(ctx, request, cache.max_tokens)
+            sampling = SamplingParams(**{k: settings[k] for k in SAMPLING_FIELDS}, logprobs_top_n=params.logprobs)
+            seq = scheduler.submit(
+                GenerationRequest(
+                    prompt=prompt,
+                    picker=build_picker(sampling, len(prompt)),
+                    max_new_tokens=settings["max_new_tokens"],
+                    eos_ids=eos_ids,
+                    stop=_stop_check(tok, settings["stop"]),
+                    on_token=on_token if stream else None,
+                    tag=request.id,
+                )
+            )
+            submitted.append((request, seq, settings))
+        scheduler.run()
+        if decoder is not None:
+            ctx.stream(decoder.flush() + "\n")
+        stats = scheduler.stats
+        ctx.metrics.set(
+            "scheduler",
+            {
+                "slots": slots.slots,
+                "steps": stats.steps,
+                "busy_max": stats.busy_max,
+                "prefill_tokens": stats.prefill_tokens,
+                "reused_prefix_tokens": stats.reused_tokens,
+            },
+        )
+        out = []
+        for request, seq, settings in submitted:
+            gen = seq.generation
+            computed = gen.prompt_tokens - seq.reused
+            result = _result(request, gen, gen.prompt_tokens, settings, stats.busy_max, computed)
+            result.streamed = stream
+            if gen.finish_reason == "error":
+                ctx.log.warning("generation_error", request=request.id, error=gen.error)
+            out.append(result)
+        return out
+
+    # --- sampling / greedy, static batches (the "slide" cache policy) ------------------------------
 
     def _batch(
         self,
@@ -142,14 +234,12 @@ class Generate(Stage):
             build_picker(SamplingParams(**{k: s[k] for k in SAMPLING_FIELDS}, logprobs_top_n=params.logprobs), len(p))
             for s, p in zip(settings, prompts, strict=True)
         ]
-        stops = [s["stop"] for s in settings]
+        stops = [_stop_check(tok, s["stop"]) for s in settings]
         decoders = [StreamDecoder(tok, skip_special_tokens=True) for _ in group] if stream else []
 
         def stop_fn(row: int, ids: list[int]) -> bool:
-            if not stops[row]:
-                return False
-            tail = tok.decode(ids[-64:], skip_special_tokens=True)
-            return any(s in tail for s in stops[row])
+            check = stops[row]
+            return check is not None and check(ids)
 
         def on_token(row: int, token: int) -> None:
             if decoders and token not in eos:
@@ -167,7 +257,7 @@ class Generate(Stage):
                 max_new_tokens=[s["max_new_tokens"] for s in settings],
                 eos_ids=eos,
                 pad_id=pad,
-                stop_fn=stop_fn if any(stops) else None,
+                stop_fn=stop_fn if any(c is not None for c in stops) else None,
                 on_token=on_token if stream else None,
                 prefill_chunk=params.prefill_chunk,
             )
@@ -238,10 +328,23 @@ class Generate(Stage):
         )
 
 
+def _stop_check(tok: Any, stops: list[str]) -> Callable[[list[int]], bool] | None:
+    """generated ids -> whether the decoded tail holds a stop string (None without stop strings)."""
+    if not stops:
+        return None
+
+    def check(ids: list[int]) -> bool:
+        tail = tok.decode(ids[-64:], skip_special_tokens=True)
+        return any(s in tail for s in stops)
+
+    return check
+
+
 def _result(
     request: Request, gen: Generation, prompt_len: int, settings: dict[str, Any], batch: int, batch_prompt: int
 ) -> GenerationResult:
-    """Per-request timings; prefill is one pass for the whole batch, so its rate counts the batch's tokens."""
+    """Per-request timings. batch_prompt: the prompt tokens the prefill time covers (a static batch's prefill
+    is one pass for all its rows; a scheduled request's is its own, less any reused prefix)."""
     decoded = max(len(gen.tokens) - 1, 0)
     timings = {
         "prefill_s": gen.prefill_s,

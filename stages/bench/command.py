@@ -42,6 +42,9 @@ def register(subparsers: Any) -> None:
     bench.add_argument("--dtype", type=_str_list, help="a grid over the convert stage's dtype, e.g. fp32,int8")
     bench.add_argument("--no-cold", action="store_true", help="skip the cold (page-cache dropped) load")
     bench.add_argument("--out", metavar="PREFIX", help="also write PREFIX.json and PREFIX.md")
+    bench.add_argument("--mix", type=_positive, metavar="N", help="N requests of mixed lengths: static vs scheduler")
+    bench.add_argument("--slots", type=_positive, default=16, help="--mix: batch size and scheduler slots")
+    bench.add_argument("--max-step-tokens", type=_positive, default=512, help="--mix: scheduler tokens per step")
     bench.set_defaults(handler=cmd_bench)
 
 
@@ -76,6 +79,8 @@ def _say(text: str) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     if not Path(args.plan).is_file():
         raise CliError(f"{args.plan}: no such plan file")
+    if args.mix:
+        return _bench_mix(args)
     result: dict[str, Any] = {
         "plan": args.plan,
         "machine": {},
@@ -104,6 +109,34 @@ def cmd_bench(args: argparse.Namespace) -> int:
         prefix.parent.mkdir(parents=True, exist_ok=True)
         prefix.with_suffix(".json").write_text(render(result, "json"), encoding="utf-8")
         prefix.with_suffix(".md").write_text(to_markdown(result), encoding="utf-8")
+        _say(f"wrote {prefix.with_suffix('.json')} and {prefix.with_suffix('.md')}")
+    return 0
+
+
+def _bench_mix(args: argparse.Namespace) -> int:
+    """Static batches against the scheduler on a seeded mix of request lengths (see traffic.py)."""
+    import json
+
+    from .traffic import OUTPUT_RANGE, PROMPT_RANGE, bench_mix, cpu_features, mix_markdown
+
+    if args.max_step_tokens <= args.slots:
+        raise CliError(f"--max-step-tokens ({args.max_step_tokens}) must exceed --slots ({args.slots})")
+    dtype = args.dtype[0] if args.dtype else None
+    tokens = PROMPT_RANGE[1] + OUTPUT_RANGE[1]
+    overrides = bench_overrides(args.plan, args.set, dtype=dtype, max_batch=args.slots, max_tokens=tokens)
+    _say("bench: load")
+    loaded = load(args.plan, overrides)
+    info = machine() | {"cpu_features": cpu_features()}
+    result = {"plan": args.plan, "machine": info}
+    result |= bench_mix(loaded, args.mix, args.slots, args.runs, args.max_step_tokens, _say)
+    result["machine"]["loadavg_end"] = machine()["loadavg"]
+    text = mix_markdown(result, info)
+    sys.stdout.write(json.dumps(result, indent=2) + "\n" if args.format == "json" else text)
+    if args.out:
+        prefix = Path(args.out)
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        prefix.with_suffix(".json").write_text(json.dumps(result, indent=2), encoding="utf-8")
+        prefix.with_suffix(".md").write_text(text, encoding="utf-8")
         _say(f"wrote {prefix.with_suffix('.json')} and {prefix.with_suffix('.md')}")
     return 0
 
