@@ -45,6 +45,8 @@ def register(subparsers: Any) -> None:
     bench.add_argument("--mix", type=_positive, metavar="N", help="N requests of mixed lengths: static vs scheduler")
     bench.add_argument("--slots", type=_positive, default=16, help="--mix: batch size and scheduler slots")
     bench.add_argument("--max-step-tokens", type=_positive, default=512, help="--mix: scheduler tokens per step")
+    bench.add_argument("--mix-prompts", type=_range, default=(16, 512), metavar="LO-HI", help="--mix: prompt lengths")
+    bench.add_argument("--mix-outputs", type=_range, default=(16, 256), metavar="LO-HI", help="--mix: output lengths")
     bench.set_defaults(handler=cmd_bench)
 
 
@@ -53,6 +55,17 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError("must be at least 1")
     return value
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition("-")
+    try:
+        pair = (int(lo), int(hi))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO-HI, e.g. 16-512, got {text!r}") from None
+    if not sep or not 1 <= pair[0] <= pair[1]:
+        raise argparse.ArgumentTypeError(f"expected 1 <= LO <= HI, got {text!r}")
+    return pair
 
 
 def _int_list(text: str) -> list[int]:
@@ -117,18 +130,20 @@ def _bench_mix(args: argparse.Namespace) -> int:
     """Static batches against the scheduler on a seeded mix of request lengths (see traffic.py)."""
     import json
 
-    from .traffic import OUTPUT_RANGE, PROMPT_RANGE, bench_mix, cpu_features, mix_markdown
+    from .traffic import bench_mix, cpu_features, mix_markdown
 
     if args.max_step_tokens <= args.slots:
         raise CliError(f"--max-step-tokens ({args.max_step_tokens}) must exceed --slots ({args.slots})")
     dtype = args.dtype[0] if args.dtype else None
-    tokens = PROMPT_RANGE[1] + OUTPUT_RANGE[1]
+    tokens = args.mix_prompts[1] + args.mix_outputs[1]
     overrides = bench_overrides(args.plan, args.set, dtype=dtype, max_batch=args.slots, max_tokens=tokens)
     _say("bench: load")
     loaded = load(args.plan, overrides)
     info = machine() | {"cpu_features": cpu_features()}
     result = {"plan": args.plan, "machine": info}
-    result |= bench_mix(loaded, args.mix, args.slots, args.runs, args.max_step_tokens, _say)
+    result |= bench_mix(
+        loaded, args.mix, args.slots, args.runs, args.max_step_tokens, _say, args.mix_prompts, args.mix_outputs
+    )
     result["machine"]["loadavg_end"] = machine()["loadavg"]
     text = mix_markdown(result, info)
     sys.stdout.write(json.dumps(result, indent=2) + "\n" if args.format == "json" else text)

@@ -34,14 +34,16 @@ PROMPT_RANGE, OUTPUT_RANGE = (16, 512), (16, 256)
 Mix = list[tuple[list[int], int]]  # (prompt ids, tokens to generate) per request
 
 
-def workload(n: int, vocab: int, seed: int = 0) -> Mix:
-    """(prompt ids, tokens to generate) for n requests; the same n and seed give the same mix."""
+def workload(
+    n: int, vocab: int, prompts: tuple[int, int] = PROMPT_RANGE, outputs: tuple[int, int] = OUTPUT_RANGE, seed: int = 0
+) -> Mix:
+    """(prompt ids, tokens to generate) for n requests; the same arguments give the same mix."""
     rng = random.Random(seed)
     lo, hi = min(100, vocab // 4), vocab - min(100, vocab // 4)
     mix = []
     for _ in range(n):
-        length = rng.randint(*PROMPT_RANGE)
-        mix.append(([rng.randrange(lo, hi) for _ in range(length)], rng.randint(*OUTPUT_RANGE)))
+        length = rng.randint(*prompts)
+        mix.append(([rng.randrange(lo, hi) for _ in range(length)], rng.randint(*outputs)))
     return mix
 
 
@@ -113,9 +115,18 @@ def single_request_tax(model: Any, cache: KVCache, prompt: list[int], gen: int, 
     return {"static_decode_tok_s": static, "scheduler_decode_tok_s": scheduled, "ratio": b / a}
 
 
-def bench_mix(loaded: Any, n: int, slots: int, runs: int, max_step_tokens: int, say: Any) -> dict[str, Any]:
+def bench_mix(
+    loaded: Any,
+    n: int,
+    slots: int,
+    runs: int,
+    max_step_tokens: int,
+    say: Any,
+    prompts: tuple[int, int] = PROMPT_RANGE,
+    outputs: tuple[int, int] = OUTPUT_RANGE,
+) -> dict[str, Any]:
     model, cache, cfg = loaded.model, loaded.cache, loaded.ctx.model_config
-    mix = workload(n, cfg.vocab_size)
+    mix = workload(n, cfg.vocab_size, prompts, outputs)
     say(f"bench: mix of {n} requests, warm-up")
     warm = mix[: min(2, n)]
     run_static(model, cache, [(p[:32], 4) for p, _ in warm], slots)
@@ -130,7 +141,8 @@ def bench_mix(loaded: Any, n: int, slots: int, runs: int, max_step_tokens: int, 
             same = sum(a == b for a, b in zip(static_runs[-1]["tokens"], sched_runs[-1]["tokens"], strict=True))
             say(f"bench: note: {n - same} of {n} requests differ in their greedy tokens between the two sides")
     say("bench: one request alone, static vs scheduler")
-    tax = single_request_tax(model, cache, mix[0][0][:128], 128, max(runs, 3))
+    alone = min(128, prompts[1]), min(128, outputs[1])
+    tax = single_request_tax(model, cache, workload(1, cfg.vocab_size, (alone[0],) * 2, seed=1)[0][0], alone[1], 3)
 
     def med(rows: list[dict[str, Any]], key: str) -> float:
         return statistics.median(r[key] for r in rows)
@@ -146,8 +158,9 @@ def bench_mix(loaded: Any, n: int, slots: int, runs: int, max_step_tokens: int, 
         "requests": n,
         "slots": slots,
         "max_step_tokens": max_step_tokens,
-        "prompt_range": PROMPT_RANGE,
-        "output_range": OUTPUT_RANGE,
+        "prompt_range": prompts,
+        "output_range": outputs,
+        "single_request_shape": alone,
         "output_tokens": static_runs[-1]["output_tokens"],
         "sides": sides,
         "throughput_ratio": sides["scheduler"]["output_tok_s"] / sides["static"]["output_tok_s"],
@@ -185,7 +198,8 @@ def mix_markdown(result: dict[str, Any], machine: dict[str, Any]) -> str:
         f"**{m['ttft_p50_ratio']:.2f}×**; per request, static TTFT / scheduler TTFT at the median: "
         f"{m['ttft_median_per_request_static_over_scheduler']:.2f}×.",
         "",
-        f"One request alone (128-token prompt, 128 generated), decode tok/s: static "
+        f"One request alone ({m['single_request_shape'][0]}-token prompt, {m['single_request_shape'][1]} generated), "
+        "decode tok/s: static "
         f"{statistics.median(tax['static_decode_tok_s']):.1f}, scheduler "
         f"{statistics.median(tax['scheduler_decode_tok_s']):.1f} (ratio {tax['ratio']:.3f}).",
         "",

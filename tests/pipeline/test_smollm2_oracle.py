@@ -66,6 +66,7 @@ def ours(out: Path, prompts_file: Path, batch: int):  # type: ignore[no-untyped-
     )
     assert result.exit_code == 0, result.message
     ctx = result.context
+    ours.scheduler = ctx.metrics.get("generate", "scheduler")  # type: ignore[attr-defined]
     return {r.id: r.prompt_ids for r in ctx.requests}, {g.request_id: g.tokens for g in ctx.generations}
 
 
@@ -110,9 +111,16 @@ def test_fp32_greedy_matches_transformers_token_for_token(tmp_path: Path, prompt
     assert len(ties) <= 2, ties
 
 
-def test_batched_with_padding_equals_one_by_one(tmp_path: Path, prompts_file: Path, hf_model) -> None:  # type: ignore[no-untyped-def]
+def test_four_slots_equal_one_by_one(tmp_path: Path, prompts_file: Path, hf_model) -> None:  # type: ignore[no-untyped-def]
+    """10 requests on 4 scheduler slots: rows of different lengths decode together, a request joins whenever
+    one ends, and starts from the K/V of the chat template's system prompt that an earlier request computed."""
     prompt_ids, single = ours(tmp_path / "single", prompts_file, batch=1)
     _, batched = ours(tmp_path / "batched", prompts_file, batch=4)
-    assert len({len(p) for p in prompt_ids.values()}) > 1, "prompts of different lengths exercise the padding"
+    stats = ours.scheduler  # type: ignore[attr-defined]
+    assert stats["slots"] == 4 and stats["busy_max"] == 4
+    # The first four are admitted together, before any K/V exist; each of the six after them starts from
+    # the system prompt's ~24 tokens (prefix reuse covers computed K/V only, as vLLM's prefix caching).
+    assert stats["reused_prefix_tokens"] >= 6 * 20, stats
+    assert len({len(p) for p in prompt_ids.values()}) > 1, "prompts of different lengths"
     ties = {rid: t for rid in single if (t := compare(hf_model, prompt_ids[rid], batched[rid], single[rid]))}
     assert len(ties) <= 2, ties

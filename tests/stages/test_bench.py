@@ -74,3 +74,28 @@ def test_bad_arguments_are_one_line_errors(plan: Path, capsys: pytest.CaptureFix
     assert "no such plan file" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", str(plan), "--batch", "0"])
+
+
+def test_mix_compares_static_batches_with_the_scheduler(
+    plan: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out = _bench(
+        capsys,
+        str(plan),
+        *("--mix", "7", "--slots", "3", "--runs", "1", "--max-step-tokens", "16"),
+        *("--mix-prompts", "2-20", "--mix-outputs", "2-9", "--format", "json", "--out", str(tmp_path / "mix")),
+    )
+    result = json.loads(out)
+    assert result["requests"] == 7 and result["slots"] == 3
+    assert 7 * 2 <= result["output_tokens"] <= 7 * 9
+    for side in ("static", "scheduler"):
+        s = result["sides"][side]
+        assert s["wall_s"] > 0 and s["output_tok_s"] > 0 and 0 < s["ttft_p50_s"] <= s["ttft_p90_s"]
+    assert result["throughput_ratio"] > 0 and result["single_request"]["ratio"] > 0
+    assert "avx2" in result["machine"]["cpu_features"] or not result["machine"]["cpu_features"]
+    assert "| scheduler |" in (tmp_path / "mix.md").read_text()
+
+
+def test_mix_refuses_a_step_budget_below_the_slots(plan: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", str(plan), "--mix", "4", "--slots", "8", "--max-step-tokens", "8"]) != 0
+    assert "--max-step-tokens (8) must exceed --slots (8)" in capsys.readouterr().err
