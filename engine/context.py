@@ -11,6 +11,7 @@ A third-party plugin that needs a slot of its own uses a name starting with `ext
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 EXT_PREFIX = "ext."
-_BOOKKEEPING = {"plan", "run_dir", "log", "metrics", "progress", "ext", "device", "stream", "json_mode"}
+_BOOKKEEPING = {"plan", "run_dir", "log", "metrics", "progress", "ext", "device", "stream", "json_mode", "cancel"}
 
 
 @dataclasses.dataclass
@@ -62,6 +63,8 @@ class Context:
     device: str = "cpu"
     stream: Callable[[str], None] = _noop_stream
     json_mode: bool = False
+    # Set by whoever no longer wants the result (a client that went away); long stages check it.
+    cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
     started: float = dataclasses.field(default_factory=time.perf_counter)
 
     @classmethod

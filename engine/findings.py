@@ -54,3 +54,9 @@ class StageFailure(Exception):
     Stages raise it (or a subclass) for bad input they detect: a missing shard, a hash mismatch,
     a prompt file with no valid line. Anything else escaping a stage is reported as a bug.
     """
+
+
+class InputRefused(StageFailure):
+    """A StageFailure caused by one request's own input (a prompt too long for the context, a message the
+    chat template cannot render): a server answers it as the client's error (400), not its own (500)."""
+

@@ -9,8 +9,10 @@ and the run ends with one clear line.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -69,11 +71,32 @@ def make_run_dir(root: str | Path, plan_name: str) -> Path:
             candidate = base.with_name(f"{base.name}-{n}")
 
 
-def write_json(path: Path, data: Any) -> None:
-    """Atomic: a temp file renamed into place, so a crash never leaves half a JSON file."""
-    temp = path.with_name(f".{path.name}.tmp")
-    temp.write_text(json.dumps(data, indent=2, default=str, ensure_ascii=False), encoding="utf-8")
-    os.replace(temp, path)
+def write_json(path: Path, data: Any, *, indent: int | None = 2) -> Path:
+    """Atomic: a temp file renamed into place, so a crash never leaves half a JSON file. The temp name is
+    unique, so concurrent writers of one file (a server's requests) never rename each other's temp away."""
+    text = json.dumps(data, indent=indent, default=str, ensure_ascii=False)
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+    return path
+
+
+def event_logger(events: Any, plan_name: str) -> Any:
+    """A structlog logger writing one JSON object per event to the open file `events`."""
+    return structlog.wrap_logger(
+        structlog.WriteLogger(events),
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.JSONRenderer(default=str, ensure_ascii=False),
+        ],
+    ).bind(plan=plan_name)
 
 
 class Runner:
@@ -84,9 +107,13 @@ class Runner:
         run_dir: Path,
         *,
         until: str | None = None,
+        only: set[str] | None = None,
+        cleanup: bool = True,
         report: Reporter | None = None,
         debug: bool = False,
     ) -> None:
+        """until: run that stage and what it depends on; only: run just these stages (and the always-stages);
+        cleanup False: run the always-stages only when the run fails (a resident plan keeps what it loaded)."""
         self.bound = bound
         self.ctx = context
         self.run_dir = run_dir
@@ -95,6 +122,9 @@ class Runner:
         if until is not None:
             keep = upstream(self.graph, until)
             self.order = [s for s in self.order if s in keep]
+        if only is not None:
+            self.order = [s for s in self.order if s in only or self.graph.nodes[s]["stage"].cls.always]
+        self.cleanup = cleanup
         self.report = report or (lambda record: None)
         self.debug = debug
         self.records: dict[str, StageRecord] = {}
@@ -107,14 +137,7 @@ class Runner:
         ctx.run_dir = self.run_dir
         (self.run_dir / "plan.resolved.yaml").write_text(self.bound.resolved_yaml(), encoding="utf-8")
         events = (self.run_dir / "events.jsonl").open("a", encoding="utf-8")
-        log = structlog.wrap_logger(
-            structlog.WriteLogger(events),
-            processors=[
-                structlog.processors.add_log_level,
-                structlog.processors.TimeStamper(fmt="iso", utc=True),
-                structlog.processors.JSONRenderer(default=str, ensure_ascii=False),
-            ],
-        ).bind(plan=self.bound.plan.name)
+        log = event_logger(events, self.bound.plan.name)
         ctx.log = log
         sampler = MemorySampler(self.bound.plan.observe.memory_interval_ms).start()
         started = time.perf_counter()
@@ -143,7 +166,7 @@ class Runner:
             if self.debug:
                 traceback.print_exc()
         finally:
-            cleanup_error = self._run_always(sampler, log)
+            cleanup_error = self._run_always(sampler, log) if self.cleanup or status != "ok" else None
             if cleanup_error and status == "ok":
                 status, code, message = "failed", 1, cleanup_error
             sampler.stop()

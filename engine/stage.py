@@ -9,6 +9,8 @@ the graph from reads/writes (Hamilton/Kedro style), so a plan never wires stages
   `generations`, so generation and everything only it needs is skipped).
 - `optional_reads` are used when present and never create a graph edge requirement.
 - `always` stages (release) run even after a failure or Ctrl-C.
+- `per_request` marks a stage that turns one request into context slots: a resident plan (`llmplan serve`)
+  runs it and every stage downstream of it once per request, the rest once at start-up.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class Stage:
     writes: ClassVar[tuple[str, ...]] = ()
     fills: ClassVar[tuple[str, ...]] = ()
     always: ClassVar[bool] = False
+    per_request: ClassVar[bool] = False
 
     def run(self, ctx: Context, params: Any) -> None:
         raise NotImplementedError

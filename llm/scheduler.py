@@ -110,6 +110,7 @@ class Scheduler:
         self._lock = threading.Condition()
         self._incoming: list[Sequence] = []
         self._cancel: list[Sequence] = []
+        self._cancel_everything = False
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # in admission order
         self._free = list(range(cache.slots))
@@ -135,6 +136,12 @@ class Scheduler:
             self._cancel.append(seq)
             self._lock.notify_all()
 
+    def cancel_all(self) -> None:
+        """Cancel every request submitted and not yet ended (shutting down, unloading)."""
+        with self._lock:
+            self._cancel_everything = True  # read by the stepping thread: it alone touches waiting/running
+            self._lock.notify_all()
+
     @property
     def pending(self) -> int:
         """Requests submitted and not yet ended."""
@@ -150,6 +157,12 @@ class Scheduler:
         with self._lock:
             return len(self._incoming) + len(self._waiting)
 
+    @property
+    def kv_usage(self) -> float:
+        """Tokens cached by running requests / the cache's capacity."""
+        used = sum(self.cache.lengths[s.slot] for s in list(self._running) if s.slot is not None)
+        return used / (self.cache.slots * self.cache.max_tokens)
+
     def run(self) -> None:
         """Step until every submitted request has ended (offline use: a prompt file, a benchmark)."""
         while self.step():
@@ -161,7 +174,7 @@ class Scheduler:
         while not stop.is_set():
             if not self.step():
                 with self._lock:
-                    if not (self._incoming or self._cancel):
+                    if not (self._incoming or self._cancel or self._cancel_everything):
                         self._lock.wait(idle_wait_s)
 
     # --- one step ---------------------------------------------------------------------------------------
@@ -172,6 +185,9 @@ class Scheduler:
             self._waiting.extend(self._incoming)
             self._incoming.clear()
             cancelled, self._cancel = self._cancel, []
+            if self._cancel_everything:
+                cancelled += [*self._waiting, *self._running]
+                self._cancel_everything = False
         for seq in cancelled:
             self._end_cancelled(seq)
         self._admit()

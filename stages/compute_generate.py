@@ -11,6 +11,7 @@ affected requests with reason `error` instead of killing the run. Beam search, a
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -109,6 +110,8 @@ class Generate(Stage):
         results: list[GenerationResult] = []
         started = time.perf_counter()
         if params.num_beams > 1:
+            if cache in _SERVED:
+                raise StageFailure("beam search cannot run beside a served scheduler (it uses the whole cache)")
             if cache.max_batch < params.num_beams:
                 raise StageFailure(
                     f"num_beams {params.num_beams} needs {params.num_beams} KV-cache rows; "
@@ -150,18 +153,8 @@ class Generate(Stage):
     ) -> list[GenerationResult]:
         tok = ctx.tokenizer
         assert tok is not None
-        slots = SlotCache.over(cache)
-        try:
-            scheduler = Scheduler(
-                model,
-                slots,
-                max_step_tokens=params.max_step_tokens,
-                prefill_chunk=params.prefill_chunk,
-                max_running=running,
-                prefix_reuse=params.prefix_reuse,
-            )
-        except ValueError as bad:
-            raise StageFailure(f"compute.generate: {bad}") from None
+        served = _SERVED.get(cache)
+        scheduler = served or new_scheduler(model, cache, params, running)
         decoder = StreamDecoder(tok, skip_special_tokens=True) if stream else None
         eos_ids = frozenset(eos)
 
@@ -188,14 +181,25 @@ class Generate(Stage):
                 )
             )
             submitted.append((request, seq, settings))
-        scheduler.run()
-        if decoder is not None:
+        if served is None:
+            scheduler.run()
+        else:  # another thread steps the served scheduler: wait, and give the slots back if nobody wants the answer
+            seqs = [seq for _, seq, _ in submitted]
+            while not all(seq.done.wait(0.05) for seq in seqs):
+                if ctx.cancel.is_set():
+                    for seq in seqs:
+                        scheduler.cancel(seq)
+                    for seq in seqs:
+                        seq.done.wait()
+        if decoder is not None and served is None:
+            # A served answer's tail comes from its final text instead: an incomplete character held back
+            # here is dropped there, and the client must get exactly the final text.
             ctx.stream(decoder.flush() + "\n")
         stats = scheduler.stats
         ctx.metrics.set(
             "scheduler",
             {
-                "slots": slots.slots,
+                "slots": scheduler.cache.slots,
                 "steps": stats.steps,
                 "busy_max": stats.busy_max,
                 "prefill_tokens": stats.prefill_tokens,
@@ -326,6 +330,40 @@ class Generate(Stage):
             timings={"wall_s": wall, "decode_tokens_per_s": len(best.tokens) / wall if wall > 0 else 0.0},
             params=settings | {"num_beams": params.num_beams, "length_penalty": params.length_penalty},
         )
+
+
+_SERVED: weakref.WeakKeyDictionary[Any, Scheduler] = weakref.WeakKeyDictionary()
+"""Schedulers that a resident plan steps in a thread of its own, by the KV cache whose slots they own."""
+
+
+def new_scheduler(model: Any, cache: Any, params: GenerateParams, running: int) -> Scheduler:
+    try:
+        return Scheduler(
+            model,
+            SlotCache.over(cache),
+            max_step_tokens=params.max_step_tokens,
+            prefill_chunk=params.prefill_chunk,
+            max_running=running,
+            prefix_reuse=params.prefix_reuse,
+        )
+    except ValueError as bad:
+        raise StageFailure(f"compute.generate: {bad}") from None
+
+
+def serve_scheduler(model: Any, cache: Any, params: GenerateParams) -> Scheduler:
+    """The scheduler every later run of this stage on `cache` submits to instead of running its own; the
+    caller steps it (`Scheduler.serve`) and calls `unserve` when done. Its slots span the whole cache."""
+    if params.num_beams > 1:
+        raise StageFailure("beam search runs as a static batch over the whole cache: it cannot be served")
+    if cache.policy == "slide":
+        raise StageFailure('the "slide" KV-cache policy evicts over a shared write pointer: it cannot be served')
+    scheduler = new_scheduler(model, cache, params, cache.max_batch)
+    _SERVED[cache] = scheduler
+    return scheduler
+
+
+def unserve(cache: Any) -> None:
+    _SERVED.pop(cache, None)
 
 
 def _stop_check(tok: Any, stops: list[str]) -> Callable[[list[int]], bool] | None:

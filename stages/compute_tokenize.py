@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from llmplan.engine.findings import StageFailure
+from llmplan.engine.findings import InputRefused, StageFailure
 from llmplan.engine.messages import describe
 from llmplan.engine.stage import Params, Phase, Stage
 from llmplan.llm.tokenizer import TokenizerError
@@ -87,7 +87,7 @@ def truncate(ids: list[int], limit: int, policy: Truncation, keep_first: int = 0
         return ids, 0
     dropped = len(ids) - limit
     if policy == "error":
-        raise StageFailure(f"prompt has {len(ids)} tokens; the limit is {limit} (truncation: error)")
+        raise InputRefused(f"prompt has {len(ids)} tokens; the limit is {limit} (truncation: error)")
     if policy == "keep_start":
         return ids[:limit], dropped
     head = ids[: min(keep_first, limit)]
@@ -132,6 +132,7 @@ class Tokenize(Stage):
     Params = TokenizeParams
     reads = ("tokenizer", "model_config")
     writes = ("requests",)
+    per_request = True  # a resident plan (`llmplan serve`) runs this stage and what follows per request
 
     def run(self, ctx: InferenceContext, params: Any) -> None:
         tok, cfg = ctx.tokenizer, ctx.model_config
@@ -173,11 +174,11 @@ class Tokenize(Stage):
                 add_bos = None if params.add_bos == "auto" else params.add_bos == "always"
             ids = tok.encode(text, add_bos=add_bos)
         except TokenizerError as bad:
-            raise StageFailure(f"request {request_id!r}: {bad}") from None
+            raise InputRefused(f"request {request_id!r}: {bad}") from None
         keep_first = 1 if ids and tok.bos_id is not None and ids[0] == tok.bos_id else 0
         ids, dropped = truncate(ids, limit, params.truncation, keep_first)
         if dropped:
             ctx.log.warning("prompt_truncated", request=request_id, dropped=dropped, kept=len(ids), limit=limit)
         if not ids:
-            raise StageFailure(f"request {request_id!r}: the prompt is empty after tokenization")
+            raise InputRefused(f"request {request_id!r}: the prompt is empty after tokenization")
         return Request(request_id, ids, text, kind, overrides, dropped)

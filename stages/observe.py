@@ -15,9 +15,7 @@ The run directory gets model.json, generations.json, and layer_timings.json / at
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from llmplan.engine.runner import write_json
 from llmplan.llm.model import apply_rope
 
 if TYPE_CHECKING:
@@ -329,10 +328,7 @@ def install_observers(model: Transformer, observe_settings: Any) -> Observer | N
 
 
 def _write_json(path: Path, data: Any) -> Path:
-    temp = path.with_name(f".{path.name}.tmp")
-    temp.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
-    os.replace(temp, path)
-    return path
+    return write_json(path, data, indent=None)
 
 
 def generation_records(results: list[GenerationResult], tokenizer: Tokenizer | None = None) -> list[dict[str, Any]]:

@@ -1,0 +1,106 @@
+"""`llmplan serve PLAN`: keep the plan's model loaded and answer over an OpenAI-compatible HTTP API.
+
+    llmplan serve plans/llama-int8.yaml [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--keep-alive 5m]
+        [--max-queue 64] [--set ID.PARAM=VALUE ...]
+
+The plan decides everything, as in `run`: its resident stages load once, its request stages run per request
+(so its precision, sampling defaults, filter, results cache and file sinks apply to served requests too).
+SIGINT / SIGTERM: stop accepting, cancel what runs, run the release stage, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from llmplan.engine.cli import CliError, new_context
+from llmplan.engine.findings import StageFailure
+from llmplan.engine.plan import load_plan
+from llmplan.engine.registry import discover
+from llmplan.engine.serving import ServeError
+
+from .host import ModelHost
+
+DURATION = re.compile(r"^(-?\d+(?:\.\d+)?)([smh]?)$")
+
+
+def register(subparsers: Any) -> None:
+    serve = subparsers.add_parser("serve", help="answer requests over an OpenAI-compatible HTTP API")
+    serve.add_argument("plan")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=os.environ.get("LLMPLAN_API_KEY"), help="require this bearer key")
+    serve.add_argument("--keep-alive", type=duration, default=None, help="unload after this long idle (5m, 30s)")
+    serve.add_argument("--max-queue", type=int, default=64, help="requests in flight before 429")
+    serve.add_argument("--set", action="append", default=[], metavar="ID.PARAM=VALUE", help="override a parameter")
+    serve.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    serve.set_defaults(handler=cmd_serve)
+
+
+def duration(text: str) -> float | None:
+    """'5m', '30s', '1h', '90' (seconds); a negative value means never unload (Ollama's convention)."""
+    match = DURATION.match(text.strip())
+    if not match:
+        raise argparse.ArgumentTypeError(f"expected a duration like 30s, 5m or 1h, got {text!r}")
+    value = float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[match.group(2)]
+    return None if value < 0 else value
+
+
+def build_host(
+    plan: str, overrides: list[str], *, keep_alive_s: float | None, quiet: bool = True, run_dir: Path | None = None
+) -> ModelHost:
+    from llmplan.engine.console import print_stage
+
+    registry = discover()
+    bound = load_plan(plan, registry, overrides)
+    try:
+        return ModelHost(
+            bound,
+            lambda: new_context(registry, bound),
+            keep_alive_s=keep_alive_s,
+            report=None if quiet else print_stage,
+            run_dir=run_dir,
+        )
+    except ServeError as bad:
+        raise CliError(str(bad)) from None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .server import QuietExitServer, ServerSettings, create_app
+
+    if args.max_queue < 1:
+        raise CliError("--max-queue must be at least 1")
+    _check_port(args.host, args.port)
+    host = build_host(args.plan, args.set, keep_alive_s=args.keep_alive, quiet=args.quiet)
+    try:
+        host.load()
+    except StageFailure as bad:
+        host.plan.close()
+        raise CliError(f"loading {args.plan} failed: {bad}") from None
+    settings = ServerSettings(api_key=args.api_key, max_queue=args.max_queue, keep_alive_s=args.keep_alive)
+    app = create_app(host, settings)
+    name = host.bound.plan.name
+    print(f"serving {name} on http://{args.host}:{args.port}/v1 (run directory {host.run_dir})", file=sys.stderr)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    QuietExitServer(config).run()  # returns after SIGINT/SIGTERM, once the app's shutdown has released the model
+    print("stopped", file=sys.stderr)
+    return 0
+
+
+def _check_port(host: str, port: int) -> None:
+    """A taken port is one clear line before the model loads, not a uvicorn traceback after."""
+    if not 0 < port < 65536:
+        raise CliError(f"--port {port}: must be 1-65535")
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+    except OSError as bad:
+        raise CliError(f"{host}:{port}: cannot listen ({bad.strerror})") from None

@@ -1,0 +1,474 @@
+"""The OpenAI-compatible HTTP API over a `ModelHost` (FastAPI; streaming as server-sent events).
+
+Every request runs the plan's request stages in a worker thread of its own (they wait on the shared
+scheduler, which a single thread steps), so the event loop only moves bytes. Errors take OpenAI's shape
+and say which field: 400 for the request's own values, 401 without the key, 404 for another model, 413 for
+a body too large, 429 with Retry-After when the bounded queue is full, 500 for the server's own failures.
+A client that goes away cancels its request, which frees its slot at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import ValidationError
+
+from llmplan.engine.messages import describe
+from llmplan.engine.serving import RequestError, RequestRun
+
+from .host import ModelHost, RequestFailed
+from .openai_api import (
+    ChatRequest,
+    CompletionRequest,
+    FieldError,
+    chat_logprobs,
+    completion_logprobs,
+    error_body,
+    finish_reason,
+    new_id,
+    now,
+)
+
+# Stage parameter names back to the request's own, for error messages.
+FIELD_NAMES = {"max_new_tokens": "max_tokens", "messages": "messages", "text": "prompt", "logprobs": "top_logprobs"}
+
+
+@dataclass
+class ServerSettings:
+    api_key: str | None = None
+    max_queue: int = 64  # requests in flight (running or waiting for a slot); more get 429
+    max_body_bytes: int = 1 << 20
+    keep_alive_s: float | None = None
+    keep_alive_check_s: float = 1.0
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param = status, kind, param
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(error_body(str(self), self.kind, self.param), status_code=self.status, headers=headers)
+
+
+class ServerMetrics:
+    """Prometheus metrics, in a registry of this app's own (several apps may live in one process)."""
+
+    def __init__(self, host: ModelHost) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "llmplan_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
+        )
+        self.prompt_tokens = Counter("llmplan_prompt_tokens", "prompt tokens processed", registry=r)
+        self.output_tokens = Counter("llmplan_generation_tokens", "tokens generated", registry=r)
+        self.ttft = Histogram(
+            "llmplan_time_to_first_token_seconds",
+            "request arrival to its first token",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self.itl = Histogram(
+            "llmplan_inter_token_latency_seconds",
+            "time between consecutive tokens of one request",
+            buckets=(0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.5),
+            registry=r,
+        )
+
+        def scheduler_value(read: Callable[[Any], float]) -> Callable[[], float]:
+            return lambda: read(host.scheduler) if host.scheduler is not None else 0.0
+
+        Gauge("llmplan_queue_depth", "requests waiting for a slot", registry=r).set_function(
+            scheduler_value(lambda s: s.waiting)
+        )
+        Gauge("llmplan_slots_busy", "slots holding a running request", registry=r).set_function(
+            scheduler_value(lambda s: s.busy_slots)
+        )
+        Gauge("llmplan_slots", "slots of the KV cache", registry=r).set_function(
+            scheduler_value(lambda s: s.cache.slots)
+        )
+        Gauge(
+            "llmplan_kv_cache_usage_ratio", "cached tokens of running requests / cache capacity", registry=r
+        ).set_function(scheduler_value(lambda s: s.kv_usage))
+        Gauge("llmplan_requests_in_flight", "HTTP requests being answered", registry=r).set_function(
+            lambda: host.in_flight
+        )
+        Gauge("llmplan_model_loaded", "1 when the weights are loaded", registry=r).set_function(
+            lambda: 1.0 if host.state == "ready" else 0.0
+        )
+
+
+class TokenClock:
+    """Records time to first token and inter-token gaps of one request from its stream callbacks."""
+
+    def __init__(self, metrics: ServerMetrics, arrived: float) -> None:
+        self.metrics, self.arrived, self.last = metrics, arrived, None
+
+    def tick(self) -> None:
+        t = time.perf_counter()
+        if self.last is None:
+            self.metrics.ttft.observe(t - self.arrived)
+        else:
+            self.metrics.itl.observe(t - self.last)
+        self.last = t
+
+
+def create_app(host: ModelHost, settings: ServerSettings) -> FastAPI:
+    executor = ThreadPoolExecutor(max_workers=settings.max_queue + 4, thread_name_prefix="llmplan-request")
+    metrics = ServerMetrics(host)
+    model_name = host.bound.plan.name
+    created = now()
+    plan_limit = host.generate_params.max_new_tokens
+    admitted = threading.Semaphore(settings.max_queue)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        watcher = asyncio.create_task(_keep_alive(host, settings)) if settings.keep_alive_s is not None else None
+        try:
+            yield
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            await asyncio.get_running_loop().run_in_executor(None, host.close)
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="llmplan", lifespan=lifespan)
+    app.state.host, app.state.metrics = host, metrics
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next: Callable[[Request], Any]) -> Response:
+        path = request.url.path
+        if settings.api_key is not None and path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
+                metrics.requests.labels(path, "401").inc()
+                return ApiError(401, "invalid or missing API key", "authentication_error").response()
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
+            metrics.requests.labels(path, "413").inc()
+            return ApiError(413, f"request body over {settings.max_body_bytes} bytes").response()
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        state = host.state
+        return JSONResponse({"status": state}, status_code=503 if state == "loading" else 200)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": model_name, "object": "model", "created": created, "owned_by": "llmplan"}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await _answer(request, "/v1/chat/completions", ChatRequest)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _answer(request, "/v1/completions", CompletionRequest)
+
+    async def _answer(request: Request, endpoint: str, schema: type[ChatRequest] | type[CompletionRequest]) -> Response:
+        arrived = time.perf_counter()
+        taken = 0
+        try:
+            body = await _parse(request, schema)
+            if body.model is not None and body.model != model_name:
+                raise ApiError(
+                    404, f"model {body.model!r} not found (this server has {model_name!r})", "not_found_error", "model"
+                )
+            jobs = _jobs(body)
+            for _ in jobs:  # one queue place per choice; all or none
+                if not admitted.acquire(blocking=False):
+                    raise ApiError(
+                        429, f"the queue is full ({settings.max_queue} requests in flight)", "rate_limit_error"
+                    )
+                taken += 1
+            if body.stream:
+                release, taken = taken, 0  # the stream gives its places back when it ends
+
+                def on_end() -> None:
+                    for _ in range(release):
+                        admitted.release()
+
+                stream = _stream(request, body, jobs, arrived, endpoint, on_end)
+                return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            runs = await _run_all(request, jobs, arrived)
+            metrics.requests.labels(endpoint, "200").inc()
+            return JSONResponse(_response(body, jobs, runs))
+        except ApiError as bad:
+            metrics.requests.labels(endpoint, str(bad.status)).inc()
+            return bad.response({"Retry-After": "1"} if bad.status == 429 else None)
+        finally:
+            for _ in range(taken):
+                admitted.release()
+
+    async def _parse(request: Request, schema: type[Any]) -> Any:
+        raw = await request.body()
+        if len(raw) > settings.max_body_bytes:
+            raise ApiError(413, f"request body over {settings.max_body_bytes} bytes")
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as bad:
+            raise ApiError(400, f"malformed JSON: {bad}") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        try:
+            body = schema.model_validate(data)
+        except ValidationError as bad:
+            first = bad.errors()[0]
+            field = ".".join(str(p) for p in first["loc"])
+            raise ApiError(400, f"{field}: {describe(first)}", param=field) from None
+        if body.token_limit is not None and body.token_limit > plan_limit:
+            field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+            raise ApiError(
+                400, f"{field}: at most {plan_limit} (the plan's limit), got {body.token_limit}", param=field
+            )
+        return body
+
+    def _jobs(body: Any) -> list[dict[str, dict[str, Any]]]:
+        """Per choice: the stage overrides it runs with. n choices of one prompt differ by seed."""
+        try:
+            if isinstance(body, ChatRequest):
+                prompts = [body.tokenize_overrides()]
+            else:
+                prompts = [CompletionRequest.tokenize_overrides(p) for p in body.prompts()]
+        except FieldError as bad:
+            raise ApiError(400, str(bad), param=bad.field) from None
+        generate = body.generate_overrides() | {"stream": True}
+        top = body.logprobs_wanted()
+        if top is not None:
+            generate["logprobs"] = top
+        base = body.seed if body.seed is not None else secrets.randbelow(1 << 31)
+        jobs = []
+        for prompt in prompts:
+            for j in range(body.n):
+                jobs.append({host.tokenize_id: prompt, host.generate_id: generate | {"seed": base + j}})
+        return jobs
+
+    def _start(job: dict[str, Any], on_text: Callable[[str], None], cancel: threading.Event) -> Any:
+        loop = asyncio.get_running_loop()
+        return loop.run_in_executor(executor, lambda: host.run(job, stream=on_text, cancel=cancel))
+
+    async def _run_all(request: Request, jobs: list[dict[str, Any]], arrived: float) -> list[RequestRun]:
+        cancels = [threading.Event() for _ in jobs]
+        clocks = [TokenClock(metrics, arrived) for _ in jobs]
+        futures = [_start(job, lambda _t, c=c: c.tick(), ev) for job, c, ev in zip(jobs, clocks, cancels, strict=True)]
+        try:
+            pending = set(futures)
+            while pending:
+                _, pending = await asyncio.wait(pending, timeout=0.25)
+                if pending and await request.is_disconnected():
+                    for ev in cancels:
+                        ev.set()
+            return [_result(f) for f in futures]
+        finally:
+            for ev in cancels:
+                ev.set()
+
+    def _result(future: Any) -> RequestRun:
+        try:
+            run = future.result()
+        except RequestError as bad:
+            field = FIELD_NAMES.get(bad.field.split(".")[0], bad.field)
+            raise ApiError(400, f"{field}: {str(bad).split(': ', 1)[-1]}", param=field) from None
+        except RequestFailed as bad:
+            raise ApiError(
+                400 if bad.client_error else 500,
+                str(bad),
+                "invalid_request_error" if bad.client_error else "server_error",
+            ) from None
+        except Exception as bug:
+            host.plan.log.error("request_failed", error=f"{type(bug).__name__}: {bug}")
+            raise ApiError(500, f"internal error: {type(bug).__name__}: {bug}", "server_error") from None
+        generation = run.context.generations[0]
+        if generation.finish_reason == "error":
+            raise ApiError(500, f"generation failed: {generation.error}", "server_error")
+        metrics.prompt_tokens.inc(generation.prompt_tokens)
+        metrics.output_tokens.inc(len(generation.tokens))
+        return run
+
+    def _choice_parts(run: RequestRun) -> tuple[str, str, Any]:
+        ctx = run.context
+        generation = ctx.generations[0]
+        if ctx.completions:
+            text = ctx.completions[0].text
+        else:  # a plan without output stages: the generated ids as text
+            text = ctx.tokenizer.decode(generation.tokens, skip_special_tokens=True)
+        return text, finish_reason(generation.finish_reason), generation
+
+    def _usage(runs: list[RequestRun], prompts: int) -> dict[str, int]:
+        gens = [r.context.generations[0] for r in runs]
+        # n choices of one prompt count its tokens once, as OpenAI does
+        prompt = sum(g.prompt_tokens for g in gens[:: max(1, len(gens) // prompts)])
+        completion = sum(len(g.tokens) for g in gens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _response(body: Any, jobs: list[Any], runs: list[RequestRun]) -> dict[str, Any]:
+        tok = host.context.tokenizer if host.context is not None else runs[0].context.tokenizer
+        choices = []
+        for index, run in enumerate(runs):
+            text, reason, gen = _choice_parts(run)
+            top = gen.top_logprobs
+            if isinstance(body, ChatRequest):
+                choice: dict[str, Any] = {
+                    "index": index,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": reason,
+                    "logprobs": chat_logprobs(tok, gen.tokens, gen.logprobs, top) if body.logprobs else None,
+                }
+            else:
+                choice = {
+                    "index": index,
+                    "text": text,
+                    "finish_reason": reason,
+                    "logprobs": completion_logprobs(tok, gen.tokens, gen.logprobs, top)
+                    if body.logprobs is not None
+                    else None,
+                }
+            choices.append(choice)
+        chat = isinstance(body, ChatRequest)
+        prompts = 1 if chat else len(body.prompts())
+        return {
+            "id": new_id("chatcmpl" if chat else "cmpl"),
+            "object": "chat.completion" if chat else "text_completion",
+            "created": now(),
+            "model": model_name,
+            "choices": choices,
+            "usage": _usage(runs, prompts),
+            "system_fingerprint": f"llmplan-{model_name}",
+        }
+
+    async def _stream(
+        request: Request, body: Any, jobs: list[Any], arrived: float, endpoint: str, on_end: Callable[[], None]
+    ) -> AsyncIterator[str]:
+        chat = isinstance(body, ChatRequest)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[str, int, Any]] = asyncio.Queue()
+        cancels = [threading.Event() for _ in jobs]
+        clocks = [TokenClock(metrics, arrived) for _ in jobs]
+        ident, made = new_id("chatcmpl" if chat else "cmpl"), now()
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+            data: dict[str, Any] = {
+                "id": ident,
+                "object": kind,
+                "created": made,
+                "model": model_name,
+                "choices": choices,
+            }
+            if usage is not None or body.include_usage:
+                data["usage"] = usage
+            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        def delta(index: int, text: str | None, reason: str | None = None, role: bool = False) -> dict[str, Any]:
+            if chat:
+                d: dict[str, Any] = (
+                    {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+                )
+                return {"index": index, "delta": d, "finish_reason": reason, "logprobs": None}
+            return {"index": index, "text": text or "", "finish_reason": reason, "logprobs": None}
+
+        def on_text(index: int) -> Callable[[str], None]:
+            def push(text: str) -> None:
+                clocks[index].tick()
+                loop.call_soon_threadsafe(queue.put_nowait, ("text", index, text))
+
+            return push
+
+        futures = []
+        for index, job in enumerate(jobs):
+            future = _start(job, on_text(index), cancels[index])
+            future.add_done_callback(lambda f, i=index: loop.call_soon_threadsafe(queue.put_nowait, ("done", i, f)))
+            futures.append(future)
+        streamed = [""] * len(jobs)
+        runs: list[RequestRun | None] = [None] * len(jobs)
+        status = "200"
+        try:
+            if chat:
+                yield chunk([delta(i, None, role=True) for i in range(len(jobs))])
+            remaining = len(jobs)
+            while remaining:
+                what, index, payload = await queue.get()
+                if what == "text":
+                    if payload:
+                        streamed[index] += payload
+                        yield chunk([delta(index, payload)])
+                    continue
+                remaining -= 1
+                try:
+                    run = _result(payload)
+                except ApiError as bad:
+                    status = str(bad.status)
+                    yield f"data: {json.dumps(error_body(str(bad), bad.kind, bad.param))}\n\n"
+                    continue
+                runs[index] = run
+                text, reason, _ = _choice_parts(run)
+                # The final text is the answer: send what the stream has not shown yet (the whole text for a
+                # results-cache replay, which streams nothing; a character completed only at the end).
+                if text.startswith(streamed[index]) and len(text) > len(streamed[index]):
+                    yield chunk([delta(index, text[len(streamed[index]) :])])
+                yield chunk([delta(index, None, reason)])
+            done = [r for r in runs if r is not None]
+            if body.include_usage and done:
+                prompts = 1 if chat else len(body.prompts())
+                yield chunk([], _usage(done, prompts))
+            yield "data: [DONE]\n\n"
+        except asyncio.CancelledError:
+            status = "499"  # the client went away
+            raise
+        finally:
+            for ev in cancels:
+                ev.set()
+            metrics.requests.labels(endpoint, status).inc()
+            on_end()
+
+    return app
+
+
+async def _keep_alive(host: ModelHost, settings: ServerSettings) -> None:
+    """Unload the model after `keep_alive_s` without requests (Ollama's keep_alive)."""
+    loop = asyncio.get_running_loop()
+    assert settings.keep_alive_s is not None
+    interval = min(settings.keep_alive_check_s, max(settings.keep_alive_s / 4, 0.05))
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await loop.run_in_executor(None, host.maybe_unload)
+        except Exception as bad:  # a failed release must not kill the server; it says so in the log
+            host.plan.log.error("keep_alive_unload_failed", error=f"{type(bad).__name__}: {bad}")
+
+
+class QuietExitServer(uvicorn.Server):
+    """uvicorn re-raises a caught SIGINT/SIGTERM after its graceful shutdown, so the process dies of the
+    signal; a server that has cancelled its requests and released its model exits 0 instead."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)

@@ -1,0 +1,176 @@
+"""A resident plan: what does not depend on a request runs once; the request stages run per request.
+
+The split comes from the graph, not from stage names: a stage whose class says `per_request` (it turns one
+request into context slots) and every stage downstream of it form the request part; the others (loading,
+placing, allocating) form the resident part, run once by the ordinary `Runner` and kept. Each request then
+runs on a context of its own — the resident slots shared, the request slots empty — so requests in flight
+do not see each other's data, and its stages' parameters may be overridden for that request alone
+(re-validated, so a request cannot pass what the plan's schema refuses). The always-stages (release) run
+when the plan is unloaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+from pydantic import ValidationError
+
+from .context import Context, Metrics
+from .findings import StageFailure
+from .graph import build_graph, execution_order
+from .messages import describe
+from .plan import BoundPlan
+from .runner import Runner, RunResult, _needed, event_logger
+
+
+class ServeError(Exception):
+    """The plan cannot serve requests; the message says why."""
+
+
+class RequestError(ValueError):
+    """A request's own values are wrong: `field` names the value (as the request spelled it, if known)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+
+
+@dataclasses.dataclass
+class RequestRun:
+    context: Context
+    wall_s: float
+    stages: dict[str, float]  # wall seconds per stage that ran
+
+
+class ResidentPlan:
+    def __init__(self, bound: BoundPlan, new_context: Callable[[], Context], run_dir: Path) -> None:
+        self.bound = bound
+        self._new_context = new_context
+        self.run_dir = run_dir
+        graph = build_graph(bound.stages)
+        order = execution_order(graph)
+        entries = [s for s in order if graph.nodes[s]["stage"].cls.per_request]
+        if not entries:
+            raise ServeError(f"{bound.source.file}: no stage takes requests (none is marked per_request)")
+        request = set(entries).union(*(nx.descendants(graph, e) for e in entries))
+        self.graph = graph
+        self.request_order = [s for s in order if s in request and not self._always(s)]
+        self.resident_ids = {s for s in order if s not in request and not self._always(s)}
+        self.request_slots = {slot for s in self.request_order for slot in graph.nodes[s]["stage"].cls.writes}
+        self.context: Context | None = None
+        self.state = "unloaded"  # unloaded | loading | ready
+        self._lock = threading.Lock()
+        # Requests log to the run directory's events.jsonl for the plan's whole life (a load's Runner closes
+        # its own handle when it ends); appends from two handles interleave whole lines.
+        self._events = (run_dir / "events.jsonl").open("a", encoding="utf-8", buffering=1)
+        self.log = event_logger(self._events, bound.plan.name)
+
+    def close(self) -> None:
+        self._events.close()
+
+    def _always(self, stage_id: str) -> bool:
+        return bool(self.graph.nodes[stage_id]["stage"].cls.always)
+
+    def stage_by_use(self, uses: str) -> str | None:
+        """The id of the first request stage that uses `uses` (e.g. "compute.generate"), if any."""
+        return next((s for s in self.request_order if self.graph.nodes[s]["stage"].spec.uses == uses), None)
+
+    def params(self, stage_id: str) -> Any:
+        return self.graph.nodes[stage_id]["stage"].params
+
+    # --- the resident part ------------------------------------------------------------------------
+
+    def load(self, report: Any = None) -> RunResult:
+        """Run the resident stages (once; a second call while loaded does nothing)."""
+        with self._lock:
+            if self.state == "ready" and self.context is not None:
+                return RunResult(self.run_dir, "ok", 0, "already loaded", [], self.context)
+            self.state = "loading"
+            ctx = self._new_context()
+            result = Runner(
+                self.bound, ctx, self.run_dir, only=self.resident_ids, cleanup=False, report=report
+            ).run()
+            if result.exit_code:
+                self.state = "unloaded"
+                return result
+            self.context, self.state = ctx, "ready"
+            return result
+
+    def unload(self) -> RunResult | None:
+        """Run the always-stages (release) on the resident context and forget it."""
+        with self._lock:
+            ctx, self.context = self.context, None
+            self.state = "unloaded"
+            if ctx is None:
+                return None
+            always = {s for s in self.graph.nodes if self._always(s)}
+            return Runner(self.bound, ctx, self.run_dir, only=always, cleanup=True).run()
+
+    # --- one request ------------------------------------------------------------------------------
+
+    def bind(self, overrides: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+        """Per-request parameters: each stage's plan parameters updated by `overrides[stage_id]`, re-validated.
+
+        Raises RequestError naming the stage's field on a value its schema refuses.
+        """
+        bound: dict[str, Any] = {}
+        for stage_id, update in overrides.items():
+            if stage_id not in self.request_order:
+                raise RequestError("", f"stage {stage_id!r} is not a request stage of this plan")
+            params = self.params(stage_id)
+            try:
+                bound[stage_id] = type(params).model_validate({**params.model_dump(), **update})
+            except ValidationError as bad:
+                first = bad.errors()[0]
+                field = ".".join(str(p) for p in first["loc"])
+                raise RequestError(field, describe(first)) from None
+        return bound
+
+    def run_request(
+        self,
+        params: Mapping[str, Any] | None = None,
+        *,
+        stream: Callable[[str], None] | None = None,
+        cancel: threading.Event | None = None,
+        log: Any = None,
+        skip: set[str] | frozenset[str] = frozenset(),
+    ) -> RequestRun:
+        """Run the request stages (less `skip`) on a fresh request context. StageFailure and bugs propagate."""
+        resident = self.context
+        if resident is None:
+            raise StageFailure("the model is not loaded")
+        ctx = dataclasses.replace(
+            resident,
+            metrics=Metrics(),
+            ext=dict(resident.ext),
+            cancel=cancel or threading.Event(),
+            log=log if log is not None else self.log,
+        )
+        if stream is not None:
+            ctx.stream = stream
+        for slot in self.request_slots:
+            ctx.put(slot, None)
+        params = params or {}
+        timings: dict[str, float] = {}
+        ran: set[str] = set()
+        active = set(self.request_order) - set(skip)
+        start = time.perf_counter()
+        for stage_id in self.request_order:
+            if stage_id in skip or not _needed(self.graph, stage_id, ctx, active, ran, {}):
+                continue  # e.g. a results-cache hit filled what generation would write
+            stage = self.graph.nodes[stage_id]["stage"]
+            ctx.metrics.current = stage_id
+            t0 = time.perf_counter()
+            stage.cls().run(ctx, params.get(stage_id, stage.params))
+            timings[stage_id] = time.perf_counter() - t0
+            missing = [slot for slot in stage.cls.writes if not ctx.has(slot)]
+            if missing:
+                raise StageFailure(f"stage {stage_id!r} ({stage.spec.uses}) did not write {', '.join(missing)}")
+            ran.add(stage_id)
+        return RequestRun(ctx, time.perf_counter() - start, timings)

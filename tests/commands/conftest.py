@@ -1,0 +1,101 @@
+"""A served tiny model: `llmplan serve`'s app on a free loopback port, in a thread, for the real clients."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+import yaml
+
+from llmplan.commands.serve import build_host
+from llmplan.commands.server import ServerSettings, create_app
+from tests.stages.tiny_run import make_tiny_model_dir
+
+MAX_NEW = 40
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def write_serve_plan(tmp: Path, model_dir: Path, *, slots: int = 4, name: str = "tiny-serve", **generate: Any) -> Path:
+    plan = {
+        "name": name,
+        "device": "cpu",
+        "seed": 0,
+        "threads": 1,
+        "stages": [
+            {"id": "env", "uses": "env.check"},
+            {"id": "model", "uses": "model.source", "with": {"path": str(model_dir)}},
+            {"id": "config", "uses": "load.config"},
+            {"id": "tokenizer", "uses": "load.tokenizer"},
+            {"id": "verify", "uses": "load.verify", "with": {"hashes": "off"}},
+            {"id": "read", "uses": "load.read_shards"},
+            {"id": "convert", "uses": "load.convert", "with": {"dtype": "fp32"}},
+            {"id": "place", "uses": "load.to_device", "with": {"max_batch": slots, "kv_cache": {"max_tokens": 128}}},
+            {"id": "prompt", "uses": "compute.tokenize", "with": {"messages": [{"role": "user", "content": "hi"}]}},
+            {
+                "id": "generate",
+                "uses": "compute.generate",
+                "with": {"max_new_tokens": MAX_NEW, "temperature": 0, **generate},
+            },
+            {"id": "clean", "uses": "output.postprocess"},
+            {"id": "text", "uses": "output.detokenize"},
+            {"id": "write", "uses": "output.write", "with": {"to": ["terminal"]}},
+            {"id": "release", "uses": "output.release"},
+        ],
+    }
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(plan, allow_unicode=True, sort_keys=False), encoding="utf-8")
+    return path
+
+
+class LiveServer:
+    """uvicorn in a thread of this process; `url` is the OpenAI base URL."""
+
+    def __init__(self, plan: Path, settings: ServerSettings) -> None:
+        run_dir = plan.parent / f"run-{plan.stem}"
+        self.host = build_host(str(plan), [], keep_alive_s=settings.keep_alive_s, run_dir=run_dir)
+        self.host.load()
+        self.app = create_app(self.host, settings)
+        self.port = free_port()
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.url = f"{self.base}/v1"
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "the server did not stop"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model_dir, _ = make_tiny_model_dir(tmp_path_factory.mktemp("serve-model"), n_layers=2)
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    plan = write_serve_plan(tmp_path_factory.mktemp("serve"), tiny_model)
+    with LiveServer(plan, ServerSettings(max_queue=32)) as live:
+        yield live
