@@ -212,7 +212,9 @@ def create_app(host: ModelHost, settings: ServerSettings) -> FastAPI:
                 return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             runs = await _run_all(request, jobs, arrived)
             metrics.requests.labels(endpoint, "200").inc()
-            return JSONResponse(_response(body, jobs, runs))
+            replayed = all(r.context.generations[0].from_cache for r in runs)
+            # A replay from the plan's results cache says so (the body keeps OpenAI's shape).
+            return JSONResponse(_response(body, jobs, runs), headers={"X-Llmplan-Replayed": str(replayed).lower()})
         except ApiError as bad:
             metrics.requests.labels(endpoint, str(bad.status)).inc()
             return bad.response({"Retry-After": "1"} if bad.status == 429 else None)
@@ -256,11 +258,15 @@ def create_app(host: ModelHost, settings: ServerSettings) -> FastAPI:
         top = body.logprobs_wanted()
         if top is not None:
             generate["logprobs"] = top
-        base = body.seed if body.seed is not None else secrets.randbelow(1 << 31)
+        # Seeds: the request's own (choice j gets seed + j, so n choices differ yet repeat); else, when sampling,
+        # a fresh one per request as OpenAI and vLLM do. Greedy needs none (and keeps its results-cache key).
+        sampling = generate.get("temperature", host.generate_params.temperature) > 0
+        base = body.seed if body.seed is not None else (secrets.randbelow(1 << 31) if sampling else None)
         jobs = []
         for prompt in prompts:
             for j in range(body.n):
-                jobs.append({host.tokenize_id: prompt, host.generate_id: generate | {"seed": base + j}})
+                seeded = generate if base is None else generate | {"seed": base + j}
+                jobs.append({host.tokenize_id: prompt, host.generate_id: seeded})
         return jobs
 
     def _start(job: dict[str, Any], on_text: Callable[[str], None], cancel: threading.Event) -> Any:

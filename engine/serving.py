@@ -152,6 +152,15 @@ class ResidentPlan:
             cancel=cancel or threading.Event(),
             log=log if log is not None else self.log,
         )
+        if params:
+            # The request's own plan: stages that read the plan (a results cache keying on the generation
+            # parameters) see the parameters this request really runs with, not the plan's defaults.
+            ctx.plan = dataclasses.replace(
+                self.bound,
+                stages=[
+                    dataclasses.replace(b, params=params[b.id]) if b.id in params else b for b in self.bound.stages
+                ],
+            )
         if stream is not None:
             ctx.stream = stream
         for slot in self.request_slots:

@@ -83,6 +83,7 @@ class SchedulerStats:
     prefill_tokens: int = 0  # prompt tokens computed
     reused_tokens: int = 0  # prompt tokens copied from a cached prefix instead
     finished: int = 0
+    cancelled: int = 0
     busy_max: int = 0
 
 
@@ -359,6 +360,7 @@ class Scheduler:
     def _ended(self, seq: Sequence, reason: FinishReason, error: str | None) -> None:
         gen = seq.generation
         gen.finish_reason, gen.error = reason, error
+        self.stats.cancelled += reason == "cancelled"
         if gen.ttft_s is not None:
             gen.decode_s = time.perf_counter() - seq.first_token_at
         self.stats.finished += 1

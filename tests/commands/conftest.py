@@ -26,7 +26,15 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def write_serve_plan(tmp: Path, model_dir: Path, *, slots: int = 4, name: str = "tiny-serve", **generate: Any) -> Path:
+def write_serve_plan(
+    tmp: Path,
+    model_dir: Path,
+    *,
+    slots: int = 4,
+    name: str = "tiny-serve",
+    cache_db: Path | None = None,
+    **generate: Any,
+) -> Path:
     plan = {
         "name": name,
         "device": "cpu",
@@ -53,6 +61,11 @@ def write_serve_plan(tmp: Path, model_dir: Path, *, slots: int = 4, name: str = 
             {"id": "release", "uses": "output.release"},
         ],
     }
+    if cache_db is not None:
+        plan["stages"] += [
+            {"id": "lookup", "uses": "cache.lookup", "with": {"db": str(cache_db)}},
+            {"id": "store", "uses": "output.cache", "with": {"db": str(cache_db)}},
+        ]
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(plan, allow_unicode=True, sort_keys=False), encoding="utf-8")
     return path

@@ -152,21 +152,29 @@ def test_malformed_and_oversized_bodies(served: LiveServer) -> None:
     assert big.status_code == 413
 
 
-def test_a_client_that_goes_away_frees_its_slot(served: LiveServer) -> None:
-    scheduler = served.host.scheduler
-    assert scheduler is not None
-    body = {"prompt": "Hello world", "max_tokens": MAX_NEW, "stream": True}
-    with httpx.stream("POST", f"{served.url}/completions", json=body, timeout=30) as answer:
-        lines = answer.iter_lines()
-        while not next(lines).startswith("data: {"):
-            pass
-        assert scheduler.busy_slots == 1
-    deadline = time.monotonic() + 10
-    while (scheduler.busy_slots or scheduler.pending) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert scheduler.busy_slots == 0 and scheduler.pending == 0
-    metrics = httpx.get(f"{served.base}/metrics").text
-    assert "llmplan_slots_busy 0.0" in metrics and 'status="499"' in metrics
+def test_a_client_that_goes_away_frees_its_slot(tiny_model: Path, tmp_path: Path) -> None:
+    plan = write_serve_plan(tmp_path, tiny_model, name="tiny-gone")
+    with LiveServer(plan, ServerSettings()) as live:
+        scheduler = live.host.scheduler
+        assert scheduler is not None
+        gate, step = threading.Event(), scheduler.step
+        gate.set()
+        scheduler.step = lambda: gate.wait(30) and step()  # type: ignore[method-assign]
+        body = {"prompt": "Hello world", "max_tokens": MAX_NEW, "stream": True}
+        with httpx.stream("POST", f"{live.url}/completions", json=body, timeout=30) as answer:
+            lines = answer.iter_lines()
+            while '"text": ""' in (line := next(lines)) or not line.startswith("data: {"):
+                pass  # until the first token's text arrives
+            gate.clear()  # the request cannot end by itself now
+            assert scheduler.busy_slots == 1
+        time.sleep(0.3)  # the server notices the closed connection
+        gate.set()
+        deadline = time.monotonic() + 10
+        while (scheduler.busy_slots or scheduler.pending) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert scheduler.busy_slots == 0 and scheduler.pending == 0 and scheduler.stats.cancelled == 1
+        metrics = httpx.get(f"{live.base}/metrics").text
+        assert "llmplan_slots_busy 0.0" in metrics and 'status="499"' in metrics
 
 
 def test_metrics_count_requests_tokens_and_latency(served: LiveServer) -> None:
@@ -296,3 +304,19 @@ class socket_taken:
 
     def __exit__(self, *exc: object) -> None:
         self.sock.close()
+
+
+def test_the_results_cache_keys_on_each_requests_own_parameters(tiny_model: Path, tmp_path: Path) -> None:
+    plan = write_serve_plan(tmp_path, tiny_model, name="tiny-cached", cache_db=tmp_path / "results.sqlite")
+    with LiveServer(plan, ServerSettings()) as live:
+        url = f"{live.url}/completions"
+        greedy = {"prompt": "Hello world", "max_tokens": 12}
+        first = httpx.post(url, json=greedy, timeout=30)
+        again = httpx.post(url, json=greedy, timeout=30)
+        assert first.headers["x-llmplan-replayed"] == "false" and again.headers["x-llmplan-replayed"] == "true"
+        assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+        sampled = httpx.post(url, json={**greedy, "temperature": 1.0, "seed": 3}, timeout=30)
+        assert sampled.headers["x-llmplan-replayed"] == "false"  # other parameters: never the greedy answer
+        assert sampled.json()["choices"][0]["text"] != first.json()["choices"][0]["text"]
+        shorter = httpx.post(url, json={**greedy, "max_tokens": 5}, timeout=30)
+        assert shorter.headers["x-llmplan-replayed"] == "false" and shorter.json()["usage"]["completion_tokens"] == 5
