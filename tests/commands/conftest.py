@@ -74,9 +74,11 @@ def write_serve_plan(
 class LiveServer:
     """uvicorn in a thread of this process; `url` is the OpenAI base URL."""
 
-    def __init__(self, plan: Path, settings: ServerSettings) -> None:
-        run_dir = plan.parent / f"run-{plan.stem}"
-        self.host = build_host(str(plan), [], keep_alive_s=settings.keep_alive_s, run_dir=run_dir)
+    def __init__(
+        self, plan: Path, settings: ServerSettings, overrides: list[str] | None = None, run_dir: Path | None = None
+    ) -> None:
+        run_dir = run_dir or plan.parent / f"run-{plan.stem}"
+        self.host = build_host(str(plan), overrides or [], keep_alive_s=settings.keep_alive_s, run_dir=run_dir)
         self.host.load()
         self.app = create_app(self.host, settings)
         self.port = free_port()
