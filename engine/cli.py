@@ -263,6 +263,8 @@ def cmd_stages(args: argparse.Namespace) -> int:
         flow = f"reads {', '.join(row['reads']) or '-'}  →  writes {', '.join(row['writes']) or '-'}"
         if row["fills"]:
             flow += f"  (may fill {', '.join(row['fills'])})"
+        if row["edits"]:
+            flow += f"  (edits {', '.join(row['edits'])} before any other reader)"
         console.print(f"    {flow}{'  [always runs]' if row['always'] else ''}")
         for param in row["params"]:
             default = "" if param["required"] else f" = {param['default']!r}"
@@ -295,6 +297,7 @@ def describe_stage(name: str, registry: Registry) -> dict[str, Any]:
         "reads": list(cls.reads) + [f"{s}?" for s in cls.optional_reads],
         "writes": list(cls.writes),
         "fills": list(cls.fills),
+        "edits": list(cls.edits),
         "always": cls.always,
         "params": params,
         "module": cls.__module__,

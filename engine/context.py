@@ -88,3 +88,10 @@ class Context:
 
     def clear(self, slot: str) -> None:
         self.put(slot, None)
+
+    def end_stream(self) -> None:
+        """The streaming stage finished: a stream that holds text back (an output filter's guard) lets
+        out what is safe. The runner calls it after every stage; a plain stream has nothing to end."""
+        end = getattr(self.stream, "end", None)
+        if callable(end):
+            end()

@@ -121,6 +121,7 @@ class Runner:
         status, code, message = "ok", 0, "ok"
         ran: set[str] = set()
         try:
+            self._prepare()
             for stage_id in self.order:
                 bound = self.graph.nodes[stage_id]["stage"]
                 if bound.cls.always:
@@ -168,6 +169,15 @@ class Runner:
             events.close()
         return RunResult(self.run_dir, status, code, message, list(self.records.values()), ctx)
 
+    def _prepare(self) -> None:
+        """Every stage of the plan, not only those --until keeps: a filter guards the stream either way."""
+        for bound in self.bound.stages:
+            self.ctx.metrics.current = bound.id
+            try:
+                bound.cls().prepare(self.ctx, bound.params)
+            except StageFailure as bad:
+                raise StageFailure(f"stage {bound.id!r} ({bound.spec.uses}): {bad}") from None
+
     # --- one stage -------------------------------------------------------------------------------
 
     def _run_stage(self, stage_id: str, sampler: MemorySampler, log: Any) -> None:
@@ -183,6 +193,7 @@ class Runner:
         t0 = time.perf_counter()
         try:
             bound.cls().run(ctx, bound.params)
+            ctx.end_stream()  # a stage's stream ends with it: text a stream guard held back comes out now
             missing = [slot for slot in bound.cls.writes if not ctx.has(slot)]
             if missing:
                 raise StageFailure(f"stage {stage_id!r} ({bound.spec.uses}) did not write {', '.join(missing)}")

@@ -368,11 +368,31 @@ def begin_observing(ctx: InferenceContext, model: Transformer, kv_cache: KVCache
     return observer
 
 
+def redact_flagged(ctx: InferenceContext, results: list[GenerationResult], records: list[dict[str, Any]]) -> None:
+    """A generation an output filter of the plan flags keeps no tokens, pieces or logprobs here either."""
+    from .output_filter import flags
+
+    tokenizer = ctx.tokenizer
+    if tokenizer is None:
+        return
+    for result, record in zip(results, records, strict=True):
+        texts = [_text(tokenizer, result.tokens), *(_text(tokenizer, c.tokens) for c in result.candidates)]
+        if flags(ctx, *texts):
+            record.update(tokens=[], pieces=[], token_strings=[], logprobs=[], redacted=True)
+
+
+def _text(tokenizer: Tokenizer, ids: list[int]) -> str:
+    vocab = tokenizer.vocab_size
+    return tokenizer.decode([int(i) for i in ids if 0 <= int(i) < vocab], skip_special_tokens=True)
+
+
 def finish_observing(ctx: InferenceContext, results: list[GenerationResult]) -> None:
     """For compute.generate: write generations.json and whatever the observer recorded."""
     if ctx.run_dir is None:
         return
-    _write_json(Path(ctx.run_dir) / GENERATIONS_FILE, generation_records(results, ctx.tokenizer))
+    records = generation_records(results, ctx.tokenizer)
+    redact_flagged(ctx, results, records)
+    _write_json(Path(ctx.run_dir) / GENERATIONS_FILE, records)
     observer = ctx.ext.get(OBSERVER_KEY)
     if isinstance(observer, Observer):
         observer.save(Path(ctx.run_dir), ctx.tokenizer)

@@ -116,8 +116,9 @@ class OutputWrite(Stage):
             many = len(ctx.completions) > 1
             for completion in ctx.completions:
                 if completion.streamed:
-                    # Already on screen, streamed token by token; finish its line only.
-                    out.write("\n")
+                    # Already on screen, streamed token by token (through the filter's guard when
+                    # there is one); finish its line, and say why a rejected stream stopped.
+                    out.write("\n" if completion.error is None else f"\n(error: {completion.error})\n")
                     continue
                 if many:
                     out.write(f"[{completion.request_id}]\n")

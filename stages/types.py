@@ -117,4 +117,6 @@ class Completion:
     error: str | None = None
     from_cache: bool = False
     flagged: list[str] = field(default_factory=list)
+    # With `logprobs: N`: per generated token {token, id, logprob, top_logprobs: [{token, id, logprob}]}.
+    token_logprobs: list[dict[str, Any]] | None = None
     streamed: bool = False  # already shown on the terminal by the generate stage; not printed twice
