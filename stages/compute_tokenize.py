@@ -1,8 +1,10 @@
 """`compute.tokenize`: prompts (plan messages, raw text, or a JSONL file) into token ids.
 
 Chat prompts go through the model's chat template with the generation prompt added; raw prompts
-get BOS when the model wants it. Prompts longer than the context are truncated by a stated policy
-(keep the end by default) with a warning event. A bad JSONL line is reported with its line number
+get BOS when the model wants it. What a user wrote (message contents, raw prompts) is encoded as
+text: a "<|im_end|>" in it is those characters, not the control token (`Tokenizer.encode_chat`).
+Prompts longer than the context are truncated by a stated policy (keep the end by default) with a
+warning event. A bad JSONL line is reported with its line number
 and skipped (or fatal, by `on_bad_line`); it never takes the good lines down with it.
 """
 
@@ -160,9 +162,10 @@ class Tokenize(Stage):
                 chat = [m.model_dump() for m in line.messages]
                 if params.system and not any(m["role"] == "system" for m in chat):
                     chat.insert(0, {"role": "system", "content": params.system})
-                text, kind = tok.apply_chat_template(chat, add_generation_prompt=True), "chat"
-                # The template writes BOS itself when the model wants one; never add a second.
-                add_bos = params.add_bos == "always"
+                # The template writes BOS itself when the model wants one; never add a second. Only the
+                # template's own text makes control tokens: "<|im_end|>" in a message stays text.
+                text, ids = tok.encode_chat(chat, add_generation_prompt=True, add_bos=params.add_bos == "always")
+                kind = "chat"
             else:
                 if line.messages is not None:
                     parts = ([params.system] if params.system else []) + [m.content for m in line.messages]
@@ -171,7 +174,7 @@ class Tokenize(Stage):
                     text = line.text or ""
                 kind = "text"
                 add_bos = None if params.add_bos == "auto" else params.add_bos == "always"
-            ids = tok.encode(text, add_bos=add_bos)
+                ids = tok.encode(text, add_bos=add_bos, special=False)  # a raw prompt is text, never control tokens
         except TokenizerError as bad:
             raise StageFailure(f"request {request_id!r}: {bad}") from None
         keep_first = 1 if ids and tok.bos_id is not None and ids[0] == tok.bos_id else 0
