@@ -1,7 +1,9 @@
 """`llmplan`: run, validate, graph, stages, schema — plus commands contributed by plugins.
 
 Every failure a user can cause ends with one line naming the file, position and field, and a
-non-zero exit; a traceback appears only with --debug.
+non-zero exit; a traceback appears only with --debug. `llmplan run` exits 0 when every request got
+an answer, 3 when the run finished but some request ended with finish_reason `error`, 1 when the
+run failed, 130 when it was interrupted.
 """
 
 from __future__ import annotations
@@ -134,6 +136,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         ctx.stream = _stdout_stream
     reporter = None if args.quiet else print_stage
     result = Runner(bound, ctx, run_dir, until=args.until, report=reporter, debug=args.debug).run()
+    if ctx.notices:  # each was printed when it happened; the count, once more, where it is seen
+        kinds = ", ".join(f"{n} {kind.replace('_', ' ')}" for kind, n in ctx.notice_summary()["by_kind"].items())
+        _err(f"inputs dropped or changed: {kinds} (listed in metrics.json)")
     if not args.quiet:
         stderr.print(f"[dim]run directory: {result.run_dir}[/dim]")
     if args.report:

@@ -46,7 +46,7 @@ class StageRecord:
 @dataclass
 class RunResult:
     run_dir: Path
-    status: str  # ok | failed | interrupted
+    status: str  # ok | errors (some request ended in error: exit 3) | failed | interrupted
     exit_code: int
     message: str
     records: list[StageRecord] = field(default_factory=list)
@@ -54,6 +54,7 @@ class RunResult:
 
 
 Reporter = Callable[[StageRecord], None]
+EXIT_REQUEST_ERRORS = 3  # the run finished, but at least one request ended with finish_reason "error"
 
 
 def make_run_dir(root: str | Path, plan_name: str) -> Path:
@@ -147,6 +148,11 @@ class Runner:
             cleanup_error = self._run_always(sampler, log)
             if cleanup_error and status == "ok":
                 status, code, message = "failed", 1, cleanup_error
+            if status == "ok" and ctx.request_errors:
+                # Everything ran, but some answers are errors: not a success a script may trust.
+                status, code = "errors", EXIT_REQUEST_ERRORS
+                listed = "; ".join(f"{rid}: {why}" for rid, why in list(ctx.request_errors.items())[:5])
+                message = f"{len(ctx.request_errors)} request(s) ended in error ({listed})"
             sampler.stop()
             failed = next((r for r in self.records.values() if r.status == "failed"), None)
             if failed is not None and status != "ok" and not message.startswith(f"stage {failed.id!r}"):
@@ -157,14 +163,26 @@ class Runner:
             total = time.perf_counter() - started
             log.info("run_finished", status=status, wall_s=round(total, 4), peak_rss=peak_rss_bytes())
             ctx.metrics.by_stage.setdefault("run", {}).update(
-                {"wall_s": total, "status": status, "peak_rss_bytes": peak_rss_bytes()}
+                {
+                    "wall_s": total,
+                    "status": status,
+                    "peak_rss_bytes": peak_rss_bytes(),
+                    "notices": ctx.notice_summary(),
+                    "request_errors": dict(ctx.request_errors),
+                }
             )
             write_json(self.run_dir / "stages.json", [asdict(r) for r in self.records.values()])
             write_json(self.run_dir / "metrics.json", ctx.metrics.by_stage)
             write_json(self.run_dir / "memory.json", sampler.to_dict())
             write_json(
                 self.run_dir / "run.json",
-                {"plan": self.bound.plan.name, "status": status, "message": message, "wall_s": total},
+                {
+                    "plan": self.bound.plan.name,
+                    "status": status,
+                    "message": message,
+                    "wall_s": total,
+                    "notices": len(ctx.notices),
+                },
             )
             events.close()
         return RunResult(self.run_dir, status, code, message, list(self.records.values()), ctx)

@@ -387,7 +387,11 @@ def _text(tokenizer: Tokenizer, ids: list[int]) -> str:
 
 
 def finish_observing(ctx: InferenceContext, results: list[GenerationResult]) -> None:
-    """For compute.generate: write generations.json and whatever the observer recorded."""
+    """For compute.generate: report cut prompts and failed requests; write generations.json and
+    whatever the observer recorded."""
+    from .compute_tokenize import report_requests
+
+    report_requests(ctx, results)
     if ctx.run_dir is None:
         return
     records = generation_records(results, ctx.tokenizer)

@@ -17,6 +17,7 @@ from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import Phase, Stage
 from llmplan.llm.tokenizer import Tokenizer
 
+from .compute_tokenize import report_requests
 from .slots import InferenceContext
 from .types import Answer, Completion, GenerationResult, Request
 
@@ -40,6 +41,7 @@ class OutputDetokenize(Stage):
             if answer is None:
                 raise StageFailure(f"answers: no answer for request {gen.request_id!r} (postprocess output is stale)")
             completions.append(build_completion(gen, answer, requests.get(gen.request_id), ctx.tokenizer))
+        report_requests(ctx, ctx.generations)  # once each: generate reported what it could already
         ctx.completions = completions
         ctx.metrics.set("completions", len(completions))
         ctx.metrics.set("chars", sum(len(c.text) for c in completions))

@@ -65,6 +65,8 @@ class Request:
     kind: Literal["chat", "text"]
     overrides: dict[str, Any] = field(default_factory=dict)
     truncated: int = 0  # how many prompt tokens were dropped to fit the context
+    source: str = ""  # where it came from, for messages: "prompts.jsonl:3" or "request 'prompt'"
+    noticed_truncation: int = 0  # how much of `truncated` was already reported (ctx.notice)
 
 
 @dataclass
