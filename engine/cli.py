@@ -3,13 +3,14 @@
 Every failure a user can cause ends with one line naming the file, position and field, and a
 non-zero exit; a traceback appears only with --debug. `llmplan run` exits 0 when every request got
 an answer, 3 when the run finished but some request ended with finish_reason `error`, 1 when the
-run failed, 130 when it was interrupted.
+run failed, 130 when it was interrupted, 141 (quietly) when the reader of stdout went away.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -33,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.handler(args) or 0)
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
         _err("interrupted")
         return 130
@@ -48,6 +52,19 @@ def main(argv: list[str] | None = None) -> int:
             raise
         _err(f"error: {type(bug).__name__}: {bug} (run with --debug for the traceback)")
         return 1
+
+
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: the reader of stdout (`| head -1`) went away
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null: the reader is gone, and Python's flush at exit would only print
+    another BrokenPipeError (the way Python's docs recommend)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 class CliError(Exception):
@@ -144,7 +161,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.report:
         page = write_report(result.run_dir)
         stderr.print(f"report: {page}" if page else "[yellow]report: no reporter plugin is installed[/yellow]")
-    if result.exit_code:
+    if result.exit_code == EXIT_BROKEN_PIPE:  # a reader that stopped reading wants no message
+        _silence_stdout()
+    elif result.exit_code:
         _err(f"error: {result.message}")
     return result.exit_code
 

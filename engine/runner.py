@@ -55,6 +55,7 @@ class RunResult:
 
 Reporter = Callable[[StageRecord], None]
 EXIT_REQUEST_ERRORS = 3  # the run finished, but at least one request ended with finish_reason "error"
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader went away
 
 
 def make_run_dir(root: str | Path, plan_name: str) -> Path:
@@ -138,6 +139,9 @@ class Runner:
             log.warning("run_interrupted")
         except StageFailure as failure:
             status, code, message = "failed", 1, str(failure)
+        except BrokenPipeError:  # `llmplan run … | head -1`: the reader left; not a bug, nothing to say
+            status, code, message = "closed", EXIT_BROKEN_PIPE, "stdout was closed by the reader (broken pipe)"
+            log.warning("stdout_closed")
         except Exception as bug:  # a stage's bug: one line for the user, the traceback in the run dir
             status, code = "failed", 1
             message = f"{type(bug).__name__}: {bug}"

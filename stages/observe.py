@@ -283,6 +283,12 @@ class Observer:
             handle.remove()
         self.handles.clear()
 
+    def release(self) -> None:
+        """Hooks off and the model let go: the hooks' closures and this object would keep it alive."""
+        self.remove()
+        self.model = None  # type: ignore[assignment]
+        self._prompt_ids = None
+
     def timings_record(self) -> dict[str, Any] | None:
         if self.timings is None:
             return None
