@@ -1,13 +1,16 @@
 """`llmplan`: run, validate, graph, stages, schema — plus commands contributed by plugins.
 
 Every failure a user can cause ends with one line naming the file, position and field, and a
-non-zero exit; a traceback appears only with --debug.
+non-zero exit; a traceback appears only with --debug. `llmplan run` exits 0 when every request got
+an answer, 3 when the run finished but some request ended with finish_reason `error`, 1 when the
+run failed, 130 when it was interrupted, 141 (quietly) when the reader of stdout went away.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -31,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.handler(args) or 0)
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
         _err("interrupted")
         return 130
@@ -46,6 +52,19 @@ def main(argv: list[str] | None = None) -> int:
             raise
         _err(f"error: {type(bug).__name__}: {bug} (run with --debug for the traceback)")
         return 1
+
+
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: the reader of stdout (`| head -1`) went away
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null: the reader is gone, and Python's flush at exit would only print
+    another BrokenPipeError (the way Python's docs recommend)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 class CliError(Exception):
@@ -134,12 +153,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         ctx.stream = _stdout_stream
     reporter = None if args.quiet else print_stage
     result = Runner(bound, ctx, run_dir, until=args.until, report=reporter, debug=args.debug).run()
+    if ctx.notices:  # each was printed when it happened; the count, once more, where it is seen
+        kinds = ", ".join(f"{n} {kind.replace('_', ' ')}" for kind, n in ctx.notice_summary()["by_kind"].items())
+        _err(f"inputs dropped or changed: {kinds} (listed in metrics.json)")
     if not args.quiet:
         stderr.print(f"[dim]run directory: {result.run_dir}[/dim]")
     if args.report:
         page = write_report(result.run_dir)
         stderr.print(f"report: {page}" if page else "[yellow]report: no reporter plugin is installed[/yellow]")
-    if result.exit_code:
+    if result.exit_code == EXIT_BROKEN_PIPE:  # a reader that stopped reading wants no message
+        _silence_stdout()
+    elif result.exit_code:
         _err(f"error: {result.message}")
     return result.exit_code
 
@@ -263,6 +287,8 @@ def cmd_stages(args: argparse.Namespace) -> int:
         flow = f"reads {', '.join(row['reads']) or '-'}  →  writes {', '.join(row['writes']) or '-'}"
         if row["fills"]:
             flow += f"  (may fill {', '.join(row['fills'])})"
+        if row["edits"]:
+            flow += f"  (edits {', '.join(row['edits'])} before any other reader)"
         console.print(f"    {flow}{'  [always runs]' if row['always'] else ''}")
         for param in row["params"]:
             default = "" if param["required"] else f" = {param['default']!r}"
@@ -295,6 +321,7 @@ def describe_stage(name: str, registry: Registry) -> dict[str, Any]:
         "reads": list(cls.reads) + [f"{s}?" for s in cls.optional_reads],
         "writes": list(cls.writes),
         "fills": list(cls.fills),
+        "edits": list(cls.edits),
         "always": cls.always,
         "params": params,
         "module": cls.__module__,

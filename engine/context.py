@@ -11,6 +11,7 @@ A third-party plugin that needs a slot of its own uses a name starting with `ext
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,7 +20,21 @@ from pathlib import Path
 from typing import Any
 
 EXT_PREFIX = "ext."
-_BOOKKEEPING = {"plan", "run_dir", "log", "metrics", "progress", "ext", "device", "stream", "json_mode", "cancel"}
+_BOOKKEEPING = {
+    "plan",
+    "run_dir",
+    "log",
+    "metrics",
+    "progress",
+    "ext",
+    "device",
+    "stream",
+    "json_mode",
+    "notices",
+    "request_errors",
+    "cancel",
+}
+MAX_LISTED_NOTICES = 100  # metrics.json lists this many notices in full; all are counted
 
 
 @dataclasses.dataclass
@@ -63,6 +78,8 @@ class Context:
     device: str = "cpu"
     stream: Callable[[str], None] = _noop_stream
     json_mode: bool = False
+    notices: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    request_errors: dict[str, str] = dataclasses.field(default_factory=dict)
     # Set by whoever no longer wants the result (a client that went away); long stages check it.
     cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
     started: float = dataclasses.field(default_factory=time.perf_counter)
@@ -91,3 +108,31 @@ class Context:
 
     def clear(self, slot: str) -> None:
         self.put(slot, None)
+
+    def notice(self, kind: str, message: str) -> None:
+        """An input was dropped or changed on its way (a skipped line, replaced bytes, a cut prompt).
+
+        Never only a log event: one line on stderr now (`message` names file:line where there is
+        one), and counted in the run's summary and metrics.json (`run.notices`).
+        """
+        self.notices.append({"kind": kind, "message": message, "stage": self.metrics.current})
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+        if self.log is not None:
+            self.log.warning("input_notice", kind=kind, message=message)
+
+    def request_error(self, request_id: str, error: str | None) -> None:
+        """A request ended in error (finish_reason `error`): the run then exits with status 3."""
+        self.request_errors.setdefault(request_id, error or "error")
+
+    def notice_summary(self) -> dict[str, Any]:
+        kinds: dict[str, int] = {}
+        for item in self.notices:
+            kinds[item["kind"]] = kinds.get(item["kind"], 0) + 1
+        return {"count": len(self.notices), "by_kind": kinds, "listed": self.notices[:MAX_LISTED_NOTICES]}
+
+    def end_stream(self) -> None:
+        """The streaming stage finished: a stream that holds text back (an output filter's guard) lets
+        out what is safe. The runner calls it after every stage; a plain stream has nothing to end."""
+        end = getattr(self.stream, "end", None)
+        if callable(end):
+            end()

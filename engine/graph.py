@@ -1,5 +1,9 @@
 """The stage graph: derived from what each stage reads and writes, plus explicit `after:`.
 
+A stage that `edits` a slot in place goes after the slot's writer and before every other reader of
+it (an `after` edge, so the reader does not wait on data the editor never writes): a plan cannot
+put a sink before its output filter, in any order of the YAML.
+
 An edge goes from the writer of a slot to each reader of it (Hamilton/Kedro style). A stage that
 `fills` a slot (a cache lookup) comes before that slot's writers, so they can be skipped. The graph
 is refused when a read has no writer, two writers of a slot have no order, or there is a cycle.
@@ -44,8 +48,18 @@ def build_graph(stages: list[BoundStage]) -> nx.DiGraph:
         if slot:
             graph.edges[src, dst]["slots"].add(slot)
 
+    editors: dict[str, list[str]] = defaultdict(list)
     for bound in stages:
+        for slot in bound.cls.edits:
+            editors[slot].append(bound.id)
+    for bound in stages:
+        for slot in bound.cls.edits:
+            for writer in writers.get(slot, []):
+                link(writer, bound.id, DATA, slot)
         for slot in (*bound.cls.reads, *bound.cls.optional_reads):
+            for editor in editors.get(slot, []):
+                if bound.id not in editors[slot] and bound.id not in writers.get(slot, []):
+                    link(editor, bound.id, ORDER)
             for writer in writers.get(slot, []):
                 link(writer, bound.id, DATA, slot)
             for filler in fillers.get(slot, []):
@@ -93,7 +107,7 @@ def graph_findings(plan: Plan, stages: list[BoundStage], source: Source, registr
         for slot in bound.cls.writes:
             writers[slot].append(bound)
     for bound in stages:
-        for slot in bound.cls.reads:
+        for slot in (*bound.cls.reads, *bound.cls.edits):
             if not writers.get(slot):
                 makers = sorted(n for n, cls in registry.stages.items() if slot in cls.writes)
                 hint = f"; add a stage that writes it ({', '.join(makers)})" if makers else ""

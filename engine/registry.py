@@ -40,7 +40,8 @@ class Registry:
             raise RegistryError(f"{name}: Params must be a pydantic model")
         if params.model_config.get("extra") != "forbid":
             raise RegistryError(f"{name}: Params must forbid unknown keys (extra='forbid')")
-        for slot in (*stage_cls.reads, *stage_cls.optional_reads, *stage_cls.writes, *stage_cls.fills):
+        declared = (*stage_cls.reads, *stage_cls.optional_reads, *stage_cls.writes, *stage_cls.fills, *stage_cls.edits)
+        for slot in declared:
             if not self.context_cls.is_slot(slot):
                 known = ", ".join(sorted(self.context_cls.slot_names()))
                 raise RegistryError(f"{name}: unknown context slot {slot!r} (slots: {known}; or use 'ext.*')")

@@ -48,7 +48,7 @@ class StageRecord:
 @dataclass
 class RunResult:
     run_dir: Path
-    status: str  # ok | failed | interrupted
+    status: str  # ok | errors (some request ended in error: exit 3) | failed | interrupted
     exit_code: int
     message: str
     records: list[StageRecord] = field(default_factory=list)
@@ -56,6 +56,8 @@ class RunResult:
 
 
 Reporter = Callable[[StageRecord], None]
+EXIT_REQUEST_ERRORS = 3  # the run finished, but at least one request ended with finish_reason "error"
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader went away
 
 
 def make_run_dir(root: str | Path, plan_name: str) -> Path:
@@ -144,6 +146,7 @@ class Runner:
         status, code, message = "ok", 0, "ok"
         ran: set[str] = set()
         try:
+            self._prepare()
             for stage_id in self.order:
                 bound = self.graph.nodes[stage_id]["stage"]
                 if bound.cls.always:
@@ -159,6 +162,9 @@ class Runner:
             log.warning("run_interrupted")
         except StageFailure as failure:
             status, code, message = "failed", 1, str(failure)
+        except BrokenPipeError:  # `llmplan run … | head -1`: the reader left; not a bug, nothing to say
+            status, code, message = "closed", EXIT_BROKEN_PIPE, "stdout was closed by the reader (broken pipe)"
+            log.warning("stdout_closed")
         except Exception as bug:  # a stage's bug: one line for the user, the traceback in the run dir
             status, code = "failed", 1
             message = f"{type(bug).__name__}: {bug}"
@@ -169,6 +175,11 @@ class Runner:
             cleanup_error = self._run_always(sampler, log) if self.cleanup or status != "ok" else None
             if cleanup_error and status == "ok":
                 status, code, message = "failed", 1, cleanup_error
+            if status == "ok" and ctx.request_errors:
+                # Everything ran, but some answers are errors: not a success a script may trust.
+                status, code = "errors", EXIT_REQUEST_ERRORS
+                listed = "; ".join(f"{rid}: {why}" for rid, why in list(ctx.request_errors.items())[:5])
+                message = f"{len(ctx.request_errors)} request(s) ended in error ({listed})"
             sampler.stop()
             failed = next((r for r in self.records.values() if r.status == "failed"), None)
             if failed is not None and status != "ok" and not message.startswith(f"stage {failed.id!r}"):
@@ -179,17 +190,38 @@ class Runner:
             total = time.perf_counter() - started
             log.info("run_finished", status=status, wall_s=round(total, 4), peak_rss=peak_rss_bytes())
             ctx.metrics.by_stage.setdefault("run", {}).update(
-                {"wall_s": total, "status": status, "peak_rss_bytes": peak_rss_bytes()}
+                {
+                    "wall_s": total,
+                    "status": status,
+                    "peak_rss_bytes": peak_rss_bytes(),
+                    "notices": ctx.notice_summary(),
+                    "request_errors": dict(ctx.request_errors),
+                }
             )
             write_json(self.run_dir / "stages.json", [asdict(r) for r in self.records.values()])
             write_json(self.run_dir / "metrics.json", ctx.metrics.by_stage)
             write_json(self.run_dir / "memory.json", sampler.to_dict())
             write_json(
                 self.run_dir / "run.json",
-                {"plan": self.bound.plan.name, "status": status, "message": message, "wall_s": total},
+                {
+                    "plan": self.bound.plan.name,
+                    "status": status,
+                    "message": message,
+                    "wall_s": total,
+                    "notices": len(ctx.notices),
+                },
             )
             events.close()
         return RunResult(self.run_dir, status, code, message, list(self.records.values()), ctx)
+
+    def _prepare(self) -> None:
+        """Every stage of the plan, not only those --until keeps: a filter guards the stream either way."""
+        for bound in self.bound.stages:
+            self.ctx.metrics.current = bound.id
+            try:
+                bound.cls().prepare(self.ctx, bound.params)
+            except StageFailure as bad:
+                raise StageFailure(f"stage {bound.id!r} ({bound.spec.uses}): {bad}") from None
 
     # --- one stage -------------------------------------------------------------------------------
 
@@ -206,6 +238,7 @@ class Runner:
         t0 = time.perf_counter()
         try:
             bound.cls().run(ctx, bound.params)
+            ctx.end_stream()  # a stage's stream ends with it: text a stream guard held back comes out now
             missing = [slot for slot in bound.cls.writes if not ctx.has(slot)]
             if missing:
                 raise StageFailure(f"stage {stage_id!r} ({bound.spec.uses}) did not write {', '.join(missing)}")

@@ -148,7 +148,10 @@ class ResidentPlan:
         ctx = dataclasses.replace(
             resident,
             metrics=Metrics(),
-            ext=dict(resident.ext),
+            # the request's own: a stage's prepare appends to lists it keeps here (a filter's matchers)
+            ext={k: list(v) if isinstance(v, list) else v for k, v in resident.ext.items()},
+            notices=[],
+            request_errors={},
             cancel=cancel or threading.Event(),
             log=log if log is not None else self.log,
         )
@@ -166,6 +169,12 @@ class ResidentPlan:
         for slot in self.request_slots:
             ctx.put(slot, None)
         params = params or {}
+        for stage_id in self.request_order:  # e.g. an output filter guards this request's stream
+            stage = self.graph.nodes[stage_id]["stage"]
+            try:
+                stage.cls().prepare(ctx, params.get(stage_id, stage.params))
+            except StageFailure as bad:
+                raise StageFailure(f"stage {stage_id!r} ({stage.spec.uses}): {bad}") from None
         timings: dict[str, float] = {}
         ran: set[str] = set()
         active = set(self.request_order) - set(skip)
@@ -176,7 +185,10 @@ class ResidentPlan:
             stage = self.graph.nodes[stage_id]["stage"]
             ctx.metrics.current = stage_id
             t0 = time.perf_counter()
-            stage.cls().run(ctx, params.get(stage_id, stage.params))
+            try:
+                stage.cls().run(ctx, params.get(stage_id, stage.params))
+            finally:
+                ctx.end_stream()  # text a stream guard held back comes out when its stage ends
             timings[stage_id] = time.perf_counter() - t0
             missing = [slot for slot in stage.cls.writes if not ctx.has(slot)]
             if missing:

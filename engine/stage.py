@@ -8,6 +8,11 @@ the graph from reads/writes (Hamilton/Kedro style), so a plan never wires stages
 - `fills` are optional writes that can make another stage redundant (a cache hit fills
   `generations`, so generation and everything only it needs is skipped).
 - `optional_reads` are used when present and never create a graph edge requirement.
+- `edits` are slots a stage changes in place (an output filter edits `completions`): the graph puts
+  it after the slot's writer and before EVERY other reader of the slot, whatever the plan's order,
+  so no reader can see the slot unedited.
+- `prepare(ctx, params)` runs for every stage of the plan before the first stage runs (even one
+  that `--until` leaves out): the place to check inputs early or wrap `ctx.stream`.
 - `always` stages (release) run even after a failure or Ctrl-C.
 - `per_request` marks a stage that turns one request into context slots: a resident plan (`llmplan serve`)
   runs it and every stage downstream of it once per request, the rest once at start-up.
@@ -50,11 +55,15 @@ class Stage:
     optional_reads: ClassVar[tuple[str, ...]] = ()
     writes: ClassVar[tuple[str, ...]] = ()
     fills: ClassVar[tuple[str, ...]] = ()
+    edits: ClassVar[tuple[str, ...]] = ()
     always: ClassVar[bool] = False
     per_request: ClassVar[bool] = False
 
     def run(self, ctx: Context, params: Any) -> None:
         raise NotImplementedError
+
+    def prepare(self, ctx: Context, params: Any) -> None:
+        """Before any stage of the plan runs; a StageFailure here stops the run before any work."""
 
     def check(self, params: Any, deep: DeepCheck) -> None:
         """`validate --deep`: look at files and the machine without loading a model."""

@@ -3,14 +3,31 @@
 Three pieces, each small:
   * `Tokenizer`: encode/decode through the `tokenizers` library, special-token ids, BOS policy;
   * `apply_chat_template`: the model's Jinja chat template, rendered in a sandbox, since a
-    template ships with downloaded weights and must not be able to run code or read files;
+    template ships with downloaded weights and must not be able to run code or read files —
+    nor hang or eat memory: a time budget (checked on every line the compiled template runs),
+    a cap on the size of what it builds (`*`, `+`, `%`, `~`, filters, string methods, integers)
+    and on the rendered output;
   * `StreamDecoder`: incremental detokenization that never emits half a character.
+
+User text never becomes control tokens. `encode(text, special=False)` encodes `<|im_end|>` in
+the text as the characters it is made of. `encode_chat` gets the template's special tokens
+from the template alone: every special-token string (and the marker characters themselves)
+inside the messages is replaced by a private-use marker character before rendering, so after
+rendering the only special-token strings in the output are the ones the template wrote. The
+output is split at those (exactly where the `tokenizers` library splits at added tokens, so a
+normal chat gets the very ids of a plain encode), the markers between them are turned back into
+the user's text, and that text is encoded without special-token parsing.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Iterable, Sequence
+import re
+import sys
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -24,6 +41,11 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 _REPLACEMENT = "\ufffd"  # what a decoder yields for an incomplete UTF-8 sequence
 _MAX_REPEAT = 1 << 20  # longest string/list a template may build with `*` (guards memory)
+_MAX_BUILT = 16 << 20  # longest string/list any other template operation may build, and the output
+_MAX_INT_BITS = 1 << 14  # largest integer (in bits) template arithmetic may produce
+_RENDER_SECONDS = 2.0  # a chat template renders in milliseconds; this much means a loop bomb
+_MARK_BASE = 0x10F000  # private-use plane 16: markers for special-token strings inside messages
+_MARK_LIMIT = 0xFFE
 
 
 class TokenizerError(ValueError):
@@ -83,13 +105,80 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._vocab_size
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        """Token ids of `text`; special tokens written in the text (e.g. "<|im_start|>") map to their ids."""
+    def encode(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
+        """Token ids of `text`. special=True (the `tokenizers` default, for text a plan author or the
+        template wrote): "<|im_start|>" in the text maps to its id; special=False (for anything a user
+        wrote): it is encoded as the characters it is made of, never as a control token."""
         # add_special_tokens=False: BOS is our decision, not tokenizer.json's post-processor's.
-        ids: list[int] = self._backend.encode(text, add_special_tokens=False).ids
+        if special:
+            ids: list[int] = self._backend.encode(text, add_special_tokens=False).ids
+        else:
+            with self._literal():
+                ids = self._backend.encode(text, add_special_tokens=False).ids
         if (self.add_bos_token if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id, *ids]
         return ids
+
+    @contextmanager
+    def _literal(self) -> Iterator[None]:
+        before = self._backend.encode_special_tokens
+        self._backend.encode_special_tokens = True  # special-token strings are plain text
+        try:
+            yield
+        finally:
+            self._backend.encode_special_tokens = before
+
+    @cached_property
+    def _specials(self) -> dict[str, Any]:
+        """Special added tokens by their text (the strings a template writes to make control tokens)."""
+        return {tok.content: tok for tok in self._backend.get_added_tokens_decoder().values() if tok.special}
+
+    @cached_property
+    def _special_pattern(self) -> re.Pattern[str] | None:
+        texts = sorted(self._specials, key=len, reverse=True)  # longest first, as the library matches
+        return re.compile("|".join(re.escape(t) for t in texts)) if texts else None
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, add_bos: bool | None = False
+    ) -> tuple[str, list[int]]:
+        """(the rendered prompt, its ids): control tokens only where the template wrote them (module doc)."""
+        marks = self._special_pattern
+        escaper = re.compile((f"{marks.pattern}|" if marks is not None else "") + _MARK_CLASS)
+        table: dict[str, str] = {}
+
+        def escape(value: Any) -> Any:
+            if isinstance(value, str):
+                return escaper.sub(lambda m: _mark(table, m.group()), value)
+            if isinstance(value, dict):
+                return {k: escape(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [escape(v) for v in value]
+            return value
+
+        rendered = self.apply_chat_template([escape(m) for m in messages], add_generation_prompt)
+        back = {mark: text for text, mark in table.items()}
+        pieces = marks.split(rendered) if marks is not None else [rendered]
+        found = marks.findall(rendered) if marks is not None else []
+        ids: list[int] = []
+        shown: list[str] = []
+        strip_start = False
+        for index, piece in enumerate(pieces):
+            text = _MARK_RE.sub(lambda m: back.get(m.group(), m.group()), piece)
+            shown.append(text)
+            special = found[index] if index < len(found) else None
+            token = self._specials[special] if special is not None else None
+            # An added token's lstrip/rstrip eats the whitespace beside it, as the library does.
+            body = text.lstrip() if strip_start else text
+            body = body.rstrip() if token is not None and token.lstrip else body
+            if body:
+                ids += self.encode(body, add_bos=False, special=False)
+            if special is not None:
+                ids.append(int(self._backend.token_to_id(special)))
+                shown.append(special)
+                strip_start = bool(token.rstrip)
+        if (self.add_bos_token if add_bos is None else add_bos) and self.bos_id is not None:
+            ids = [self.bos_id, *ids]
+        return "".join(shown), ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         ids = list(ids)
@@ -128,17 +217,33 @@ class Tokenizer:
         if template is None:
             raise TokenizerError(f"{self._source}: the tokenizer has no chat_template")
         try:
-            return _chat_environment().from_string(template)
+            compiled = _chat_environment().from_string(template)
         except TemplateError as bad:
             raise TokenizerError(f"{self._source}: chat_template does not compile ({_one_line(bad)})") from None
+        # `a ~ b` compiles to a call of the module's str_join/markup_join: give it the size check.
+        namespace = compiled.root_render_func.__globals__
+        for name in ("str_join", "markup_join"):
+            if name in namespace:
+                namespace[name] = _checked(namespace[name])
+        return compiled
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """Render `messages` the way HF's apply_chat_template(tokenize=False) does."""
         specials = {key: self._token_text(key) for key in ("bos_token", "eos_token", "unk_token", "pad_token")}
         try:
-            return self._compiled_template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **specials
-            )
+            compiled = self._compiled_template
+            with _time_budget(_RENDER_SECONDS):
+                chunks = compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt, **specials)
+                out: list[str] = []
+                size = 0
+                for chunk in chunks:
+                    size += len(chunk)
+                    if size > _MAX_BUILT:
+                        raise SecurityError(f"the rendered prompt is over {_MAX_BUILT} characters")
+                    out.append(chunk)
+            return "".join(out)
+        except _OverBudget:
+            raise TokenizerError(f"chat template ran longer than {_RENDER_SECONDS:g} s (a runaway loop?)") from None
         except SecurityError as bad:
             raise TokenizerError(f"chat template tried an unsafe operation: {_one_line(bad)}") from None
         except TokenizerError:
@@ -152,19 +257,122 @@ class Tokenizer:
 
 
 class _ChatEnvironment(ImmutableSandboxedEnvironment):
-    """The sandbox, plus a cap on `*`/`**` so a template cannot allocate gigabytes in one expression."""
+    """The sandbox, plus caps on what one operation may build: `*`, `**`, `+`, `%` on strings, lists
+    and integers are checked before they run (they could allocate gigabytes in one step, where the
+    time budget cannot interrupt), calls and filters after, and string methods whose integer
+    argument is a size (`center`, `ljust`, `zfill`…) before."""
 
-    intercepted_binops = frozenset({"*", "**"})
+    intercepted_binops = frozenset({"*", "**", "+", "%", "//"})
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         if operator == "**" and isinstance(right, int) and abs(right) > 64:
             raise SecurityError(f"exponent {right} is too large")
+        if operator == "**" and _is_int(left) and _is_int(right) and left.bit_length() * abs(right) > _MAX_INT_BITS:
+            raise SecurityError("the power is too large a number")
         if operator == "*":
             for seq, count in ((left, right), (right, left)):
                 sized = isinstance(seq, (str, list, tuple)) and isinstance(count, int)
                 if sized and len(seq) * count > _MAX_REPEAT:
                     raise SecurityError(f"repetition to {len(seq) * count} items is too large")
-        return super().call_binop(context, operator, left, right)
+            if _is_int(left) and _is_int(right) and left.bit_length() + right.bit_length() > _MAX_INT_BITS:
+                raise SecurityError("the product is too large a number")
+        if operator == "%" and isinstance(left, str):
+            values = right if isinstance(right, tuple) else (right,)
+            widths = sum(int(w) for w in _PERCENT_WIDTH.findall(left))
+            if len(left) + widths + sum(len(v) for v in values if isinstance(v, str)) > _MAX_BUILT:
+                raise SecurityError("string formatting would build too large a string")
+        sequences = isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple))
+        if operator == "+" and sequences and len(left) + len(right) > _MAX_BUILT:
+            raise SecurityError(f"concatenation to {len(left) + len(right)} items is too large")
+        return _bounded(super().call_binop(context, operator, left, right))
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(__obj, "__self__", None).__class__ is str:
+            sizes = [a for a in (*args, *kwargs.values()) if _is_int(a)]
+            if any(abs(a) > _MAX_BUILT for a in sizes):
+                raise SecurityError(f"str.{getattr(__obj, '__name__', '?')}: a size over {_MAX_BUILT}")
+            if getattr(__obj, "__name__", "") == "replace" and len(args) >= 2:
+                _check_replace(__obj.__self__, args[0], args[1])
+        return _bounded(super().call(__context, __obj, *args, **kwargs))
+
+
+_PERCENT_WIDTH = re.compile(r"%[-+ #0]*(\d+)")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _bounded(value: Any) -> Any:
+    if isinstance(value, (str, list, tuple, dict)) and len(value) > _MAX_BUILT:
+        raise SecurityError(f"a value of {len(value)} items is too large")
+    if _is_int(value) and value.bit_length() > _MAX_INT_BITS:
+        raise SecurityError("a number is too large")
+    return value
+
+
+def _check_replace(text: Any, old: Any, new: Any) -> None:
+    if isinstance(text, str) and isinstance(old, str) and isinstance(new, str):
+        count = text.count(old) if old else len(text) + 1
+        if len(text) + count * (len(new) - len(old)) > _MAX_BUILT:
+            raise SecurityError("replace would build too large a string")
+
+
+def _checked(function: Any) -> Any:
+    """A filter (or join helper) whose result is size-checked; `replace` is also checked before."""
+
+    @functools.wraps(function)  # keeps jinja's pass_context/pass_eval_context markers
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        plain = [a for a in args if not hasattr(a, "environment") and not hasattr(a, "autoescape")]
+        if getattr(function, "__name__", "") == "do_replace" and len(plain) >= 3:
+            _check_replace(str(plain[0]), plain[1], plain[2])
+        if any(_is_int(a) and abs(a) > _MAX_BUILT for a in (*plain[1:], *kwargs.values())):
+            raise SecurityError(f"filter {getattr(function, '__name__', '?')}: a size over {_MAX_BUILT}")
+        return _bounded(function(*args, **kwargs))
+
+    return wrapper
+
+
+class _OverBudget(Exception):
+    pass
+
+
+@contextmanager
+def _time_budget(seconds: float) -> Iterator[None]:
+    """Trace the compiled template's frames (file "<template>") and stop them past `seconds`.
+
+    A line event fires on every loop iteration, so even an empty nested loop is interrupted; other
+    frames are not traced (the global trace function returns None for them).
+    """
+    deadline = time.perf_counter() + seconds
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if time.perf_counter() > deadline:
+            raise _OverBudget
+        return local
+
+    def global_trace(frame: Any, event: str, arg: Any) -> Any:
+        return local if frame.f_code.co_filename == "<template>" else None
+
+    previous = sys.gettrace()
+    sys.settrace(global_trace)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
+
+
+_MARK_CLASS = f"[{chr(_MARK_BASE)}-{chr(_MARK_BASE + _MARK_LIMIT)}]"
+_MARK_RE = re.compile(_MARK_CLASS)
+
+
+def _mark(table: dict[str, str], text: str) -> str:
+    """The marker character standing for `text` (a special-token string or a marker the user typed)."""
+    if text not in table:
+        if len(table) > _MARK_LIMIT:
+            raise TokenizerError("too many distinct special-token strings in the messages")
+        table[text] = chr(_MARK_BASE + len(table))
+    return table[text]
 
 
 def _raise_exception(message: str) -> None:
@@ -181,6 +389,8 @@ def _chat_environment() -> _ChatEnvironment:
     # trim_blocks/lstrip_blocks: the settings HF renders with, so whitespace matches theirs.
     env = _ChatEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = _tojson
+    for name, function in list(env.filters.items()):
+        env.filters[name] = _checked(function)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env

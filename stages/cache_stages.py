@@ -192,7 +192,7 @@ def _row(c: Completion, key: str | None) -> ResultRow:
             for x in c.candidates
         ],
         # A failed or filtered-out generation is history, not something to replay.
-        cache_key=key if c.error is None else None,
+        cache_key=key if c.error is None and not c.flagged else None,  # a filtered answer has no ids to replay
         logprobs=list(c.logprobs) if c.logprobs else None,
         error=c.error,
         from_cache=c.from_cache,

@@ -1,14 +1,17 @@
 """`compute.tokenize`: prompts (plan messages, raw text, or a JSONL file) into token ids.
 
 Chat prompts go through the model's chat template with the generation prompt added; raw prompts
-get BOS when the model wants it. Prompts longer than the context are truncated by a stated policy
-(keep the end by default) with a warning event. A bad JSONL line is reported with its line number
+get BOS when the model wants it. What a user wrote (message contents, raw prompts) is encoded as
+text: a "<|im_end|>" in it is those characters, not the control token (`Tokenizer.encode_chat`).
+Prompts longer than the context are truncated by a stated policy (keep the end by default) with a
+warning event. A bad JSONL line is reported with its line number
 and skipped (or fatal, by `on_bad_line`); it never takes the good lines down with it.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,10 +23,11 @@ from llmplan.engine.stage import Params, Phase, Stage
 from llmplan.llm.tokenizer import TokenizerError
 
 from .slots import InferenceContext
-from .types import Request
+from .types import GenerationResult, Request
 
 Truncation = Literal["keep_end", "keep_start", "error"]
 MAX_PROMPT_FILE_BYTES = 64 << 20
+_BOM = b"\xef\xbb\xbf"
 
 
 class Message(BaseModel):
@@ -94,22 +98,46 @@ def truncate(ids: list[int], limit: int, policy: Truncation, keep_first: int = 0
     return head + ids[len(ids) - (limit - len(head)) :], dropped
 
 
-def read_prompt_file(path: Path, on_bad_line: str, log: Any) -> list[RequestLine]:
+def read_prompt_file(
+    path: Path, on_bad_line: str, log: Any, notice: Callable[[str, str], None] | None = None
+) -> list[tuple[int, RequestLine]]:
+    """(line number, request) for every good line. Nothing is dropped or changed unseen: a skipped
+    line and bytes that are not UTF-8 (replaced by U+FFFD) each get a notice naming `file:line`; a
+    UTF-8 BOM at the start is an encoding mark, not part of the first request."""
+    notice = notice or (lambda kind, message: None)
     if not path.is_file():
         raise StageFailure(f"{path}: prompts file not found")
-    if path.stat().st_size > MAX_PROMPT_FILE_BYTES:
-        raise StageFailure(f"{path}: larger than {MAX_PROMPT_FILE_BYTES >> 20} MiB")
-    good: list[RequestLine] = []
+    good: list[tuple[int, RequestLine]] = []
     bad = 0
-    with path.open(encoding="utf-8", errors="replace") as handle:
-        for number, line in enumerate(handle, start=1):
+    read = 0
+    try:
+        handle = path.open("rb")
+    except OSError as error:
+        raise StageFailure(f"{path}: cannot read the prompts file ({error.strerror or error})") from None
+    with handle:
+        for number, raw in enumerate(handle, start=1):
+            read += len(raw)
+            if read > MAX_PROMPT_FILE_BYTES:  # counted as read: st_size says nothing for a pipe
+                raise StageFailure(f"{path}: larger than {MAX_PROMPT_FILE_BYTES >> 20} MiB")
+            if number == 1 and raw.startswith(_BOM):
+                raw = raw[len(_BOM) :]
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                line = raw.decode("utf-8", errors="replace")
+                notice(
+                    "replaced_bytes",
+                    f"{path}:{number}: bytes that are not UTF-8 (at byte {error.start}) were replaced by U+FFFD",
+                )
             if not line.strip():
                 continue
             problem = None
             try:
-                good.append(RequestLine.model_validate(json.loads(line)))
+                good.append((number, RequestLine.model_validate(json.loads(line))))
             except json.JSONDecodeError as error:
                 problem = f"{path}:{number}:{error.colno}: not valid JSON ({error.msg})"
+            except RecursionError:
+                problem = f"{path}:{number}: JSON nested too deeply"
             except ValidationError as error:
                 first = error.errors()[0]
                 where = ".".join(str(p) for p in first["loc"]) or "line"
@@ -119,9 +147,28 @@ def read_prompt_file(path: Path, on_bad_line: str, log: Any) -> list[RequestLine
                 if on_bad_line == "fail":
                     raise StageFailure(problem)
                 log.warning("bad_prompt_line", problem=problem)
+                notice("skipped_line", f"{problem}; line skipped (on_bad_line: skip)")
     if not good:
         raise StageFailure(f"{path}: no valid request ({bad} bad line(s))")
     return good
+
+
+def report_requests(ctx: InferenceContext, generations: list[GenerationResult]) -> None:
+    """After generation: a prompt cut to fit the KV cache, and a request that ended in error, are
+    reported (once each) — never only an event in events.jsonl."""
+    requests = {r.id: r for r in ctx.requests or []}
+    for gen in generations:
+        request = requests.get(gen.request_id)
+        if request is not None and request.truncated > request.noticed_truncation:
+            where = request.source or f"request {request.id!r}"
+            ctx.notice(
+                "truncated_prompt",
+                f"{where}: prompt cut to {gen.prompt_tokens} tokens to fit the KV cache "
+                f"({request.truncated - request.noticed_truncation} dropped)",
+            )
+            request.noticed_truncation = request.truncated
+        if gen.finish_reason == "error":
+            ctx.request_error(gen.request_id, gen.error)
 
 
 class Tokenize(Stage):
@@ -138,18 +185,30 @@ class Tokenize(Stage):
         tok, cfg = ctx.tokenizer, ctx.model_config
         assert tok is not None and cfg is not None
         if params.prompts_file is not None:
-            lines = read_prompt_file(Path(params.prompts_file), params.on_bad_line, ctx.log)
+            path = Path(params.prompts_file)
+            numbered = read_prompt_file(path, params.on_bad_line, ctx.log, ctx.notice)
+            lines = [(f"{path}:{line_number}", line) for line_number, line in numbered]
         else:
-            lines = [RequestLine(id=params.id, messages=params.messages, text=params.text)]
+            single = RequestLine(id=params.id, messages=params.messages, text=params.text)
+            lines = [(f"request {params.id!r}", single)]
         limit = params.max_prompt_tokens or cfg.max_position_embeddings
         requests = []
         seen: set[str] = set()
-        for number, line in enumerate(lines, start=1):
+        for number, (source, line) in enumerate(lines, start=1):
             request_id = line.id or f"r{number}"
             if request_id in seen:
                 request_id = f"{request_id}-{number}"
             seen.add(request_id)
-            requests.append(self._request(request_id, line, params, tok, limit, ctx))
+            request = self._request(request_id, line, params, tok, limit, ctx)
+            request.source = source
+            if request.truncated:
+                ctx.notice(
+                    "truncated_prompt",
+                    f"{source}: prompt cut from {len(request.prompt_ids) + request.truncated} to "
+                    f"{len(request.prompt_ids)} tokens (limit {limit}, truncation: {params.truncation})",
+                )
+                request.noticed_truncation = request.truncated
+            requests.append(request)
         ctx.requests = requests
         ctx.metrics.set("requests", len(requests))
         ctx.metrics.set("prompt_tokens", [len(r.prompt_ids) for r in requests])
@@ -161,9 +220,10 @@ class Tokenize(Stage):
                 chat = [m.model_dump() for m in line.messages]
                 if params.system and not any(m["role"] == "system" for m in chat):
                     chat.insert(0, {"role": "system", "content": params.system})
-                text, kind = tok.apply_chat_template(chat, add_generation_prompt=True), "chat"
-                # The template writes BOS itself when the model wants one; never add a second.
-                add_bos = params.add_bos == "always"
+                # The template writes BOS itself when the model wants one; never add a second. Only the
+                # template's own text makes control tokens: "<|im_end|>" in a message stays text.
+                text, ids = tok.encode_chat(chat, add_generation_prompt=True, add_bos=params.add_bos == "always")
+                kind = "chat"
             else:
                 if line.messages is not None:
                     parts = ([params.system] if params.system else []) + [m.content for m in line.messages]
@@ -172,7 +232,7 @@ class Tokenize(Stage):
                     text = line.text or ""
                 kind = "text"
                 add_bos = None if params.add_bos == "auto" else params.add_bos == "always"
-            ids = tok.encode(text, add_bos=add_bos)
+                ids = tok.encode(text, add_bos=add_bos, special=False)  # a raw prompt is text, never control tokens
         except TokenizerError as bad:
             raise InputRefused(f"request {request_id!r}: {bad}") from None
         keep_first = 1 if ids and tok.bos_id is not None and ids[0] == tok.bos_id else 0

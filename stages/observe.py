@@ -282,6 +282,12 @@ class Observer:
             handle.remove()
         self.handles.clear()
 
+    def release(self) -> None:
+        """Hooks off and the model let go: the hooks' closures and this object would keep it alive."""
+        self.remove()
+        self.model = None  # type: ignore[assignment]
+        self._prompt_ids = None
+
     def timings_record(self) -> dict[str, Any] | None:
         if self.timings is None:
             return None
@@ -364,11 +370,35 @@ def begin_observing(ctx: InferenceContext, model: Transformer, kv_cache: KVCache
     return observer
 
 
+def redact_flagged(ctx: InferenceContext, results: list[GenerationResult], records: list[dict[str, Any]]) -> None:
+    """A generation an output filter of the plan flags keeps no tokens, pieces or logprobs here either."""
+    from .output_filter import flags
+
+    tokenizer = ctx.tokenizer
+    if tokenizer is None:
+        return
+    for result, record in zip(results, records, strict=True):
+        texts = [_text(tokenizer, result.tokens), *(_text(tokenizer, c.tokens) for c in result.candidates)]
+        if flags(ctx, *texts):
+            record.update(tokens=[], pieces=[], token_strings=[], logprobs=[], redacted=True)
+
+
+def _text(tokenizer: Tokenizer, ids: list[int]) -> str:
+    vocab = tokenizer.vocab_size
+    return tokenizer.decode([int(i) for i in ids if 0 <= int(i) < vocab], skip_special_tokens=True)
+
+
 def finish_observing(ctx: InferenceContext, results: list[GenerationResult]) -> None:
-    """For compute.generate: write generations.json and whatever the observer recorded."""
+    """For compute.generate: report cut prompts and failed requests; write generations.json and
+    whatever the observer recorded."""
+    from .compute_tokenize import report_requests
+
+    report_requests(ctx, results)
     if ctx.run_dir is None:
         return
-    _write_json(Path(ctx.run_dir) / GENERATIONS_FILE, generation_records(results, ctx.tokenizer))
+    records = generation_records(results, ctx.tokenizer)
+    redact_flagged(ctx, results, records)
+    _write_json(Path(ctx.run_dir) / GENERATIONS_FILE, records)
     observer = ctx.ext.get(OBSERVER_KEY)
     if isinstance(observer, Observer):
         observer.save(Path(ctx.run_dir), ctx.tokenizer)

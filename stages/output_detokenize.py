@@ -6,7 +6,9 @@ into UTF-8 characters (CJK, emoji), and the tokenizer's decoder applies its whit
 
 `Completion.tokens` are the generated ids as produced (with EOS, aligned with `logprobs`), and
 `completion_tokens` counts them: that is what the model generated and what usage reports. `text`
-is the cleaned answer from output.postprocess.
+is the cleaned answer from output.postprocess, without the stop string that ended it (the way
+OpenAI and vLLM return it; finish_reason stays `stop_string`). With `logprobs: N` the completion
+carries `token_logprobs`: per token its text, id, logprob and the N best alternatives.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import Phase, Stage
 from llmplan.llm.tokenizer import Tokenizer
 
+from .compute_tokenize import report_requests
 from .slots import InferenceContext
 from .types import Answer, Completion, GenerationResult, Request
 
@@ -40,6 +43,7 @@ class OutputDetokenize(Stage):
             if answer is None:
                 raise StageFailure(f"answers: no answer for request {gen.request_id!r} (postprocess output is stale)")
             completions.append(build_completion(gen, answer, requests.get(gen.request_id), ctx.tokenizer))
+        report_requests(ctx, ctx.generations)  # once each: generate reported what it could already
         ctx.completions = completions
         ctx.metrics.set("completions", len(completions))
         ctx.metrics.set("chars", sum(len(c.text) for c in completions))
@@ -59,10 +63,13 @@ def build_completion(
                 "finish_reason": cand.finish_reason,
             }
         )
+    text = decode_text(answer.ids, tokenizer)
+    if gen.finish_reason == "stop_string":
+        text = cut_at_stop(text, gen.params.get("stop") or [])
     return Completion(
         request_id=gen.request_id,
         prompt=request.prompt_text if request is not None else "",
-        text=decode_text(answer.ids, tokenizer),
+        text=text,
         finish_reason=gen.finish_reason,
         prompt_tokens=gen.prompt_tokens,
         completion_tokens=len(gen.tokens),
@@ -72,8 +79,39 @@ def build_completion(
         timings=dict(gen.timings),
         error=gen.error,
         from_cache=gen.from_cache,
+        token_logprobs=token_logprobs(gen, tokenizer),
         streamed=gen.streamed,
     )
+
+
+def cut_at_stop(text: str, stops: list[str]) -> str:
+    """The text before the first stop string (as OpenAI and vLLM return it); finish_reason stays stop_string."""
+    found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return text[: min(found)] if found else text
+
+
+def token_logprobs(gen: GenerationResult, tokenizer: Tokenizer) -> list[dict[str, Any]] | None:
+    """With `logprobs: N`: per generated token its text, id, logprob and the N best alternatives
+    (OpenAI's shape: token, logprob, top_logprobs). None when no alternatives were recorded."""
+    if not gen.top_logprobs:
+        return None
+    vocab = tokenizer.vocab_size
+
+    def piece(token: int) -> str:
+        return tokenizer.decode([token]) if 0 <= token < vocab else ""
+
+    entries = []
+    for index, token in enumerate(gen.tokens):
+        top = gen.top_logprobs[index] if index < len(gen.top_logprobs) else []
+        entries.append(
+            {
+                "token": piece(int(token)),
+                "id": int(token),
+                "logprob": gen.logprobs[index] if index < len(gen.logprobs) else None,
+                "top_logprobs": [{"token": piece(int(i)), "id": int(i), "logprob": lp} for i, lp in top or []],
+            }
+        )
+    return entries
 
 
 def decode_text(ids: list[int], tokenizer: Tokenizer) -> str:

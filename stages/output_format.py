@@ -13,6 +13,10 @@ A result object (one per request; one line each on stdout under `llmplan run --j
       "finish_reason": "eos" | "length" | "stop_string" | "cache_full" | "error",
       "usage": {"prompt_tokens": int, "completion_tokens": int, "total_tokens": int},
       "logprobs": [float|null] | null,  # per generated token when recorded (null: not finite)
+      "token_logprobs": [           # with `logprobs: N` (OpenAI's shape); null otherwise
+        {"token": str, "id": int, "logprob": float|null,
+         "top_logprobs": [{"token": str, "id": int, "logprob": float|null}]}
+      ] | null,
       "candidates": [               # beam search: every returned beam, best first; [] otherwise
         {"text": str, "tokens": [int], "score": float | null, "finish_reason": str}
       ],
@@ -55,6 +59,7 @@ RESULT_KEYS = (
     "error",
     "from_cache",
     "flagged",
+    "token_logprobs",
 )
 
 
@@ -94,6 +99,19 @@ def result_object(
         "error": c.error,
         "from_cache": c.from_cache,
         "flagged": list(c.flagged),
+        "token_logprobs": None
+        if c.token_logprobs is None
+        else [
+            {
+                "token": t["token"],
+                "id": t["id"],
+                "logprob": _finite(t["logprob"]),
+                "top_logprobs": [
+                    {"token": a["token"], "id": a["id"], "logprob": _finite(a["logprob"])} for a in t["top_logprobs"]
+                ],
+            }
+            for t in c.token_logprobs
+        ],
     }
 
 

@@ -2,10 +2,11 @@
 
 Drops the context's references to the KV cache, the host (pre-conversion) weights and — unless
 `keep_weights` — the converted weights and the model, closing any that hold files (mmap'd shard
-readers), then collects garbage, trims the C heap (glibc's malloc_trim) and empties the CUDA caching
-allocator, so the memory really returns to the system. It measures RSS and device memory before
-and after, so the claim is checked each run: `release_report` = {rss_before, rss_after,
-freed_bytes, device_before, device_after, released}.
+readers), and releases what `ctx.ext` holds with a `release()` (the observer, whose forward hooks
+would otherwise keep the whole model alive), then collects garbage, trims the C heap (glibc's
+malloc_trim) and empties the CUDA caching allocator, so the memory really returns to the system.
+It measures RSS and device memory before and after, so the claim is checked each run:
+`release_report` = {rss_before, rss_after, freed_bytes, device_before, device_after, released}.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ class OutputRelease(Stage):
             setattr(ctx, slot, None)
             released.append(slot)
         del value  # the loop variable would keep the last object alive
+        for key in [k for k, v in ctx.ext.items() if callable(getattr(v, "release", None))]:
+            ctx.ext.pop(key).release()  # e.g. the observer's hooks hold the whole model
+            released.append(key)
         gc.collect()
         _trim_heap()
         _empty_device_cache()

@@ -63,10 +63,12 @@ def run(args: argparse.Namespace) -> int:
             text = tok.decode(ids)
             print(json.dumps({"ids": ids, "text": text}, ensure_ascii=False) if args.json else text)
             return 0
-        text = args.text
+        # As `llmplan run` encodes it: the text as text; special tokens only from the chat template.
         if args.chat:
-            text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        ids = tok.encode(text, add_bos=False if args.no_bos or args.chat else None)
+            text, ids = tok.encode_chat([{"role": "user", "content": args.text}], add_generation_prompt=True)
+        else:
+            text = args.text
+            ids = tok.encode(text, add_bos=False if args.no_bos else None, special=False)
     except TokenizerError as bad:
         raise CliError(str(bad)) from None
     tokens = [tok.id_to_token(i) for i in ids]

@@ -65,6 +65,8 @@ class Request:
     kind: Literal["chat", "text"]
     overrides: dict[str, Any] = field(default_factory=dict)
     truncated: int = 0  # how many prompt tokens were dropped to fit the context
+    source: str = ""  # where it came from, for messages: "prompts.jsonl:3" or "request 'prompt'"
+    noticed_truncation: int = 0  # how much of `truncated` was already reported (ctx.notice)
 
 
 @dataclass
@@ -117,4 +119,6 @@ class Completion:
     error: str | None = None
     from_cache: bool = False
     flagged: list[str] = field(default_factory=list)
+    # With `logprobs: N`: per generated token {token, id, logprob, top_logprobs: [{token, id, logprob}]}.
+    token_logprobs: list[dict[str, Any]] | None = None
     streamed: bool = False  # already shown on the terminal by the generate stage; not printed twice

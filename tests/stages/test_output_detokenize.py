@@ -71,3 +71,34 @@ def test_error_generation_is_carried(ctx, tokenizer, gen, req):
     g = gen(tokenizer, "e", "partial", finish="error", error="non-finite logits")
     (c,) = _complete(ctx, [g], [req(tokenizer, "e", "p")])
     assert c.finish_reason == "error" and c.error == "non-finite logits" and c.text == "partial"
+
+
+def test_stop_string_is_not_part_of_the_text(ctx, tokenizer, gen, req):
+    g = gen(tokenizer, "s", "The sky is blue. The grass is", finish="stop_string", params={"stop": ["Is it", "grass"]})
+    (c,) = _complete(ctx, [g], [req(tokenizer, "s", "p")])
+    assert c.text == "The sky is blue. The " and c.finish_reason == "stop_string"
+    assert c.tokens == g.tokens  # the ids stay what the model generated
+    plain = gen(tokenizer, "l", "The grass is green", finish="length", params={"stop": ["grass"]})
+    (c,) = _complete(ctx, [plain], [req(tokenizer, "l", "p")])
+    assert c.text == "The grass is green"  # only a sequence a stop string ended is cut
+
+
+def test_top_logprobs_reach_the_result(ctx, tokenizer, gen, req):
+    from llmplan.stages.output_format import result_object
+
+    g = gen(tokenizer, "t", "The sky", finish="length")
+    g.logprobs = [-0.1 * (i + 1) for i in range(len(g.tokens))]
+    g.top_logprobs = [[(t, lp), (t + 1, lp - 1.0)] for t, lp in zip(g.tokens, g.logprobs, strict=True)]
+    (c,) = _complete(ctx, [g], [req(tokenizer, "t", "p")])
+    entries = result_object(c)["token_logprobs"]
+    assert [e["id"] for e in entries] == g.tokens
+    assert "".join(e["token"] for e in entries) == "The sky"
+    assert [e["logprob"] for e in entries] == g.logprobs
+    assert [[a["id"] for a in e["top_logprobs"]] for e in entries] == [[t, t + 1] for t in g.tokens]
+    assert entries[0]["top_logprobs"][1] == {
+        "token": tokenizer.decode([g.tokens[0] + 1]),
+        "id": g.tokens[0] + 1,
+        "logprob": g.logprobs[0] - 1.0,
+    }
+    (plain,) = _complete(ctx, [gen(tokenizer, "u", "The sky", finish="length")], [req(tokenizer, "u", "p")])
+    assert result_object(plain)["token_logprobs"] is None

@@ -128,8 +128,9 @@ def test_terminal_markdown_and_json_formats(ctx, capsys):
 @pytest.mark.parametrize("existing", [False, True])
 def test_interrupted_write_leaves_no_partial_file(ctx, tmp_path, monkeypatch, existing):
     target = tmp_path / "results.json"
+    old = json.dumps({"schema": SCHEMA, "results": [], "old": True}) + "\n"  # an earlier run's output
     if existing:
-        target.write_text('{"old": true}\n', encoding="utf-8")
+        target.write_text(old, encoding="utf-8")
     real = output_format.json_document_chunks
 
     def broken(*args, **kwargs):
@@ -142,7 +143,7 @@ def test_interrupted_write_leaves_no_partial_file(ctx, tmp_path, monkeypatch, ex
     with pytest.raises(KeyboardInterrupt):
         _write(ctx, [_completion()], to=[{"json": str(target)}])
     if existing:
-        assert target.read_text(encoding="utf-8") == '{"old": true}\n'
+        assert target.read_text(encoding="utf-8") == old
     else:
         assert not target.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == (["results.json"] if existing else [])
