@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -25,6 +24,7 @@ from llmplan.llm.generate import Generation, generate
 from llmplan.llm.sampling import SamplingParams, build_picker
 from llmplan.llm.scheduler import GenerationRequest, Scheduler
 from llmplan.llm.slot_cache import SlotCache
+from llmplan.llm.stop_strings import StopStringStream, stop_checker
 from llmplan.llm.tokenizer import StreamDecoder
 
 from .compute_tokenize import truncate
@@ -156,13 +156,15 @@ class Generate(Stage):
         served = _SERVED.get(cache)
         scheduler = served or new_scheduler(model, cache, params, running)
         decoder = StreamDecoder(tok, skip_special_tokens=True) if stream else None
+        # Only a single request streams: its stop strings are never shown, even in part.
+        shown = StopStringStream(ctx.stream, settings_for(requests[0], params, seed)["stop"] if stream else [])
         eos_ids = frozenset(eos)
 
         def on_token(token: int) -> None:
             if decoder is not None and token not in eos_ids:
                 piece = decoder.push(token)
                 if piece:
-                    ctx.stream(piece)
+                    shown.push(piece)
 
         submitted = []
         for request in requests:
@@ -175,7 +177,7 @@ class Generate(Stage):
                     picker=build_picker(sampling, len(prompt)),
                     max_new_tokens=settings["max_new_tokens"],
                     eos_ids=eos_ids,
-                    stop=_stop_check(tok, settings["stop"]),
+                    stop=stop_checker(tok, settings["stop"]),
                     on_token=on_token if stream else None,
                     tag=request.id,
                 )
@@ -194,7 +196,11 @@ class Generate(Stage):
         if decoder is not None and served is None:
             # A served answer's tail comes from its final text instead: an incomplete character held back
             # here is dropped there, and the client must get exactly the final text.
-            ctx.stream(decoder.flush() + "\n")
+            shown.push(decoder.flush())
+            shown.end()
+            ctx.stream("\n")
+        elif decoder is not None:
+            shown.end()
         stats = scheduler.stats
         ctx.metrics.set(
             "scheduler",
@@ -238,8 +244,9 @@ class Generate(Stage):
             build_picker(SamplingParams(**{k: s[k] for k in SAMPLING_FIELDS}, logprobs_top_n=params.logprobs), len(p))
             for s, p in zip(settings, prompts, strict=True)
         ]
-        stops = [_stop_check(tok, s["stop"]) for s in settings]
+        stops = [stop_checker(tok, s["stop"]) for s in settings]
         decoders = [StreamDecoder(tok, skip_special_tokens=True) for _ in group] if stream else []
+        shown = StopStringStream(ctx.stream, settings[0]["stop"] if stream else [])
 
         def stop_fn(row: int, ids: list[int]) -> bool:
             check = stops[row]
@@ -249,7 +256,7 @@ class Generate(Stage):
             if decoders and token not in eos:
                 piece = decoders[row].push(token)
                 if piece:
-                    ctx.stream(piece)
+                    shown.push(piece)
 
         cache.reset(len(group))
         with torch.inference_mode():
@@ -266,8 +273,9 @@ class Generate(Stage):
                 prefill_chunk=params.prefill_chunk,
             )
         if decoders:
-            tail = decoders[0].flush()
-            ctx.stream(tail + "\n")
+            shown.push(decoders[0].flush())
+            shown.end()
+            ctx.stream("\n")
         out = []
         for request, gen, prompt, s in zip(group, gens, prompts, settings, strict=True):
             result = _result(request, gen, len(prompt), s, len(group), sum(len(p) for p in prompts))
@@ -364,18 +372,6 @@ def serve_scheduler(model: Any, cache: Any, params: GenerateParams) -> Scheduler
 
 def unserve(cache: Any) -> None:
     _SERVED.pop(cache, None)
-
-
-def _stop_check(tok: Any, stops: list[str]) -> Callable[[list[int]], bool] | None:
-    """generated ids -> whether the decoded tail holds a stop string (None without stop strings)."""
-    if not stops:
-        return None
-
-    def check(ids: list[int]) -> bool:
-        tail = tok.decode(ids[-64:], skip_special_tokens=True)
-        return any(s in tail for s in stops)
-
-    return check
 
 
 def _result(
