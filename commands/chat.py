@@ -12,6 +12,7 @@ in its results database, turn by turn.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -71,14 +72,17 @@ class Conversation:
             except BaseException as bad:  # handed to the main thread, which reports it
                 outcome["error"] = bad
 
+        # During the answer Ctrl-C only sets `cancel` (a KeyboardInterrupt could land anywhere, even after the
+        # answer ended); the scheduler then ends the request at its next step.
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: cancel.set())
         worker = threading.Thread(target=work, daemon=True)
-        worker.start()
         try:
+            worker.start()
             while worker.is_alive():
                 worker.join(0.05)
-        except KeyboardInterrupt:
-            cancel.set()
-            worker.join()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        if cancel.is_set():
             self.out.write(" [stopped]")
         error = outcome.get("error")
         if isinstance(error, RequestError | RequestFailed | StageFailure):
@@ -164,20 +168,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
         conversation.say(f"chatting with {host.bound.plan.name} ({HELP})")
         while True:
             try:
-                line = input("you> ")
+                line = input("you> ").strip()
+                if not line:
+                    continue
+                if line.startswith("/"):
+                    if not conversation.command(line):
+                        break
+                    continue
+                conversation.turn(line)
             except EOFError:
                 break
-            except KeyboardInterrupt:  # at the prompt: drop the line, as a shell does
+            except KeyboardInterrupt:  # at the prompt (or between answers): drop the line, as a shell does
                 print()
-                continue
-            line = line.strip()
-            if not line:
-                continue
-            if line.startswith("/"):
-                if not conversation.command(line):
-                    break
-                continue
-            conversation.turn(line)
     finally:
         host.close()
     return 0

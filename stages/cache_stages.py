@@ -33,6 +33,7 @@ from .types import Candidate, Completion, GenerationResult, Request
 DEFAULT_DB = "runs/results.sqlite"
 # Generation params that change how output is shown, never what is generated: not part of the key.
 UNKEYED_PARAMS = frozenset({"stream"})
+NOT_REPLAYED = frozenset({"cancelled", "error"})
 
 
 class StoreParams(Params):
@@ -191,8 +192,9 @@ def _row(c: Completion, key: str | None) -> ResultRow:
             }
             for x in c.candidates
         ],
-        # A failed or filtered-out generation is history, not something to replay.
-        cache_key=key if c.error is None and not c.flagged else None,  # a filtered answer has no ids to replay
+        # A failed, cancelled or filtered-out generation is history, not something to replay (a cancelled one
+        # is cut wherever its client left; a filtered answer has no ids to replay).
+        cache_key=key if c.error is None and not c.flagged and c.finish_reason not in NOT_REPLAYED else None,
         logprobs=list(c.logprobs) if c.logprobs else None,
         error=c.error,
         from_cache=c.from_cache,

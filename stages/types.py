@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-FinishReason = Literal["eos", "length", "stop_string", "cache_full", "error"]
+from llmplan.llm.generate import FinishReason  # stated once, where generation ends sequences
 
 
 @dataclass(frozen=True)

@@ -320,3 +320,25 @@ def test_the_results_cache_keys_on_each_requests_own_parameters(tiny_model: Path
         assert sampled.json()["choices"][0]["text"] != first.json()["choices"][0]["text"]
         shorter = httpx.post(url, json={**greedy, "max_tokens": 5}, timeout=30)
         assert shorter.headers["x-llmplan-replayed"] == "false" and shorter.json()["usage"]["completion_tokens"] == 5
+
+
+def test_a_cancelled_answer_is_never_replayed(tiny_model: Path, tmp_path: Path) -> None:
+    plan = write_serve_plan(tmp_path, tiny_model, name="tiny-cut", cache_db=tmp_path / "results.sqlite")
+    with LiveServer(plan, ServerSettings()) as live:
+        scheduler = live.host.scheduler
+        assert scheduler is not None
+        gate, step = threading.Event(), scheduler.step
+        scheduler.step = lambda: (scheduler.stats.steps < 3 or gate.wait(30)) and step()  # type: ignore[method-assign]
+        body = {"prompt": "Hello world", "max_tokens": MAX_NEW, "stream": True}
+        with httpx.stream("POST", f"{live.url}/completions", json=body, timeout=30) as answer:
+            next(line for line in answer.iter_lines() if line.startswith("data: {"))
+        time.sleep(0.3)
+        gate.set()
+        deadline = time.monotonic() + 10
+        while scheduler.stats.cancelled == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(0.3)  # the cancelled request's remaining stages (and its store) finish
+        again = httpx.post(f"{live.url}/completions", json={**body, "stream": False}, timeout=30)
+        assert again.headers["x-llmplan-replayed"] == "false"
+        assert again.json()["choices"][0]["finish_reason"] in ("length", "stop")
