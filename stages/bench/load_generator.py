@@ -234,7 +234,8 @@ async def _one_request(
             rec.outcome = "ok"
         else:
             rec.outcome, rec.error = "lost", "truncated: stream ended before data: [DONE]"
-    except TimeoutError:
+    except (TimeoutError, httpx.TimeoutException):
+        # Our per-request bound or httpx's connect/read timeout (set to the same bound): either way no answer.
         rec.outcome, rec.error = "lost", f"timeout: no complete answer within {timeout_s:g} s"
     except httpx.HTTPError as e:
         # Connection refused/reset, a peer that closes mid-body, protocol errors: no status tells why.
