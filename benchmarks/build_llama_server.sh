@@ -25,7 +25,8 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 die() { echo "build_llama_server.sh: $*" >&2; exit 1; }
 say() { echo "build_llama_server.sh: $*" >&2; }
 
-if [[ -x "$BIN/llama-server" && -x "$BIN/llama-quantize" ]]; then
+# BUILD_OK is written last, after both binaries are in place and start: a half-done build is redone.
+if [[ -x "$BIN/llama-server" && -x "$BIN/llama-quantize" && -f "$ROOT/BUILD_OK" ]]; then
   echo "$BIN/llama-server"
   exit 0
 fi
@@ -69,12 +70,46 @@ fi
 COMMIT_FILE="$SRC/llama_cpp_python-$VERSION/.git/modules/vendor/llama.cpp/HEAD"
 if [[ -f "$COMMIT_FILE" ]]; then cp "$COMMIT_FILE" "$ROOT/LLAMA_CPP_COMMIT"; fi
 
-# 3. Configure. No network at build time: no CURL/OpenSSL (the server runs on loopback, models are local
+# 3. GGML_NATIVE=ON compiles for -march=native, which turns on ggml's AMX matmul wherever cpuid lists amx_*.
+#    Some VMs list AMX but fault on its first instruction (llama-server then dies with SIGSEGV/SIGILL in
+#    ggml_backend_amx_mul_mat on its warm-up): run one tile instruction, and build without AMX if it fails.
+EXTRA_FLAGS=""
+if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+  PROBE_DIR="$(mktemp -d)"
+  cat >"$PROBE_DIR/amx.c" <<'EOF'
+#include <immintrin.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+int main(void) {
+    unsigned char cfg[64] __attribute__((aligned(64)));
+    if (syscall(SYS_arch_prctl, 0x1023, 18)) return 2; /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA */
+    memset(cfg, 0, sizeof cfg);
+    cfg[0] = 1; cfg[16] = 64; cfg[48] = 16; /* palette 1, tile 0: 16 rows of 64 bytes */
+    _tile_loadconfig(cfg);
+    _tile_zero(0);
+    _tile_release();
+    return 0;
+}
+EOF
+  # The subshell keeps bash's "Illegal instruction" notice about the probe off the terminal.
+  if cc -O1 -mamx-tile -o "$PROBE_DIR/amx" "$PROBE_DIR/amx.c" 2>/dev/null && ("$PROBE_DIR/amx") 2>/dev/null; then
+    say "probe: AMX works here; ggml may use it"
+  else
+    EXTRA_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # GCC: explicit -mno-* win over -march=native
+    say "probe: cpuid lists AMX but a tile instruction fails in this process; building with $EXTRA_FLAGS"
+  fi
+  rm -rf "$PROBE_DIR"
+fi
+echo "GGML_NATIVE=ON ${EXTRA_FLAGS}" >"$ROOT/BUILD_FLAGS"
+
+# 4. Configure. No network at build time: no CURL/OpenSSL (the server runs on loopback, models are local
 #    files) and no web UI (its prebuilt assets would be downloaded); tests and examples are not needed.
 say "configure: cmake (Release, GGML_NATIVE=ON) in $BUILD"
 cmake -S "$LLAMA" -B "$BUILD" \
   -DCMAKE_BUILD_TYPE=Release \
   -DGGML_NATIVE=ON \
+  -DCMAKE_C_FLAGS="$EXTRA_FLAGS" -DCMAKE_CXX_FLAGS="$EXTRA_FLAGS" \
   -DBUILD_SHARED_LIBS=OFF \
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
   -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
@@ -82,7 +117,7 @@ cmake -S "$LLAMA" -B "$BUILD" \
   -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON >&2 \
   || die "configure: cmake failed for $LLAMA (see the output above)"
 
-# 4. Build only the two targets.
+# 5. Build only the two targets.
 say "build: llama-server llama-quantize with -j$JOBS (several minutes on 2 cores)"
 cmake --build "$BUILD" --config Release --target llama-server llama-quantize -j "$JOBS" >&2 \
   || die "build: cmake --build failed (see the output above)"
@@ -93,6 +128,8 @@ for target in llama-server llama-quantize; do
   [[ -n "$found" ]] || die "install: $target was not produced under $BUILD"
   cp "$found" "$BIN/$target"
 done
-"$BIN/llama-server" --version >"$ROOT/LLAMA_SERVER_VERSION" 2>&1 || true
+"$BIN/llama-server" --version >"$ROOT/LLAMA_SERVER_VERSION" 2>&1 \
+  || die "check: the built llama-server does not start ($BIN/llama-server --version)"
+touch "$ROOT/BUILD_OK"
 say "done: $(tr '\n' ' ' <"$ROOT/LLAMA_SERVER_VERSION")"
 echo "$BIN/llama-server"
