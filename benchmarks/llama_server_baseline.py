@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     levels = [int(c) for c in args.levels.split(",")]
 
+    load_before = os.getloadavg()
     server_bin = sh("build_llama_server.sh")
     model = sh("smollm2_q8_0.sh")
     root = Path(server_bin).parent.parent
@@ -137,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                 proc.kill()
 
     meta = {
+        "loadavg_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": cpu_info(),
         "threads": args.threads,
@@ -181,7 +183,8 @@ def markdown(meta: dict[str, Any], results: list[LoadSummary]) -> str:
         f"- Measured: {meta['date']}; one pass per level, on a shared machine: read ratios measured in one run, "
         "not these absolute figures.",
         f"- CPU: {cpu['model']}, {cpu['cores']} cores visible; features: {' '.join(cpu['features'])}",
-        f"- Threads: {meta['threads']} (`-t`)",
+        f"- Threads: {meta['threads']} (`-t`); 1-minute load average before/after the run: "
+        f"{meta['loadavg_1m_before_after'][0]} / {meta['loadavg_1m_before_after'][1]} (other work shares the cores)",
         f"- llama.cpp: {meta['llama_server_version'].splitlines()[0] if meta['llama_server_version'] else '?'}"
         f" — commit {meta['llama_cpp_commit']}, vendored in llama-cpp-python {meta['llama_cpp_python_sdist']} "
         "(benchmarks/build_llama_server.sh: Release, GGML_NATIVE=ON, no CURL/OpenSSL, static)",
