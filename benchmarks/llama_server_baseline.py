@@ -99,25 +99,25 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://127.0.0.1:{port}"
     cmd = [server_bin, "-m", model, "--host", "127.0.0.1", "--port", str(port), "--parallel", str(args.parallel),
            "-c", str(args.ctx_per_slot * args.parallel), "-t", str(args.threads), "--alias", "smollm2-q8_0"]
-    log_path = Path(args.out + ".server.log")
+    log_path = root / "llama-server-baseline.log"  # the server's own log, kept out of the repository
     results: list[LoadSummary] = []
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        client = httpx.Client(base_url=url, trust_env=False, timeout=30)
         try:
             wait_ready(url, proc)
-            with httpx.Client(base_url=url, trust_env=False, timeout=30) as client:
 
-                def tokens(text: str) -> int:
-                    r = client.post("/tokenize", json={"content": text})
-                    r.raise_for_status()
-                    return len(r.json()["tokens"])
-
-                # The chat template's tokens, measured once: usage.prompt_tokens minus the bare text's tokens.
-                probe = "count these words"
-                r = client.post("/v1/chat/completions", json={
-                    "model": "smollm2-q8_0", "max_tokens": 1, "messages": [{"role": "user", "content": probe}]})
+            def tokens(text: str) -> int:
+                r = client.post("/tokenize", json={"content": text})
                 r.raise_for_status()
-                overhead = r.json()["usage"]["prompt_tokens"] - tokens(probe)
+                return len(r.json()["tokens"])
+
+            # The chat template's tokens, measured once: usage.prompt_tokens minus the bare text's tokens.
+            probe = "count these words"
+            r = client.post("/v1/chat/completions", json={
+                "model": "smollm2-q8_0", "max_tokens": 1, "messages": [{"role": "user", "content": probe}]})
+            r.raise_for_status()
+            overhead = r.json()["usage"]["prompt_tokens"] - tokens(probe)
 
             counts = [max(args.min_requests, 2 * c) for c in levels]
             prompts = build_prompts(1 + sum(counts), args.prompt_tokens, lambda t: tokens(t) + overhead, seed=14)
@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(format_summary(s), file=sys.stderr)
                 results.append(s)
         finally:
+            client.close()
             proc.terminate()
             try:
                 proc.wait(timeout=20)
@@ -146,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         "llama_cpp_python_sdist": root.name,
         "llama_cpp_commit": (root / "LLAMA_CPP_COMMIT").read_text().strip() if (root / "LLAMA_CPP_COMMIT").exists()
         else None,
+        "build_flags": (root / "BUILD_FLAGS").read_text().strip() if (root / "BUILD_FLAGS").exists() else None,
         "model": model,
         "model_source": Path(model + ".source").read_text().strip(),
         "server_command": " ".join(["llama-server", "-m", Path(model).name, *cmd[3:]]),
@@ -185,9 +187,11 @@ def markdown(meta: dict[str, Any], results: list[LoadSummary]) -> str:
         f"- CPU: {cpu['model']}, {cpu['cores']} cores visible; features: {' '.join(cpu['features'])}",
         f"- Threads: {meta['threads']} (`-t`); 1-minute load average before/after the run: "
         f"{meta['loadavg_1m_before_after'][0]} / {meta['loadavg_1m_before_after'][1]} (other work shares the cores)",
-        f"- llama.cpp: {meta['llama_server_version'].splitlines()[0] if meta['llama_server_version'] else '?'}"
+        f"- llama.cpp: {meta['llama_server_version'].splitlines()[0].removeprefix('version: ')}"
         f" — commit {meta['llama_cpp_commit']}, vendored in llama-cpp-python {meta['llama_cpp_python_sdist']} "
-        "(benchmarks/build_llama_server.sh: Release, GGML_NATIVE=ON, no CURL/OpenSSL, static)",
+        f"(benchmarks/build_llama_server.sh: Release, `{meta['build_flags']}`, no CURL/OpenSSL, static"
+        + ("; AMX is listed by cpuid but faults here, so ggml runs its AVX-512 kernels)" if "no-amx" in
+           (meta["build_flags"] or "") else ")"),
         f"- Model: {Path(meta['model']).name}, made by {meta['model_source']}",
         f"- Server: `{meta['server_command']}`",
         f"- Prompts: {meta['prompt_tokens_target']} tokens each as the server counts them "
