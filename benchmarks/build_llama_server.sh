@@ -47,7 +47,8 @@ SDIST_DIR="$ROOT/sdist"
 SRC="$ROOT/src"
 BUILD="$ROOT/build"
 
-# 1. Download the source distribution (no wheel: the wheel carries a prebuilt libllama, no server).
+# 1. Download the source distribution (--no-binary: we want its vendored llama.cpp tree, not a built binding;
+#    pip prepares the sdist's metadata in an isolated build env, so this step takes a minute or two).
 if ! compgen -G "$SDIST_DIR/llama_cpp_python-$VERSION.tar.gz" >/dev/null; then
   say "download: llama-cpp-python==$VERSION source distribution"
   mkdir -p "$SDIST_DIR"
