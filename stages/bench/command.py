@@ -36,13 +36,19 @@ def register(subparsers: Any) -> None:
     bench.add_argument("--gen-tokens", type=_positive, default=128, help="tokens generated per row (EOS ignored)")
     bench.add_argument("--batch", type=_int_list, default=[1, 4, 16], help="batch sizes, e.g. 1,4,16")
     bench.add_argument("--runs", type=_positive, default=3, help="measured runs per batch size (after a warm-up)")
-    bench.add_argument("--vs", choices=["transformers"], help="also run transformers fp32, alternating")
+    bench.add_argument(
+        "--vs", choices=["transformers", "llama-server"], help="the reference, alternating (llama-server: --serve)"
+    )
     bench.add_argument("--format", choices=["md", "json", "csv"], default="md")
     bench.add_argument("--set", action="append", default=[], metavar="ID.PARAM=VALUE", help="override a parameter")
     bench.add_argument("--dtype", type=_str_list, help="a grid over the convert stage's dtype, e.g. fp32,int8")
     bench.add_argument("--no-cold", action="store_true", help="skip the cold (page-cache dropped) load")
     bench.add_argument("--out", metavar="PREFIX", help="also write PREFIX.json and PREFIX.md")
     bench.add_argument("--mix", type=_positive, metavar="N", help="N requests of mixed lengths: static vs scheduler")
+    bench.add_argument("--serve", action="store_true", help="`llmplan serve` under concurrent streaming clients")
+    bench.add_argument("--clients", type=_int_list, default=[1, 4, 16], help="--serve: concurrent clients per level")
+    bench.add_argument("--time-limit", type=float, default=600.0, help="--serve: seconds per level at most")
+    bench.add_argument("--threads", type=_positive, default=2, help="--serve: llama-server's threads (-t)")
     bench.add_argument("--slots", type=_positive, default=16, help="--mix: batch size and scheduler slots")
     bench.add_argument("--max-step-tokens", type=_positive, default=512, help="--mix: scheduler tokens per step")
     bench.add_argument("--mix-prompts", type=_range, default=(16, 512), metavar="LO-HI", help="--mix: prompt lengths")
@@ -92,6 +98,10 @@ def _say(text: str) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     if not Path(args.plan).is_file():
         raise CliError(f"{args.plan}: no such plan file")
+    if args.serve:
+        return _bench_serve(args)
+    if args.vs == "llama-server":
+        raise CliError("--vs llama-server compares servers: add --serve")
     if args.mix:
         return _bench_mix(args)
     result: dict[str, Any] = {
@@ -124,6 +134,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
         prefix.with_suffix(".md").write_text(to_markdown(result), encoding="utf-8")
         _say(f"wrote {prefix.with_suffix('.json')} and {prefix.with_suffix('.md')}")
     return 0
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    """The resident server under concurrent clients, beside llama-server when asked (see serve_bench.py)."""
+    import json
+
+    from .serve_bench import bench_serve, serve_markdown
+    from .traffic import cpu_features
+
+    if args.vs == "transformers":
+        raise CliError("--serve compares servers: --vs llama-server")
+    info = machine() | {"cpu_features": cpu_features()}
+    result: dict[str, Any] = {"plan": args.plan, "machine": info}
+    result |= bench_serve(args, _say)
+    info["loadavg_end"] = machine()["loadavg"]
+    text = serve_markdown(result, info)
+    sys.stdout.write(json.dumps(result, indent=2) + "\n" if args.format == "json" else text)
+    if args.out:
+        prefix = Path(args.out)
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        prefix.with_suffix(".json").write_text(json.dumps(result, indent=2), encoding="utf-8")
+        prefix.with_suffix(".md").write_text(text, encoding="utf-8")
+        _say(f"wrote {prefix.with_suffix('.json')} and {prefix.with_suffix('.md')}")
+    lost = sum(f["lost"] for side in result["sides"].values() for f in side.values())
+    return 0 if lost == 0 else 1
 
 
 def _bench_mix(args: argparse.Namespace) -> int:

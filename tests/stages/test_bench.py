@@ -99,3 +99,26 @@ def test_mix_compares_static_batches_with_the_scheduler(
 def test_mix_refuses_a_step_budget_below_the_slots(plan: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", str(plan), "--mix", "4", "--slots", "8", "--max-step-tokens", "8"]) != 0
     assert "--max-step-tokens (8) must exceed --slots (8)" in capsys.readouterr().err
+
+
+def test_serve_runs_the_load_generator_against_llmplan_serve(
+    plan: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out = _bench(
+        capsys,
+        str(plan),
+        *("--serve", "--clients", "1,2", "--prompt-tokens", "12", "--gen-tokens", "5", "--format", "json"),
+        *("--out", str(tmp_path / "serve")),
+    )
+    result = json.loads(out)
+    ours = result["sides"]["llmplan"]
+    assert set(ours) == {"1", "2"} and result["ratios"] is None  # no reference asked for
+    for clients, level in ours.items():
+        assert level["requests"] == 4 and level["ok"] == 4 and level["lost"] == 0 and level["all_answered"]
+        assert level["output_tok_per_s"] > 0 and 0 < level["ttft_p50_s"] <= level["ttft_p99_s"], clients
+    assert "| llmplan | 2 |" in (tmp_path / "serve.md").read_text()
+
+
+def test_llama_server_needs_serve(plan: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", str(plan), "--vs", "llama-server"]) == 1
+    assert "add --serve" in capsys.readouterr().err
