@@ -181,6 +181,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
         except PlanError as bad:
             findings += bad.findings
             continue
+        except RecursionError:  # one pathological file must not hide the findings of the others
+            findings.append(Finding(path, 1, 1, "", "nesting too deep to check; refused"))
+            continue
         if args.deep:
             problems, estimate = deep_check(bound)
             findings += problems

@@ -62,7 +62,7 @@ class RequestLine(Overrides):
 
 
 class TokenizeParams(Params):
-    messages: list[Message] | None = Field(None, description="a chat: [{role, content}, ...]")
+    messages: list[Message] | None = Field(None, min_length=1, description="a chat: [{role, content}, ...]")
     system: str | None = Field(None, description="a system prompt put before `messages`")
     text: str | None = Field(None, description="a raw prompt (no chat template)")
     prompts_file: str | None = Field(None, description="JSONL: one request per line")
