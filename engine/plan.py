@@ -39,12 +39,13 @@ class _Numbers(_Strict):
         return strict_numbers(cls, value, info)
 
 
-# A negative index would wrap around (head -1 = the last head): refused, not reinterpreted.
+# A negative head would wrap around (head -1 silently became head 8): refused, not reinterpreted.
+# Layers keep their documented Python-style negative index (-1 = the last layer).
 Index = Annotated[int, Field(ge=0)]
 
 
 class AttentionCapture(_Numbers):
-    layers: list[Index] = Field(default_factory=lambda: [0], max_length=64)
+    layers: list[int] = Field(default_factory=lambda: [0], max_length=64)
     heads: list[Index] = Field(default_factory=lambda: [0], max_length=64)
     max_tokens: int = Field(64, ge=1, le=512)
 
