@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.messages import describe
-from llmplan.engine.stage import Params, Phase, Stage
+from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
 from llmplan.llm.tokenizer import TokenizerError
 
 from .slots import InferenceContext
@@ -152,6 +152,11 @@ class Tokenize(Stage):
         ctx.requests = requests
         ctx.metrics.set("requests", len(requests))
         ctx.metrics.set("prompt_tokens", [len(r.prompt_ids) for r in requests])
+
+    def check(self, params: Any, deep: DeepCheck) -> None:
+        """`validate --deep`: the prompts file `run` would read must be there (the same test as run's)."""
+        if params.prompts_file is not None and not Path(params.prompts_file).is_file():
+            deep.problem(f"{params.prompts_file}: prompts file not found", "prompts_file")
 
     def _request(self, request_id: str, line: RequestLine, params: Any, tok: Any, limit: int, ctx: Any) -> Request:
         overrides = line.model_dump(exclude={"id", "messages", "text"}, exclude_none=True)
