@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -69,11 +71,16 @@ def make_run_dir(root: str | Path, plan_name: str) -> Path:
             candidate = base.with_name(f"{base.name}-{n}")
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """A temp file (`.NAME.tmp`, the documented leftover of a killed process) renamed into place."""
+    temp = path.with_name(f".{path.name}.tmp")
+    temp.write_text(text, encoding="utf-8")
+    os.replace(temp, path)
+
+
 def write_json(path: Path, data: Any) -> None:
     """Atomic: a temp file renamed into place, so a crash never leaves half a JSON file."""
-    temp = path.with_name(f".{path.name}.tmp")
-    temp.write_text(json.dumps(data, indent=2, default=str, ensure_ascii=False), encoding="utf-8")
-    os.replace(temp, path)
+    write_text_atomic(path, json.dumps(data, indent=2, default=str, ensure_ascii=False))
 
 
 class Runner:
@@ -105,7 +112,7 @@ class Runner:
         ctx = self.ctx
         ctx.plan = self.bound
         ctx.run_dir = self.run_dir
-        (self.run_dir / "plan.resolved.yaml").write_text(self.bound.resolved_yaml(), encoding="utf-8")
+        write_text_atomic(self.run_dir / "plan.resolved.yaml", self.bound.resolved_yaml())
         events = (self.run_dir / "events.jsonl").open("a", encoding="utf-8")
         log = structlog.wrap_logger(
             structlog.WriteLogger(events),
@@ -120,6 +127,7 @@ class Runner:
         started = time.perf_counter()
         status, code, message = "ok", 0, "ok"
         ran: set[str] = set()
+        previous: Any = None
         try:
             for stage_id in self.order:
                 bound = self.graph.nodes[stage_id]["stage"]
@@ -134,6 +142,9 @@ class Runner:
         except KeyboardInterrupt:
             status, code, message = "interrupted", 130, "interrupted (Ctrl-C); ran the cleanup stages"
             log.warning("run_interrupted")
+            # The cleanup stages and the run's records must finish: a second Ctrl-C is not another
+            # interrupt to handle half-way through them (restored when the run returns).
+            previous = _ignore_sigint()
         except StageFailure as failure:
             status, code, message = "failed", 1, str(failure)
         except Exception as bug:  # a stage's bug: one line for the user, the traceback in the run dir
@@ -143,8 +154,11 @@ class Runner:
             if self.debug:
                 traceback.print_exc()
         finally:
-            cleanup_error = self._run_always(sampler, log)
-            if cleanup_error and status == "ok":
+            cleanup_error, cleanup_interrupted = self._run_always(sampler, log)
+            if cleanup_interrupted and status != "interrupted":
+                status, code, message = "interrupted", 130, "interrupted (Ctrl-C) during the cleanup stages"
+                previous = _ignore_sigint()
+            elif cleanup_error and status == "ok":
                 status, code, message = "failed", 1, cleanup_error
             sampler.stop()
             failed = next((r for r in self.records.values() if r.status == "failed"), None)
@@ -166,6 +180,8 @@ class Runner:
                 {"plan": self.bound.plan.name, "status": status, "message": message, "wall_s": total},
             )
             events.close()
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
         return RunResult(self.run_dir, status, code, message, list(self.records.values()), ctx)
 
     # --- one stage -------------------------------------------------------------------------------
@@ -208,8 +224,10 @@ class Runner:
                 )
             self.report(record)
 
-    def _run_always(self, sampler: MemorySampler, log: Any) -> str | None:
+    def _run_always(self, sampler: MemorySampler, log: Any) -> tuple[str | None, bool]:
+        """Run the `always` stages; (the first cleanup error, whether Ctrl-C hit one of them)."""
         error = None
+        interrupted = False
         for stage_id in self.order:
             bound = self.graph.nodes[stage_id]["stage"]
             if not bound.cls.always:
@@ -219,9 +237,11 @@ class Runner:
                 continue
             try:
                 self._run_stage(stage_id, sampler, log)
+            except KeyboardInterrupt:  # an interrupt, not a failure of the stage: said as such
+                interrupted = True
             except BaseException as bad:  # cleanup must not hide the original failure
                 error = error or f"stage {stage_id!r}: {type(bad).__name__}: {bad}"
-        return error
+        return error, interrupted
 
     def _needed(self, stage_id: str, ran: set[str]) -> bool:
         """Whether some remaining stage still needs this one's output (or it is a sink)."""
@@ -233,6 +253,13 @@ class Runner:
         self.records[stage_id] = record
         if status == "skipped":
             self.report(record)
+
+
+def _ignore_sigint() -> Any:
+    """Ignore SIGINT (main thread only); returns the handler to restore, or None."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _needed(graph: nx.DiGraph, node: str, ctx: Context, active: set[str], ran: set[str], memo: dict[str, bool]) -> bool:
