@@ -103,6 +103,11 @@ def _replace_with_loop(path: Path) -> None:
     loop.symlink_to(path.name)
 
 
+def _replace_with_dev_zero(path: Path) -> None:
+    path.unlink()
+    path.symlink_to("/dev/zero")
+
+
 def _replace_with_fifo(path: Path) -> None:
     path.unlink()
     os.mkfifo(path)
@@ -195,6 +200,7 @@ SHARD_ACTS: list[tuple[str, Callable[[Path], None], tuple[str, ...]]] = [
     ("directory", _replace_with_dir, ("required", "off")),
     ("symlink-loop", _replace_with_loop, ("required", "off")),
     ("fifo", _replace_with_fifo, ("required", "off")),
+    ("dev-zero", _replace_with_dev_zero, ("required", "off")),
 ]
 
 CASES: list[Case] = []

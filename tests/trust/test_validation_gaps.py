@@ -111,3 +111,12 @@ def test_fifo_open_does_not_block(tmp_path: Path) -> None:
     worker.join(10)
     assert not worker.is_alive(), "opening a FIFO blocked"
     assert result and isinstance(result[0], NotRegularFileError)
+
+
+def test_out_pointing_at_a_file_is_one_line(tmp_path: Path, capsys) -> None:
+    target = tmp_path / "taken"
+    target.write_text("keep me", encoding="utf-8")
+    code = main(["run", str(PLAN), "--out", str(target), "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and err == [f"--out {target}: exists and is not a directory"]
+    assert target.read_text(encoding="utf-8") == "keep me"
