@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -26,13 +27,16 @@ COMMAND_GROUP = "llmplan.commands"
 REPORTER_GROUP = "llmplan.reporters"
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, on_ready: Callable[[], None] | None = None) -> int:
+    """`on_ready` is called once the command is parsed, before it runs (engine/entry.py: Ctrl-C)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):
         parser.print_help(sys.stderr)
         return 2
     try:
+        if on_ready is not None:
+            on_ready()
         return int(args.handler(args) or 0)
     except BrokenPipeError:
         _silence_stdout()
@@ -146,7 +150,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.until is not None and args.until not in {b.id for b in bound.stages}:
         raise CliError(f"--until: no stage with id {args.until!r} in {args.plan}")
     run_dir = Path(args.out) if args.out else make_run_dir(bound.plan.runs_dir, bound.plan.name)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise CliError(f"--out {run_dir}: exists and is not a directory") from None
+    except OSError as bad:
+        raise CliError(f"--out {run_dir}: cannot create the run directory ({bad.strerror or bad})") from None
+    if not run_dir.is_dir():
+        raise CliError(f"--out {run_dir}: exists and is not a directory")
     ctx = new_context(registry, bound, json_mode=args.json)
     ctx.progress = RichProgress(enabled=not args.quiet)
     if not args.json:
@@ -163,6 +174,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         stderr.print(f"report: {page}" if page else "[yellow]report: no reporter plugin is installed[/yellow]")
     if result.exit_code == EXIT_BROKEN_PIPE:  # a reader that stopped reading wants no message
         _silence_stdout()
+    elif result.status == "interrupted":
+        _err("interrupted")  # the same one line as every other phase (engine/entry.py)
     elif result.exit_code:
         _err(f"error: {result.message}")
     return result.exit_code
@@ -204,6 +217,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
             bound = load_plan(path, registry, args.set)
         except PlanError as bad:
             findings += bad.findings
+            continue
+        except RecursionError:  # one pathological file must not hide the findings of the others
+            findings.append(Finding(path, 1, 1, "", "nesting too deep to check; refused"))
             continue
         if args.deep:
             problems, estimate = deep_check(bound)
@@ -353,4 +369,6 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from llmplan.engine.entry import main as entry_main  # the console script's path: same Ctrl-C handling
+
+    sys.exit(entry_main(sys.argv[1:]))

@@ -66,6 +66,8 @@ def describe(error: dict[str, Any], allowed_keys: Iterable[str] = ()) -> str:
         return f"must have at least {ctx.get('min_length')} item(s){got}"
     if kind in ("string_too_long", "too_long"):
         return f"must have at most {ctx.get('max_length')} item(s)"
+    if kind == "strict_number":  # engine/strict.py: the message already shows the value
+        return str(error.get("msg", kind))
     if kind == "value_error":
         message = str(ctx.get("error") or error.get("msg", ""))
         return message.removeprefix("Value error, ")

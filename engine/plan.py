@@ -9,16 +9,17 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from .findings import Finding, PlanError, format_path
 from .findings import Path as FieldPath
 from .messages import describe, suggest
 from .registry import Registry
 from .stage import Stage
+from .strict import strict_numbers
 from .yaml_source import Source, load_file, load_text
 
 ID_PATTERN = r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$"
@@ -29,13 +30,27 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
-class AttentionCapture(_Strict):
+class _Numbers(_Strict):
+    """Numeric fields take numbers only (no `true` -> 1); not on StageSpec, whose `uses` is a discriminator."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _strict_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        return strict_numbers(cls, value, info)
+
+
+# A negative head would wrap around (head -1 silently became head 8): refused, not reinterpreted.
+# Layers keep their documented Python-style negative index (-1 = the last layer).
+Index = Annotated[int, Field(ge=0)]
+
+
+class AttentionCapture(_Numbers):
     layers: list[int] = Field(default_factory=lambda: [0], max_length=64)
-    heads: list[int] = Field(default_factory=lambda: [0], max_length=64)
+    heads: list[Index] = Field(default_factory=lambda: [0], max_length=64)
     max_tokens: int = Field(64, ge=1, le=512)
 
 
-class Observe(_Strict):
+class Observe(_Numbers):
     """What to record beyond the always-on stage timings and memory."""
 
     memory_interval_ms: int = Field(50, ge=0, le=10_000, description="RSS/device memory sampling; 0 = off")
@@ -51,7 +66,7 @@ class StageSpec(_Strict):
     description: str = ""
 
 
-class Plan(_Strict):
+class Plan(_Numbers):
     version: Literal[1] = 1
     name: str = Field(pattern=ID_PATTERN)
     description: str = ""

@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -73,10 +75,10 @@ def make_run_dir(root: str | Path, plan_name: str) -> Path:
             candidate = base.with_name(f"{base.name}-{n}")
 
 
-def write_json(path: Path, data: Any, *, indent: int | None = 2) -> Path:
-    """Atomic: a temp file renamed into place, so a crash never leaves half a JSON file. The temp name is
-    unique, so concurrent writers of one file (a server's requests) never rename each other's temp away."""
-    text = json.dumps(data, indent=indent, default=str, ensure_ascii=False)
+def write_text_atomic(path: Path, text: str) -> Path:
+    """A temp file in the same folder renamed into place, so a crash never leaves half a file. The temp name
+    (`.NAME.<random>.tmp`, the documented leftover of a killed process) is unique, so concurrent writers of
+    one file (a server's requests) never rename each other's temp away."""
     fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
@@ -87,6 +89,11 @@ def write_json(path: Path, data: Any, *, indent: int | None = 2) -> Path:
             os.unlink(temp)
         raise
     return path
+
+
+def write_json(path: Path, data: Any, *, indent: int | None = 2) -> Path:
+    """Atomic (see write_text_atomic)."""
+    return write_text_atomic(path, json.dumps(data, indent=indent, default=str, ensure_ascii=False))
 
 
 def event_logger(events: Any, plan_name: str) -> Any:
@@ -137,7 +144,7 @@ class Runner:
         ctx = self.ctx
         ctx.plan = self.bound
         ctx.run_dir = self.run_dir
-        (self.run_dir / "plan.resolved.yaml").write_text(self.bound.resolved_yaml(), encoding="utf-8")
+        write_text_atomic(self.run_dir / "plan.resolved.yaml", self.bound.resolved_yaml())
         events = (self.run_dir / "events.jsonl").open("a", encoding="utf-8")
         log = event_logger(events, self.bound.plan.name)
         ctx.log = log
@@ -145,6 +152,7 @@ class Runner:
         started = time.perf_counter()
         status, code, message = "ok", 0, "ok"
         ran: set[str] = set()
+        previous: Any = None
         try:
             self._prepare()
             for stage_id in self.order:
@@ -160,6 +168,9 @@ class Runner:
         except KeyboardInterrupt:
             status, code, message = "interrupted", 130, "interrupted (Ctrl-C); ran the cleanup stages"
             log.warning("run_interrupted")
+            # The cleanup stages and the run's records must finish: a second Ctrl-C is not another
+            # interrupt to handle half-way through them (restored when the run returns).
+            previous = _ignore_sigint()
         except StageFailure as failure:
             status, code, message = "failed", 1, str(failure)
         except BrokenPipeError:  # `llmplan run … | head -1`: the reader left; not a bug, nothing to say
@@ -172,8 +183,15 @@ class Runner:
             if self.debug:
                 traceback.print_exc()
         finally:
-            cleanup_error = self._run_always(sampler, log) if self.cleanup or status != "ok" else None
-            if cleanup_error and status == "ok":
+            # A resident plan (cleanup False) keeps what it loaded unless the load failed.
+            if self.cleanup or status != "ok":
+                cleanup_error, cleanup_interrupted = self._run_always(sampler, log)
+            else:
+                cleanup_error, cleanup_interrupted = None, False
+            if cleanup_interrupted and status != "interrupted":
+                status, code, message = "interrupted", 130, "interrupted (Ctrl-C) during the cleanup stages"
+                previous = _ignore_sigint()
+            elif cleanup_error and status == "ok":
                 status, code, message = "failed", 1, cleanup_error
             if status == "ok" and ctx.request_errors:
                 # Everything ran, but some answers are errors: not a success a script may trust.
@@ -212,6 +230,8 @@ class Runner:
                 },
             )
             events.close()
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
         return RunResult(self.run_dir, status, code, message, list(self.records.values()), ctx)
 
     def _prepare(self) -> None:
@@ -264,8 +284,10 @@ class Runner:
                 )
             self.report(record)
 
-    def _run_always(self, sampler: MemorySampler, log: Any) -> str | None:
+    def _run_always(self, sampler: MemorySampler, log: Any) -> tuple[str | None, bool]:
+        """Run the `always` stages; (the first cleanup error, whether Ctrl-C hit one of them)."""
         error = None
+        interrupted = False
         for stage_id in self.order:
             bound = self.graph.nodes[stage_id]["stage"]
             if not bound.cls.always:
@@ -275,9 +297,11 @@ class Runner:
                 continue
             try:
                 self._run_stage(stage_id, sampler, log)
+            except KeyboardInterrupt:  # an interrupt, not a failure of the stage: said as such
+                interrupted = True
             except BaseException as bad:  # cleanup must not hide the original failure
                 error = error or f"stage {stage_id!r}: {type(bad).__name__}: {bad}"
-        return error
+        return error, interrupted
 
     def _needed(self, stage_id: str, ran: set[str]) -> bool:
         """Whether some remaining stage still needs this one's output (or it is a sink)."""
@@ -289,6 +313,13 @@ class Runner:
         self.records[stage_id] = record
         if status == "skipped":
             self.report(record)
+
+
+def _ignore_sigint() -> Any:
+    """Ignore SIGINT (main thread only); returns the handler to restore, or None."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _needed(graph: nx.DiGraph, node: str, ctx: Context, active: set[str], ran: set[str], memo: dict[str, bool]) -> bool:

@@ -23,7 +23,9 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+
+from .strict import strict_numbers
 
 if TYPE_CHECKING:
     from .context import Context
@@ -41,6 +43,11 @@ class Params(BaseModel):
     """Base of every stage's parameters: unknown keys are errors, not silent defaults."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _strict_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        return strict_numbers(cls, value, info)
 
 
 class NoParams(Params):

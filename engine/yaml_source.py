@@ -9,6 +9,8 @@ PyYAML's composer gives nodes with marks; we build plain Python values from them
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,17 +60,67 @@ class Source:
         return Finding(self.file, line, column, format_path(path) if field_text is None else field_text, message)
 
 
+def read_limited(path: str | Path, limit: int, what: str = "file") -> bytes:
+    """At most `limit` bytes of a regular file; anything else is refused with a one-line reason.
+
+    The limit counts bytes actually read (limit + 1 are asked for), never `st_size`: a FIFO, a device
+    such as /dev/zero, or a file growing while read reports a size that means nothing. The file is
+    opened non-blocking so that opening a FIFO with no writer cannot hang, and `fstat` on the open
+    descriptor (not the name) decides whether it is a regular file.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags)
+    try:
+        info = os.fstat(fd)
+        mode = info.st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(f"{path}: is a directory, not a {what}")
+        if not stat.S_ISREG(mode):
+            raise NotRegularFileError(f"{path}: not a regular file (a FIFO, socket or device); refused")
+        chunks: list[bytes] = []
+        total = 0
+        while total <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > limit:
+        raise TooLargeError(path, max(info.st_size, len(data)), limit)
+    return data
+
+
+class NotRegularFileError(OSError):
+    """A path that is not a regular file where one is required (FIFO, device, socket)."""
+
+
+class TooLargeError(OSError):
+    """A file with more bytes than its reading limit (`size`: at least this many bytes)."""
+
+    def __init__(self, path: str | Path, size: int, limit: int) -> None:
+        super().__init__(f"{path}: {size} bytes; the limit is {limit}")
+        self.size, self.limit = size, limit
+
+
 def load_file(path: str | Path) -> Source:
     path = Path(path)
     name = str(path)
     try:
-        size = path.stat().st_size
+        raw = read_limited(path, MAX_FILE_BYTES, "plan file")
     except FileNotFoundError:
         raise PlanError([Finding(name, 1, 1, "", "file not found")]) from None
-    if size > MAX_FILE_BYTES:
-        raise PlanError([Finding(name, 1, 1, "", f"plan file is {size} bytes; the limit is {MAX_FILE_BYTES}")])
+    except TooLargeError as big:
+        message = f"plan file is {big.size} bytes; the limit is {big.limit}"
+        raise PlanError([Finding(name, 1, 1, "", message)]) from None
+    except (NotRegularFileError, IsADirectoryError) as bad:
+        raise PlanError([Finding(name, 1, 1, "", str(bad).removeprefix(f"{path}: "))]) from None
+    except OSError as bad:
+        raise PlanError([Finding(name, 1, 1, "", f"cannot read the plan ({bad.strerror or bad})")]) from None
     try:
-        text = path.read_text(encoding="utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as bad:
         raise PlanError([Finding(name, 1, 1, "", f"not UTF-8 text ({bad.reason} at byte {bad.start})")]) from None
     return load_text(text, name)
@@ -84,6 +136,10 @@ def load_text(text: str, file: str = "<string>") -> Source:
         raise PlanError([Finding(file, line, column, "", f"YAML syntax error: {problem}")]) from None
     except yaml.YAMLError as bad:
         raise PlanError([Finding(file, 1, 1, "", f"YAML error: {bad}")]) from None
+    except RecursionError:
+        # PyYAML's composer recurses once per nesting level: thousands of `[[[[` exhaust the stack
+        # before our own MAX_DEPTH check ever sees the nodes.
+        raise PlanError([Finding(file, 1, 1, "", f"nesting deeper than {MAX_DEPTH} levels; refused")]) from None
     if len(nodes) > 1:
         line = nodes[1].start_mark.line + 1
         raise PlanError([Finding(file, line, 1, "", "a plan file holds one YAML document, found several")])

@@ -8,14 +8,18 @@ so a missing last shard fails in milliseconds instead of after hashing the other
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, Literal
 
+from .files import FileProblem, describe_os_error, read_json_limited
 from .hash_cache import HashCache
 from .manifest import MANIFEST_NAME, ManifestError, read_sha256sums, sha256_file
 
@@ -63,6 +67,8 @@ class ShardManifest:
     tensor_to_shard: dict[str, str]
     """Tensor name -> shard name. Empty for a single `pytorch_model.bin` (its names live in the pickle)."""
     index: Path | None = None
+    listed: list[ShardInfo] = field(default_factory=list)
+    """Every other file SHA256SUMS lists (config, tokenizer, index…): verified like the shards."""
 
     @property
     def total_bytes(self) -> int:
@@ -94,10 +100,31 @@ class SafetensorsHeader:
     expected_size: int
 
 
+def open_regular(path: Path) -> int:
+    """A read-only descriptor of a regular file, or IntegrityError naming the file.
+
+    Opened non-blocking so that a FIFO in the shard's place cannot hang the open, and checked with
+    `fstat` on the descriptor, so what is checked is what is read.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as error:
+        raise IntegrityError(describe_os_error(path, error)) from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a FIFO, socket or device)"
+        raise IntegrityError(f"{path}: {kind} where a file belongs; refused")
+    os.set_blocking(fd, True)
+    return fd
+
+
 def read_safetensors_header(path: Path) -> SafetensorsHeader:
     """Parse and sanity-check a safetensors header without touching tensor data."""
-    actual = path.stat().st_size
-    with open(path, "rb") as handle:
+    fd = open_regular(path)
+    actual = os.fstat(fd).st_size
+    with open(fd, "rb") as handle:
         prefix = handle.read(8)
         if len(prefix) < 8:
             raise IntegrityError(f"{path}: truncated: {actual} bytes, expected at least 8")
@@ -161,7 +188,10 @@ def build_manifest(model_dir: str | Path, plan_hashes: dict[str, str] | None = N
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise IntegrityError(f"{model_dir}: not a directory")
-    root = model_dir.resolve()
+    try:
+        root = model_dir.resolve()
+    except (RuntimeError, OSError):
+        raise IntegrityError(f"{model_dir}: symlink loop") from None
     blobs = _hf_blobs_dir(root)
 
     fmt, index, names, tensor_to_shard = _find_shards(model_dir, root, blobs)
@@ -184,7 +214,16 @@ def build_manifest(model_dir: str | Path, plan_hashes: dict[str, str] | None = N
                 pass  # left for verify(), which reports it with the right message
         sha, source = _known_hash(path, name, plan, sums, blobs)
         shards.append(ShardInfo(name=name, path=path, size=size, sha256=sha, hash_source=source))
-    return ShardManifest(model_dir=model_dir, format=fmt, shards=shards, tensor_to_shard=tensor_to_shard, index=index)
+    listed = []
+    for name in sorted(set(sums) | set(plan)):
+        if name in names:
+            continue
+        _check_entry(model_dir / MANIFEST_NAME if name in sums else None, None, name, root, blobs)
+        sha, source = _known_hash(model_dir / name, name, plan, sums, None)
+        listed.append(ShardInfo(name=name, path=model_dir / name, size=None, sha256=sha, hash_source=source))
+    return ShardManifest(
+        model_dir=model_dir, format=fmt, shards=shards, tensor_to_shard=tensor_to_shard, index=index, listed=listed
+    )
 
 
 def _find_shards(
@@ -216,9 +255,9 @@ def _find_shards(
 
 def _read_index(index: Path) -> dict[str, str]:
     try:
-        data = json.loads(index.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise IntegrityError(f"{index}: not a valid JSON index ({exc})") from None
+        data = read_json_limited(index)
+    except FileProblem as exc:
+        raise IntegrityError(str(exc)) from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise IntegrityError(f"{index}: no 'weight_map' object")
@@ -238,12 +277,20 @@ def _hf_blobs_dir(root: Path) -> Path | None:
 
 def _check_entry(index: Path | None, tensor: str | None, name: str, root: Path, blobs: Path | None) -> None:
     """Refuse a shard name that would read a file outside the model directory."""
-    where = f"{index}: entry {tensor!r} -> {name!r}" if index else f"{root / name}"
+    if index is None:
+        where = f"{root / name}"
+    elif tensor is None:
+        where = f"{index}: entry {name!r}"
+    else:
+        where = f"{index}: entry {tensor!r} -> {name!r}"
     if not name or PurePosixPath(name).is_absolute() or PureWindowsPath(name).is_absolute() or ":" in name:
         raise IntegrityError(f"{where}: absolute path outside the model directory")
     if ".." in PurePosixPath(name.replace("\\", "/")).parts:
         raise IntegrityError(f"{where}: '..' path escapes the model directory")
-    resolved = (root / name).resolve()
+    try:
+        resolved = (root / name).resolve()
+    except (RuntimeError, OSError):  # Python reports a symlink loop as RuntimeError here
+        raise IntegrityError(f"{where}: symlink loop") from None
     # HF hub caches store snapshot files as symlinks to ../../blobs/<hash> of the same repo cache.
     in_blobs = blobs is not None and resolved.parent == blobs
     if not resolved.is_relative_to(root) and not in_blobs:
@@ -252,7 +299,7 @@ def _check_entry(index: Path | None, tensor: str | None, name: str, root: Path, 
 
 def _read_sums(model_dir: Path) -> dict[str, str]:
     path = model_dir / MANIFEST_NAME
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         return {}
     try:
         return {_normalise_name(name): digest for name, digest in read_sha256sums(path).items()}
@@ -318,8 +365,7 @@ def verify(
     for tensor, name in manifest.tensor_to_shard.items():
         by_shard.setdefault(name, []).append(tensor)
     for shard in manifest.shards:
-        if not shard.path.is_file():
-            raise IntegrityError(f"{shard.path}: missing shard{listed}")
+        _check_present(shard, f"missing shard{listed}")
         if policy == "off":
             continue
         if manifest.format == "safetensors":
@@ -329,8 +375,14 @@ def verify(
                 f"{shard.path}: no known SHA-256 and verify policy is 'required' "
                 f"(add it to {MANIFEST_NAME} or the plan, or use policy 'if_present')"
             )
-    # Hashing last: it is the only slow check, and everything cheap has already passed.
-    for shard in manifest.shards:
+    # Every other file the manifest lists (config.json, tokenizer files, the index) is part of the
+    # checkpoint too: a swapped tokenizer or an edited config changes answers as much as a shard does.
+    if policy != "off":
+        for other in manifest.listed:
+            _check_present(other, f"listed in {MANIFEST_NAME} but missing")
+    # Hashing last: it is the only slow check, and everything cheap has already passed. Small files first.
+    files = ([*manifest.listed, *manifest.shards]) if policy != "off" else list(manifest.shards)
+    for shard in files:
         report.files_checked += 1
         if policy == "off" or shard.sha256 is None:
             report.unhashed.append(shard.name)
@@ -338,7 +390,7 @@ def verify(
         actual = hash_cache.get(shard.path) if hash_cache is not None else None
         fresh = actual is None
         if actual is None:
-            actual = sha256_file(shard.path, progress)
+            actual = _hash(shard.path, progress if shard in manifest.shards else None)
             report.bytes_hashed += shard.path.stat().st_size
         else:
             report.cached.append(shard.name)
@@ -352,9 +404,32 @@ def verify(
     return report
 
 
+def _check_present(info: ShardInfo, missing: str) -> None:
+    """The file is there and is a regular file (no hang on a FIFO, a clear line for a directory or loop)."""
+    try:
+        mode = info.path.stat().st_mode
+    except OSError as error:
+        if error.errno in (errno.ENOENT, errno.ENOTDIR):
+            raise IntegrityError(f"{info.path}: {missing}") from None
+        raise IntegrityError(describe_os_error(info.path, error)) from None
+    if stat.S_ISDIR(mode):
+        raise IntegrityError(f"{info.path}: a directory where a file belongs; refused")
+    if not stat.S_ISREG(mode):
+        raise IntegrityError(f"{info.path}: not a regular file (a FIFO, socket or device); refused")
+
+
+def _hash(path: Path, progress: ProgressFn | None) -> str:
+    fd = open_regular(path)
+    os.close(fd)
+    try:
+        return sha256_file(path, progress)
+    except OSError as error:
+        raise IntegrityError(describe_os_error(path, error)) from None
+
+
 def _check_safetensors(manifest: ShardManifest, shard: ShardInfo, indexed: list[str]) -> None:
     header = read_safetensors_header(shard.path)
-    actual = shard.path.stat().st_size
+    actual = shard.path.stat().st_size  # a regular file: read_safetensors_header checked it
     if actual < header.expected_size:
         raise IntegrityError(f"{shard.path}: truncated: {actual} bytes, expected {header.expected_size}")
     if actual > header.expected_size:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .files import FileProblem, read_json_limited
 
 SUPPORTED_MODEL_TYPES = ("llama",)
 
@@ -68,55 +69,62 @@ class ModelConfig:
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"model_type: unsupported {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-        try:
-            dim = int(raw["hidden_size"])
-            n_heads = int(raw["num_attention_heads"])
-            n_layers = int(raw["num_hidden_layers"])
-            intermediate = int(raw["intermediate_size"])
-            vocab = int(raw["vocab_size"])
-        except KeyError as missing:
-            raise ConfigError(f"{missing.args[0]}: required field is missing") from None
-        except (TypeError, ValueError) as bad:
-            raise ConfigError(f"a size field is not an integer: {bad}") from None
+        dim = _int(raw, "hidden_size")
+        n_heads = _int(raw, "num_attention_heads")
+        n_layers = _int(raw, "num_hidden_layers")
+        intermediate = _int(raw, "intermediate_size")
+        vocab = _int(raw, "vocab_size")
         if n_heads <= 0:
             raise ConfigError(f"num_attention_heads must be > 0 (got {n_heads})")
-        head_dim = raw.get("head_dim")
+        head_dim = _int(raw, "head_dim", None)
         if head_dim is None:
             if dim % n_heads:
                 raise ConfigError(f"hidden_size ({dim}) must be divisible by num_attention_heads ({n_heads})")
             head_dim = dim // n_heads
         # transformers >= 5 writes `rope_parameters` (theta and scaling together) instead of the two fields.
         rope = raw.get("rope_parameters") or {}
+        if not isinstance(rope, dict):
+            raise ConfigError(f"rope_parameters: expected an object, got {_shown(rope)}")
         eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        if isinstance(eos, list):
+            eos_ids = tuple(_int({"eos_token_id": e}, "eos_token_id") for e in eos)
+        else:
+            eos_ids = () if eos is None else (_int(raw, "eos_token_id"),)
+        theta = _number(raw, "rope_theta", None)
         return cls(
             n_layers=n_layers,
             dim=dim,
             n_heads=n_heads,
-            n_kv_heads=int(raw.get("num_key_value_heads") or n_heads),
-            head_dim=int(head_dim),
+            n_kv_heads=_int(raw, "num_key_value_heads", None) or n_heads,
+            head_dim=head_dim,
             intermediate_size=intermediate,
             vocab_size=vocab,
-            rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_theta=theta if theta is not None else _number(rope, "rope_theta", 10000.0, "rope_parameters."),
             rope_scaling=_rope_scaling(raw.get("rope_scaling") or rope),
-            norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            bos_token_id=raw.get("bos_token_id"),
+            norm_eps=_number(raw, "rms_norm_eps", 1e-5),
+            max_position_embeddings=_int(raw, "max_position_embeddings", 2048),
+            tie_word_embeddings=_bool(raw, "tie_word_embeddings", False),
+            bos_token_id=_int(raw, "bos_token_id", None),
             eos_token_ids=eos_ids,
-            pad_token_id=raw.get("pad_token_id"),
+            pad_token_id=_int(raw, "pad_token_id", None),
             model_type=model_type,
         )
+
+    def parameter_count(self) -> int:
+        """Weights the model holds (embeddings, head unless tied, every layer's projections and norms)."""
+        q_out, kv_out = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        per_layer = self.dim * (q_out + 2 * kv_out) + q_out * self.dim + 3 * self.dim * self.intermediate_size
+        per_layer += 2 * self.dim
+        head = 0 if self.tie_word_embeddings else self.vocab_size * self.dim
+        return self.vocab_size * self.dim + head + self.dim + self.n_layers * per_layer
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
         try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: file not found") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as bad:
-            raise ConfigError(f"{path}: not valid JSON ({bad})") from None
+            raw = read_json_limited(path, 16 << 20)
+        except FileProblem as bad:
+            raise ConfigError(str(bad)) from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a JSON object")
         try:
@@ -125,17 +133,62 @@ class ModelConfig:
             raise ConfigError(f"{path}: {bad}") from None
 
 
-def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:
+_MISSING: Any = object()
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _int(raw: dict[str, Any], key: str, default: Any = _MISSING) -> Any:
+    """An integer field: JSON ints only (no bools, strings or floats), else a message naming the field."""
+    value = raw.get(key, _MISSING)
+    if value is _MISSING or (value is None and default is not _MISSING):
+        if default is _MISSING:
+            raise ConfigError(f"{key}: required field is missing")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key}: expected an integer, got {_shown(value)}")
+    return value
+
+
+def _number(raw: dict[str, Any], key: str, default: Any, prefix: str = "") -> Any:
+    value = raw.get(key)
+    if value is None:
+        if default is _MISSING:
+            raise ConfigError(f"{prefix}{key}: required field is missing")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+        raise ConfigError(f"{prefix}{key}: expected a number, got {_shown(value)}")
+    return float(value)
+
+
+def _bool(raw: dict[str, Any], key: str, default: bool) -> bool:
+    value = raw.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}: expected true or false, got {_shown(value)}")
+    return value
+
+
+def _rope_scaling(raw: Any) -> RopeScaling | None:
     if not raw:
         return None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"rope_scaling: expected an object, got {_shown(raw)}")
     kind = raw.get("rope_type", raw.get("type"))
     if kind in (None, "default"):
         return None
     if kind != "llama3":
         raise ConfigError(f"rope_scaling.rope_type: unsupported {kind!r} (supported: llama3)")
-    return RopeScaling(
-        factor=float(raw["factor"]),
-        low_freq_factor=float(raw["low_freq_factor"]),
-        high_freq_factor=float(raw["high_freq_factor"]),
-        original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
-    )
+    try:
+        return RopeScaling(
+            factor=_number(raw, "factor", _MISSING, "rope_scaling."),
+            low_freq_factor=_number(raw, "low_freq_factor", _MISSING, "rope_scaling."),
+            high_freq_factor=_number(raw, "high_freq_factor", _MISSING, "rope_scaling."),
+            original_max_position_embeddings=_int(raw, "original_max_position_embeddings"),
+        )
+    except ConfigError as bad:
+        raise ConfigError(f"rope_scaling.{bad}".replace("rope_scaling.rope_scaling.", "rope_scaling.")) from None

@@ -1,8 +1,12 @@
 """Remember SHA-256 results by file identity, so an unchanged multi-GB shard is not re-hashed every load.
 
-A file's identity is (size, mtime_ns, inode, device): rewriting, truncating, replacing or touching a
-file changes it, and the hash is then computed again. This is the same trust `git status` and `make`
-place in file metadata; `rehash` in the verify stage ignores the cache.
+A file's identity is (size, mtime_ns, ctime_ns, inode, device). mtime alone proves nothing: any
+program can set it back (`os.utime`, `touch -d`, rsync -t), so a shard rewritten in place with its
+mtime restored looked unchanged. ctime cannot be set from user space: the kernel sets it to "now" on
+every write, truncate, chmod or utime of the inode, so a changed file always gets a new ctime (only
+changing the system clock or writing the raw block device gets around it). Replacing the file changes
+the inode. Any difference and the hash is computed again; `rehash: true` in the verify stage and
+`llmplan validate --deep` ignore the cache altogether and hash every byte.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ CACHE_NAME = ".llmplan-hashes.json"
 
 def identity(path: Path) -> list[int]:
     st = path.stat()
-    return [st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
 
 
 class HashCache:

@@ -32,15 +32,24 @@ def sha256_file(path: str | Path, progress: ProgressFn | None = None) -> str:
 
 def read_sha256sums(path: str | Path) -> dict[str, str]:
     """Relative file name -> lowercase hex digest. Raises ManifestError naming the line."""
+    from .files import FileProblem, read_text_limited
+
     path = Path(path)
     entries: dict[str, str] = {}
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    try:
+        text = read_text_limited(path)
+    except FileProblem as bad:
+        raise ManifestError(str(bad)) from None
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         match = _LINE.match(line)
         if match is None:
             raise ManifestError(f"{path}:{number}: not a 'HASH  FILE' line")
-        entries[match.group(2)] = match.group(1).lower()
+        name = match.group(2)
+        if name in entries and entries[name] != match.group(1).lower():
+            raise ManifestError(f"{path}:{number}: {name!r} is listed twice with different hashes")
+        entries[name] = match.group(1).lower()
     return entries
 
 
@@ -57,4 +66,9 @@ def write_sha256sums(directory: str | Path, names: Iterable[str]) -> Path:
 
 def manifest_fingerprint(path: str | Path) -> str:
     """A short identity of a whole checkpoint: the hash of its manifest's bytes."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+    from .files import FileProblem, read_bytes_limited
+
+    try:
+        return hashlib.sha256(read_bytes_limited(path)).hexdigest()[:16]
+    except FileProblem as bad:
+        raise ManifestError(str(bad)) from None

@@ -47,6 +47,42 @@ def _hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name the model needs with its shape (a copy: callers may keep it)."""
+    return dict(_hf_shapes(cfg))
+
+
+# What a Llama weight may be stored as; anything else (I32, U8, F8…) is not a weight this loader converts.
+FLOAT_STORAGE = frozenset({"F32", "F16", "BF16"})
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def layout_problems(tensors: dict[str, tuple[str, tuple[int, ...]]], cfg: ModelConfig) -> list[str]:
+    """Compare (dtype, shape) per tensor, as a checkpoint declares them, with the layout `cfg` expects.
+
+    Returns one message per problem (the caller adds the file): a weight stored as a non-float dtype,
+    a weight of the wrong shape, or a layer the config does not have (num_hidden_layers too small:
+    the extra layer would be skipped silently and the answers would change).
+    """
+    shapes = _hf_shapes(cfg)
+    problems = []
+    for name, (dtype, shape) in tensors.items():
+        expected = shapes.get(name)
+        if expected is None:
+            layer = _LAYER.match(name)
+            if layer and int(layer.group(1)) >= cfg.n_layers and not _IGNORABLE.match(name):
+                problems.append(
+                    f"tensor {name!r} belongs to layer {layer.group(1)}, but config.json has "
+                    f"num_hidden_layers {cfg.n_layers} (config and weights disagree)"
+                )
+            continue
+        if dtype not in FLOAT_STORAGE:
+            problems.append(f"tensor {name!r}: dtype {dtype}, expected a float weight (F32, F16 or BF16)")
+        elif tuple(shape) != expected:
+            problems.append(f"tensor {name!r}: shape {list(shape)}, expected {list(expected)} from config.json")
+    return problems
+
+
 def expected_hf_names(cfg: ModelConfig) -> set[str]:
     """The HF tensor names a checkpoint for `cfg` must contain (no `lm_head` when embeddings are tied)."""
     return set(_hf_shapes(cfg))

@@ -2,8 +2,16 @@
 
 The key of a request (results_store.cache_key) is the SHA-256 of the model fingerprint, the
 prompt ids, the generation stage's parameters as the plan resolved them (`generate_stage`, dumped
-to JSON; minus `stream`, which only changes how text is shown), the request's own overrides, and
-the plan seed: change any of them and the key changes.
+to JSON; minus `stream`, which only changes how text is shown), the request's own overrides, the
+plan seed, and `key_context`: the resolved parameters of EVERY stage the generation stage depends on
+(walked upstream in the plan graph, so precision, KV cache, conversion, verification… all count,
+including stages a future plugin adds), the content identity of every model file (its SHA-256 from
+SHA256SUMS, else its size/mtime/ctime/inode), the resolved device, the plan's threads and the
+llmplan version. Anything that could change the answer changes the key; at worst a key misses.
+
+A replayed answer says so: a line on stderr naming the database and the run it came from,
+`from_cache: true` in every result (`--json`, files, database), and `replayed_from` in the lookup
+stage's metrics (metrics.json of the run).
 
 `cache.lookup` (mode `reuse`) fills `generations` only when EVERY request is found: the runner
 then skips the generate stage and everything only it needs (weights, model, KV cache). A partial
@@ -18,13 +26,22 @@ Both stages must name the same `db` and `generate_stage`.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import stat
+import sys
 import time
+from pathlib import Path
 from typing import Any, Literal
 
+import networkx as nx
 from pydantic import Field, field_validator
 
 from llmplan.engine.findings import StageFailure
+from llmplan.engine.graph import FILL, build_graph
 from llmplan.engine.stage import Params, Phase, Stage
+from llmplan.llm.manifest import MANIFEST_NAME, ManifestError, read_sha256sums
 
 from .results_store import ResultRow, ResultsStore, RunRow, StoreError, cache_key, open_existing
 from .slots import InferenceContext
@@ -68,9 +85,88 @@ def generation_params(ctx: InferenceContext, stage_id: str) -> tuple[dict[str, A
     return {k: v for k, v in dumped.items() if k not in UNKEYED_PARAMS}, int(ctx.plan.plan.seed)
 
 
-def request_key(ctx: InferenceContext, request: Request, params: dict[str, Any], seed: int) -> str:
+def upstream_params(ctx: InferenceContext, stage_id: str) -> list[dict[str, Any]]:
+    """(uses, resolved params) of every stage `stage_id` depends on, from the plan graph.
+
+    Fill edges (a cache lookup before generation) are not dependencies: the lookup does not decide
+    what is generated. A stage that makes the requests is keyed by what it made (each request's
+    prompt ids and overrides are in the key), not by its params: one new prompt in a batch must not
+    invalidate the others. Stage ids are left out (renaming a stage changes nothing); the list is sorted.
+    """
+    assert ctx.plan is not None
+    graph = build_graph(ctx.plan.stages)
+    graph.remove_edges_from([(a, b) for a, b, data in graph.edges(data=True) if data["kinds"] == {FILL}])
+    entries = []
+    for node in nx.ancestors(graph, stage_id):
+        bound = graph.nodes[node]["stage"]
+        if bound.cls.fills or "requests" in bound.cls.writes:
+            continue
+        entries.append({"uses": bound.spec.uses, "params": bound.params.model_dump(mode="json")})
+    return sorted(entries, key=lambda e: json.dumps(e, sort_keys=True, default=str))
+
+
+# Files a model directory may hold that no stage reads: never part of its identity.
+_NOT_MODEL = {".llmplan-hashes.json"}
+
+
+def model_identity(model_dir: Path) -> dict[str, str]:
+    """File name -> content identity, for every regular file of the model directory.
+
+    A file listed in SHA256SUMS is identified by that SHA-256 (what verify checks it against); any other
+    file by (size, mtime_ns, ctime_ns, inode): no hashing on the lookup path, and any rewrite changes
+    ctime (see llm/hash_cache.py), so a changed unlisted file makes the key miss rather than replay.
+    """
+    sums: dict[str, str] = {}
+    if (model_dir / MANIFEST_NAME).is_file():
+        try:
+            sums = read_sha256sums(model_dir / MANIFEST_NAME)
+        except ManifestError as bad:
+            raise StageFailure(str(bad)) from None
+    identity: dict[str, str] = {}
+    try:
+        entries = sorted(os.scandir(model_dir), key=lambda e: e.name)
+    except OSError as bad:
+        raise StageFailure(f"{model_dir}: cannot list the model directory ({bad.strerror})") from None
+    for entry in entries:
+        if entry.name in _NOT_MODEL or entry.name.startswith("."):
+            continue
+        if entry.name in sums:
+            identity[entry.name] = f"sha256:{sums[entry.name]}"
+            continue
+        try:
+            st = entry.stat()
+        except OSError:
+            identity[entry.name] = "unreadable"
+            continue
+        if stat.S_ISREG(st.st_mode):
+            identity[entry.name] = f"stat:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}"
+    return identity
+
+
+def key_context(ctx: InferenceContext, stage_id: str) -> dict[str, Any]:
+    """Everything beyond the generation params that decides the answer (see the module docstring)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    assert ctx.plan is not None and ctx.model_source is not None
+    try:
+        release = version("llmplan")
+    except PackageNotFoundError:
+        release = "unknown"
+    files = model_identity(ctx.model_source.model_dir)
+    return {
+        "upstream": upstream_params(ctx, stage_id),
+        "files": hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest(),
+        "device": ctx.device,
+        "threads": ctx.plan.plan.threads,
+        "llmplan": release,
+    }
+
+
+def request_key(
+    ctx: InferenceContext, request: Request, params: dict[str, Any], seed: int, context: dict[str, Any]
+) -> str:
     assert ctx.model_source is not None
-    return cache_key(ctx.model_source.fingerprint, request.prompt_ids, params, request.overrides, seed)
+    return cache_key(ctx.model_source.fingerprint, request.prompt_ids, params, request.overrides, seed, context)
 
 
 def _store_error(error: StoreError) -> StageFailure:
@@ -92,6 +188,7 @@ class CacheLookup(Stage):
         if params.mode != "reuse":
             return
         gen_params, seed = generation_params(ctx, params.generate_stage)
+        context = key_context(ctx, params.generate_stage)
         started = time.perf_counter()
         try:
             store = open_existing(params.db)
@@ -102,18 +199,36 @@ class CacheLookup(Stage):
             ctx.metrics.set("misses", len(ctx.requests))
             return
         found: list[GenerationResult] = []
+        sources: list[dict[str, Any]] = []
         with store:
             for request in ctx.requests:
-                row = store.lookup(request_key(ctx, request, gen_params, seed))
+                row = store.lookup(request_key(ctx, request, gen_params, seed, context))
                 if row is None:
                     break
                 found.append(_replay(request, row, gen_params))
+                sources.append(
+                    {
+                        "request": request.id,
+                        "result_id": row["id"],
+                        "run_id": row["run_id"],
+                        "run_time": row.get("run_time"),
+                    }
+                )
         hits = len(found)
         ctx.metrics.set("hits", hits)
         ctx.metrics.set("misses", len(ctx.requests) - hits)
         if ctx.requests and hits == len(ctx.requests):
             ctx.generations = found
-            ctx.log.info("cache_hit", requests=hits, lookup_s=round(time.perf_counter() - started, 6))
+            ctx.metrics.set("replayed", True)
+            ctx.metrics.set("replayed_from", {"db": params.db, "results": sources})
+            ctx.log.info("cache_hit", requests=hits, lookup_s=round(time.perf_counter() - started, 6), sources=sources)
+            runs = sorted({str(s["run_id"]) for s in sources})
+            # Said on stderr whatever the output mode: a replayed answer must never pass for a fresh one.
+            print(
+                f"replayed from the results cache: {hits} answer(s) from run {', '.join(runs)} of {params.db}; "
+                "nothing was generated (cache.lookup mode: refresh to generate again)",
+                file=sys.stderr,
+            )
         else:
             ctx.log.info("cache_miss", hits=hits, requests=len(ctx.requests))
 
@@ -152,7 +267,8 @@ class OutputCache(Stage):
         keys: dict[str, str] = {}
         if ctx.model_source is not None and ctx.requests is not None:
             gen_params, seed = generation_params(ctx, params.generate_stage)
-            keys = {r.id: request_key(ctx, r, gen_params, seed) for r in ctx.requests}
+            context = key_context(ctx, params.generate_stage)
+            keys = {r.id: request_key(ctx, r, gen_params, seed, context) for r in ctx.requests}
         rows = [_row(c, keys.get(c.request_id)) for c in ctx.completions]
         plan = ctx.plan.plan.name if ctx.plan is not None else "-"
         status = "ok" if all(c.error is None for c in ctx.completions) else "errors"

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from llmplan.engine.findings import InputRefused, StageFailure
 from llmplan.engine.messages import describe
-from llmplan.engine.stage import Params, Phase, Stage
+from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
 from llmplan.llm.tokenizer import TokenizerError
 
 from .slots import InferenceContext
@@ -66,7 +66,7 @@ class RequestLine(Overrides):
 
 
 class TokenizeParams(Params):
-    messages: list[Message] | None = Field(None, description="a chat: [{role, content}, ...]")
+    messages: list[Message] | None = Field(None, min_length=1, description="a chat: [{role, content}, ...]")
     system: str | None = Field(None, description="a system prompt put before `messages`")
     text: str | None = Field(None, description="a raw prompt (no chat template)")
     prompts_file: str | None = Field(None, description="JSONL: one request per line")
@@ -212,6 +212,11 @@ class Tokenize(Stage):
         ctx.requests = requests
         ctx.metrics.set("requests", len(requests))
         ctx.metrics.set("prompt_tokens", [len(r.prompt_ids) for r in requests])
+
+    def check(self, params: Any, deep: DeepCheck) -> None:
+        """`validate --deep`: the prompts file `run` would read must be there (the same test as run's)."""
+        if params.prompts_file is not None and not Path(params.prompts_file).is_file():
+            deep.problem(f"{params.prompts_file}: prompts file not found", "prompts_file")
 
     def _request(self, request_id: str, line: RequestLine, params: Any, tok: Any, limit: int, ctx: Any) -> Request:
         overrides = line.model_dump(exclude={"id", "messages", "text"}, exclude_none=True)

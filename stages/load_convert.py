@@ -87,6 +87,12 @@ def weight_bytes(cfg: ModelConfig, precision: str, group_size: int, head: str = 
     return total
 
 
+def group_size_problem(cfg: ModelConfig, group_size: int) -> str | None:
+    """int4 groups must tile every linear weight's input dim; the one rule for `run` and `validate --deep`."""
+    bad = sorted({s[1] for n, s in internal_shapes(cfg).items() if is_linear(n) and s[1] % group_size})
+    return f"group_size {group_size} does not divide the input dims {bad}" if bad else None
+
+
 def save_converted(weights: dict[str, Any], params: ConvertParams, source: Any) -> Path:
     """Write the converted weights (codes and scales) as a checkpoint with its own SHA256SUMS.
 
@@ -148,10 +154,9 @@ class Convert(Stage):
         cfg, host = ctx.model_config, ctx.host_weights
         assert cfg is not None and host is not None
         table = fusion_table(cfg)
-        if params.dtype == "int4":
-            bad = sorted({s[1] for n, s in internal_shapes(cfg).items() if is_linear(n) and s[1] % params.group_size})
-            if bad:
-                raise StageFailure(f"group_size {params.group_size} does not divide the input dims {bad}")
+        problem = group_size_problem(cfg, params.group_size) if params.dtype == "int4" else None
+        if problem:
+            raise StageFailure(problem)
         if host.converted is not None:
             self._load_converted(ctx, params, cfg, host)
             return
@@ -247,5 +252,8 @@ class Convert(Stage):
         cfg = deep.facts.get("model_config")
         if cfg is None:
             return
+        problem = group_size_problem(cfg, params.group_size) if params.dtype == "int4" else None
+        if problem:
+            deep.problem(problem, "group_size")
         deep.estimate("weights", weight_bytes(cfg, params.dtype, params.group_size, params.head))
         deep.facts["activation_dtype"] = activation_dtype(params.dtype)

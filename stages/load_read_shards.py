@@ -19,14 +19,50 @@ from torch import Tensor
 
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import Params, Phase, Stage
-from llmplan.llm.checkpoint import IntegrityError
+from llmplan.llm.checkpoint import IntegrityError, ShardManifest, read_safetensors_header
+from llmplan.llm.config import ModelConfig
 from llmplan.llm.shard_reader import ReadResult, read_shards
-from llmplan.llm.weights import expected_hf_names
+from llmplan.llm.weights import expected_hf_names, layout_problems
 
 from .slots import InferenceContext
 from .types import HostWeights
 
 CONVERTED_MARKER = "llmplan_converted.json"
+_TORCH_STORAGE = {"torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16"}
+
+
+def check_headers(manifest: ShardManifest, cfg: ModelConfig) -> None:
+    """Every safetensors header against the layout config.json implies, before a weight byte is used.
+
+    Runs whatever the verify policy: a hash proves the file is the one that was published, not that
+    it holds what this config describes (an I32 header on an F32 weight loads as garbage otherwise).
+    """
+    if manifest.format != "safetensors":
+        return  # a pickle has no header: checked tensor by tensor as it arrives (checked_stream)
+    for shard in manifest.shards:
+        try:
+            header = read_safetensors_header(shard.path)
+        except IntegrityError as bad:
+            raise StageFailure(str(bad)) from None
+        declared = {name: (e["dtype"], tuple(e["shape"])) for name, e in header.tensors.items()}
+        problems = layout_problems(declared, cfg)
+        if problems:
+            raise StageFailure(f"{shard.path}: {problems[0]}")
+
+
+def checked_stream(
+    on_tensor: Callable[[str, Tensor], None], cfg: ModelConfig, where: Path
+) -> Callable[[str, Tensor], None]:
+    """For `.bin` checkpoints: the same layout check, on each tensor before it is handed on."""
+
+    def check(name: str, tensor: Tensor) -> None:
+        storage = _TORCH_STORAGE.get(str(tensor.dtype), str(tensor.dtype).removeprefix("torch."))
+        problems = layout_problems({name: (storage, tuple(tensor.shape))}, cfg)
+        if problems:
+            raise IntegrityError(f"{where}: {problems[0]}")
+        on_tensor(name, tensor)
+
+    return check
 
 
 def read_converted_marker(model_dir: Path) -> dict[str, Any] | None:
@@ -59,6 +95,8 @@ class ReadShards(Stage):
         manifest, cfg = ctx.shard_manifest, ctx.model_config
         assert manifest is not None and cfg is not None
         converted = read_converted_marker(manifest.model_dir)
+        if converted is None:  # a converted checkpoint holds codes and scales, checked when rebuilt
+            check_headers(manifest, cfg)
         # A checkpoint saved by load.convert holds the model's own (fused, quantized) tensors: take them all.
         wanted = set(manifest.tensor_to_shard) if converted is not None else expected_hf_names(cfg)
         stage_id = ctx.metrics.current
@@ -67,6 +105,8 @@ class ReadShards(Stage):
         def stream(on_tensor: Callable[[str, Tensor], None]) -> ReadResult:
             try:
                 with ctx.progress.task("read shards", manifest.total_bytes) as advance:
+                    if converted is None and manifest.format != "safetensors":
+                        on_tensor = checked_stream(on_tensor, cfg, manifest.model_dir)
                     result = read_shards(manifest, wanted, params.buffer_shards, on_tensor, advance)
             except IntegrityError as bad:
                 raise StageFailure(str(bad)) from None

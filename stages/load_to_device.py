@@ -44,6 +44,30 @@ def kv_cache_bytes(cfg: Any, params: ToDeviceParams, act: torch.dtype) -> int:
     return per_token * params.kv_cache.max_tokens * params.max_batch
 
 
+def work_buffer_bytes(cfg: Any, max_tokens: int) -> int:
+    """The model's own buffers besides weights and KV cache: the fp32 RoPE tables (cos and sin,
+    [max_tokens, head_dim/2] each, and inv_freq [head_dim/2]) — what llm/model.py setup_rope builds.
+    The one formula for both `validate --deep` and what `place` reports (checked against the real
+    buffers in tests/trust/test_deep_checks.py)."""
+    half = cfg.head_dim // 2
+    return 4 * (2 * max_tokens * half + half)
+
+
+def attention_problems(plan: Any, cfg: Any) -> list[tuple[str, str]]:
+    """(field, message) for observe.attention layers/heads the model does not have (they would be ignored)."""
+    attention = getattr(getattr(plan, "observe", None), "attention", None)
+    if attention is None:
+        return []
+    problems = []
+    bad_layers = [i for i in attention.layers if not -cfg.n_layers <= i < cfg.n_layers]
+    if bad_layers:
+        problems.append(("layers", f"layers {bad_layers} out of range: the model has {cfg.n_layers} layers"))
+    bad_heads = [h for h in attention.heads if not 0 <= h < cfg.n_heads]
+    if bad_heads:
+        problems.append(("heads", f"heads {bad_heads} out of range: the model has {cfg.n_heads} heads"))
+    return problems
+
+
 class ToDevice(Stage):
     """Move weights to the device, preallocate the KV cache and work buffers, check every shape."""
 
@@ -87,8 +111,10 @@ class ToDevice(Stage):
         ctx.model, ctx.kv_cache = model, cache
         begin_observing(ctx, model, cache)  # model.json always; hooks only when plan.observe asks
         ctx.weights = None  # the model owns the tensors now
-        rope = sum(b.nbytes for b in model.buffers())
-        ctx.metrics.set("regions", {"weights": weights.nbytes, "kv_cache": cache.nbytes, "work_buffers": rope})
+        # Only the RoPE tables: model.buffers() also holds quantized weights' codes and scales, which
+        # are counted under weights (summing all buffers reported 129.5 MiB of "work buffers").
+        work = work_buffer_bytes(cfg, kv.max_tokens)
+        ctx.metrics.set("regions", {"weights": weights.nbytes, "kv_cache": cache.nbytes, "work_buffers": work})
         ctx.metrics.set("device", str(model.device))
         ctx.metrics.set("activation_dtype", str(model.dtype).removeprefix("torch."))
         ctx.metrics.set("kv_cache_shape", list(cache.k.shape))
@@ -99,10 +125,7 @@ class ToDevice(Stage):
             return
         act = deep.facts.get("activation_dtype", torch.float32)
         deep.estimate("kv_cache", kv_cache_bytes(cfg, params, act))
-        # work buffers: RoPE tables and one step's logits/activations
-        deep.estimate(
-            "work_buffers", params.kv_cache.max_tokens * cfg.head_dim * 4 + params.max_batch * cfg.vocab_size * 8
-        )
+        deep.estimate("work_buffers", work_buffer_bytes(cfg, params.kv_cache.max_tokens))
         if params.kv_cache.max_tokens > cfg.max_position_embeddings:
             deep.problem(
                 f"max_tokens {params.kv_cache.max_tokens} exceeds the model's context ({cfg.max_position_embeddings})",
@@ -110,3 +133,13 @@ class ToDevice(Stage):
             )
         deep.facts["max_batch"] = params.max_batch
         deep.facts["max_tokens"] = params.kv_cache.max_tokens
+        for bound in getattr(deep.plan, "stages", []):
+            beams = getattr(bound.params, "num_beams", 1) if bound.spec.uses == "compute.generate" else 1
+            if beams > params.max_batch:  # the rule compute.generate applies at run time
+                deep.problem(
+                    f"num_beams {beams} (stage {bound.id!r}) needs {beams} KV-cache rows; max_batch is "
+                    f"{params.max_batch}",
+                    "max_batch",
+                )
+        for field, message in attention_problems(getattr(deep.plan, "plan", None), cfg):
+            deep.problem(f"observe.attention.{field}: {message}", "")

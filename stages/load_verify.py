@@ -22,6 +22,12 @@ class VerifyParams(Params):
     sha256: dict[str, str] = Field(default_factory=dict, description="shard file name -> expected SHA-256")
     rehash: bool = Field(False, description="hash every shard even when its hash is cached for that file identity")
 
+    @field_validator("hashes", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        # YAML 1.1 reads an unquoted `off` as false, as cache.lookup's `mode` does: the same meaning here.
+        return "off" if value is False else value
+
     @field_validator("sha256")
     @classmethod
     def _hex(cls, value: dict[str, str]) -> dict[str, str]:

@@ -18,7 +18,7 @@ from pydantic import Field, model_validator
 
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
-from llmplan.llm.manifest import MANIFEST_NAME, manifest_fingerprint
+from llmplan.llm.manifest import MANIFEST_NAME, ManifestError, manifest_fingerprint
 
 from .slots import InferenceContext
 from .types import ModelSource
@@ -52,7 +52,8 @@ def locate(params: SourceParams) -> Path:
     if params.path is not None:
         path = Path(params.path).expanduser()
         if not path.exists():
-            raise StageFailure(f"{path}: model path not found")
+            kind = "symlink loop or dangling link" if path.is_symlink() else "model path not found"
+            raise StageFailure(f"{path}: {kind}")
         return path
     spec = importlib.util.find_spec(params.package or "")
     if spec is None or not spec.submodule_search_locations:
@@ -67,7 +68,10 @@ def locate(params: SourceParams) -> Path:
 def fingerprint(model_dir: Path) -> str:
     sums = model_dir / MANIFEST_NAME
     if sums.is_file():
-        return manifest_fingerprint(sums)
+        try:
+            return manifest_fingerprint(sums)
+        except ManifestError as bad:
+            raise StageFailure(str(bad)) from None
     digest = hashlib.sha256()
     for path in sorted(model_dir.glob("*")):
         if path.is_file() and path.suffix in (".safetensors", ".bin", ".pth", ".json"):

@@ -25,7 +25,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 SCHEMA_VERSION = 1
-CACHE_KEY_VERSION = "llmplan.cache/v1"
+# v2: the key covers every stage upstream of generation, the model files' content identity, the
+# device and the precision. Rows stored under v1 keys (generation params only) can never match a v2
+# key, so an old database is never misread: its rows stay as history and are simply not replayed.
+CACHE_KEY_VERSION = "llmplan.cache/v2"
 EXCERPT_CHARS = 200
 BUSY_TIMEOUT_MS = 30_000
 _RETRIES = 50
@@ -74,8 +77,11 @@ def cache_key(
     generation_params: dict[str, Any],
     overrides: dict[str, Any],
     seed: int,
+    context: dict[str, Any] | None = None,
 ) -> str:
-    """SHA-256 of everything that decides a generation: model, prompt ids, sampling settings, seed."""
+    """SHA-256 of everything that decides a generation: model, prompt ids, sampling settings, seed, and
+    `context` — the resolved parameters of every stage generation depends on, the content identity of
+    the model files, the device (cache_stages.key_context builds it)."""
     material = {
         "v": CACHE_KEY_VERSION,
         "model": fingerprint,
@@ -83,6 +89,7 @@ def cache_key(
         "params": generation_params,
         "overrides": overrides,
         "seed": int(seed),
+        "context": context or {},
     }
     text = json.dumps(material, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
@@ -240,8 +247,10 @@ class ResultsStore:
         """The newest freshly generated (not itself replayed) result stored under `key`."""
         row = _retry(
             lambda: self._conn.execute(
-                "SELECT * FROM results WHERE cache_key = ? AND from_cache = 0 AND error IS NULL"
-                " ORDER BY id DESC LIMIT 1",
+                "SELECT results.*, runs.time AS run_time, runs.plan AS run_plan FROM results"
+                " JOIN runs ON runs.id = results.run_id"
+                " WHERE cache_key = ? AND from_cache = 0 AND error IS NULL"
+                " ORDER BY results.id DESC LIMIT 1",
                 (key,),
             ).fetchone()
         )

@@ -1,0 +1,81 @@
+"""Reading the small files of a checkpoint (config, index, SHA256SUMS) with bounded, non-blocking reads.
+
+A size limit is enforced on the bytes actually read (limit + 1 are asked for), never on `st_size`,
+which is 0 for a FIFO or /dev/zero. Files are opened with O_NONBLOCK so a FIFO with no writer cannot
+hang the open, and `fstat` of the open descriptor decides whether it is a regular file. Every failure
+is a `FileProblem` whose message names the file and says what is wrong (no exception class names).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+SMALL_FILE_LIMIT = 64 << 20  # config, index, SHA256SUMS, tokenizer files: far below this
+
+
+class FileProblem(ValueError):
+    """A file that cannot be used: missing, not a regular file, too large, unreadable; names the file."""
+
+
+def describe_os_error(path: str | Path, error: OSError) -> str:
+    if error.errno == errno.ELOOP:
+        return f"{path}: symlink loop"
+    if error.errno == errno.ENOENT:
+        return f"{path}: file not found"
+    if error.errno == errno.EISDIR:
+        return f"{path}: is a directory, not a file"
+    if error.errno == errno.EACCES:
+        return f"{path}: permission denied"
+    return f"{path}: cannot read ({error.strerror or error})"
+
+
+def read_bytes_limited(path: str | Path, limit: int = SMALL_FILE_LIMIT) -> bytes:
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as error:
+        raise FileProblem(describe_os_error(path, error)) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise FileProblem(f"{path}: is a directory, not a file")
+        if not stat.S_ISREG(mode):
+            raise FileProblem(f"{path}: not a regular file (a FIFO, socket or device); refused")
+        chunks: list[bytes] = []
+        total = 0
+        while total <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    except OSError as error:
+        raise FileProblem(describe_os_error(path, error)) from None
+    finally:
+        os.close(fd)
+    if total > limit:
+        raise FileProblem(f"{path}: larger than the {limit}-byte limit for this file; refused")
+    return b"".join(chunks)
+
+
+def read_text_limited(path: str | Path, limit: int = SMALL_FILE_LIMIT) -> str:
+    raw = read_bytes_limited(path, limit)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        raise FileProblem(f"{path}: not UTF-8 text ({bad.reason} at byte {bad.start})") from None
+
+
+def read_json_limited(path: str | Path, limit: int = SMALL_FILE_LIMIT) -> Any:
+    text = read_text_limited(path, limit)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as bad:
+        raise FileProblem(f"{path}: not valid JSON ({bad.msg} at line {bad.lineno} column {bad.colno})") from None
+    except RecursionError:
+        raise FileProblem(f"{path}: JSON nested too deeply; refused") from None

@@ -1,0 +1,63 @@
+"""A tiny, really sharded Llama checkpoint with a complete SHA256SUMS, and a plan that loads it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from llmplan.llm.manifest import write_sha256sums
+
+LISTED = ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json")
+
+
+def make_checkpoint(root: Path) -> Path:
+    """3 layers, several shards, a trained tokenizer; SHA256SUMS over every file the load reads."""
+    from tests.llm.tiny import make_tiny_llama
+    from tests.stages.tiny_run import make_tokenizer
+
+    vocab = make_tokenizer(root / "probe")
+    model_dir, _ = make_tiny_llama(root, n_layers=3, vocab=vocab, hidden=64, heads=4, kv_heads=2, max_shard_size="60KB")
+    make_tokenizer(model_dir)
+    names = [p.name for p in model_dir.glob("*.safetensors")] + [n for n in LISTED if (model_dir / n).exists()]
+    write_sha256sums(model_dir, names)
+    return model_dir
+
+
+def plan_for(
+    tmp: Path,
+    model_dir: Path,
+    *,
+    hashes: str = "required",
+    extra: list[dict[str, Any]] | None = None,
+    max_new_tokens: int = 4,
+    name: str = "trust",
+) -> Path:
+    plan: dict[str, Any] = {
+        "name": name,
+        "device": "cpu",
+        "seed": 0,
+        "threads": 1,
+        "observe": {"memory_interval_ms": 0},
+        "stages": [
+            {"id": "env", "uses": "env.check"},
+            {"id": "model", "uses": "model.source", "with": {"path": str(model_dir)}},
+            {"id": "config", "uses": "load.config"},
+            {"id": "tokenizer", "uses": "load.tokenizer"},
+            {"id": "verify", "uses": "load.verify", "with": {"hashes": hashes}},
+            {"id": "read", "uses": "load.read_shards"},
+            {"id": "convert", "uses": "load.convert", "with": {"dtype": "fp32"}},
+            {"id": "place", "uses": "load.to_device", "with": {"kv_cache": {"max_tokens": 64}}},
+            {"id": "prompt", "uses": "compute.tokenize", "with": {"messages": [{"role": "user", "content": "Hello"}]}},
+            {
+                "id": "generate",
+                "uses": "compute.generate",
+                "with": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True, "stream": False},
+            },
+            *(extra or []),
+        ],
+    }
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(plan, sort_keys=False), encoding="utf-8")
+    return path
