@@ -136,9 +136,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _emit(args: argparse.Namespace, result: dict[str, Any], markdown: str) -> None:
+    """A --mix or --serve result: Markdown (or JSON) on stdout; with --out, PREFIX.json and PREFIX.md."""
+    import json
+
+    sys.stdout.write(json.dumps(result, indent=2) + "\n" if args.format == "json" else markdown)
+    if args.out:
+        prefix = Path(args.out)
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        prefix.with_suffix(".json").write_text(json.dumps(result, indent=2), encoding="utf-8")
+        prefix.with_suffix(".md").write_text(markdown, encoding="utf-8")
+        _say(f"wrote {prefix.with_suffix('.json')} and {prefix.with_suffix('.md')}")
+
+
 def _bench_serve(args: argparse.Namespace) -> int:
     """The resident server under concurrent clients, beside llama-server when asked (see serve_bench.py)."""
-    import json
 
     from .serve_bench import bench_serve, serve_markdown
     from .traffic import cpu_features
@@ -150,20 +162,13 @@ def _bench_serve(args: argparse.Namespace) -> int:
     result |= bench_serve(args, _say)
     info["loadavg_end"] = machine()["loadavg"]
     text = serve_markdown(result, info)
-    sys.stdout.write(json.dumps(result, indent=2) + "\n" if args.format == "json" else text)
-    if args.out:
-        prefix = Path(args.out)
-        prefix.parent.mkdir(parents=True, exist_ok=True)
-        prefix.with_suffix(".json").write_text(json.dumps(result, indent=2), encoding="utf-8")
-        prefix.with_suffix(".md").write_text(text, encoding="utf-8")
-        _say(f"wrote {prefix.with_suffix('.json')} and {prefix.with_suffix('.md')}")
+    _emit(args, result, text)
     lost = sum(f["lost"] for side in result["sides"].values() for f in side.values())
     return 0 if lost == 0 else 1
 
 
 def _bench_mix(args: argparse.Namespace) -> int:
     """Static batches against the scheduler on a seeded mix of request lengths (see traffic.py)."""
-    import json
 
     from .traffic import bench_mix, cpu_features, mix_markdown
 
@@ -181,13 +186,7 @@ def _bench_mix(args: argparse.Namespace) -> int:
     )
     result["machine"]["loadavg_end"] = machine()["loadavg"]
     text = mix_markdown(result, info)
-    sys.stdout.write(json.dumps(result, indent=2) + "\n" if args.format == "json" else text)
-    if args.out:
-        prefix = Path(args.out)
-        prefix.parent.mkdir(parents=True, exist_ok=True)
-        prefix.with_suffix(".json").write_text(json.dumps(result, indent=2), encoding="utf-8")
-        prefix.with_suffix(".md").write_text(text, encoding="utf-8")
-        _say(f"wrote {prefix.with_suffix('.json')} and {prefix.with_suffix('.md')}")
+    _emit(args, result, text)
     return 0
 
 

@@ -71,6 +71,14 @@ def write_serve_plan(
     return path
 
 
+def hold_after(scheduler: Any, steps: int) -> threading.Event:
+    """From its `steps`-th step on, the scheduler's stepper waits until the returned event is set: a request
+    held mid-way cannot end by itself while the test acts (disconnects, fills the queue)."""
+    gate, step = threading.Event(), scheduler.step
+    scheduler.step = lambda: (scheduler.stats.steps < steps or gate.wait(30)) and step()
+    return gate
+
+
 class LiveServer:
     """uvicorn in a thread of this process; `url` is the OpenAI base URL."""
 

@@ -20,7 +20,7 @@ import pytest
 
 from llmplan.commands.server import ServerSettings
 
-from .conftest import MAX_NEW, LiveServer, free_port, write_serve_plan
+from .conftest import MAX_NEW, LiveServer, free_port, hold_after, write_serve_plan
 
 CHAT = [{"role": "user", "content": "Hello model, tokens and layers."}]
 PROMPTS = [
@@ -158,9 +158,7 @@ def test_a_client_that_goes_away_frees_its_slot(tiny_model: Path, tmp_path: Path
     with LiveServer(plan, ServerSettings()) as live:
         scheduler = live.host.scheduler
         assert scheduler is not None
-        gate, step = threading.Event(), scheduler.step
-        # After 3 steps the stepper waits for the gate: the request has tokens out and cannot end by itself.
-        scheduler.step = lambda: (scheduler.stats.steps < 3 or gate.wait(30)) and step()  # type: ignore[method-assign]
+        gate = hold_after(scheduler, 3)  # the request has tokens out and cannot end by itself
         body = {"prompt": "Hello world", "max_tokens": MAX_NEW, "stream": True}
         with httpx.stream("POST", f"{live.url}/completions", json=body, timeout=30) as answer:
             lines = answer.iter_lines()
@@ -200,8 +198,7 @@ def test_a_full_queue_answers_429(tiny_model: Path, tmp_path: Path) -> None:
     with LiveServer(plan, ServerSettings(max_queue=1)) as live:
         scheduler = live.host.scheduler
         assert scheduler is not None
-        gate, step = threading.Event(), scheduler.step
-        scheduler.step = lambda: gate.wait(30) and step()  # type: ignore[method-assign]  # hold the first request
+        gate = hold_after(scheduler, 0)  # the first request is held
         answers: list[httpx.Response] = []
         first = threading.Thread(
             target=lambda: answers.append(
@@ -327,8 +324,7 @@ def test_a_cancelled_answer_is_never_replayed(tiny_model: Path, tmp_path: Path) 
     with LiveServer(plan, ServerSettings()) as live:
         scheduler = live.host.scheduler
         assert scheduler is not None
-        gate, step = threading.Event(), scheduler.step
-        scheduler.step = lambda: (scheduler.stats.steps < 3 or gate.wait(30)) and step()  # type: ignore[method-assign]
+        gate = hold_after(scheduler, 3)
         body = {"prompt": "Hello world", "max_tokens": MAX_NEW, "stream": True}
         with httpx.stream("POST", f"{live.url}/completions", json=body, timeout=30) as answer:
             next(line for line in answer.iter_lines() if line.startswith("data: {"))

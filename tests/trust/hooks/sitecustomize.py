@@ -61,7 +61,7 @@ def _patch_place(module: Any) -> None:
 
 
 def _patch_generate(module: Any) -> None:
-    module.Generate._batch = slow(module.Generate._batch)
+    module.Generate._scheduled = slow(module.Generate._scheduled)
 
 
 def _patch_release(module: Any) -> None:
