@@ -78,8 +78,8 @@ class Conversation:
         worker = threading.Thread(target=work, daemon=True)
         try:
             worker.start()
-            while worker.is_alive():
-                worker.join(0.05)
+            while worker.is_alive():  # this (main) thread is the model thread: it steps the answer
+                self.host.pump(0.01)
         finally:
             signal.signal(signal.SIGINT, previous)
         if cancel.is_set():

@@ -1,17 +1,26 @@
 """A model kept loaded for requests as they come: the resident part of a plan, its scheduler, and its life.
 
 `ModelHost` runs a plan's resident stages once (`ResidentPlan.load`), hands the KV cache's slots to one
-scheduler stepped by a thread of its own (every request's generate stage submits to it, so requests in
-flight share the decode steps), and runs each request's stages on a context of its own. After `keep_alive`
-seconds without a request it runs the release stage (the weights and cache are freed); the next request
-loads them again. `llmplan serve` and `llmplan chat` are both built on it.
+scheduler, and runs each request's stages on a context of its own (every request's generate stage submits to
+that scheduler, so requests in flight share the decode steps). After `keep_alive` seconds without a request
+it runs the release stage (the weights and cache are freed); the next request loads them again.
+
+One thread owns the model: it loads, steps the scheduler and unloads (`serve_forever`, or `pump` one round at
+a time); other threads ask it to. That thread should be the main thread. Measured here, the native decode
+step is 2.5x slower from any other thread: a second thread running OpenMP regions gets a thread pool of its
+own, libgomp then counts more pool threads than CPUs and throttles its spin-waits to almost nothing, so
+each of the ~150 fork/joins of a token pays a futex wake-up. `llmplan serve` therefore runs the HTTP server
+in a thread and the model in the main one; `llmplan chat` steps the scheduler from its main thread while
+the answer's stages run in a worker.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,9 +76,10 @@ class ModelHost:
         self.keep_alive_s = keep_alive_s
         self.report = report
         self.scheduler: Scheduler | None = None
-        self._stepper: threading.Thread | None = None
-        self._stop = threading.Event()
         self._lock = threading.RLock()
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        self._wake = threading.Event()  # set by a submit, a cancel or a call: the model thread has work
+        self._owner: int | None = None  # the thread running serve_forever / pump, while it does
         self._in_flight = 0
         self.last_request = time.monotonic()
         self.loads = 0
@@ -92,8 +102,49 @@ class ModelHost:
     def context(self) -> Any:
         return self.plan.context
 
+    # --- the model thread ---------------------------------------------------------------------------
+
+    def serve_forever(self, stop: threading.Event) -> None:
+        """Be the model thread until `stop` is set: run what other threads ask, step the scheduler."""
+        while not stop.is_set():
+            self.pump()
+
+    def pump(self, wait_s: float = 0.05) -> None:
+        """One round of the model thread: pending calls, then one scheduler step (or a short wait for work)."""
+        self._owner = threading.get_ident()
+        self._wake.clear()
+        while True:
+            try:
+                call, done = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if done.set_running_or_notify_cancel():
+                try:
+                    done.set_result(call())
+                except BaseException as bad:
+                    done.set_exception(bad)
+        scheduler = self.scheduler
+        if scheduler is None or not scheduler.step():
+            self._wake.wait(wait_s)
+
+    def release_thread(self) -> None:
+        """The model thread stops pumping: later calls run on their caller's thread."""
+        self._owner = None
+
+    def _on_model_thread(self, call: Callable[[], Any]) -> Any:
+        """Run `call` on the model thread (directly when this is it, or when none is pumping)."""
+        if self._owner is None or self._owner == threading.get_ident():
+            return call()
+        done: Future[Any] = Future()
+        self._calls.put((call, done))
+        self._wake.set()
+        return done.result()
+
     def load(self) -> None:
-        """Load the resident stages and start stepping the scheduler (no-op when loaded)."""
+        """Load the resident stages and serve the scheduler (no-op when loaded); on the model thread."""
+        self._on_model_thread(self._load)
+
+    def _load(self) -> None:
         with self._lock:
             if self.plan.state == "ready":
                 return
@@ -102,40 +153,31 @@ class ModelHost:
                 raise StageFailure(result.message)
             ctx = self.plan.context
             self.scheduler = serve_scheduler(ctx.model, ctx.kv_cache, self.generate_params)
-            self._stop = threading.Event()
-            self._stepper = threading.Thread(
-                target=self.scheduler.serve, args=(self._stop,), name="llmplan-scheduler", daemon=True
-            )
-            self._stepper.start()
+            self.scheduler.on_work = self._wake.set
             self.loads += 1
             self.last_request = time.monotonic()
 
     def unload(self) -> dict[str, Any] | None:
-        """Cancel what runs, stop the scheduler, run the release stage. Returns its report, if any."""
+        """Cancel what runs, stop serving, run the release stage (on the model thread); its report, if any."""
+        return self._on_model_thread(self._unload)
+
+    def _unload(self) -> dict[str, Any] | None:
         with self._lock:
             if self.plan.state != "ready":
                 return None
-            self._stop_scheduler()
-            ctx = self.plan.context
+            scheduler, ctx = self.scheduler, self.plan.context
+            if scheduler is not None:
+                scheduler.cancel_all()
+                while scheduler.pending:  # this is the model thread: end them here
+                    scheduler.step()
+            if ctx is not None and ctx.kv_cache is not None:
+                unserve(ctx.kv_cache)
+            self.scheduler = None
             result = self.plan.unload()
             report = ctx.get("release_report") if ctx is not None and ctx.is_slot("release_report") else None
             if result is not None and result.exit_code:
                 raise StageFailure(result.message)
             return report
-
-    def _stop_scheduler(self) -> None:
-        scheduler, ctx = self.scheduler, self.plan.context
-        if scheduler is not None:
-            scheduler.cancel_all()
-            deadline = time.monotonic() + 10
-            while scheduler.pending and time.monotonic() < deadline:
-                time.sleep(0.01)
-        self._stop.set()
-        if self._stepper is not None:
-            self._stepper.join(timeout=30)
-        if ctx is not None and ctx.kv_cache is not None:
-            unserve(ctx.kv_cache)
-        self.scheduler, self._stepper = None, None
 
     def close(self) -> None:
         try:
@@ -148,14 +190,16 @@ class ModelHost:
 
     def maybe_unload(self) -> bool:
         """Unload when idle past keep-alive with nothing in flight; True when it did."""
-        if self.keep_alive_s is None or self.state != "ready" or self._in_flight:
+        if self.keep_alive_s is None or self.state != "ready" or self._in_flight or self.idle_for() < self.keep_alive_s:
             return False
-        if self.idle_for() < self.keep_alive_s:
-            return False
-        with self._lock:
-            if self._in_flight or self.idle_for() < self.keep_alive_s:
+        return bool(self._on_model_thread(self._maybe_unload))
+
+    def _maybe_unload(self) -> bool:
+        assert self.keep_alive_s is not None
+        with self._lock:  # checked again on the model thread: a request may have come meanwhile
+            if self.state != "ready" or self._in_flight or self.idle_for() < self.keep_alive_s:
                 return False
-            self.unload()
+            self._unload()
             return True
 
     # --- requests ---------------------------------------------------------------------------------

@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import socket
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +75,7 @@ def build_host(
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from .server import QuietExitServer, ServerSettings, create_app
+    from .server import ServerSettings, ThreadedServer, create_app
 
     if args.max_queue < 1:
         raise CliError("--max-queue must be at least 1")
@@ -87,9 +89,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(api_key=args.api_key, max_queue=args.max_queue, keep_alive_s=args.keep_alive)
     app = create_app(host, settings)
     name = host.bound.plan.name
-    print(f"serving {name} on http://{args.host}:{args.port}/v1 (run directory {host.run_dir})", file=sys.stderr)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
-    QuietExitServer(config).run()  # returns after SIGINT/SIGTERM, once the app's shutdown has released the model
+    server = ThreadedServer(config)
+    http = threading.Thread(target=server.run, name="llmplan-http", daemon=True)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        server.should_exit = True  # stop accepting; uvicorn finishes in its thread
+        if host.scheduler is not None:
+            host.scheduler.cancel_all()  # what runs ends now, so its streams close
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        http.start()
+        print(f"serving {name} on http://{args.host}:{args.port}/v1 (run directory {host.run_dir})", file=sys.stderr)
+        host.serve_forever(stop)  # the main thread is the model thread (host.py says why)
+        while http.is_alive():  # keep stepping while uvicorn lets its connections go
+            host.pump(0.02)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        host.close()  # cancel what is left, run the release stage
     print("stopped", file=sys.stderr)
     return 0
 

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import json
 import secrets
-import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -143,8 +142,7 @@ def create_app(host: ModelHost, settings: ServerSettings) -> FastAPI:
         finally:
             if watcher is not None:
                 watcher.cancel()
-            await asyncio.get_running_loop().run_in_executor(None, host.close)
-            executor.shutdown(wait=False, cancel_futures=True)
+            executor.shutdown(wait=False, cancel_futures=True)  # the model thread's owner releases the model
 
     app = FastAPI(title="llmplan", lifespan=lifespan)
     app.state.host, app.state.metrics = host, metrics
@@ -463,18 +461,10 @@ async def _keep_alive(host: ModelHost, settings: ServerSettings) -> None:
             host.plan.log.error("keep_alive_unload_failed", error=f"{type(bad).__name__}: {bad}")
 
 
-class QuietExitServer(uvicorn.Server):
-    """uvicorn re-raises a caught SIGINT/SIGTERM after its graceful shutdown, so the process dies of the
-    signal; a server that has cancelled its requests and released its model exits 0 instead."""
+class ThreadedServer(uvicorn.Server):
+    """uvicorn in a thread of its own: the main thread belongs to the model (see host.py) and handles
+    SIGINT / SIGTERM itself, so uvicorn installs no signal handlers."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in original.items():
-                signal.signal(sig, handler)
+        yield

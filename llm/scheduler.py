@@ -112,6 +112,9 @@ class Scheduler:
         self._incoming: list[Sequence] = []
         self._cancel: list[Sequence] = []
         self._cancel_everything = False
+        # Called (from the submitting thread) whenever work arrives: lets whoever steps this scheduler sleep
+        # on a wake-up of its own instead of polling.
+        self.on_work: Callable[[], None] | None = None
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # in admission order
         self._free = list(range(cache.slots))
@@ -129,6 +132,7 @@ class Scheduler:
         with self._lock:
             self._incoming.append(seq)
             self._lock.notify_all()
+        self._notify()
         return seq
 
     def cancel(self, seq: Sequence) -> None:
@@ -136,12 +140,18 @@ class Scheduler:
         with self._lock:
             self._cancel.append(seq)
             self._lock.notify_all()
+        self._notify()
 
     def cancel_all(self) -> None:
         """Cancel every request submitted and not yet ended (shutting down, unloading)."""
         with self._lock:
             self._cancel_everything = True  # read by the stepping thread: it alone touches waiting/running
             self._lock.notify_all()
+        self._notify()
+
+    def _notify(self) -> None:
+        if self.on_work is not None:
+            self.on_work()
 
     @property
     def pending(self) -> int:
@@ -189,6 +199,9 @@ class Scheduler:
             if self._cancel_everything:
                 cancelled += [*self._waiting, *self._running]
                 self._cancel_everything = False
+        # Called (from the submitting thread) whenever work arrives: lets whoever steps this scheduler sleep
+        # on a wake-up of its own instead of polling.
+        self.on_work: Callable[[], None] | None = None
         for seq in cancelled:
             self._end_cancelled(seq)
         self._admit()

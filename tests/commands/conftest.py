@@ -14,7 +14,7 @@ import uvicorn
 import yaml
 
 from llmplan.commands.serve import build_host
-from llmplan.commands.server import ServerSettings, create_app
+from llmplan.commands.server import ServerSettings, ThreadedServer, create_app
 from tests.stages.tiny_run import make_tiny_model_dir
 
 MAX_NEW = 40
@@ -91,12 +91,15 @@ class LiveServer:
         self.app = create_app(self.host, settings)
         self.port = free_port()
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
+        self.server = ThreadedServer(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.stop_model = threading.Event()  # the model thread is a background one here (speed is not tested)
+        self.model_thread = threading.Thread(target=self.host.serve_forever, args=(self.stop_model,), daemon=True)
         self.base = f"http://127.0.0.1:{self.port}"
         self.url = f"{self.base}/v1"
 
     def __enter__(self) -> LiveServer:
+        self.model_thread.start()
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
@@ -107,8 +110,14 @@ class LiveServer:
 
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
+        if self.host.scheduler is not None:
+            self.host.scheduler.cancel_all()
         self.thread.join(30)
-        assert not self.thread.is_alive(), "the server did not stop"
+        self.stop_model.set()
+        self.model_thread.join(30)
+        self.host.release_thread()
+        self.host.close()
+        assert not self.thread.is_alive() and not self.model_thread.is_alive(), "the server did not stop"
 
 
 @pytest.fixture(scope="session")
