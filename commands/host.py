@@ -57,21 +57,26 @@ class ModelHost:
         report: Any = None,
     ) -> None:
         self.bound = bound
+        uses = {}
+        for stage in bound.stages:
+            uses.setdefault(stage.spec.uses, stage)
+        if GENERATE not in uses or TOKENIZE not in uses:
+            raise ServeError(f"{bound.source.file}: a plan that serves needs a {TOKENIZE} and a {GENERATE} stage")
+        generate = uses[GENERATE]
+        if generate.params.num_beams > 1:  # refused before anything is created (no run directory)
+            line, col = bound.source.position(("stages", generate.index, "with", "num_beams"))
+            raise ServeError(
+                f"{bound.source.file}:{line}:{col}: stages[{generate.index}].with.num_beams: beam search "
+                f"({generate.params.num_beams} beams) runs as a static batch over the whole cache and cannot be served"
+            )
         self.run_dir = run_dir or make_run_dir(bound.plan.runs_dir, bound.plan.name)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.plan = ResidentPlan(bound, new_context, self.run_dir)
         self.generate_id = self.plan.stage_by_use(GENERATE)
         self.tokenize_id = self.plan.stage_by_use(TOKENIZE)
-        if self.generate_id is None or self.tokenize_id is None:
-            raise ServeError(f"{bound.source.file}: a plan that serves needs a {TOKENIZE} and a {GENERATE} stage")
-        gen = self.plan.params(self.generate_id)
-        if gen.num_beams > 1:
-            stage = bound.stage(self.generate_id)
-            line, col = bound.source.position(("stages", stage.index, "with", "num_beams"))
-            raise ServeError(
-                f"{bound.source.file}:{line}:{col}: stages[{stage.index}].with.num_beams: beam search "
-                f"({gen.num_beams} beams) runs as a static batch over the whole cache and cannot be served"
-            )
+        if self.generate_id is None or self.tokenize_id is None:  # present, but not downstream of a request
+            self.plan.close()
+            raise ServeError(f"{bound.source.file}: {GENERATE} does not follow the plan's {TOKENIZE} stage")
         self.write_id = self.plan.stage_by_use(WRITE)
         self.keep_alive_s = keep_alive_s
         self.report = report

@@ -283,8 +283,10 @@ def test_a_plan_that_cannot_serve_is_refused(tmp_path: Path, capsys: pytest.Capt
 
     repo = Path(__file__).resolve().parents[2]
     plan = repo / "plans" / "llama-beam.yaml"
-    assert main(["serve", str(plan), "--port", str(free_port())]) == 1
+    runs = tmp_path / "runs"
+    assert main(["serve", str(plan), "--port", str(free_port()), "--set", f"runs_dir={runs}"]) == 1
     assert "beam search" in capsys.readouterr().err
+    assert not runs.exists()  # refused before anything was created
     with socket_taken() as port:
         assert main(["serve", str(repo / "plans" / "llama-int8.yaml"), "--port", str(port)]) == 1
         assert f"127.0.0.1:{port}: cannot listen" in capsys.readouterr().err
