@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from llmplan.stages.bench.load_generator import LoadSummary, build_prompts, format_summary, run_load
+from llmplan.commands.bench.load_generator import LoadSummary, build_prompts, format_summary, run_load
 
 HERE = Path(__file__).resolve().parent
 # CPU features that matter to llama.cpp's CPU kernels (ggml picks its paths from these at build time).
@@ -179,7 +179,7 @@ def markdown(meta: dict[str, Any], results: list[LoadSummary]) -> str:
         "",
         "The llama.cpp side of `llmplan bench --serve` (issue 14): llama.cpp's own server, built from the llama.cpp "
         "that llama-cpp-python's source distribution vendors, on the Q8_0 GGUF of the bundled model, under "
-        "`stages/bench/load_generator.py` on loopback (streaming chat completions, greedy, EOS ignored). "
+        "`commands/bench/load_generator.py` on loopback (streaming chat completions, greedy, EOS ignored). "
         "Reproduce with `.venv/bin/python benchmarks/llama_server_baseline.py`.",
         "",
         f"- Measured: {meta['date']}; one pass per level, on a shared machine: read ratios measured in one run, "

@@ -7,8 +7,8 @@ import sqlite3
 
 import pytest
 
+from llmplan.commands import history as history_commands
 from llmplan.engine.cli import CliError
-from llmplan.stages import history_commands
 from llmplan.stages.results_store import SCHEMA_VERSION, ResultRow, ResultsStore, RunRow, StoreError, open_existing
 
 

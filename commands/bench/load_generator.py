@@ -25,7 +25,7 @@ or refused with a status.
                        requests=8, time_limit_s=300)
     print(summary.as_dict())
 
-or from a shell: `python -m llmplan.stages.bench.load_generator --url http://127.0.0.1:8080 --model m
+or from a shell: `python -m llmplan.commands.bench.load_generator --url http://127.0.0.1:8080 --model m
 --concurrency 4 --requests 8 --prompt-tokens 128 --max-tokens 128`.
 """
 

@@ -13,9 +13,8 @@ import sys
 from typing import Any
 
 from llmplan.engine.cli import CliError
-
-from .cache_stages import DEFAULT_DB
-from .results_store import ResultsStore, StoreError
+from llmplan.stages.cache_stages import DEFAULT_DB
+from llmplan.stages.results_store import ResultsStore, StoreError
 
 _MARKERS = re.compile(r"<\|[^|<>]{1,40}\|>|</?s>")  # chat-template markers, hidden in the listing
 

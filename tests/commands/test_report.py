@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from llmplan.stages.report import build_report, fonts
-from llmplan.stages.report import command as report_command
-from llmplan.stages.report.figures_generation import step_rates
-from llmplan.stages.report.figures_memory import stage_spans
-from llmplan.stages.report.figures_plan import stage_label
-from llmplan.stages.report.tokens import token_labels
+from llmplan.commands.report import build_report, fonts
+from llmplan.commands.report import command as report_command
+from llmplan.commands.report.figures_generation import step_rates
+from llmplan.commands.report.figures_memory import stage_spans
+from llmplan.commands.report.figures_plan import stage_label
+from llmplan.commands.report.tokens import token_labels
 from tests.stages.tiny_run import make_tiny_model_dir, run_plan, wire_observers, write_plan
 
 OBSERVE = {"layer_timings": True, "attention": {"layers": [0, 1], "heads": [0, 1], "max_tokens": 32}}

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from llmplan.stages.bench.load_generator import (
+from llmplan.commands.bench.load_generator import (
     LoadSummary,
     build_prompts,
     check_loopback,

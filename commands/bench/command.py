@@ -10,7 +10,7 @@ both see the same machine load, and the table gives the ratios. Registered throu
 entry point group:
 
     [project.entry-points."llmplan.commands"]
-    bench = "llmplan.stages.bench.command:register"
+    bench = "llmplan.commands.bench.command:register"
 """
 
 from __future__ import annotations
