@@ -15,7 +15,7 @@ import yaml
 
 from llmplan.commands.serve import build_host
 from llmplan.commands.server import ServerSettings, ThreadedServer, create_app
-from tests.stages.tiny_run import make_tiny_model_dir
+from tests.stages.tiny_run import load_stages, make_tiny_model_dir
 
 MAX_NEW = 40
 
@@ -41,14 +41,7 @@ def write_serve_plan(
         "seed": 0,
         "threads": 1,
         "stages": [
-            {"id": "env", "uses": "env.check"},
-            {"id": "model", "uses": "model.source", "with": {"path": str(model_dir)}},
-            {"id": "config", "uses": "load.config"},
-            {"id": "tokenizer", "uses": "load.tokenizer"},
-            {"id": "verify", "uses": "load.verify", "with": {"hashes": "off"}},
-            {"id": "read", "uses": "load.read_shards"},
-            {"id": "convert", "uses": "load.convert", "with": {"dtype": "fp32"}},
-            {"id": "place", "uses": "load.to_device", "with": {"max_batch": slots, "kv_cache": {"max_tokens": 128}}},
+            *load_stages(model_dir, place={"max_batch": slots, "kv_cache": {"max_tokens": 128}}),
             {"id": "prompt", "uses": "compute.tokenize", "with": {"messages": [{"role": "user", "content": "hi"}]}},
             {
                 "id": "generate",
