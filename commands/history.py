@@ -12,6 +12,7 @@ import re
 import sys
 from typing import Any
 
+from llmplan.commands.arguments import positive
 from llmplan.engine.cli import CliError
 from llmplan.stages.cache_stages import DEFAULT_DB
 from llmplan.stages.results_store import ResultsStore, StoreError
@@ -22,7 +23,7 @@ _MARKERS = re.compile(r"<\|[^|<>]{1,40}\|>|</?s>")  # chat-template markers, hid
 def register(subparsers: Any) -> None:
     history = subparsers.add_parser("history", help="list past results from the results database")
     history.add_argument("--db", default=DEFAULT_DB, help=f"results database (default {DEFAULT_DB})")
-    history.add_argument("--limit", type=_positive, default=20, help="how many results, newest first")
+    history.add_argument("--limit", type=positive, default=20, help="how many results, newest first")
     history.add_argument("--json", action="store_true", help="one JSON object per result per line")
     history.set_defaults(handler=cmd_history)
 
@@ -32,12 +33,6 @@ def register(subparsers: Any) -> None:
     show.add_argument("--json", action="store_true", help="the result as one JSON object")
     show.set_defaults(handler=cmd_show)
 
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
 
 
 def _open(path: str) -> ResultsStore:

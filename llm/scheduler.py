@@ -221,15 +221,15 @@ class Scheduler:
                     break
                 chunks.append((seq, n))
                 budget -= n
-            picks: list[tuple[Sequence, Tensor]] = []
+            picks: list[tuple[Sequence, Tensor, bool]] = []
             if decode:
                 picks += self._decode(decode)
             for seq, n in chunks:
                 logits = self._prefill(seq, n)
                 if logits is not None:
-                    picks.append((seq, logits))
-            for seq, logits in picks:
-                self._pick(seq, logits)
+                    picks.append((seq, logits, bool(torch.isfinite(logits).all())))
+            for seq, logits, finite in picks:
+                self._pick(seq, logits, finite)
         return True
 
     def _admit(self) -> None:
@@ -287,7 +287,7 @@ class Scheduler:
         seq.generation.prefill_s = time.perf_counter() - seq.admitted_at
         return logits[0, -1].float()
 
-    def _decode(self, rows: list[Sequence]) -> list[tuple[Sequence, Tensor]]:
+    def _decode(self, rows: list[Sequence]) -> list[tuple[Sequence, Tensor, bool]]:
         """One token for each row; a row whose slot is full ends with "cache_full"."""
         ready = []
         for seq in rows:
@@ -311,7 +311,8 @@ class Scheduler:
         for seq in ready:
             seq.generation.decode_steps += 1
         self.stats.decode_tokens += len(ready)
-        return [(seq, logits[i]) for i, seq in enumerate(ready)]
+        finite = torch.isfinite(logits).all(dim=-1).tolist()  # one check for the whole pass
+        return [(seq, logits[i], finite[i]) for i, seq in enumerate(ready)]
 
     def _forward_rows(self, rows: list[Sequence]) -> Tensor:
         """fp32 logits [M, V] of each row's last picked token, its K/V appended to its slot."""
@@ -332,9 +333,9 @@ class Scheduler:
             self.cache.unclaim(slots, starts)  # type: ignore[arg-type]
             raise
 
-    def _pick(self, seq: Sequence, logits: Tensor) -> None:
+    def _pick(self, seq: Sequence, logits: Tensor, finite: bool) -> None:
         gen, request = seq.generation, seq.request
-        if not bool(torch.isfinite(logits).all()):
+        if not finite:
             self._finish(seq, "error", f"non-finite logits (NaN/inf) at generated token {len(gen.tokens)}")
             return
         pick = request.picker(logits, seq.seen)

@@ -127,8 +127,6 @@ class RowsView:
     decode step whose rows sit at different lengths). `claim` has already reserved the slots.
     """
 
-    padded = True  # ask the model for a mask: rows end at different slots
-
     def __init__(self, cache: SlotCache, slots: list[int], starts: list[int]) -> None:
         self.cache, self.slots, self.starts = cache, slots, starts
         self.max_tokens = cache.max_tokens
@@ -138,7 +136,9 @@ class RowsView:
         self._index = torch.tensor(slots, device=device)
         self._start_index = torch.tensor(starts, device=device)
         single = len(slots) == 1
-        self.padded = not single or starts[0] > 0  # one slot from 0 is plain causal attention
+        # The model asks for a mask when this says so: rows ending at different slots, or a chunk after slot 0
+        # (one slot from slot 0 is plain causal attention).
+        self.padded = not single or starts[0] > 0
         self._end = max(starts) + 1
 
     def append(self, positions: Tensor, valid: Tensor | None = None) -> int:

@@ -10,6 +10,7 @@ affected requests with reason `error` instead of killing the run. Beam search, a
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from typing import Any, Literal
@@ -155,10 +156,18 @@ class Generate(Stage):
         assert tok is not None
         served = _SERVED.get(cache)
         scheduler = served or new_scheduler(model, cache, params, running)
+        settings_of = [settings_for(r, params, seed) for r in requests]
         decoder = StreamDecoder(tok, skip_special_tokens=True) if stream else None
         # Only a single request streams: its stop strings are never shown, even in part.
-        shown = StopStringStream(ctx.stream, settings_for(requests[0], params, seed)["stop"] if stream else [])
+        shown = StopStringStream(ctx.stream, settings_of[0]["stop"] if stream else [])
         eos_ids = frozenset(eos)
+        left = [len(requests)]
+        all_done = threading.Event()
+
+        def on_finish(_seq: Any) -> None:  # on the stepping thread, one request at a time
+            left[0] -= 1
+            if left[0] == 0:
+                all_done.set()
 
         def on_token(token: int) -> None:
             if decoder is not None and token not in eos_ids:
@@ -167,8 +176,7 @@ class Generate(Stage):
                     shown.push(piece)
 
         submitted = []
-        for request in requests:
-            settings = settings_for(request, params, seed)
+        for request, settings in zip(requests, settings_of, strict=True):
             prompt = self._fit(ctx, request, cache.max_tokens)
             sampling = SamplingParams(**{k: settings[k] for k in SAMPLING_FIELDS}, logprobs_top_n=params.logprobs)
             seq = scheduler.submit(
@@ -179,6 +187,7 @@ class Generate(Stage):
                     eos_ids=eos_ids,
                     stop=stop_checker(tok, settings["stop"]),
                     on_token=on_token if stream else None,
+                    on_finish=on_finish,
                     tag=request.id,
                 )
             )
@@ -186,13 +195,11 @@ class Generate(Stage):
         if served is None:
             scheduler.run()
         else:  # another thread steps the served scheduler: wait, and give the slots back if nobody wants the answer
-            seqs = [seq for _, seq, _ in submitted]
-            while not all(seq.done.wait(0.05) for seq in seqs):
+            while not all_done.wait(0.05):  # wakes the moment the last one ends; checks for a cancel meanwhile
                 if ctx.cancel.is_set():
-                    for seq in seqs:
+                    for _, seq, _ in submitted:
                         scheduler.cancel(seq)
-                    for seq in seqs:
-                        seq.done.wait()
+                    all_done.wait()
         if decoder is not None and served is None:
             # A served answer's tail comes from its final text instead: an incomplete character held back
             # here is dropped there, and the client must get exactly the final text.

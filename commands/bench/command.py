@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from llmplan.commands.arguments import positive
 from llmplan.engine.cli import CliError
 from llmplan.engine.memory import rss_bytes
 
@@ -32,10 +33,10 @@ from .stats import PeakRSS, summary
 def register(subparsers: Any) -> None:
     bench = subparsers.add_parser("bench", help="measure load, prefill, decode and memory of a plan's model")
     bench.add_argument("plan")
-    bench.add_argument("--prompt-tokens", type=_positive, default=128, help="prompt length (random ids)")
-    bench.add_argument("--gen-tokens", type=_positive, default=128, help="tokens generated per row (EOS ignored)")
+    bench.add_argument("--prompt-tokens", type=positive, default=128, help="prompt length (random ids)")
+    bench.add_argument("--gen-tokens", type=positive, default=128, help="tokens generated per row (EOS ignored)")
     bench.add_argument("--batch", type=_int_list, default=[1, 4, 16], help="batch sizes, e.g. 1,4,16")
-    bench.add_argument("--runs", type=_positive, default=3, help="measured runs per batch size (after a warm-up)")
+    bench.add_argument("--runs", type=positive, default=3, help="measured runs per batch size (after a warm-up)")
     bench.add_argument(
         "--vs", choices=["transformers", "llama-server"], help="the reference, alternating (llama-server: --serve)"
     )
@@ -44,23 +45,17 @@ def register(subparsers: Any) -> None:
     bench.add_argument("--dtype", type=_str_list, help="a grid over the convert stage's dtype, e.g. fp32,int8")
     bench.add_argument("--no-cold", action="store_true", help="skip the cold (page-cache dropped) load")
     bench.add_argument("--out", metavar="PREFIX", help="also write PREFIX.json and PREFIX.md")
-    bench.add_argument("--mix", type=_positive, metavar="N", help="N requests of mixed lengths: static vs scheduler")
+    bench.add_argument("--mix", type=positive, metavar="N", help="N requests of mixed lengths: static vs scheduler")
     bench.add_argument("--serve", action="store_true", help="`llmplan serve` under concurrent streaming clients")
     bench.add_argument("--clients", type=_int_list, default=[1, 4, 16], help="--serve: concurrent clients per level")
     bench.add_argument("--time-limit", type=float, default=600.0, help="--serve: seconds per level at most")
-    bench.add_argument("--threads", type=_positive, default=2, help="--serve: llama-server's threads (-t)")
-    bench.add_argument("--slots", type=_positive, default=16, help="--mix: batch size and scheduler slots")
-    bench.add_argument("--max-step-tokens", type=_positive, default=512, help="--mix: scheduler tokens per step")
+    bench.add_argument("--threads", type=positive, default=2, help="--serve: llama-server's threads (-t)")
+    bench.add_argument("--slots", type=positive, default=16, help="--mix: batch size and scheduler slots")
+    bench.add_argument("--max-step-tokens", type=positive, default=512, help="--mix: scheduler tokens per step")
     bench.add_argument("--mix-prompts", type=_range, default=(16, 512), metavar="LO-HI", help="--mix: prompt lengths")
     bench.add_argument("--mix-outputs", type=_range, default=(16, 256), metavar="LO-HI", help="--mix: output lengths")
     bench.set_defaults(handler=cmd_bench)
 
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
 
 
 def _range(text: str) -> tuple[int, int]:

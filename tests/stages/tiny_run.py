@@ -55,14 +55,16 @@ def make_tiny_model_dir(tmp_path: Path, n_layers: int = 3) -> tuple[Path, Any]:
     return model_dir, hf
 
 
-def load_stages(model_dir: Path, *, place: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """The load half of a tiny plan, env to place (fp32, no hashes, a 128-token cache unless `place` says)."""
+def load_stages(
+    model_dir: Path, *, hashes: str = "off", place: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """The load half of a tiny plan, env to place (fp32; no hashes and a 128-token cache unless told)."""
     return [
         {"id": "env", "uses": "env.check"},
         {"id": "model", "uses": "model.source", "with": {"path": str(model_dir)}},
         {"id": "config", "uses": "load.config"},
         {"id": "tokenizer", "uses": "load.tokenizer"},
-        {"id": "verify", "uses": "load.verify", "with": {"hashes": "off"}},
+        {"id": "verify", "uses": "load.verify", "with": {"hashes": hashes}},
         {"id": "read", "uses": "load.read_shards"},
         {"id": "convert", "uses": "load.convert", "with": {"dtype": "fp32"}},
         {"id": "place", "uses": "load.to_device", "with": place or {"kv_cache": {"max_tokens": 128}}},

@@ -8,6 +8,7 @@ from typing import Any
 import yaml
 
 from llmplan.llm.manifest import write_sha256sums
+from tests.stages.tiny_run import load_stages
 
 LISTED = ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json")
 
@@ -41,14 +42,7 @@ def plan_for(
         "threads": 1,
         "observe": {"memory_interval_ms": 0},
         "stages": [
-            {"id": "env", "uses": "env.check"},
-            {"id": "model", "uses": "model.source", "with": {"path": str(model_dir)}},
-            {"id": "config", "uses": "load.config"},
-            {"id": "tokenizer", "uses": "load.tokenizer"},
-            {"id": "verify", "uses": "load.verify", "with": {"hashes": hashes}},
-            {"id": "read", "uses": "load.read_shards"},
-            {"id": "convert", "uses": "load.convert", "with": {"dtype": "fp32"}},
-            {"id": "place", "uses": "load.to_device", "with": {"kv_cache": {"max_tokens": 64}}},
+            *load_stages(model_dir, hashes=hashes, place={"kv_cache": {"max_tokens": 64}}),
             {"id": "prompt", "uses": "compute.tokenize", "with": {"messages": [{"role": "user", "content": "Hello"}]}},
             {
                 "id": "generate",
