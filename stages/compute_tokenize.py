@@ -22,6 +22,7 @@ from llmplan.engine.messages import describe
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
 from llmplan.llm.tokenizer import TokenizerError
 
+from .request_settings import Overrides
 from .slots import InferenceContext
 from .types import GenerationResult, Request
 
@@ -34,23 +35,6 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     role: Literal["system", "user", "assistant"]
     content: str
-
-
-class Overrides(BaseModel):
-    """Per-request generation settings a JSONL line may carry (checked by the generate stage)."""
-
-    model_config = ConfigDict(extra="forbid")
-    max_new_tokens: int | None = Field(None, ge=1, le=1 << 20)
-    temperature: float | None = Field(None, ge=0, le=100)
-    top_k: int | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0, le=10)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    no_repeat_ngram_size: int | None = Field(None, ge=0)
-    seed: int | None = Field(None, ge=0)
-    stop: list[str] | None = None
 
 
 class RequestLine(Overrides):
