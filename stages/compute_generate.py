@@ -32,7 +32,7 @@ from .compute_tokenize import truncate
 from .observe import finish_observing
 from .request_settings import SAMPLING_FIELDS, RequestSettings
 from .slots import InferenceContext
-from .types import Candidate, GenerationResult, Request
+from .types import GenerationResult, Request
 
 
 class GenerateParams(RequestSettings):
@@ -319,7 +319,7 @@ class Generate(Stage):
             prompt_tokens=len(prompt),
             tokens=list(best.tokens),
             finish_reason=best.finish_reason,
-            candidates=[Candidate(list(c.tokens), float(c.score), c.finish_reason) for c in candidates],
+            candidates=list(candidates),
             timings={"wall_s": wall, "decode_tokens_per_s": len(best.tokens) / wall if wall > 0 else 0.0},
             params=settings | {"num_beams": params.num_beams, "length_penalty": params.length_penalty},
         )

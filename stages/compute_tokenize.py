@@ -197,6 +197,13 @@ class Tokenize(Stage):
         ctx.metrics.set("requests", len(requests))
         ctx.metrics.set("prompt_tokens", [len(r.prompt_ids) for r in requests])
 
+    @classmethod
+    def prompt_params(cls, message: str | None, prompts_file: str | None) -> dict[str, Any] | None:
+        """--prompt is one user message, --prompts a JSONL file; either replaces the plan's own prompts."""
+        if message is not None:
+            return {"messages": [{"role": "user", "content": message}], "text": None, "prompts_file": None}
+        return {"prompts_file": prompts_file, "messages": None, "text": None}
+
     def check(self, params: Any, deep: DeepCheck) -> None:
         """`validate --deep`: the prompts file `run` would read must be there (the same test as run's)."""
         if params.prompts_file is not None and not Path(params.prompts_file).is_file():

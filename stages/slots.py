@@ -11,9 +11,12 @@ registered, and the graph the engine derives from them is the data flow of infer
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from llmplan.engine.context import Context
+from llmplan.engine.observing import ObserveSettings
+
+from . import observe_settings
 
 if TYPE_CHECKING:
     from llmplan.llm.checkpoint import ShardManifest
@@ -36,6 +39,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class InferenceContext(Context):
+    Observe: ClassVar[type[ObserveSettings]] = observe_settings.Observe
+
     environment: Environment | None = None
     model_source: ModelSource | None = None
     model_config: ModelConfig | None = None

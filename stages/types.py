@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from llmplan.llm.beam_search import Candidate  # stated once, where beam search makes them
 from llmplan.llm.generate import FinishReason  # stated once, where generation ends sequences
 
 
@@ -67,13 +68,6 @@ class Request:
     truncated: int = 0  # how many prompt tokens were dropped to fit the context
     source: str = ""  # where it came from, for messages: "prompts.jsonl:3" or "request 'prompt'"
     noticed_truncation: int = 0  # how much of `truncated` was already reported (ctx.notice)
-
-
-@dataclass
-class Candidate:
-    tokens: list[int]
-    score: float
-    finish_reason: FinishReason
 
 
 @dataclass
