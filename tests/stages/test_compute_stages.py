@@ -279,5 +279,5 @@ def test_run_prompt_flags_reach_the_tokenize_stage_whatever_its_id(tmp_path: Pat
 
     data["stages"] = [s for s in data["stages"] if s["uses"] != "compute.tokenize"]
     path.write_text(yaml.safe_dump(data, allow_unicode=True, sort_keys=False), encoding="utf-8")
-    with pytest.raises(CliError, match="--prompt: no stage of .* takes prompts"):
+    with pytest.raises(CliError, match=r"--prompt: no stage of .* takes prompts"):
         plan_overrides(message, registry, load_file(path))
