@@ -32,7 +32,7 @@ from .compute_tokenize import truncate
 from .observe import finish_observing
 from .request_settings import SAMPLING_FIELDS, RequestSettings
 from .slots import InferenceContext
-from .types import GenerationResult, Request
+from .types import Request, Result
 
 
 class GenerateParams(RequestSettings):
@@ -86,7 +86,7 @@ class Generate(Stage):
         )
         pad = cfg.pad_token_id if cfg.pad_token_id is not None else (tok.pad_id or 0)
         seed = ctx.plan.plan.seed
-        results: list[GenerationResult] = []
+        results: list[Result] = []
         started = time.perf_counter()
         if params.num_beams > 1:
             if cache in _SERVED:
@@ -129,7 +129,7 @@ class Generate(Stage):
         seed: int,
         stream: bool,
         running: int,
-    ) -> list[GenerationResult]:
+    ) -> list[Result]:
         tok = ctx.tokenizer
         assert tok is not None
         served = _SERVED.get(cache)
@@ -221,7 +221,7 @@ class Generate(Stage):
         pad: int,
         seed: int,
         stream: bool,
-    ) -> list[GenerationResult]:
+    ) -> list[Result]:
         tok = ctx.tokenizer
         settings = [settings_for(r, params, seed) for r in group]
         prompts = [self._fit(ctx, r, cache.max_tokens) for r, s in zip(group, settings, strict=True)]
@@ -290,7 +290,7 @@ class Generate(Stage):
         params: GenerateParams,
         eos: set[int],
         seed: int,
-    ) -> GenerationResult:
+    ) -> Result:
         settings = settings_for(request, params, seed)
         max_new = settings["max_new_tokens"]
         prompt = self._fit(ctx, request, cache.max_tokens - max_new + 1)
@@ -311,10 +311,10 @@ class Generate(Stage):
                 )
         except (torch.OutOfMemoryError, RuntimeError) as bad:
             ctx.log.warning("generation_error", request=request.id, error=str(bad))
-            return GenerationResult(request.id, len(prompt), [], "error", error=f"{type(bad).__name__}: {bad}")
+            return Result(request.id, len(prompt), [], "error", error=f"{type(bad).__name__}: {bad}")
         wall = time.perf_counter() - start
         best = candidates[0]
-        return GenerationResult(
+        return Result(
             request_id=request.id,
             prompt_tokens=len(prompt),
             tokens=list(best.tokens),
@@ -361,11 +361,12 @@ def unserve(cache: Any) -> None:
 
 def _result(
     request: Request, gen: Generation, prompt_len: int, settings: dict[str, Any], batch: int, batch_prompt: int
-) -> GenerationResult:
+) -> Result:
     """Per-request timings. batch_prompt: the prompt tokens the prefill time covers (a static batch's prefill
     is one pass for all its rows; a scheduled request's is its own, less any reused prefix)."""
     decoded = max(len(gen.tokens) - 1, 0)
     timings = {
+        "queue_s": gen.queued_s,  # submitted -> admitted into a slot (0 for a static batch)
         "prefill_s": gen.prefill_s,
         "ttft_s": gen.ttft_s if gen.ttft_s is not None else 0.0,
         "decode_s": gen.decode_s,
@@ -373,7 +374,7 @@ def _result(
         "decode_tokens_per_s": decoded / gen.decode_s if gen.decode_s > 0 else 0.0,
         "batch": float(batch),
     }
-    return GenerationResult(
+    return Result(
         request_id=request.id,
         prompt_tokens=prompt_len,
         tokens=list(gen.tokens),

@@ -24,7 +24,7 @@ from llmplan.llm.tokenizer import TokenizerError
 
 from .request_settings import Overrides
 from .slots import InferenceContext
-from .types import GenerationResult, Request
+from .types import Request, Result
 
 Truncation = Literal["keep_end", "keep_start", "error"]
 MAX_PROMPT_FILE_BYTES = 64 << 20
@@ -137,7 +137,7 @@ def read_prompt_file(
     return good
 
 
-def report_requests(ctx: InferenceContext, generations: list[GenerationResult]) -> None:
+def report_requests(ctx: InferenceContext, generations: list[Result]) -> None:
     """After generation: a prompt cut to fit the KV cache, and a request that ended in error, are
     reported (once each) — never only an event in events.jsonl."""
     requests = {r.id: r for r in ctx.requests or []}

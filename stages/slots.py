@@ -25,16 +25,7 @@ if TYPE_CHECKING:
     from llmplan.llm.model import Transformer
     from llmplan.llm.tokenizer import Tokenizer
 
-    from .types import (
-        Answer,
-        Completion,
-        ConvertedWeights,
-        Environment,
-        GenerationResult,
-        HostWeights,
-        ModelSource,
-        Request,
-    )
+    from .types import ConvertedWeights, Environment, HostWeights, ModelSource, Request, Result
 
 
 @dataclass
@@ -51,9 +42,9 @@ class InferenceContext(Context):
     model: Transformer | None = None
     kv_cache: KVCache | None = None
     requests: list[Request] | None = None
-    generations: list[GenerationResult] | None = None
-    answers: list[Answer] | None = None
-    completions: list[Completion] | None = None
+    generations: list[Result] | None = None
+    answers: list[Result] | None = None
+    completions: list[Result] | None = None
     deliveries: list[str] | None = None
     cache_record: dict[str, Any] | None = None
     release_report: dict[str, Any] | None = None
