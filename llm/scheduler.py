@@ -199,9 +199,6 @@ class Scheduler:
             if self._cancel_everything:
                 cancelled += [*self._waiting, *self._running]
                 self._cancel_everything = False
-        # Called (from the submitting thread) whenever work arrives: lets whoever steps this scheduler sleep
-        # on a wake-up of its own instead of polling.
-        self.on_work: Callable[[], None] | None = None
         for seq in cancelled:
             self._end_cancelled(seq)
         self._admit()

@@ -283,3 +283,14 @@ def test_submissions_from_other_threads_while_serving(fp32: Transformer) -> None
 def test_max_step_tokens_must_leave_room_for_a_prompt_chunk(fp32: Transformer) -> None:
     with pytest.raises(ValueError, match="must exceed the running rows"):
         Scheduler(fp32, SlotCache.for_model(fp32, 4, 64), max_step_tokens=4)
+
+
+def test_every_submission_wakes_whoever_steps_the_scheduler(fp32: Transformer) -> None:
+    """The wake-up callback stays set across steps: an idle server admits a request at once, not after a poll."""
+    sched = Scheduler(fp32, SlotCache.for_model(fp32, 2, 64), max_step_tokens=32)
+    woken: list[int] = []
+    sched.on_work = lambda: woken.append(1)
+    sched.submit(request(PROMPTS[0], 2))
+    sched.run()
+    sched.submit(request(PROMPTS[1], 2))
+    assert len(woken) == 2
