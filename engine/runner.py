@@ -257,6 +257,7 @@ class Runner:
     # --- one stage -------------------------------------------------------------------------------
 
     def _run_stage(self, stage_id: str, sampler: MemorySampler, log: Any) -> None:
+        span_start = time.perf_counter_ns()  # the trace's span includes the measuring around the stage
         bound = self.graph.nodes[stage_id]["stage"]
         ctx = self.ctx
         ctx.metrics.current = stage_id
@@ -281,7 +282,6 @@ class Runner:
         finally:
             t1_ns = time.perf_counter_ns()
             record.wall_s = (t1_ns - t0_ns) / 1e9
-            ctx.trace.add(stage_id, "stage", t0_ns, t1_ns, uses=bound.spec.uses, phase=record.phase)
             ctx.metrics.by_stage.setdefault(stage_id, {})["wall_s"] = record.wall_s
             record.rss_after, record.device_after = rss_bytes(), device_bytes()
             sampler.mark(stage_id, "end")
@@ -296,6 +296,16 @@ class Runner:
                     device_after=record.device_after,
                 )
             self.report(record)
+            ctx.trace.add(
+                stage_id,
+                "stage",
+                span_start,
+                time.perf_counter_ns(),
+                uses=bound.spec.uses,
+                phase=record.phase,
+                status=record.status,
+                wall_s=record.wall_s,
+            )
 
     def _run_always(self, sampler: MemorySampler, log: Any) -> tuple[str | None, bool]:
         """Run the `always` stages; (the first cleanup error, whether Ctrl-C hit one of them)."""
