@@ -1,4 +1,5 @@
-"""The stage graph as a picture (PNG/SVG through matplotlib; no Graphviz needed)."""
+"""The stage graph as a picture: SVG from the layered layout (engine/graph_layout.py), PNG through matplotlib;
+no Graphviz needed. PHASE_COLORS is stated once, in graph_layout, and shared with the report."""
 
 from __future__ import annotations
 
@@ -7,17 +8,14 @@ from pathlib import Path
 import networkx as nx
 
 from .graph import DATA, execution_order, layout_layers, phase_of
-
-PHASE_COLORS = {
-    "load": "#9ec5fe",
-    "compute": "#ffc078",
-    "output": "#8ce99a",
-    "observe": "#d0bfff",
-    "other": "#dee2e6",
-}
+from .graph_layout import PHASE_COLORS, graph_svg
 
 
 def draw_graph(graph: nx.DiGraph, out: Path, labels: dict[str, str] | None = None, title: str = "") -> Path:
+    if out.suffix.lower() == ".svg":
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(graph_svg(graph, labels, title or "stage graph"), encoding="utf-8")
+        return out
     import matplotlib
 
     matplotlib.use("Agg")
