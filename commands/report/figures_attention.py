@@ -5,10 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from matplotlib.colors import LogNorm
+
 from .common import Figure, plt, save
 from .fonts import drawable, pick_font
 from .run_data import RunData
 from .tokens import token_labels
+
+FLOOR = 1e-4  # weights below this share the darkest colour (and masked, future positions are 0)
 
 
 def labels_of(data: dict[str, Any]) -> list[str]:
@@ -45,7 +49,9 @@ def draw_attention(run: RunData, out_dir: Path) -> list[Figure]:
     image = None
     for m in maps:
         ax = axes[layers.index(m["layer"])][heads.index(m["head"])]
-        image = ax.imshow(m["weights"], cmap="magma", vmin=0, vmax=1, interpolation="nearest")
+        # Log scale: a row's weights span orders of magnitude (a few large, most tiny); linear left them black.
+        weights = [[w if w > FLOOR else FLOOR for w in row] for row in m["weights"]]
+        image = ax.imshow(weights, cmap="magma", norm=LogNorm(vmin=FLOOR, vmax=1), interpolation="nearest")
         ax.set_title(f"layer {m['layer']}, head {m['head']}", fontsize=9)
         if shown and n <= 96:
             size = max(4.0, min(8.0, 420 / n))
@@ -57,13 +63,18 @@ def draw_attention(run: RunData, out_dir: Path) -> list[Figure]:
         ax.set_xlabel("key (attended-to token)", fontsize=8)
         ax.set_ylabel("query token", fontsize=8)
     if image is not None:
-        fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
-    fig.suptitle("Attention over the prompt (first request, first prefill pass; each row sums to 1)", fontsize=11)
-    path = save(fig, out_dir / "attention.png")
+        fig.colorbar(image, ax=axes, shrink=0.6, label=f"attention weight (log scale; < {FLOOR:g} darkest)")
+    fig.suptitle(
+        "Attention over the prompt (first request, first prefill pass; each row sums to 1; log colour scale)",
+        fontsize=11,
+    )
+    path = save(fig, out_dir / "attention.svg")
     notes = [font.note] if font.note else []
     ignored = data.get("ignored") or {}
-    if ignored.get("layers") or ignored.get("heads"):
+    if ignored.get("layers") or ignored.get("heads"):  # runs from before the plan was checked against the model
         notes.append(f"ignored out-of-range indexes: layers {ignored.get('layers')}, heads {ignored.get('heads')}")
+    if (run.observe.get("attention") or {}) and run.observe.get("layer_timings"):
+        notes.append("capturing attention hooks the layers: this run decoded on the torch modules, not the fused step")
     caption = (
         f"{n} prompt tokens (max_tokens {data.get('max_tokens')}); weights recomputed from the attention "
         "module's own inputs as softmax(QKᵀ/√d) with the causal mask. <xx yy> = bytes of a character split "
