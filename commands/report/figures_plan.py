@@ -53,4 +53,5 @@ def draw_plan_graph(run: RunData, out_dir: Path) -> list[Figure]:
         "host memory (RSS) while it ran. Solid arrows carry the named slots; dashed ones only order stages or "
         "may fill a slot (a cache hit). Dashed grey boxes did not run. Click to open full size."
     )
-    return [Figure("plan", title, None, caption, html=f"<figure>{svg}</figure>")]
+    inline = svg.replace(' xmlns="http://www.w3.org/2000/svg"', "", 1)  # HTML needs no namespace: no URL on the page
+    return [Figure("plan", title, None, caption, html=f"<figure>{inline}</figure>")]

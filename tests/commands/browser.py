@@ -8,6 +8,7 @@ JavaScript, take screenshots of regions.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import shutil
@@ -65,10 +66,8 @@ class Browser:
         self.session: str | None = None
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.call("Browser.close", session=False)
-        except Exception:  # noqa: BLE001 - closing anyway
-            pass
         try:
             self.process.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -128,8 +127,6 @@ class Browser:
         return result["result"].get("value")
 
     def screenshot(self, path: Path, clip: dict[str, float]) -> Path:
-        shot = self.call(
-            "Page.captureScreenshot", format="png", captureBeyondViewport=True, clip={**clip, "scale": 1}
-        )
+        shot = self.call("Page.captureScreenshot", format="png", captureBeyondViewport=True, clip={**clip, "scale": 1})
         path.write_bytes(base64.b64decode(shot["data"]))
         return path
