@@ -44,6 +44,7 @@ OBSERVER_KEY = "ext.observer"
 MODEL_FILE, GENERATIONS_FILE = "model.json", "generations.json"
 TIMINGS_FILE, ATTENTION_FILE = "layer_timings.json", "attention.json"
 STEPS_FILE = "steps.json"
+MAX_DECODE_ROWS = 64  # decode steps whose attention is recomputed for the report
 LAYER_MODULES = ("attention_norm", "attention.wqkv", "attention.wo", "ffn_norm", "feed_forward.w13", "feed_forward.w2")
 
 
@@ -245,6 +246,55 @@ class Observer:
         if state["ids"] is None and self._prompt_ids is not None:
             state["ids"] = self._prompt_ids[0, columns.to(self._prompt_ids.device)].tolist()
 
+    def capture_decode(self, prompt: list[int], generated: list[int]) -> None:
+        """The decode steps' attention of one request, recomputed after the run: one causal pass over the
+        prompt and the generated tokens gives each step's query exactly the keys its decode step saw. Rows are
+        the queries that picked generated token 0 (the prompt's last), 1, 2, …; columns every token before."""
+        state, model = self.attention, self.model
+        if state is None or model is None or not prompt or not generated:
+            return
+        picked = generated[:MAX_DECODE_ROWS]
+        ids = prompt + picked[:-1]  # the last picked token is never an input
+        rows_from = len(prompt) - 1
+        out: dict[tuple[int, int], list[list[float]]] = {}
+
+        def hook_for(layer: int) -> Callable[..., None]:
+            def hook(module: nn.Module, args: tuple[Any, ...], _out: Any) -> None:
+                for head, weights in self._weights(module, args[0], state["heads"]).items():
+                    out[(layer, head)] = weights[rows_from:].cpu().tolist()
+
+            return hook
+
+        handles = [model.layers[layer].attention.register_forward_hook(hook_for(layer)) for layer in state["layers"]]
+        clock, model.layer_clock = model.layer_clock, None  # not a pass of the run: keep it out of the timings
+        try:
+            tokens = torch.tensor([ids], device=model.device)
+            with torch.inference_mode():
+                model(tokens, torch.arange(len(ids), device=model.device)[None], last_only=True)
+        finally:
+            model.layer_clock = clock
+            for handle in handles:
+                handle.remove()
+        state["decode"] = {"prompt_ids": prompt, "picked_ids": picked, "maps": out}
+
+    def _weights(self, attn: nn.Module, x: Tensor, heads: list[int]) -> dict[int, Tensor]:
+        """softmax(q kᵀ/√d) with the causal mask for row 0 of `x` (all of it valid, from position 0)."""
+        q, k, _ = attn.wqkv(x[:1]).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        t = x.shape[1]
+        q = q.view(1, t, attn.n_heads, attn.head_dim).transpose(1, 2)
+        k = k.view(1, t, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
+        positions = torch.arange(t, device=x.device)
+        cos_t = self.model.rope_cos[positions].to(q.dtype)[None, None]
+        sin_t = self.model.rope_sin[positions].to(q.dtype)[None, None]
+        q, k = apply_rope(q, cos_t, sin_t), apply_rope(k, cos_t, sin_t)
+        group = attn.n_heads // attn.n_kv_heads
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        found = {}
+        for head in heads:
+            scores = (q[0, head].float() @ k[0, head // group].float().T) / math.sqrt(attn.head_dim)
+            found[head] = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        return found
+
     # results
 
     def remove(self) -> None:
@@ -283,6 +333,29 @@ class Observer:
             "pieces": pieces,
             "maps": [
                 {"layer": layer, "head": head, "weights": w} for (layer, head), w in sorted(state["maps"].items())
+            ],
+            "decode": self._decode_record(tokenizer),
+        }
+
+    def _decode_record(self, tokenizer: Tokenizer | None) -> dict[str, Any] | None:
+        decode = (self.attention or {}).get("decode")
+        if not decode:
+            return None
+        ids = decode["prompt_ids"] + decode["picked_ids"][:-1]
+
+        def named(values: list[int]) -> dict[str, Any]:
+            return {
+                "token_ids": values,
+                "tokens": [tokenizer.id_to_token(i) for i in values] if tokenizer is not None else None,
+                "pieces": [tokenizer.decode([i]) for i in values] if tokenizer is not None else None,
+            }
+
+        return {
+            "prompt_tokens": len(decode["prompt_ids"]),
+            "columns": named(ids),
+            "rows": named(decode["picked_ids"]),  # row i: the query that picked this token
+            "maps": [
+                {"layer": layer, "head": head, "weights": w} for (layer, head), w in sorted(decode["maps"].items())
             ],
         }
 
@@ -501,6 +574,11 @@ def finish_observing(ctx: InferenceContext, results: list[GenerationResult]) -> 
     _write_json(Path(ctx.run_dir) / GENERATIONS_FILE, records)
     observer = ctx.ext.get(OBSERVER_KEY)
     if isinstance(observer, Observer):
+        first = next((r for r in results if r.tokens and not r.from_cache), None)
+        request = next((q for q in ctx.requests or [] if first is not None and q.id == first.request_id), None)
+        uncut = request is not None and first is not None and len(request.prompt_ids) == first.prompt_tokens
+        if uncut and observer.attention is not None:  # (a prompt cut to fit is not recomputed)
+            observer.capture_decode(list(request.prompt_ids), list(first.tokens))
         observer.save(Path(ctx.run_dir), ctx.tokenizer)
         if observer.clock is not None:
             trace_layers(ctx, observer.clock)

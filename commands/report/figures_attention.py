@@ -80,4 +80,59 @@ def draw_attention(run: RunData, out_dir: Path) -> list[Figure]:
         "module's own inputs as softmax(QKᵀ/√d) with the causal mask. <xx yy> = bytes of a character split "
         "over several tokens; ␣ = space."
     )
-    return [Figure("attention", "Attention heatmaps", path, caption, notes)]
+    return [Figure("attention", "Attention heatmaps", path, caption, notes), *draw_decode_attention(data, out_dir)]
+
+
+def draw_decode_attention(data: dict[str, Any], out_dir: Path) -> list[Figure]:
+    """Each decode step's attention over the prompt and the tokens generated before it (first request)."""
+    decode = data.get("decode") or {}
+    maps = decode.get("maps") or []
+    if not maps:
+        return []
+    columns = labels_of(decode["columns"])
+    rows = labels_of(decode["rows"])
+    font = pick_font(columns + rows)
+    props = font.properties()
+    prompt = decode["prompt_tokens"]
+    layers, heads = sorted({m["layer"] for m in maps}), sorted({m["head"] for m in maps})
+    n_rows, n_cols = len(maps[0]["weights"]), len(maps[0]["weights"][0])
+    width = min(0.13 * n_cols + 2.0, 12.0)
+    height = min(0.16 * n_rows + 1.4, 8.0)
+    fig, axes = plt.subplots(
+        len(layers) * len(heads),
+        1,
+        figsize=(width + 2, height * len(layers) * len(heads) + 1),
+        squeeze=False,
+        layout="constrained",
+    )
+    image = None
+    for i, m in enumerate(maps):
+        ax = axes[i][0]
+        weights = [[w if w > FLOOR else FLOOR for w in row] for row in m["weights"]]
+        image = ax.imshow(
+            weights, cmap="magma", norm=LogNorm(vmin=FLOOR, vmax=1), interpolation="nearest", aspect="auto"
+        )
+        ax.axvline(prompt - 0.5, color="#4dabf7", linewidth=1.5)
+        ax.set_title(f"layer {m['layer']}, head {m['head']} — left of the blue line: the prompt", fontsize=9)
+        if n_rows <= 64:
+            ax.set_yticks(range(n_rows), [drawable(r, font) for r in rows[:n_rows]], fontsize=7, fontproperties=props)
+        if n_cols <= 96:
+            size = max(5.0, min(7.0, 500 / n_cols))
+            ax.set_xticks(
+                range(n_cols),
+                [drawable(c, font) for c in columns[:n_cols]],
+                rotation=90,
+                fontsize=size,
+                fontproperties=props,
+            )
+        ax.set_xlabel("key (attended-to token: prompt, then generated)", fontsize=8)
+        ax.set_ylabel("decode step (token it picked)", fontsize=8)
+    if image is not None:
+        fig.colorbar(image, ax=axes, shrink=0.6, label=f"attention weight (log scale; < {FLOOR:g} darkest)")
+    fig.suptitle("Attention of each decode step over the prompt and the tokens before it (first request)", fontsize=11)
+    path = save(fig, out_dir / "attention_decode.svg")
+    caption = (
+        f"{n_rows} decode steps over {prompt} prompt tokens. Recomputed after the run in one causal pass over "
+        "the prompt and the generated tokens: each row sees exactly the keys its decode step saw."
+    )
+    return [Figure("attention_decode", "Attention of the decode steps", path, caption)]

@@ -32,6 +32,7 @@ ALL_SVGS = {
     "layer_timings.svg",
     "decode_steps.svg",
     "attention.svg",
+    "attention_decode.svg",
 }
 EMBEDDED = ALL_SVGS - {"plan_graph.svg"}  # the plan graph is inline markup, the others data: URIs
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts" / "report"  # screenshots (ignored by git)

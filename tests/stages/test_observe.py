@@ -190,3 +190,23 @@ def test_layer_timings_keep_the_fused_step(tiny: tuple[Path, Any], tmp_path: Pat
     expected = "fused" if native.kernels() is not None else "torch"
     assert timings["decode"]["paths"] == {expected: NEW_TOKENS - 1}
     assert timings["prefill"]["paths"] == {"torch": 1}
+
+
+def test_decode_attention_equals_transformers(tiny: tuple[Path, Any], model: Transformer) -> None:
+    """The decode steps' rows: each generated token's query over the prompt and the tokens before it."""
+    hf = tiny[1]
+    hf.config._attn_implementation = "eager"
+    prompt, generated = [1, 40, 41, 50, 60], [70, 80, 90, 100]
+    observer = install_observers(model, Observe(attention=AttentionCapture(layers=[1], heads=[2], max_tokens=64)))
+    assert observer is not None
+    observer.capture_decode(prompt, generated)
+    observer.remove()
+    record = observer.attention_record()
+    assert record is not None and record["decode"] is not None
+    decode = record["decode"]
+    assert decode["prompt_tokens"] == 5 and decode["rows"]["token_ids"] == generated
+    assert decode["columns"]["token_ids"] == prompt + generated[:-1]
+    with torch.inference_mode():
+        expected = hf(torch.tensor([prompt + generated[:-1]]), output_attentions=True).attentions[1][0, 2].float()
+    [m] = decode["maps"]
+    torch.testing.assert_close(torch.tensor(m["weights"]), expected[4:], atol=1e-5, rtol=1e-4)
