@@ -218,3 +218,35 @@ def test_page_in_headless_chromium_at_1280px(page: Path, tmp_path: Path) -> None
         )
     finally:
         browser.close()
+
+
+def test_replayed_run_says_so_and_shows_the_source_runs_pictures(tmp_path: Path) -> None:
+    """A cached answer's page: replayed, from which run, that run's pictures; no "not run" boxes blaming the plan."""
+    import yaml
+
+    patch = pytest.MonkeyPatch()
+    try:
+        wire_observers(patch)
+        model_dir, _ = make_tiny_model_dir(tmp_path, n_layers=2)
+        path = write_plan(tmp_path, model_dir, observe={"layer_timings": True}, name="cached")
+        plan = yaml.safe_load(path.read_text(encoding="utf-8"))
+        db = str(tmp_path / "results.sqlite")
+        plan["stages"] += [
+            {"id": "lookup", "uses": "cache.lookup", "with": {"db": db}},
+            {"id": "post", "uses": "output.postprocess"},
+            {"id": "detok", "uses": "output.detokenize"},
+            {"id": "store", "uses": "output.cache", "with": {"db": db}},
+        ]
+        path.write_text(yaml.safe_dump(plan, sort_keys=False), encoding="utf-8")
+        first = run_plan(path, tmp_path / "first")
+        second = run_plan(path, tmp_path / "second")
+    finally:
+        patch.undo()
+    assert json.loads((second / "metrics.json").read_text())["lookup"]["replayed"] is True
+    html = build_report(second).read_text(encoding="utf-8")
+    assert "Replayed from the results cache." in html and "Nothing was generated in this run" in html
+    assert escape((first / "report" / "index.html").as_uri()) in html
+    assert f"(from {first.name}, the run that generated the answers)" in html
+    assert "skipped: answers replayed" in html  # the plan graph's label, not "not run"
+    assert "not in plan / not run" not in html
+    assert (second / "report" / "source" / "layer_timings.svg").is_file()
