@@ -54,7 +54,9 @@ class Observe(_Numbers):
     """What to record beyond the always-on stage timings and memory."""
 
     memory_interval_ms: int = Field(50, ge=0, le=10_000, description="RSS/device memory sampling; 0 = off")
-    layer_timings: bool = Field(False, description="per-layer attention/MLP times (hooks; off = no hooks)")
+    layer_timings: bool = Field(
+        False, description="per-layer attention/MLP times, timed inside both decode paths (no hooks)"
+    )
     attention: AttentionCapture | None = Field(None, description="capture attention weights for heatmaps")
 
 
