@@ -35,7 +35,7 @@ class LayerPass:
 class LayerClock:
     """The marks of up to `max_passes` forward passes (later ones are counted, not kept)."""
 
-    def __init__(self, n_layers: int, max_passes: int = 200_000) -> None:
+    def __init__(self, n_layers: int, max_passes: int = 20_000) -> None:  # ~2.5 KB a pass at 30 layers
         self.n_layers = n_layers
         self.buffer = torch.zeros(2 * n_layers + 2, dtype=torch.int64)  # the fused step's marks (written by C)
         self.passes: list[LayerPass] = []
