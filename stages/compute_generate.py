@@ -131,7 +131,8 @@ class Generate(Stage):
             else:
                 results = self._scheduled(ctx, model, cache, requests, params, eos, seed, stream, size)
         ctx.generations = results
-        finish_observing(ctx, results)  # generations.json; timings / attention files when observed
+        # generations.json; timings / attention files when observed
+        finish_observing(ctx, results, shared_model=cache in _SERVED)
         total = sum(len(r.tokens) for r in results)
         wall = time.perf_counter() - started
         ctx.metrics.set("generated_tokens", total)

@@ -560,7 +560,7 @@ def _text(tokenizer: Tokenizer, ids: list[int]) -> str:
     return tokenizer.decode([int(i) for i in ids if 0 <= int(i) < vocab], skip_special_tokens=True)
 
 
-def finish_observing(ctx: InferenceContext, results: list[GenerationResult]) -> None:
+def finish_observing(ctx: InferenceContext, results: list[GenerationResult], shared_model: bool = False) -> None:
     """For compute.generate: report cut prompts and failed requests; write generations.json and
     whatever the observer recorded."""
     from .compute_tokenize import report_requests
@@ -577,7 +577,9 @@ def finish_observing(ctx: InferenceContext, results: list[GenerationResult]) -> 
         first = next((r for r in results if r.tokens and not r.from_cache), None)
         request = next((q for q in ctx.requests or [] if first is not None and q.id == first.request_id), None)
         uncut = request is not None and first is not None and len(request.prompt_ids) == first.prompt_tokens
-        if uncut and observer.attention is not None:  # (a prompt cut to fit is not recomputed)
+        # Not for a prompt cut to fit, nor on a model another thread is stepping (a served plan): the extra pass
+        # and its hooks would run beside that thread's.
+        if uncut and observer.attention is not None and not shared_model:
             observer.capture_decode(list(request.prompt_ids), list(first.tokens))
         observer.save(Path(ctx.run_dir), ctx.tokenizer)
         if observer.clock is not None:
