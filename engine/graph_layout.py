@@ -224,12 +224,7 @@ def _place(layout: Layout) -> None:
 
 def _edge_path(layout: Layout, chain: list[str]) -> str:
     """Straight down through each rank's band (at a column no box takes), a cubic curve across each gap."""
-    items = layout.items
-    first, last = items[chain[0]], items[chain[-1]]
-    points = [(first.x, first.y + first.height / 2), (first.x, first.band[1])]
-    for key in chain[1:-1]:
-        points += [(items[key].x, items[key].band[0]), (items[key].x, items[key].band[1])]
-    points += [(last.x, last.band[0]), (last.x, last.y - last.height / 2)]
+    points = edge_points(layout, chain)
     d = f"M{points[0][0]:.1f},{points[0][1]:.1f}"
     for i in range(1, len(points)):
         (x0, y0), (x1, y1) = points[i - 1], points[i]
@@ -241,8 +236,8 @@ def _edge_path(layout: Layout, chain: list[str]) -> str:
     return d
 
 
-def graph_svg(graph: nx.DiGraph, labels: dict[str, str] | None = None, title: str = "") -> str:
-    """The plan graph as a standalone SVG document (text as <text>, sizes in px)."""
+def stage_lines(graph: nx.DiGraph, labels: dict[str, str] | None) -> tuple[dict[str, list[str]], set[str]]:
+    """Each box's text (id, uses, the caller's label lines), and the stages drawn dimmed (did not run)."""
     lines: dict[str, list[str]] = {}
     dimmed: set[str] = set()
     for node in graph:
@@ -251,6 +246,23 @@ def graph_svg(graph: nx.DiGraph, labels: dict[str, str] | None = None, title: st
         lines[node] = [node, uses, *[t for t in extra.split("\n") if t]]
         if extra.startswith(("not run", "skipped", "failed")):
             dimmed.add(node)
+    return lines, dimmed
+
+
+def edge_points(layout: Layout, chain: list[str]) -> list[tuple[float, float]]:
+    """The polyline of an edge: pairs of points, straight within a rank's band, a curve between bands."""
+    items = layout.items
+    first, last = items[chain[0]], items[chain[-1]]
+    points = [(first.x, first.y + first.height / 2), (first.x, first.band[1])]
+    for key in chain[1:-1]:
+        points += [(items[key].x, items[key].band[0]), (items[key].x, items[key].band[1])]
+    points += [(last.x, last.band[0]), (last.x, last.y - last.height / 2)]
+    return points
+
+
+def graph_svg(graph: nx.DiGraph, labels: dict[str, str] | None = None, title: str = "") -> str:
+    """The plan graph as a standalone SVG document (text as <text>, sizes in px)."""
+    lines, dimmed = stage_lines(graph, labels)
     layout = build_layout(graph, lines)
     margin, head = 16.0, 34.0 if title else 8.0
     legend_h = 30.0
