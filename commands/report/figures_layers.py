@@ -102,14 +102,16 @@ def draw_layer_timings(run: RunData, out_dir: Path) -> list[Figure]:
         )
         ax.set_xlabel("layer")
         ax.set_ylabel("ms per pass (median; bars: p10–p90)")
-        ax.set_xticks(layers if n <= 32 else layers[:: max(1, n // 16)])
-        ax.legend(fontsize=7, loc="upper right")
+        ax.set_xticks(layers if n <= 16 else layers[:: max(2, n // 16)])
         ax.grid(axis="y", alpha=0.3)
         ax.set_ylim(bottom=0)
         summary.append(
             f"{phase}: per pass, attention {sum(attn):.2f} ms and MLP {sum(mlp):.2f} ms over all layers (medians), "
             f"embedding + final norm + head {bucket['outside_layers_ms']['median']:.2f} ms"
         )
+    handles = next((ax.get_legend_handles_labels() for ax in axes if ax.get_legend_handles_labels()[0]), None)
+    if handles:  # one legend for both panels, under them: never over the bars
+        fig.legend(*handles, loc="outside lower center", ncol=2, fontsize=9)
     fig.suptitle("Time per layer: median over every pass, with its spread", fontsize=11)
     path = save(fig, out_dir / "layer_timings.svg")
     sync = "GPU synchronized at each mark" if data.get("synchronized") else "CPU wall time (CLOCK_MONOTONIC)"
