@@ -157,6 +157,7 @@ class Runner:
         previous: Any = None
         try:
             self._prepare()
+            ctx.trace.add("prepare the stages", "engine", started_ns, time.perf_counter_ns())
             for stage_id in self.order:
                 bound = self.graph.nodes[stage_id]["stage"]
                 if bound.cls.always:
@@ -200,6 +201,7 @@ class Runner:
                 status, code = "errors", EXIT_REQUEST_ERRORS
                 listed = "; ".join(f"{rid}: {why}" for rid, why in list(ctx.request_errors.items())[:5])
                 message = f"{len(ctx.request_errors)} request(s) ended in error ({listed})"
+            finishing = time.perf_counter_ns()
             sampler.stop()
             failed = next((r for r in self.records.values() if r.status == "failed"), None)
             if failed is not None and status != "ok" and not message.startswith(f"stage {failed.id!r}"):
@@ -208,6 +210,7 @@ class Runner:
                 if stage_id not in self.records:
                     self._record(stage_id, "not_run")
             ended_ns = time.perf_counter_ns()
+            ctx.trace.add("finish the run", "engine", finishing, ended_ns)
             total = (ended_ns - started_ns) / 1e9
             load = {"start": load_before, "end": _load_average(), "cpus": os.cpu_count()}
             log.info("run_finished", status=status, wall_s=round(total, 4), peak_rss=peak_rss_bytes())
