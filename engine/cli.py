@@ -19,9 +19,10 @@ from typing import Any
 
 from .context import Context
 from .findings import Finding, PlanError
-from .plan import BoundPlan, load_plan
+from .plan import BoundPlan, bind, load_plan
 from .registry import Registry, discover
 from .stage import DeepCheck
+from .yaml_source import Source, load_file
 
 COMMAND_GROUP = "llmplan.commands"
 REPORTER_GROUP = "llmplan.reporters"
@@ -127,14 +128,25 @@ def _add_plan_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", metavar="FILE.jsonl", help="requests from a JSONL file")
 
 
-def plan_overrides(args: argparse.Namespace) -> list[str]:
-    """--prompt and --prompts are sugar for overrides of the stage with id `prompt`."""
+def plan_overrides(args: argparse.Namespace, registry: Registry, source: Source) -> list[str]:
+    """`--set` overrides, then --prompt / --prompts as overrides of the stages whose plugin takes prompts."""
     overrides = list(getattr(args, "set", []) or [])
-    if getattr(args, "prompt", None) is not None:
-        message = json.dumps([{"role": "user", "content": args.prompt}], ensure_ascii=False)
-        overrides += [f"prompt.messages={message}", "prompt.text=null", "prompt.prompts_file=null"]
-    if getattr(args, "prompts", None):
-        overrides += [f"prompt.prompts_file={json.dumps(args.prompts)}", "prompt.messages=null", "prompt.text=null"]
+    message, prompts_file = getattr(args, "prompt", None), getattr(args, "prompts", None) or None
+    if message is None and prompts_file is None:
+        return overrides
+    stages = source.data.get("stages") if isinstance(source.data, dict) else None
+    takers = 0
+    for spec in stages if isinstance(stages, list) else []:
+        uses, stage_id = (spec.get("uses"), spec.get("id")) if isinstance(spec, dict) else (None, None)
+        stage_cls = registry.get(uses) if isinstance(uses, str) else None
+        params = stage_cls.prompt_params(message, prompts_file) if stage_cls is not None else None
+        if params is None or not isinstance(stage_id, str):
+            continue
+        takers += 1
+        overrides += [f"{stage_id}.{name}={json.dumps(value, ensure_ascii=False)}" for name, value in params.items()]
+    if not takers:
+        flag = "--prompt" if message is not None else "--prompts"
+        raise CliError(f"{flag}: no stage of {source.file} takes prompts (see `llmplan stages`)")
     return overrides
 
 
@@ -146,7 +158,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .runner import Runner, make_run_dir
 
     registry = _registry()
-    bound = load_plan(args.plan, registry, plan_overrides(args))
+    source = load_file(args.plan)
+    bound = bind(source, registry, plan_overrides(args, registry, source))
     if args.until is not None and args.until not in {b.id for b in bound.stages}:
         raise CliError(f"--until: no stage with id {args.until!r} in {args.plan}")
     run_dir = Path(args.out) if args.out else make_run_dir(bound.plan.runs_dir, bound.plan.name)

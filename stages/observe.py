@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from llmplan.llm.tokenizer import Tokenizer
 
     from .slots import InferenceContext
-    from .types import GenerationResult
+    from .types import Result
 
 OBSERVER_KEY = "ext.observer"
 MODEL_FILE, GENERATIONS_FILE = "model.json", "generations.json"
@@ -430,7 +430,7 @@ def trace_layers(ctx: InferenceContext, clock: LayerClock) -> None:
 
 def check_attention_choice(ctx: InferenceContext, model: Transformer) -> None:
     """Layers and heads the plan asks to capture must exist in this model: one line naming file:line:field."""
-    settings = ctx.plan.plan.observe.attention if ctx.plan is not None else None
+    settings = getattr(ctx.plan.plan.observe, "attention", None) if ctx.plan is not None else None
     if settings is None:
         return
     n_layers, n_heads = len(model.layers), model.layers[0].attention.n_heads
@@ -474,7 +474,7 @@ def _write_json(path: Path, data: Any) -> Path:
 
 
 def generation_records(
-    results: list[GenerationResult],
+    results: list[Result],
     tokenizer: Tokenizer | None = None,
     prompts: dict[str, str] | None = None,
     origin: float = 0.0,
@@ -542,7 +542,7 @@ def begin_observing(ctx: InferenceContext, model: Transformer, kv_cache: KVCache
     return observer
 
 
-def redact_flagged(ctx: InferenceContext, results: list[GenerationResult], records: list[dict[str, Any]]) -> None:
+def redact_flagged(ctx: InferenceContext, results: list[Result], records: list[dict[str, Any]]) -> None:
     """A generation an output filter of the plan flags keeps no tokens, pieces or logprobs here either."""
     from .output_filter import flags
 
@@ -560,7 +560,7 @@ def _text(tokenizer: Tokenizer, ids: list[int]) -> str:
     return tokenizer.decode([int(i) for i in ids if 0 <= int(i) < vocab], skip_special_tokens=True)
 
 
-def finish_observing(ctx: InferenceContext, results: list[GenerationResult], shared_model: bool = False) -> None:
+def finish_observing(ctx: InferenceContext, results: list[Result], shared_model: bool = False) -> None:
     """For compute.generate: report cut prompts and failed requests; write generations.json and
     whatever the observer recorded."""
     from .compute_tokenize import report_requests
