@@ -190,6 +190,11 @@ def test_layer_timings_keep_the_fused_step(tiny: tuple[Path, Any], tmp_path: Pat
     expected = "fused" if native.kernels() is not None else "torch"
     assert timings["decode"]["paths"] == {expected: NEW_TOKENS - 1}
     assert timings["prefill"]["paths"] == {"torch": 1}
+    for key in ("attention_ms", "mlp_ms"):  # the step's own clock marks: every layer's span is positive
+        assert all(s["min"] > 0 for s in timings["decode"][key])
+    trace = json.loads((run / "trace.json").read_text())
+    passes = [e for e in trace["traceEvents"] if e.get("cat") == "pass" and e["name"].startswith("decode")]
+    assert len(passes) == NEW_TOKENS - 1 and all(f"({expected})" in e["name"] for e in passes)
 
 
 def test_decode_attention_equals_transformers(tiny: tuple[Path, Any], model: Transformer) -> None:
