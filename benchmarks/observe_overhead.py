@@ -191,6 +191,13 @@ def main() -> int:
         "runs' starts (a shared machine: read the ratio, measured in one run, not the absolute speeds).",
         "",
     ]
+    if loads and max(loads) > (os.cpu_count() or 1):
+        lines += [
+            f"The machine was oversubscribed (load up to {max(loads):.1f} on {os.cpu_count()} CPUs): whole runs in "
+            "separate processes then differ by more than any observing cost, so read the interleaved ratio; "
+            "rerun the one-liner above on a quiet machine for the process-level one.",
+            "",
+        ]
     out.with_suffix(".md").write_text("\n".join(lines), encoding="utf-8")
     print("\n".join(lines))
     return 0
