@@ -34,7 +34,6 @@ def register(subparsers: Any) -> None:
     show.set_defaults(handler=cmd_show)
 
 
-
 def _open(path: str) -> ResultsStore:
     try:
         return ResultsStore(path, create=False)

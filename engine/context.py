@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from .observing import ObserveSettings
+from .trace import Trace
 
 EXT_PREFIX = "ext."
 _BOOKKEEPING = {
@@ -35,6 +36,7 @@ _BOOKKEEPING = {
     "notices",
     "request_errors",
     "cancel",
+    "trace",
 }
 MAX_LISTED_NOTICES = 100  # metrics.json lists this many notices in full; all are counted
 
@@ -88,6 +90,8 @@ class Context:
     # Set by whoever no longer wants the result (a client that went away); long stages check it.
     cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
     started: float = dataclasses.field(default_factory=time.perf_counter)
+    # Spans for trace.json: the runner adds the run and its stages, stages add what happens inside them.
+    trace: Trace = dataclasses.field(default_factory=Trace)
 
     @classmethod
     def slot_names(cls) -> set[str]:

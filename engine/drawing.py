@@ -1,4 +1,5 @@
-"""The stage graph as a picture (PNG/SVG through matplotlib; no Graphviz needed)."""
+"""The stage graph as a picture: the layered layout of engine/graph_layout.py as SVG, or rasterized to PNG by
+matplotlib; no Graphviz needed. PHASE_COLORS is stated once, in graph_layout, and shared with the report."""
 
 from __future__ import annotations
 
@@ -6,56 +7,124 @@ from pathlib import Path
 
 import networkx as nx
 
-from .graph import DATA, execution_order, layout_layers, phase_of
-
-PHASE_COLORS = {
-    "load": "#9ec5fe",
-    "compute": "#ffc078",
-    "output": "#8ce99a",
-    "observe": "#d0bfff",
-    "other": "#dee2e6",
-}
+from .graph import DATA, phase_of
+from .graph_layout import (
+    EDGE_COLORS,
+    EDGE_PX,
+    LINE,
+    PAD,
+    PHASE_COLORS,
+    TEXT_PX,
+    TITLE_PX,
+    build_layout,
+    edge_points,
+    graph_svg,
+    stage_lines,
+)
 
 
 def draw_graph(graph: nx.DiGraph, out: Path, labels: dict[str, str] | None = None, title: str = "") -> Path:
+    """SVG (text as text) or PNG (the same layout, rasterized by matplotlib at 2x) of the plan graph."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix.lower() == ".svg":
+        out.write_text(graph_svg(graph, labels, title or "stage graph"), encoding="utf-8")
+        return out
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
+    from matplotlib.patches import FancyBboxPatch, PathPatch
+    from matplotlib.path import Path as MplPath
 
-    pos = layout_layers(graph)
-    columns = max((x for x, _ in pos.values()), default=0) + 1
-    rows = max((-y for _, y in pos.values()), default=0) + 1
-    fig, ax = plt.subplots(figsize=(max(8.0, 2.6 * columns), max(3.0, 1.5 * rows + 1)))
-    order = execution_order(graph)
-    colors = [PHASE_COLORS.get(phase_of(graph, n), "#dee2e6") for n in order]
-    data_edges = [(u, v) for u, v, d in graph.edges(data=True) if DATA in d["kinds"]]
-    other_edges = [(u, v) for u, v, d in graph.edges(data=True) if DATA not in d["kinds"]]
-    nx.draw_networkx_edges(graph, pos, edgelist=data_edges, ax=ax, arrows=True, node_size=3800, edge_color="#495057")
-    nx.draw_networkx_edges(
-        graph, pos, edgelist=other_edges, ax=ax, arrows=True, node_size=3800, style="dashed", edge_color="#adb5bd"
-    )
-    nx.draw_networkx_nodes(graph, pos, nodelist=order, node_color=colors, node_shape="s", node_size=3800, ax=ax)
-    text = {}
-    for node in order:
-        uses = graph.nodes[node]["stage"].spec.uses
-        extra = f"\n{labels[node]}" if labels and node in labels else ""
-        text[node] = f"{node}\n{uses}{extra}"
-    nx.draw_networkx_labels(graph, pos, labels=text, font_size=7, ax=ax)
-    edge_text = {(u, v): ", ".join(sorted(d["slots"])) for u, v, d in graph.edges(data=True) if d["slots"]}
-    nx.draw_networkx_edge_labels(graph, pos, edge_labels=edge_text, font_size=6, ax=ax, label_pos=0.5)
-    phases = sorted({phase_of(graph, n) for n in order})
-    ax.legend(
-        handles=[Patch(color=PHASE_COLORS.get(p, "#dee2e6"), label=p) for p in phases]
-        + ([Patch(color="#adb5bd", label="after / fill (order only)")] if other_edges else []),
-        loc="upper left",
-        fontsize=8,
-    )
-    ax.set_title(title or "stage graph")
+    lines, dimmed = stage_lines(graph, labels)
+    layout = build_layout(graph, lines)
+    margin, head = 16.0, 34.0
+    width, height = layout.width + 2 * margin, layout.height + head + 2 * margin
+    px = 1 / 72  # draw in points: 1 layout px = 1 pt, so the fonts' px sizes carry over
+    fig = plt.figure(figsize=(width * px, height * px))
+    ax = fig.add_axes((0, 0, 1, 1))
+    ax.set_xlim(0, width)
+    ax.set_ylim(height, 0)  # y grows downwards, as in the SVG
     ax.axis("off")
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    ox, oy = margin, head + margin
+    ax.text(margin, margin + 14, title or "stage graph", fontsize=16, weight="bold")
+    if layout.always_rank is not None:  # the always-stages' band, as in the SVG
+        band = [i for i in layout.items.values() if i.rank >= layout.always_rank and i.stage]
+        top = min(i.y - i.height / 2 for i in band) + oy - 24
+        bottom = max(i.y + i.height / 2 for i in band) + oy + 8
+        ax.add_patch(
+            FancyBboxPatch(
+                (margin / 2, top),
+                width - margin,
+                bottom - top,
+                boxstyle="round,pad=0,rounding_size=8",
+                facecolor="#f8f9fa",
+                edgecolor="#868e96",
+                linestyle="--",
+            )
+        )
+        ax.text(
+            margin,
+            top + 12,
+            "always run, last (after a failure or Ctrl-C too): cleanup",
+            fontsize=TEXT_PX,
+            color="#495057",
+            va="center",
+        )
+    for _src, _dst, kind, chain in layout.edges:
+        points = [(x + ox, y + oy) for x, y in edge_points(layout, chain)]
+        verts, codes = [points[0]], [MplPath.MOVETO]
+        for i in range(1, len(points)):
+            (x0, y0), (x1, y1) = points[i - 1], points[i]
+            if i % 2 == 0:
+                mid = (y0 + y1) / 2
+                verts += [(x0, mid), (x1, mid), (x1, y1)]
+                codes += [MplPath.CURVE4] * 3
+            else:
+                verts.append((x1, y1))
+                codes.append(MplPath.LINETO)
+        style = "-" if kind == DATA else "--"
+        ax.add_patch(PathPatch(MplPath(verts, codes), fill=False, edgecolor=EDGE_COLORS[kind], linestyle=style, lw=1.2))
+        ax.plot([points[-1][0]], [points[-1][1]], marker="v", color=EDGE_COLORS[kind], markersize=6)
+    for item in layout.items.values():
+        x, y = item.x + ox, item.y + oy
+        if item.stage is None:
+            if item.label:
+                ax.text(
+                    x,
+                    y,
+                    item.label,
+                    fontsize=EDGE_PX,
+                    ha="center",
+                    va="center",
+                    color="#1864ab",
+                    bbox={"facecolor": "white", "edgecolor": "none", "pad": 1},
+                )
+            continue
+        node = item.stage
+        fill = "#f1f3f5" if node in dimmed else PHASE_COLORS.get(phase_of(graph, node), PHASE_COLORS["other"])
+        ax.add_patch(
+            FancyBboxPatch(
+                (x - item.width / 2, y - item.height / 2),
+                item.width,
+                item.height,
+                boxstyle="round,pad=0,rounding_size=7",
+                facecolor=fill,
+                edgecolor="#343a40",
+                linestyle="--" if node in dimmed else "-",
+            )
+        )
+        top = y - item.height / 2
+        for i, text in enumerate(lines[node]):
+            ax.text(
+                x,
+                top + PAD + LINE * i + LINE / 2,
+                text,
+                ha="center",
+                va="center",
+                fontsize=TITLE_PX if i == 0 else TEXT_PX,
+                weight="bold" if i == 0 else "normal",
+            )
+    fig.savefig(out, dpi=144)
     plt.close(fig)
     return out

@@ -59,4 +59,3 @@ class StageFailure(Exception):
 class InputRefused(StageFailure):
     """A StageFailure caused by one request's own input (a prompt too long for the context, a message the
     chat template cannot render): a server answers it as the client's error (400), not its own (500)."""
-

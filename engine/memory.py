@@ -38,8 +38,13 @@ def device_peak_bytes() -> int | None:
     return int(torch.cuda.max_memory_allocated())
 
 
-def mib(nbytes: float | None) -> str:
-    return "-" if nbytes is None else f"{nbytes / (1 << 20):.1f} MiB"
+def mib(nbytes: float | None, missing: str = "-") -> str:
+    """Bytes for a person: MiB, or GiB from 1 GiB on (the one formula the console, stages and report use)."""
+    if nbytes is None:
+        return missing
+    if abs(nbytes) >= 1 << 30:
+        return f"{nbytes / (1 << 30):.2f} GiB"
+    return f"{nbytes / (1 << 20):.1f} MiB"
 
 
 class MemorySampler:

@@ -31,6 +31,7 @@ from .findings import StageFailure
 from .graph import DATA, FILL, build_graph, execution_order, upstream
 from .memory import MemorySampler, device_bytes, peak_rss_bytes, rss_bytes
 from .plan import BoundPlan
+from .trace import chrome_trace
 
 
 @dataclass
@@ -149,12 +150,14 @@ class Runner:
         log = event_logger(events, self.bound.plan.name)
         ctx.log = log
         sampler = MemorySampler(self.bound.plan.observe.memory_interval_ms).start()
-        started = time.perf_counter()
+        load_before = _load_average()
+        started_ns = time.perf_counter_ns()
         status, code, message = "ok", 0, "ok"
         ran: set[str] = set()
         previous: Any = None
         try:
             self._prepare()
+            ctx.trace.add("prepare the stages", "engine", started_ns, time.perf_counter_ns())
             for stage_id in self.order:
                 bound = self.graph.nodes[stage_id]["stage"]
                 if bound.cls.always:
@@ -198,6 +201,7 @@ class Runner:
                 status, code = "errors", EXIT_REQUEST_ERRORS
                 listed = "; ".join(f"{rid}: {why}" for rid, why in list(ctx.request_errors.items())[:5])
                 message = f"{len(ctx.request_errors)} request(s) ended in error ({listed})"
+            finishing = time.perf_counter_ns()
             sampler.stop()
             failed = next((r for r in self.records.values() if r.status == "failed"), None)
             if failed is not None and status != "ok" and not message.startswith(f"stage {failed.id!r}"):
@@ -205,7 +209,10 @@ class Runner:
             for stage_id in self.order:
                 if stage_id not in self.records:
                     self._record(stage_id, "not_run")
-            total = time.perf_counter() - started
+            ended_ns = time.perf_counter_ns()
+            ctx.trace.add("finish the run", "engine", finishing, ended_ns)
+            total = (ended_ns - started_ns) / 1e9
+            load = {"start": load_before, "end": _load_average(), "cpus": os.cpu_count()}
             log.info("run_finished", status=status, wall_s=round(total, 4), peak_rss=peak_rss_bytes())
             ctx.metrics.by_stage.setdefault("run", {}).update(
                 {
@@ -214,6 +221,7 @@ class Runner:
                     "peak_rss_bytes": peak_rss_bytes(),
                     "notices": ctx.notice_summary(),
                     "request_errors": dict(ctx.request_errors),
+                    "load_average": load,
                 }
             )
             write_json(self.run_dir / "stages.json", [asdict(r) for r in self.records.values()])
@@ -227,8 +235,14 @@ class Runner:
                     "message": message,
                     "wall_s": total,
                     "notices": len(ctx.notices),
+                    "load_average": load,
                 },
             )
+            ctx.trace.add(self.bound.plan.name, "run", started_ns, ended_ns, status=status)
+            trace = chrome_trace(
+                ctx.trace.spans, started_ns, f"llmplan run {self.bound.plan.name}", {"load_average": load}
+            )
+            write_json(self.run_dir / "trace.json", trace, indent=None)
             events.close()
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
@@ -246,6 +260,7 @@ class Runner:
     # --- one stage -------------------------------------------------------------------------------
 
     def _run_stage(self, stage_id: str, sampler: MemorySampler, log: Any) -> None:
+        span_start = time.perf_counter_ns()  # the trace's span includes the measuring around the stage
         bound = self.graph.nodes[stage_id]["stage"]
         ctx = self.ctx
         ctx.metrics.current = stage_id
@@ -255,7 +270,7 @@ class Runner:
         self.records[stage_id] = record
         sampler.mark(stage_id, "start")
         log.info("stage_started", stage=stage_id, uses=bound.spec.uses)
-        t0 = time.perf_counter()
+        t0_ns = time.perf_counter_ns()
         try:
             bound.cls().run(ctx, bound.params)
             ctx.end_stream()  # a stage's stream ends with it: text a stream guard held back comes out now
@@ -268,7 +283,8 @@ class Runner:
             log.error("stage_failed", stage=stage_id, error=record.reason)
             raise
         finally:
-            record.wall_s = time.perf_counter() - t0
+            t1_ns = time.perf_counter_ns()
+            record.wall_s = (t1_ns - t0_ns) / 1e9
             ctx.metrics.by_stage.setdefault(stage_id, {})["wall_s"] = record.wall_s
             record.rss_after, record.device_after = rss_bytes(), device_bytes()
             sampler.mark(stage_id, "end")
@@ -283,6 +299,16 @@ class Runner:
                     device_after=record.device_after,
                 )
             self.report(record)
+            ctx.trace.add(
+                stage_id,
+                "stage",
+                span_start,
+                time.perf_counter_ns(),
+                uses=bound.spec.uses,
+                phase=record.phase,
+                status=record.status,
+                wall_s=record.wall_s,
+            )
 
     def _run_always(self, sampler: MemorySampler, log: Any) -> tuple[str | None, bool]:
         """Run the `always` stages; (the first cleanup error, whether Ctrl-C hit one of them)."""
@@ -313,6 +339,14 @@ class Runner:
         self.records[stage_id] = record
         if status == "skipped":
             self.report(record)
+
+
+def _load_average() -> list[float] | None:
+    """The machine's 1/5/15-minute load average: a shared machine's timings are read against it."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def _ignore_sigint() -> Any:

@@ -93,9 +93,7 @@ class ResidentPlan:
                 return RunResult(self.run_dir, "ok", 0, "already loaded", [], self.context)
             self.state = "loading"
             ctx = self._new_context()
-            result = Runner(
-                self.bound, ctx, self.run_dir, only=self.resident_ids, cleanup=False, report=report
-            ).run()
+            result = Runner(self.bound, ctx, self.run_dir, only=self.resident_ids, cleanup=False, report=report).run()
             if result.exit_code:
                 self.state = "unloaded"
                 return result

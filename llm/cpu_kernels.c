@@ -305,6 +305,7 @@ void gemm_int4(const float *x, const uint8_t *packed, const uint16_t *scale, con
 #include <math.h>
 #include <stddef.h>
 #include <stdlib.h>
+#include <time.h>
 
 enum { LINEAR_F32 = 0, LINEAR_INT8 = 1, LINEAR_INT4 = 2 };
 
@@ -332,6 +333,7 @@ typedef struct {
     const Layer *layers;                 // [n_layers]
     float *k_cache, *v_cache;
     const uint8_t *valid;                // [max_batch, max_tokens]: slot holds a real token of that row
+    int64_t *layer_ns;                   // NULL, or [2 n_layers + 2] CLOCK_MONOTONIC marks (see step_clock)
 } DecodeModel;
 
 // The structs' sizes and field offsets, so the ctypes mirror in llm/fused_decode.py can be checked against
@@ -344,10 +346,22 @@ int64_t decode_layout(int64_t *out, int64_t cap) {
         offsetof(DecodeModel, max_batch), offsetof(DecodeModel, eps), offsetof(DecodeModel, embed),
         offsetof(DecodeModel, norm), offsetof(DecodeModel, head), offsetof(DecodeModel, layers),
         offsetof(DecodeModel, k_cache), offsetof(DecodeModel, v_cache), offsetof(DecodeModel, valid),
+        offsetof(DecodeModel, layer_ns),
     };
     const int64_t n = (int64_t)(sizeof(v) / sizeof(v[0]));
     for (int64_t i = 0; i < n && i < cap; i++) out[i] = v[i];
     return n;
+}
+
+// Per-layer timing of the fused step, only when observing (layer_ns non-NULL; otherwise one untaken branch
+// per layer): marks[0] at the start, marks[1 + 2l] after layer l's attention and residual, marks[2 + 2l]
+// after its MLP and residual, marks[2 n_layers + 1] after the head. CLOCK_MONOTONIC is the clock of Python's
+// time.perf_counter_ns, so the marks line up with the caller's own spans (llm/layer_clock.py).
+static inline void step_clock(const DecodeModel *m, int64_t at) {
+    if (!m->layer_ns) return;
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    m->layer_ns[at] = (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
 static void linear(const Linear *l, const float *x, float *y, int64_t M) {
@@ -483,6 +497,7 @@ void decode_step(const DecodeModel *m, const int64_t *tokens, const int64_t *pos
     float *h = work, *xn = h + M * D, *qkv = xn + M * D, *att = qkv + M * qkv_w, *gu = att + M * H * hd,
           *act = gu + M * 2 * I;
     const float scale = 1.0f / sqrtf((float)hd);
+    step_clock(m, 0);
     for (int64_t r = 0; r < M; r++) memcpy(h + r * D, m->embed + tokens[r] * D, D * sizeof(float));
     // Attention work items: (row, KV head, chunk of slots); enough chunks that both threads have work even
     // at batch 1 (3 KV heads), not so many that the merge costs more than it spreads.
@@ -540,15 +555,18 @@ void decode_step(const DecodeModel *m, const int64_t *tokens, const int64_t *pos
             }
         linear(&L->wo, att, xn, M);
         for (int64_t i = 0; i < M * D; i++) h[i] += xn[i];
+        step_clock(m, 1 + 2 * l);
         rms_norm(h, L->ffn_norm, xn, M, D, m->eps);
         linear(&L->w13, xn, gu, M);
         for (int64_t r = 0; r < M; r++) swiglu(gu + r * 2 * I, gu + r * 2 * I + I, act + r * I, I);
         linear(&L->w2, act, xn, M);
         for (int64_t i = 0; i < M * D; i++) h[i] += xn[i];
+        step_clock(m, 2 + 2 * l);
     }
     free(parts);
     rms_norm(h, m->norm, xn, M, D, m->eps);
     linear(&m->head, xn, logits, M);
+    step_clock(m, 2 * m->n_layers + 1);
 }
 
 // ---------------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ products are ~10. The fused step runs the same arithmetic with no per-op dispatc
 path) otherwise: CPU, fp32 activations and KV cache, every linear layer on the native fp32 or int8 kernels
 (int4 runs as its int8 re-quantization, as on the torch path), in-features a multiple of 8, no forward
 hooks inside the layers (observers need the torch modules to run; `Transformer` checks that per step).
+Per-layer timings need no hooks: the step writes its own clock marks into the model's `layer_clock`.
 The pointers it hands to C belong to tensors it keeps references to; `Transformer` rebuilds it when the
 cache or a weight tensor changes.
 """
@@ -26,6 +27,7 @@ from .quantize import FloatLinear, Int4Linear, Int8Linear
 
 if TYPE_CHECKING:
     from .kv_cache import KVCache
+    from .layer_clock import LayerClock
     from .model import Transformer
 
 _F32, _INT8, _INT4 = 0, 1, 2
@@ -65,6 +67,7 @@ class _Model(ctypes.Structure):
         ("k_cache", ctypes.c_void_p),
         ("v_cache", ctypes.c_void_p),
         ("valid", ctypes.c_void_p),
+        ("layer_ns", ctypes.c_void_p),  # a LayerClock's buffer while one observes, else NULL
     ]
 
 
@@ -77,7 +80,7 @@ def mirror_layout() -> list[int]:
     fields = {
         _Linear: ("w", "scale", "zero", "n", "k", "group"),
         _Layer: ("ffn_norm", "wqkv", "wo", "w13", "w2"),
-        _Model: ("max_batch", "eps", "embed", "norm", "head", "layers", "k_cache", "v_cache", "valid"),
+        _Model: ("max_batch", "eps", "embed", "norm", "head", "layers", "k_cache", "v_cache", "valid", "layer_ns"),
     }
     out: list[int] = []
     for struct, names in fields.items():
@@ -183,7 +186,9 @@ class FusedDecoder:
             _ptr(cache.k, keep),
             _ptr(cache.v, keep),
             valid.data_ptr(),
+            None,
         )
+        self.clock: LayerClock | None = None  # set per step by `bound` from the model's own
         self._layers = layers
         self._keep = keep
         self._lib = lib
@@ -217,7 +222,10 @@ class FusedDecoder:
         binding = model.native_binding
         if binding is None or binding[0] != key:
             binding = model.native_binding = (key, cls.build(model, cache))
-        return binding[1]
+        fused = binding[1]
+        if fused is not None:
+            fused.clock = model.layer_clock
+        return fused
 
     @classmethod
     def build(cls, model: Transformer, cache: KVCache) -> FusedDecoder | None:
@@ -257,6 +265,8 @@ class FusedDecoder:
         if self._work.numel() < need:
             self._work = torch.empty(need)  # work buffers, grown once to the largest batch seen
         logits = torch.empty(m, self.vocab)
+        clock = self.clock
+        self.model_struct.layer_ns = clock.buffer.data_ptr() if clock is not None else None
         self._lib.decode_step(
             ctypes.byref(self.model_struct),
             tokens.data_ptr(),
@@ -267,6 +277,8 @@ class FusedDecoder:
             self._work.data_ptr(),
             logits.data_ptr(),
         )
+        if clock is not None:
+            clock.record_fused(m)
         return logits
 
 

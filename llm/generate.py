@@ -53,6 +53,7 @@ class Generation:
     queued_s: float = 0.0  # scheduler: submission -> admission into a slot
     decode_s: float = 0.0  # first token -> this row's last token
     decode_steps: int = 0  # decode forward passes this row took part in
+    token_times: list[float] = field(default_factory=list)  # scheduler: perf_counter when each token was picked
 
 
 def is_oom(err: BaseException) -> bool:

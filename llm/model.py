@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig
+from .layer_clock import LayerClock, now_ns
 from .weights import WeightError, internal_shapes
 
 if TYPE_CHECKING:
@@ -169,9 +170,16 @@ class Block(nn.Module):
         cache: KVCache | None,
         layer: int,
         start: int,
+        marks: list[int] | None = None,
     ) -> Tensor:
+        """marks: when a LayerClock observes, the time after the attention and after the MLP are appended."""
         h = x + self.attention(self.attention_norm(x), cos, sin, mask, cache, layer, start)
-        return h + self.feed_forward(self.ffn_norm(h))
+        if marks is not None:
+            marks.append(now_ns(h.device))
+        out = h + self.feed_forward(self.ffn_norm(h))
+        if marks is not None:
+            marks.append(now_ns(out.device))
+        return out
 
 
 def attention_mask(valid: Tensor, start: int, seqlen: int) -> Tensor:
@@ -208,6 +216,8 @@ class Transformer(nn.Module):
         # binds itself here; the model itself always computes with the torch modules below (the reference).
         self.fused_decode = True
         self.native_binding: Any = None
+        # Set by an observer that asks for per-layer timings (llm/layer_clock.py); both paths record into it.
+        self.layer_clock: LayerClock | None = None
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         self.native_binding = None  # a move or cast frees the tensors a native step points at
@@ -253,6 +263,8 @@ class Transformer(nn.Module):
             is the costliest matmul of a prefill over a large vocabulary).
         """
         seqlen = tokens.shape[1]
+        clock = self.layer_clock
+        marks = [now_ns(tokens.device)] if clock is not None else None
         h = self.tok_embeddings(tokens)
         # Gather cos/sin before `cache.append`: `positions` may be a view of the cache's next positions.
         # Once per forward, shared by every layer: [B, T, 1, head_dim] (heads broadcast).
@@ -272,10 +284,14 @@ class Transformer(nn.Module):
             needs_mask = cache.padded or (seqlen > 1 and start > 0)
             mask = cache.attention_mask(start, seqlen) if needs_mask else None
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, mask, cache, i, start)
+            h = layer(h, cos, sin, mask, cache, i, start, marks)
         if last_only:
             h = h[:, -1:]
-        return self.output(self.norm(h))
+        logits = self.output(self.norm(h))
+        if clock is not None and marks is not None:
+            marks.append(now_ns(logits.device))
+            clock.record("torch", tokens.shape[0], seqlen, marks)
+        return logits
 
     @classmethod
     def from_weights(

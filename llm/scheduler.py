@@ -77,6 +77,16 @@ class Sequence:
 
 
 @dataclass
+class StepRecord:
+    """What one step ran and when (perf_counter seconds): kept only when `Scheduler.timeline` is a list."""
+
+    start: float
+    end: float = 0.0
+    decode: tuple[float, float, int] | None = None  # (start, end, rows) of the decode pass
+    prefill: list[tuple[float, float, Any, int]] = field(default_factory=list)  # (start, end, tag, tokens) per chunk
+
+
+@dataclass
 class SchedulerStats:
     steps: int = 0
     decode_tokens: int = 0  # rows decoded, summed over steps
@@ -108,6 +118,8 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk or max_step_tokens
         self.prefix_reuse, self.min_prefix = prefix_reuse, max(1, min_prefix)
         self.stats = SchedulerStats()
+        # A list to record every step's passes into (a run's trace and report); None: nothing kept (serving).
+        self.timeline: list[StepRecord] | None = None
         self._lock = threading.Condition()
         self._incoming: list[Sequence] = []
         self._cancel: list[Sequence] = []
@@ -218,15 +230,24 @@ class Scheduler:
                     break
                 chunks.append((seq, n))
                 budget -= n
+            record = StepRecord(time.perf_counter()) if self.timeline is not None else None
             picks: list[tuple[Sequence, Tensor, bool]] = []
             if decode:
                 picks += self._decode(decode)
+                if record is not None:
+                    record.decode = (record.start, time.perf_counter(), len(decode))
             for seq, n in chunks:
+                began = time.perf_counter()
                 logits = self._prefill(seq, n)
+                if record is not None:
+                    record.prefill.append((began, time.perf_counter(), seq.request.tag, n))
                 if logits is not None:
                     picks.append((seq, logits, bool(torch.isfinite(logits).all())))
             for seq, logits, finite in picks:
                 self._pick(seq, logits, finite)
+            if record is not None and self.timeline is not None:
+                record.end = time.perf_counter()
+                self.timeline.append(record)
         return True
 
     def _admit(self) -> None:
@@ -337,6 +358,7 @@ class Scheduler:
             return
         pick = request.picker(logits, seq.seen)
         gen.tokens.append(pick.token)
+        gen.token_times.append(time.perf_counter())
         gen.logprobs.append(pick.logprob)
         gen.top_logprobs.append(pick.top)
         seq.seen.append(pick.token)

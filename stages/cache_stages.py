@@ -212,6 +212,7 @@ class CacheLookup(Stage):
                         "result_id": row["id"],
                         "run_id": row["run_id"],
                         "run_time": row.get("run_time"),
+                        "run_dir": row.get("run_dir"),  # the report shows that run's pictures
                     }
                 )
         hits = len(found)

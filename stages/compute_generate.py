@@ -29,10 +29,12 @@ from llmplan.llm.stop_strings import StopStringStream, stop_checker
 from llmplan.llm.tokenizer import StreamDecoder
 
 from .compute_tokenize import truncate
-from .observe import finish_observing
+from .observe import finish_observing, record_steps
 from .request_settings import SAMPLING_FIELDS, RequestSettings
 from .slots import InferenceContext
 from .types import Request, Result
+
+ALTERNATIVES = 5  # best tokens kept per step for the run's record (the report shows them on hover)
 
 
 class GenerateParams(RequestSettings):
@@ -108,7 +110,8 @@ class Generate(Stage):
             else:
                 results = self._scheduled(ctx, model, cache, requests, params, eos, seed, stream, size)
         ctx.generations = results
-        finish_observing(ctx, results)  # generations.json; timings / attention files when observed
+        # generations.json; timings / attention files when observed
+        finish_observing(ctx, results, shared_model=cache in _SERVED)
         total = sum(len(r.tokens) for r in results)
         wall = time.perf_counter() - started
         ctx.metrics.set("generated_tokens", total)
@@ -134,6 +137,8 @@ class Generate(Stage):
         assert tok is not None
         served = _SERVED.get(cache)
         scheduler = served or new_scheduler(model, cache, params, running)
+        if served is None:
+            scheduler.timeline = []  # every step's passes, for the trace and the report
         settings_of = [settings_for(r, params, seed) for r in requests]
         decoder = StreamDecoder(tok, skip_special_tokens=True) if stream else None
         # Only a single request streams: its stop strings are never shown, even in part.
@@ -156,7 +161,9 @@ class Generate(Stage):
         submitted = []
         for request, settings in zip(requests, settings_of, strict=True):
             prompt = self._fit(ctx, request, cache.max_tokens)
-            sampling = SamplingParams(**{k: settings[k] for k in SAMPLING_FIELDS}, logprobs_top_n=params.logprobs)
+            sampling = SamplingParams(
+                **{k: settings[k] for k in SAMPLING_FIELDS}, logprobs_top_n=max(params.logprobs, ALTERNATIVES)
+            )
             seq = scheduler.submit(
                 GenerationRequest(
                     prompt=prompt,
@@ -186,6 +193,8 @@ class Generate(Stage):
             ctx.stream("\n")
         elif decoder is not None:
             shown.end()
+        if scheduler.timeline is not None:
+            record_steps(ctx, scheduler.timeline)
         stats = scheduler.stats
         ctx.metrics.set(
             "scheduler",
@@ -201,7 +210,7 @@ class Generate(Stage):
         for request, seq, settings in submitted:
             gen = seq.generation
             computed = gen.prompt_tokens - seq.reused
-            result = _result(request, gen, gen.prompt_tokens, settings, stats.busy_max, computed)
+            result = _result(request, gen, gen.prompt_tokens, settings, stats.busy_max, computed, params.logprobs)
             result.streamed = stream
             if gen.finish_reason == "error":
                 ctx.log.warning("generation_error", request=request.id, error=gen.error)
@@ -226,7 +235,10 @@ class Generate(Stage):
         settings = [settings_for(r, params, seed) for r in group]
         prompts = [self._fit(ctx, r, cache.max_tokens) for r, s in zip(group, settings, strict=True)]
         pickers = [
-            build_picker(SamplingParams(**{k: s[k] for k in SAMPLING_FIELDS}, logprobs_top_n=params.logprobs), len(p))
+            build_picker(
+                SamplingParams(**{k: s[k] for k in SAMPLING_FIELDS}, logprobs_top_n=max(params.logprobs, ALTERNATIVES)),
+                len(p),
+            )
             for s, p in zip(settings, prompts, strict=True)
         ]
         stops = [stop_checker(tok, s["stop"]) for s in settings]
@@ -263,7 +275,7 @@ class Generate(Stage):
             ctx.stream("\n")
         out = []
         for request, gen, prompt, s in zip(group, gens, prompts, settings, strict=True):
-            result = _result(request, gen, len(prompt), s, len(group), sum(len(p) for p in prompts))
+            result = _result(request, gen, len(prompt), s, len(group), sum(len(p) for p in prompts), params.logprobs)
             result.streamed = stream
             if gen.finish_reason == "error":
                 ctx.log.warning("generation_error", request=request.id, error=gen.error)
@@ -360,7 +372,13 @@ def unserve(cache: Any) -> None:
 
 
 def _result(
-    request: Request, gen: Generation, prompt_len: int, settings: dict[str, Any], batch: int, batch_prompt: int
+    request: Request,
+    gen: Generation,
+    prompt_len: int,
+    settings: dict[str, Any],
+    batch: int,
+    batch_prompt: int,
+    logprobs: int,
 ) -> Result:
     """Per-request timings. batch_prompt: the prompt tokens the prefill time covers (a static batch's prefill
     is one pass for all its rows; a scheduled request's is its own, less any reused prefix)."""
@@ -380,8 +398,10 @@ def _result(
         tokens=list(gen.tokens),
         finish_reason=gen.finish_reason or "length",
         logprobs=list(gen.logprobs),
-        top_logprobs=[t or [] for t in gen.top_logprobs] if any(gen.top_logprobs) else None,
+        top_logprobs=[(t or [])[:logprobs] for t in gen.top_logprobs] if logprobs and any(gen.top_logprobs) else None,
         error=gen.error,
         timings=timings,
         params=settings,
+        alternatives=[t or [] for t in gen.top_logprobs] if any(gen.top_logprobs) else None,
+        token_times=list(gen.token_times),
     )

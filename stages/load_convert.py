@@ -176,6 +176,13 @@ class Convert(Stage):
         start = time.perf_counter()
 
         def convert(internal: str, parts: list[Tensor]) -> Any:
+            began = time.perf_counter_ns()
+            try:
+                return convert_group(internal, parts)
+            finally:  # a load sub-step in the run's trace.json
+                ctx.trace.add(f"convert {internal}", "load", began, time.perf_counter_ns(), tensors=len(parts))
+
+        def convert_group(internal: str, parts: list[Tensor]) -> Any:
             precision = params.head if internal == "output.weight" and params.head != "same" else params.dtype
             if is_linear(internal) and precision in ("int8", "int4"):
                 # Rows quantize independently: quantize each part (q, k, v; gate, up) and join the codes,

@@ -7,6 +7,7 @@ region (weights, KV cache, work buffers) is recorded so the report can draw it.
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any, Literal
 
 import torch
@@ -86,6 +87,7 @@ class ToDevice(Stage):
                 f"kv_cache.max_tokens {kv.max_tokens} exceeds the model's context ({cfg.max_position_embeddings})"
             )
         factory = functools.partial(make_linear, kernel=weights.kernel)
+        began = time.perf_counter_ns()
         try:
             model = Transformer.from_weights(
                 cfg,
@@ -98,16 +100,21 @@ class ToDevice(Stage):
         except WeightError as bad:
             raise StageFailure(f"weights do not fit the config: {bad}") from None
         cache_dtype = CACHE_DTYPES.get(kv.dtype, model.dtype)
+        built = time.perf_counter_ns()
+        ctx.trace.add("build the model on the device", "load", began, built)
         try:
             cache = KVCache.for_model(
                 model, params.max_batch, kv.max_tokens, dtype=cache_dtype, policy=kv.policy, sink_tokens=kv.sink_tokens
             )
         except (ValueError, torch.OutOfMemoryError) as bad:
             raise StageFailure(f"kv_cache: {bad}") from None
+        allocated = time.perf_counter_ns()
+        ctx.trace.add("allocate the KV cache", "load", built, allocated, bytes=cache.nbytes)
         for module in model.modules():  # pack fast-kernel weights now, so the first token does not pay for it
             prepack = getattr(module, "prepack", None)
             if callable(prepack):
                 prepack()
+        ctx.trace.add("prepack weights for the kernels", "load", allocated, time.perf_counter_ns())
         ctx.model, ctx.kv_cache = model, cache
         begin_observing(ctx, model, cache)  # model.json always; hooks only when plan.observe asks
         ctx.weights = None  # the model owns the tensors now

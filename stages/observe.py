@@ -4,8 +4,10 @@
 at run time. The hooks are opt-in through the plan's `observe:` block: `install_observers` returns
 None and installs nothing when nothing is asked, so an unobserved run is the plain model.
 
-* layer timings: a pre/post forward hook pair on every layer's attention and feed-forward module;
-  a pass with more than one token per row is prefill, one token is decode.
+* layer timings: a LayerClock on the model (llm/layer_clock.py), no hooks: the fused native decode step
+  and the torch modules both mark each layer's attention and MLP, so the run keeps the path it would
+  take unobserved; the record holds the median and spread per layer over every pass, prefill and decode
+  apart, and which path ran them. Every pass also goes into the run's trace.json.
 * attention: SDPA returns no weights, so a forward hook on the chosen layers' attention modules
   recomputes softmax(q k^T / sqrt(d)) for the chosen heads from the module's input x, its wqkv and the
   model's RoPE tables, over the first request's prompt, during the first prefill pass only.
@@ -16,7 +18,7 @@ The run directory gets model.json, generations.json, and layer_timings.json / at
 from __future__ import annotations
 
 import math
-import time
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,12 +26,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from llmplan.engine.findings import StageFailure
 from llmplan.engine.runner import write_json
+from llmplan.llm.layer_clock import LayerClock
 from llmplan.llm.model import apply_rope
 
 if TYPE_CHECKING:
     from llmplan.llm.kv_cache import KVCache
     from llmplan.llm.model import Transformer
+    from llmplan.llm.scheduler import StepRecord
     from llmplan.llm.tokenizer import Tokenizer
 
     from .slots import InferenceContext
@@ -38,6 +43,8 @@ if TYPE_CHECKING:
 OBSERVER_KEY = "ext.observer"
 MODEL_FILE, GENERATIONS_FILE = "model.json", "generations.json"
 TIMINGS_FILE, ATTENTION_FILE = "layer_timings.json", "attention.json"
+STEPS_FILE = "steps.json"
+MAX_DECODE_ROWS = 64  # decode steps whose attention is recomputed for the report
 LAYER_MODULES = ("attention_norm", "attention.wqkv", "attention.wo", "ffn_norm", "feed_forward.w13", "feed_forward.w2")
 
 
@@ -158,7 +165,8 @@ def _resolve(indexes: list[int], size: int) -> tuple[list[int], list[int]]:
 
 
 class Observer:
-    """Hooks on one model; `save` writes what they recorded, `remove` takes them off again."""
+    """What one model records: per-layer timings (a LayerClock, no hooks) and attention (hooks on the
+    chosen layers); `save` writes it, `remove` takes it off again."""
 
     def __init__(self, model: Transformer, layer_timings: bool, attention: Any | None) -> None:
         self.model = model
@@ -166,13 +174,10 @@ class Observer:
         n = len(model.layers)
         self.n_layers = n
         self.sync = model.device.type == "cuda"  # kernels are asynchronous: time them only once done
-        self.timings: dict[str, dict[str, Any]] | None = None
+        self.clock: LayerClock | None = None
         if layer_timings:
-            self.timings = {
-                p: {"passes": 0, "tokens": 0, "forward_s": 0.0, "attention_s": [0.0] * n, "mlp_s": [0.0] * n}
-                for p in ("prefill", "decode")
-            }
-            self._install_timings()
+            # Read by the fused native step and the torch modules alike: the run keeps the path it would take.
+            self.clock = model.layer_clock = LayerClock(n)
         self.attention: dict[str, Any] | None = None
         if attention is not None:
             n_heads = model.layers[0].attention.n_heads
@@ -188,40 +193,6 @@ class Observer:
             }
             self._prompt_ids: Tensor | None = None
             self._install_attention(layers, heads)
-
-    # timings
-
-    def _clock(self) -> float:
-        if self.sync:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    def _install_timings(self) -> None:
-        assert self.timings is not None
-        timings = self.timings
-        started: dict[int, float] = {}
-
-        def pre(_module: nn.Module, args: tuple[Any, ...]) -> None:
-            started[id(_module)] = self._clock()
-
-        def post_for(layer: int, key: str) -> Callable[..., None]:
-            def post(module: nn.Module, args: tuple[Any, ...], _out: Any) -> None:
-                timings[_phase(args[0])][key][layer] += self._clock() - started.pop(id(module), time.perf_counter())
-
-            return post
-
-        def model_post(module: nn.Module, args: tuple[Any, ...], _out: Any) -> None:
-            bucket = timings[_phase(args[0])]
-            bucket["passes"] += 1
-            bucket["tokens"] += int(args[0].numel())
-            bucket["forward_s"] += self._clock() - started.pop(id(module), time.perf_counter())
-
-        self.handles.append(self.model.register_forward_pre_hook(pre))
-        self.handles.append(self.model.register_forward_hook(model_post))
-        for i, block in enumerate(self.model.layers):
-            for module, key in ((block.attention, "attention_s"), (block.feed_forward, "mlp_s")):
-                self.handles.append(module.register_forward_pre_hook(pre))
-                self.handles.append(module.register_forward_hook(post_for(i, key)))
 
     # attention
 
@@ -275,12 +246,63 @@ class Observer:
         if state["ids"] is None and self._prompt_ids is not None:
             state["ids"] = self._prompt_ids[0, columns.to(self._prompt_ids.device)].tolist()
 
+    def capture_decode(self, prompt: list[int], generated: list[int]) -> None:
+        """The decode steps' attention of one request, recomputed after the run: one causal pass over the
+        prompt and the generated tokens gives each step's query exactly the keys its decode step saw. Rows are
+        the queries that picked generated token 0 (the prompt's last), 1, 2, …; columns every token before."""
+        state, model = self.attention, self.model
+        if state is None or model is None or not prompt or not generated:
+            return
+        picked = generated[:MAX_DECODE_ROWS]
+        ids = prompt + picked[:-1]  # the last picked token is never an input
+        rows_from = len(prompt) - 1
+        out: dict[tuple[int, int], list[list[float]]] = {}
+
+        def hook_for(layer: int) -> Callable[..., None]:
+            def hook(module: nn.Module, args: tuple[Any, ...], _out: Any) -> None:
+                for head, weights in self._weights(module, args[0], state["heads"]).items():
+                    out[(layer, head)] = weights[rows_from:].cpu().tolist()
+
+            return hook
+
+        handles = [model.layers[layer].attention.register_forward_hook(hook_for(layer)) for layer in state["layers"]]
+        clock, model.layer_clock = model.layer_clock, None  # not a pass of the run: keep it out of the timings
+        try:
+            tokens = torch.tensor([ids], device=model.device)
+            with torch.inference_mode():
+                model(tokens, torch.arange(len(ids), device=model.device)[None], last_only=True)
+        finally:
+            model.layer_clock = clock
+            for handle in handles:
+                handle.remove()
+        state["decode"] = {"prompt_ids": prompt, "picked_ids": picked, "maps": out}
+
+    def _weights(self, attn: nn.Module, x: Tensor, heads: list[int]) -> dict[int, Tensor]:
+        """softmax(q kᵀ/√d) with the causal mask for row 0 of `x` (all of it valid, from position 0)."""
+        q, k, _ = attn.wqkv(x[:1]).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        t = x.shape[1]
+        q = q.view(1, t, attn.n_heads, attn.head_dim).transpose(1, 2)
+        k = k.view(1, t, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
+        positions = torch.arange(t, device=x.device)
+        cos_t = self.model.rope_cos[positions].to(q.dtype)[None, None]
+        sin_t = self.model.rope_sin[positions].to(q.dtype)[None, None]
+        q, k = apply_rope(q, cos_t, sin_t), apply_rope(k, cos_t, sin_t)
+        group = attn.n_heads // attn.n_kv_heads
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        found = {}
+        for head in heads:
+            scores = (q[0, head].float() @ k[0, head // group].float().T) / math.sqrt(attn.head_dim)
+            found[head] = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        return found
+
     # results
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        if self.clock is not None and self.model is not None and self.model.layer_clock is self.clock:
+            self.model.layer_clock = None
 
     def release(self) -> None:
         """Hooks off and the model let go: the hooks' closures and this object would keep it alive."""
@@ -288,10 +310,12 @@ class Observer:
         self.model = None  # type: ignore[assignment]
         self._prompt_ids = None
 
-    def timings_record(self) -> dict[str, Any] | None:
-        if self.timings is None:
+    def timings_record(self, load_average: list[float] | None = None) -> dict[str, Any] | None:
+        if self.clock is None:
             return None
-        return {"n_layers": self.n_layers, "device": str(self.model.device), "synchronized": self.sync, **self.timings}
+        return timings_summary(self.clock, str(self.model.device) if self.model is not None else "?", self.sync) | {
+            "load_average": load_average
+        }
 
     def attention_record(self, tokenizer: Tokenizer | None = None) -> dict[str, Any] | None:
         state = self.attention
@@ -310,15 +334,127 @@ class Observer:
             "maps": [
                 {"layer": layer, "head": head, "weights": w} for (layer, head), w in sorted(state["maps"].items())
             ],
+            "decode": self._decode_record(tokenizer),
+        }
+
+    def _decode_record(self, tokenizer: Tokenizer | None) -> dict[str, Any] | None:
+        decode = (self.attention or {}).get("decode")
+        if not decode:
+            return None
+        ids = decode["prompt_ids"] + decode["picked_ids"][:-1]
+
+        def named(values: list[int]) -> dict[str, Any]:
+            return {
+                "token_ids": values,
+                "tokens": [tokenizer.id_to_token(i) for i in values] if tokenizer is not None else None,
+                "pieces": [tokenizer.decode([i]) for i in values] if tokenizer is not None else None,
+            }
+
+        return {
+            "prompt_tokens": len(decode["prompt_ids"]),
+            "columns": named(ids),
+            "rows": named(decode["picked_ids"]),  # row i: the query that picked this token
+            "maps": [
+                {"layer": layer, "head": head, "weights": w} for (layer, head), w in sorted(decode["maps"].items())
+            ],
         }
 
     def save(self, run_dir: Path, tokenizer: Tokenizer | None = None) -> list[Path]:
         """Write layer_timings.json / attention.json (only what was asked); return the paths written."""
         written = []
-        for name, record in ((TIMINGS_FILE, self.timings_record()), (ATTENTION_FILE, self.attention_record(tokenizer))):
+        timings = self.timings_record(_load_average())
+        for name, record in ((TIMINGS_FILE, timings), (ATTENTION_FILE, self.attention_record(tokenizer))):
             if record is not None:
                 written.append(_write_json(Path(run_dir) / name, record))
         return written
+
+
+def _load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _quantiles(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    if not ordered:
+        return {"median": 0.0, "p10": 0.0, "p90": 0.0, "min": 0.0, "max": 0.0}
+
+    def q(f: float) -> float:
+        return ordered[min(len(ordered) - 1, round(f * (len(ordered) - 1)))]
+
+    return {"median": q(0.5), "p10": q(0.1), "p90": q(0.9), "min": ordered[0], "max": ordered[-1]}
+
+
+def timings_summary(clock: LayerClock, device: str, synchronized: bool) -> dict[str, Any]:
+    """Per phase: the sums the page had before (attention_s, mlp_s per layer), and per layer the median and
+    spread (p10-p90, min, max) over every pass in ms, plus which path (fused native / torch) ran the passes."""
+    n = clock.n_layers
+    record: dict[str, Any] = {"n_layers": n, "device": device, "synchronized": synchronized, "dropped": clock.dropped}
+    for phase in ("prefill", "decode"):
+        passes = [p for p in clock.passes if p.phase == phase]
+        attention = [[(p.marks[1 + 2 * i] - p.marks[2 * i]) / 1e6 for p in passes] for i in range(n)]
+        mlp = [[(p.marks[2 + 2 * i] - p.marks[1 + 2 * i]) / 1e6 for p in passes] for i in range(n)]
+        forward = [(p.marks[-1] - p.marks[0]) / 1e6 for p in passes]
+        other = [(p.marks[-1] - p.marks[-2] + p.marks[1] - p.marks[0]) / 1e6 for p in passes]  # embed/norm/head
+        paths: dict[str, int] = {}
+        for p in passes:
+            paths[p.path] = paths.get(p.path, 0) + 1
+        record[phase] = {
+            "passes": len(passes),
+            "tokens": sum(p.rows * p.tokens for p in passes),
+            "paths": paths,
+            "forward_s": sum(forward) / 1000,
+            "attention_s": [sum(a) / 1000 for a in attention],
+            "mlp_s": [sum(m) / 1000 for m in mlp],
+            "attention_ms": [_quantiles(a) for a in attention],
+            "mlp_ms": [_quantiles(m) for m in mlp],
+            "forward_ms": _quantiles(forward),
+            "outside_layers_ms": _quantiles(other),
+        }
+    return record
+
+
+def trace_layers(ctx: InferenceContext, clock: LayerClock) -> None:
+    """Every observed pass into the run's trace: the pass, and each layer's attention and MLP inside it."""
+    n = clock.n_layers
+    for number, p in enumerate(clock.passes):
+        m = p.marks
+        ctx.trace.add(f"{p.phase} pass ({p.path})", "pass", m[0], m[-1], number=number, rows=p.rows, tokens=p.tokens)
+        for i in range(n):
+            ctx.trace.add(f"layer {i}", "layer", m[2 * i], m[2 + 2 * i])
+            ctx.trace.add("attention", "layer", m[2 * i], m[1 + 2 * i], layer=i)
+            ctx.trace.add("mlp", "layer", m[1 + 2 * i], m[2 + 2 * i], layer=i)
+
+
+def check_attention_choice(ctx: InferenceContext, model: Transformer) -> None:
+    """Layers and heads the plan asks to capture must exist in this model: one line naming file:line:field."""
+    settings = getattr(ctx.plan.plan.observe, "attention", None) if ctx.plan is not None else None
+    if settings is None:
+        return
+    n_layers, n_heads = len(model.layers), model.layers[0].attention.n_heads
+    problems = []
+    for i, layer in enumerate(settings.layers):
+        if not -n_layers <= layer < n_layers:
+            problems.append(
+                (
+                    ("observe", "attention", "layers", i),
+                    f"layer {layer} does not exist: the model has "
+                    f"{n_layers} layers (0..{n_layers - 1}, or -{n_layers}..-1 from the end)",
+                )
+            )
+    for i, head in enumerate(settings.heads):
+        if head >= n_heads:
+            problems.append(
+                (
+                    ("observe", "attention", "heads", i),
+                    f"head {head} does not exist: the model has {n_heads} query heads (0..{n_heads - 1})",
+                )
+            )
+    if problems:
+        source = ctx.plan.source
+        raise StageFailure("; ".join(str(source.finding(path, message)) for path, message in problems))
 
 
 def install_observers(model: Transformer, observe_settings: Any) -> Observer | None:
@@ -337,20 +473,35 @@ def _write_json(path: Path, data: Any) -> Path:
     return write_json(path, data, indent=None)
 
 
-def generation_records(results: list[Result], tokenizer: Tokenizer | None = None) -> list[dict[str, Any]]:
-    """One record per request: generated ids (and their text pieces), logprobs, per-token timestamps."""
+def generation_records(
+    results: list[Result],
+    tokenizer: Tokenizer | None = None,
+    prompts: dict[str, str] | None = None,
+    origin: float = 0.0,
+) -> list[dict[str, Any]]:
+    """One record per request: its prompt, generated ids (and their text pieces), logprobs and the best
+    alternatives at each step, when each token came (seconds since `origin`), the finish reason."""
     records = []
     for result in results:
+        pieces = [tokenizer.decode([t]) for t in result.tokens] if tokenizer is not None else None
+        alternatives = [
+            [[int(i), float(lp), tokenizer.decode([int(i)]) if tokenizer is not None else str(i)] for i, lp in top]
+            for top in result.alternatives or []
+        ]
         records.append(
             {
                 "request_id": result.request_id,
+                "prompt": (prompts or {}).get(result.request_id),
                 "prompt_tokens": result.prompt_tokens,
+                "text": _text(tokenizer, result.tokens) if tokenizer is not None else None,
                 "tokens": list(result.tokens),
-                "pieces": [tokenizer.decode([t]) for t in result.tokens] if tokenizer is not None else None,
+                "pieces": pieces,
                 "token_strings": [tokenizer.id_to_token(t) for t in result.tokens] if tokenizer is not None else None,
                 "logprobs": list(result.logprobs),
-                "step_times": list(getattr(result, "step_times", None) or []),
+                "alternatives": alternatives,
+                "step_times": [t - origin for t in result.token_times],
                 "finish_reason": result.finish_reason,
+                "from_cache": result.from_cache,
                 "temperature": result.params.get("temperature"),
                 "num_beams": result.params.get("num_beams", 1),
                 "timings": dict(result.timings),
@@ -359,11 +510,32 @@ def generation_records(results: list[Result], tokenizer: Tokenizer | None = None
     return records
 
 
+def record_steps(ctx: InferenceContext, timeline: list[StepRecord]) -> None:
+    """The scheduler's steps into the run's trace and steps.json (the report's decode-speed picture)."""
+    trace, steps = ctx.trace, []
+    for number, step in enumerate(timeline):
+        trace.add_seconds(f"step {number}", "step", step.start, step.end, number=number)
+        entry: dict[str, Any] = {"start": step.start - ctx.started, "end": step.end - ctx.started}
+        if step.decode is not None:
+            began, ended, rows = step.decode
+            trace.add_seconds(f"decode ({rows} rows)", "decode", began, ended, rows=rows)
+            entry["decode"] = {"start": began - ctx.started, "end": ended - ctx.started, "rows": rows}
+        chunks = []
+        for began, ended, tag, n in step.prefill:
+            trace.add_seconds(f"prefill {tag} ({n} tokens)", "prefill", began, ended, request=str(tag), tokens=n)
+            chunks.append({"start": began - ctx.started, "end": ended - ctx.started, "request": str(tag), "tokens": n})
+        entry["prefill"] = chunks
+        steps.append(entry)
+    if ctx.run_dir is not None:
+        _write_json(Path(ctx.run_dir) / STEPS_FILE, {"clock": "seconds since the run started", "steps": steps})
+
+
 def begin_observing(ctx: InferenceContext, model: Transformer, kv_cache: KVCache | None) -> Observer | None:
     """For load.to_device: write model.json, install the hooks the plan asks for (kept in ctx.ext)."""
     if ctx.run_dir is not None:
         _write_json(Path(ctx.run_dir) / MODEL_FILE, model_summary(model, kv_cache))
     settings = ctx.plan.plan.observe if ctx.plan is not None else None
+    check_attention_choice(ctx, model)
     observer = install_observers(model, settings)
     if observer is not None:
         ctx.ext[OBSERVER_KEY] = observer
@@ -380,7 +552,7 @@ def redact_flagged(ctx: InferenceContext, results: list[Result], records: list[d
     for result, record in zip(results, records, strict=True):
         texts = [_text(tokenizer, result.tokens), *(_text(tokenizer, c.tokens) for c in result.candidates)]
         if flags(ctx, *texts):
-            record.update(tokens=[], pieces=[], token_strings=[], logprobs=[], redacted=True)
+            record.update(tokens=[], pieces=[], token_strings=[], logprobs=[], alternatives=[], text="", redacted=True)
 
 
 def _text(tokenizer: Tokenizer, ids: list[int]) -> str:
@@ -388,7 +560,7 @@ def _text(tokenizer: Tokenizer, ids: list[int]) -> str:
     return tokenizer.decode([int(i) for i in ids if 0 <= int(i) < vocab], skip_special_tokens=True)
 
 
-def finish_observing(ctx: InferenceContext, results: list[Result]) -> None:
+def finish_observing(ctx: InferenceContext, results: list[Result], shared_model: bool = False) -> None:
     """For compute.generate: report cut prompts and failed requests; write generations.json and
     whatever the observer recorded."""
     from .compute_tokenize import report_requests
@@ -396,9 +568,20 @@ def finish_observing(ctx: InferenceContext, results: list[Result]) -> None:
     report_requests(ctx, results)
     if ctx.run_dir is None:
         return
-    records = generation_records(results, ctx.tokenizer)
+    prompts = {r.id: r.prompt_text for r in ctx.requests or []}
+    records = generation_records(results, ctx.tokenizer, prompts, ctx.started)
     redact_flagged(ctx, results, records)
     _write_json(Path(ctx.run_dir) / GENERATIONS_FILE, records)
     observer = ctx.ext.get(OBSERVER_KEY)
     if isinstance(observer, Observer):
+        first = next((r for r in results if r.tokens and not r.from_cache), None)
+        request = next((q for q in ctx.requests or [] if first is not None and q.id == first.request_id), None)
+        uncut = request is not None and first is not None and len(request.prompt_ids) == first.prompt_tokens
+        # Not for a prompt cut to fit, nor on a model another thread is stepping (a served plan): the extra pass
+        # and its hooks would run beside that thread's.
+        if uncut and observer.attention is not None and not shared_model:
+            observer.capture_decode(list(request.prompt_ids), list(first.tokens))
         observer.save(Path(ctx.run_dir), ctx.tokenizer)
+        if observer.clock is not None:
+            trace_layers(ctx, observer.clock)
+            observer.clock.passes.clear()  # a resident plan's next request starts afresh

@@ -22,5 +22,7 @@ class AttentionCapture(Settings):
 class Observe(ObserveSettings):
     """What to record beyond the always-on stage timings and memory."""
 
-    layer_timings: bool = Field(False, description="per-layer attention/MLP times (hooks; off = no hooks)")
+    layer_timings: bool = Field(
+        False, description="per-layer attention/MLP times, timed inside both decode paths (no hooks)"
+    )
     attention: AttentionCapture | None = Field(None, description="capture attention weights for heatmaps")

@@ -247,7 +247,7 @@ class ResultsStore:
         """The newest freshly generated (not itself replayed) result stored under `key`."""
         row = _retry(
             lambda: self._conn.execute(
-                "SELECT results.*, runs.time AS run_time, runs.plan AS run_plan FROM results"
+                "SELECT results.*, runs.time AS run_time, runs.plan AS run_plan, runs.run_dir AS run_dir FROM results"
                 " JOIN runs ON runs.id = results.run_id"
                 " WHERE cache_key = ? AND from_cache = 0 AND error IS NULL"
                 " ORDER BY results.id DESC LIMIT 1",

@@ -93,6 +93,10 @@ class Result:
     params: dict[str, Any] = field(default_factory=dict)
     from_cache: bool = False
     streamed: bool = False  # the text was already shown through ctx.stream as it was generated
+    # For the run's own record (generations.json), not the answer: the best few tokens at each step, and
+    # when each token was picked (perf_counter seconds).
+    alternatives: list[list[tuple[int, float]]] | None = None
+    token_times: list[float] = field(default_factory=list)
     # output.postprocess: special, template and invalid ids removed
     ids: list[int] = field(default_factory=list)
     dropped_invalid: list[int] = field(default_factory=list)

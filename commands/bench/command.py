@@ -57,7 +57,6 @@ def register(subparsers: Any) -> None:
     bench.set_defaults(handler=cmd_bench)
 
 
-
 def _range(text: str) -> tuple[int, int]:
     lo, sep, hi = text.partition("-")
     try:

@@ -144,9 +144,7 @@ def check_loopback(base_url: str) -> None:
             raise ValueError(f"load generator: {host!r} resolves to {addr}, not a loopback address; refusing")
 
 
-def build_prompts(
-    count: int, target_tokens: int, count_tokens: Callable[[str], int], seed: int = 0
-) -> list[str]:
+def build_prompts(count: int, target_tokens: int, count_tokens: Callable[[str], int], seed: int = 0) -> list[str]:
     """`count` distinct texts of about `target_tokens` tokens each as `count_tokens` counts them.
 
     Distinct seeded word sequences, so no server can answer one request from another's prefix cache beyond
@@ -401,8 +399,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         prompts = build_prompts(n, args.prompt_words, lambda t: len(t.split()))
     try:
         s = run_load(
-            args.url, args.model, prompts, max_tokens=args.max_tokens, concurrency=args.concurrency,
-            requests=n, time_limit_s=args.time_limit, extra_body={} if args.no_ignore_eos else None,
+            args.url,
+            args.model,
+            prompts,
+            max_tokens=args.max_tokens,
+            concurrency=args.concurrency,
+            requests=n,
+            time_limit_s=args.time_limit,
+            extra_body={} if args.no_ignore_eos else None,
         )
     except ValueError as e:
         print(e, file=sys.stderr)

@@ -1,6 +1,6 @@
 """The report of a run: pictures of the plan, the data flow, the model, memory, layers, attention, generation.
 
-`build_report(run_dir)` writes RUN_DIR/report/*.png and a self-contained RUN_DIR/report/index.html.
+`build_report(run_dir)` writes RUN_DIR/report/*.svg and a self-contained RUN_DIR/report/index.html.
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""What every figure module shares: the Figure record, number formatting, and saving a PNG (Agg)."""
+"""What every figure module shares: the Figure record, number formatting, and saving a figure as SVG (Agg).
+
+Pictures are vector (SVG with real <text>), so they stay crisp at any width; colours of the phases and
+the byte formatting are the engine's (one definition for the graph command, the console and this page).
+"""
 
 from __future__ import annotations
 
@@ -12,28 +16,35 @@ matplotlib.use("Agg")  # files only: no display, no GUI toolkit
 
 import matplotlib.pyplot as plt
 
+from llmplan.engine import memory
+from llmplan.engine.graph_layout import PHASE_COLORS
+
 MISSING = "not recorded"
-PHASE_COLORS = {"load": "#9ec5fe", "compute": "#ffc078", "output": "#8ce99a", "observe": "#d0bfff"}
-DPI = 110
+plt.rcParams["svg.fonttype"] = "none"  # text stays text: selectable, measurable, sharp
+plt.rcParams["svg.hashsalt"] = "llmplan"  # stable ids: the same run draws the same file
+__all__ = ["MISSING", "PHASE_COLORS", "Figure", "mib", "plt", "rate", "save", "seconds"]
 
 
 @dataclass
 class Figure:
-    """One picture of the report (or the reason it could not be drawn: `path` is None)."""
+    """One section of the report: a picture (`path`, SVG) and/or an HTML block, or the reason neither could be
+    drawn. `notes` are neutral remarks; `warnings` are things that make the numbers less trustworthy."""
 
     key: str
     title: str
     path: Path | None
     caption: str = ""
     notes: list[str] = field(default_factory=list)
+    html: str = ""  # markup of its own (the generation view, the inline plan graph)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def drawn(self) -> bool:
+        return self.path is not None or bool(self.html)
 
 
 def mib(nbytes: float | None) -> str:
-    if nbytes is None:
-        return MISSING
-    if abs(nbytes) >= 1 << 30:
-        return f"{nbytes / (1 << 30):.2f} GiB"
-    return f"{nbytes / (1 << 20):.1f} MiB"
+    return memory.mib(nbytes, MISSING)
 
 
 def seconds(value: float | None) -> str:
@@ -49,7 +60,9 @@ def rate(count: float | None, wall: float | None, unit: str) -> str:
 
 
 def save(fig: Any, path: Path) -> Path:
+    """Write `fig` as SVG (whatever suffix `path` has); returns the .svg path."""
+    path = path.with_suffix(".svg")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=DPI, bbox_inches="tight")
+    fig.savefig(path, format="svg", bbox_inches="tight")
     plt.close(fig)
     return path

@@ -5,10 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from matplotlib.colors import LogNorm
+
 from .common import Figure, plt, save
 from .fonts import drawable, pick_font
 from .run_data import RunData
 from .tokens import token_labels
+
+FLOOR = 1e-4  # weights below this share the darkest colour (and masked, future positions are 0)
 
 
 def labels_of(data: dict[str, Any]) -> list[str]:
@@ -45,7 +49,9 @@ def draw_attention(run: RunData, out_dir: Path) -> list[Figure]:
     image = None
     for m in maps:
         ax = axes[layers.index(m["layer"])][heads.index(m["head"])]
-        image = ax.imshow(m["weights"], cmap="magma", vmin=0, vmax=1, interpolation="nearest")
+        # Log scale: a row's weights span orders of magnitude (a few large, most tiny); linear left them black.
+        weights = [[w if w > FLOOR else FLOOR for w in row] for row in m["weights"]]
+        image = ax.imshow(weights, cmap="magma", norm=LogNorm(vmin=FLOOR, vmax=1), interpolation="nearest")
         ax.set_title(f"layer {m['layer']}, head {m['head']}", fontsize=9)
         if shown and n <= 96:
             size = max(4.0, min(8.0, 420 / n))
@@ -57,16 +63,76 @@ def draw_attention(run: RunData, out_dir: Path) -> list[Figure]:
         ax.set_xlabel("key (attended-to token)", fontsize=8)
         ax.set_ylabel("query token", fontsize=8)
     if image is not None:
-        fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
-    fig.suptitle("Attention over the prompt (first request, first prefill pass; each row sums to 1)", fontsize=11)
-    path = save(fig, out_dir / "attention.png")
+        fig.colorbar(image, ax=axes, shrink=0.6, label=f"attention weight (log scale; < {FLOOR:g} darkest)")
+    fig.suptitle(
+        "Attention over the prompt (first request, first prefill pass; each row sums to 1; log colour scale)",
+        fontsize=11,
+    )
+    path = save(fig, out_dir / "attention.svg")
     notes = [font.note] if font.note else []
     ignored = data.get("ignored") or {}
-    if ignored.get("layers") or ignored.get("heads"):
+    if ignored.get("layers") or ignored.get("heads"):  # runs from before the plan was checked against the model
         notes.append(f"ignored out-of-range indexes: layers {ignored.get('layers')}, heads {ignored.get('heads')}")
+    if (run.observe.get("attention") or {}) and run.observe.get("layer_timings"):
+        notes.append("capturing attention hooks the layers: this run decoded on the torch modules, not the fused step")
     caption = (
         f"{n} prompt tokens (max_tokens {data.get('max_tokens')}); weights recomputed from the attention "
         "module's own inputs as softmax(QKᵀ/√d) with the causal mask. <xx yy> = bytes of a character split "
         "over several tokens; ␣ = space."
     )
-    return [Figure("attention", "Attention heatmaps", path, caption, notes)]
+    return [Figure("attention", "Attention heatmaps", path, caption, notes), *draw_decode_attention(data, out_dir)]
+
+
+def draw_decode_attention(data: dict[str, Any], out_dir: Path) -> list[Figure]:
+    """Each decode step's attention over the prompt and the tokens generated before it (first request)."""
+    decode = data.get("decode") or {}
+    maps = decode.get("maps") or []
+    if not maps:
+        return []
+    columns = labels_of(decode["columns"])
+    rows = labels_of(decode["rows"])
+    font = pick_font(columns + rows)
+    props = font.properties()
+    prompt = decode["prompt_tokens"]
+    layers, heads = sorted({m["layer"] for m in maps}), sorted({m["head"] for m in maps})
+    n_rows, n_cols = len(maps[0]["weights"]), len(maps[0]["weights"][0])
+    width = min(0.13 * n_cols + 2.0, 12.0)
+    height = min(0.16 * n_rows + 1.4, 8.0)
+    fig, axes = plt.subplots(
+        len(layers) * len(heads),
+        1,
+        figsize=(width + 2, height * len(layers) * len(heads) + 1),
+        squeeze=False,
+        layout="constrained",
+    )
+    image = None
+    for i, m in enumerate(maps):
+        ax = axes[i][0]
+        weights = [[w if w > FLOOR else FLOOR for w in row] for row in m["weights"]]
+        image = ax.imshow(
+            weights, cmap="magma", norm=LogNorm(vmin=FLOOR, vmax=1), interpolation="nearest", aspect="auto"
+        )
+        ax.axvline(prompt - 0.5, color="#4dabf7", linewidth=1.5)
+        ax.set_title(f"layer {m['layer']}, head {m['head']} — left of the blue line: the prompt", fontsize=9)
+        if n_rows <= 64:
+            ax.set_yticks(range(n_rows), [drawable(r, font) for r in rows[:n_rows]], fontsize=7, fontproperties=props)
+        if n_cols <= 96:
+            size = max(5.0, min(7.0, 500 / n_cols))
+            ax.set_xticks(
+                range(n_cols),
+                [drawable(c, font) for c in columns[:n_cols]],
+                rotation=90,
+                fontsize=size,
+                fontproperties=props,
+            )
+        ax.set_xlabel("key (attended-to token: prompt, then generated)", fontsize=8)
+        ax.set_ylabel("decode step (token it picked)", fontsize=8)
+    if image is not None:
+        fig.colorbar(image, ax=axes, shrink=0.6, label=f"attention weight (log scale; < {FLOOR:g} darkest)")
+    fig.suptitle("Attention of each decode step over the prompt and the tokens before it (first request)", fontsize=11)
+    path = save(fig, out_dir / "attention_decode.svg")
+    caption = (
+        f"{n_rows} decode steps over {prompt} prompt tokens. Recomputed after the run in one causal pass over "
+        "the prompt and the generated tokens: each row sees exactly the keys its decode step saw."
+    )
+    return [Figure("attention_decode", "Attention of the decode steps", path, caption)]

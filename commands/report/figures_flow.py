@@ -97,7 +97,7 @@ def draw_load_flow(run: RunData, out_dir: Path) -> Figure:
         "Load: files → host buffer → conversion → device",
         [[files], [buffer], [conversion], [device]],
         arrows,
-        out_dir / "flow_load.png",
+        out_dir / "flow_load.svg",
         footer=footer,
     )
     return Figure(
@@ -192,7 +192,7 @@ def draw_compute_flow(run: RunData, out_dir: Path) -> Figure:
         "Compute: prompt → ids → prefill → decode (with the KV cache) → generated ids",
         [[prompt], [ids], [prefill], [decode], [out]],
         arrows,
-        out_dir / "flow_compute.png",
+        out_dir / "flow_compute.svg",
         below=below,
     )
     return Figure(
@@ -253,7 +253,7 @@ def draw_output_flow(run: RunData, out_dir: Path) -> Figure:
         "Output: ids → clean ids → text → sinks → release",
         [[ids], [clean], [text], sinks, [rel]],
         arrows,
-        out_dir / "flow_output.png",
+        out_dir / "flow_output.svg",
     )
     return Figure(
         "flow_output",

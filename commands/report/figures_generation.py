@@ -1,22 +1,143 @@
-"""The generation view (generations.json): decode speed over the steps, and each token's probability."""
+"""Decode over time (steps.json) and the generation view (generations.json).
+
+* Decode speed: tokens/s of every scheduler step's decode pass over the run, prefill chunks marked where they
+  ran (a chunk shares its step with the decode rows, so it shows as a slower step).
+* Generation view (HTML, not a picture): each request's prompt and answer, the answer token by token coloured
+  by the probability the model gave it, the best alternatives on hover, the finish reason; a few requests
+  per page.
+"""
 
 from __future__ import annotations
 
 import itertools
 import math
+import statistics
+from html import escape
 from pathlib import Path
+from typing import Any
 
 from .common import Figure, plt, save
-from .fonts import drawable, pick_font
 from .run_data import RunData
 from .tokens import token_labels
 
-MAX_REQUESTS = 4
+PER_PAGE = 3
+BUCKETS = [  # (lowest probability, background, legend)
+    (0.9, "#d3f9d8", "p ≥ 0.9"),
+    (0.5, "#fff3bf", "0.5 – 0.9"),
+    (0.2, "#ffe8cc", "0.2 – 0.5"),
+    (0.0, "#ffc9c9", "< 0.2"),
+]
 
 
 def step_rates(step_times: list[float]) -> list[float]:
     """Tokens per second of each decode step: 1 / the time between consecutive tokens."""
     return [1.0 / (b - a) if b > a else float("nan") for a, b in itertools.pairwise(step_times)]
+
+
+def draw_decode_steps(run: RunData, out_dir: Path) -> list[Figure]:
+    title = "Decode speed over the run"
+    steps = (run.steps or {}).get("steps") or []
+    decode = [s for s in steps if s.get("decode")]
+    if not decode:
+        why = (
+            "steps.json was not written: the answers were replayed, or generation ran as a static batch "
+            "(beam search, the slide cache policy), which records no per-step times"
+            if not steps
+            else "no decode steps (every request ended at its first token)"
+        )
+        return [Figure("decode", title, None, notes=[why])]
+    times = [s["decode"]["start"] for s in decode]
+    rates = [s["decode"]["rows"] / max(s["decode"]["end"] - s["decode"]["start"], 1e-9) for s in decode]
+    rows = [s["decode"]["rows"] for s in decode]
+    fig, ax = plt.subplots(figsize=(12, 4.2), layout="constrained")
+    ax.plot(times, rates, marker="o", markersize=2.5, linewidth=0.9, color="#1c7ed6", label="decode pass tokens/s")
+    median = statistics.median(rates)
+    ax.axhline(median, color="#495057", linestyle="--", linewidth=1, label=f"median {median:,.1f} tok/s")
+    chunks = [c for s in steps for c in s.get("prefill") or []]
+    for i, chunk in enumerate(chunks):
+        ax.axvspan(
+            chunk["start"],
+            chunk["end"],
+            color="#ff922b",
+            alpha=0.35,
+            linewidth=0,
+            label="prefill chunk" if i == 0 else None,
+        )
+    if max(rows) > 1:
+        twin = ax.twinx()
+        twin.step(times, rows, where="post", color="#2f9e44", linewidth=0.9, alpha=0.7)
+        twin.set_ylabel("rows decoding", color="#2f9e44")
+        twin.set_ylim(0, max(rows) * 1.1)
+    ax.set_xlabel("seconds since the run started")
+    ax.set_ylabel("tokens / s (rows ÷ pass time)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title(f"{len(decode)} decode steps, {len(chunks)} prefill chunk(s)", fontsize=10)
+    path = save(fig, out_dir / "decode_steps.svg")
+    caption = (
+        "Every scheduler step's decode pass: rows decoded ÷ the pass's time (one token per running row). "
+        "Orange: prefill chunks, which run in the same step as the decode rows and delay their next token."
+    )
+    return [Figure("decode", title, path, caption)]
+
+
+def _colour(p: float) -> str:
+    return next(colour for low, colour, _ in BUCKETS if p >= low)
+
+
+def _piece(label: str, piece: str | None) -> str:
+    if piece is not None and "\ufffd" not in piece:
+        return piece
+    return label  # bytes of a character split over tokens: shown as <e6 b3>
+
+
+def _token_title(p: float, token: int, alternatives: list[Any]) -> str:
+    lines = [f"p = {p:.3f}   (id {token})"]
+    if alternatives:
+        lines.append("most likely here:")
+        lines += [f"  {alt[2] if len(alt) > 2 else alt[0]!r}  {math.exp(alt[1]):.3f}" for alt in alternatives]
+    return "\n".join(lines)
+
+
+def request_html(rec: dict[str, Any]) -> str:
+    tokens = rec.get("tokens") or []
+    logprobs = rec.get("logprobs") or []
+    pieces = rec.get("pieces") or [None] * len(tokens)
+    labels = token_labels(tokens, rec.get("pieces"), rec.get("token_strings"))
+    alternatives = rec.get("alternatives") or []
+    head = [
+        f"finish: <b>{escape(str(rec.get('finish_reason')))}</b>",
+        f"{rec.get('prompt_tokens')} prompt tokens",
+        f"{len(tokens)} generated",
+    ]
+    if rec.get("temperature") is not None:
+        head.append(f"T = {rec.get('temperature')}")
+    if rec.get("from_cache"):
+        head.append("replayed from the results cache")
+    parts = [f'<div class="request"><h3>{escape(str(rec.get("request_id")))}</h3><p>{" · ".join(head)}</p>']
+    prompt = rec.get("prompt")
+    if prompt is not None:
+        parts.append(f'<details open><summary>prompt</summary><div class="prompt">{escape(prompt)}</div></details>')
+    if rec.get("redacted"):
+        parts.append('<p class="note">the plan\'s output filter flagged this answer: its tokens are not kept</p>')
+    elif len(logprobs) == len(tokens) and tokens:
+        spans = []
+        for i, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+            p = math.exp(lp) if lp is not None and lp > -1e30 else 0.0
+            alts = alternatives[i] if i < len(alternatives) else []
+            text = _piece(labels[i], pieces[i])
+            spans.append(
+                f'<span class="tok" style="background:{_colour(p)}" title="{escape(_token_title(p, token, alts))}">'
+                f"{escape(text)}</span>"
+            )
+        parts.append(f'<div class="answer">{"".join(spans)}</div>')
+    else:
+        text = rec.get("text") or "".join(_piece(lab, pc) for lab, pc in zip(labels, pieces, strict=False))
+        parts.append(f'<div class="answer">{escape(text)}</div>')
+        parts.append('<p class="note">no per-token probabilities (beam search, or a replayed answer)</p>')
+    parts.append("</div>")
+    return "".join(parts)
 
 
 def draw_generation(run: RunData, out_dir: Path) -> list[Figure]:
@@ -27,87 +148,22 @@ def draw_generation(run: RunData, out_dir: Path) -> list[Figure]:
                 "generation",
                 "Generation",
                 None,
-                notes=["generations.json was not written (no generate stage, or the observe wiring is not in place)"],
+                notes=["generations.json was not written (no generate stage ran in this run)"],
             )
         ]
-    shown = records[:MAX_REQUESTS]
-    fig, axes = plt.subplots(len(shown), 2, figsize=(14, 3.4 * len(shown)), squeeze=False)
-    notes = []
-    for row, rec in enumerate(shown):
-        ax_rate, ax_prob = axes[row]
-        times = rec.get("step_times") or []
-        if len(times) >= 2:
-            rates = step_rates(times)
-            steps = list(range(1, len(times)))
-            ax_rate.plot(steps, rates, marker="o", markersize=2.5, linewidth=1, color="#1c7ed6")
-            finite = [r for r in rates if not math.isnan(r)]
-            if finite:
-                mean = (len(times) - 1) / (times[-1] - times[0])
-                ax_rate.axhline(mean, color="#e8590c", linestyle="--", linewidth=1, label=f"mean {mean:,.1f} tok/s")
-                ax_rate.legend(fontsize=7)
-            ax_rate.set_xlabel("decode step (generated token index)")
-            ax_rate.set_ylabel("tokens / s")
-            ax_rate.set_title(
-                f"{rec['request_id']}: decode speed (first token after {times[0] * 1000:.0f} ms)", fontsize=9
-            )
-            ax_rate.set_ylim(bottom=0)
-            ax_rate.grid(alpha=0.3)
-        else:
-            timing = rec.get("timings") or {}
-            ax_rate.text(
-                0.5,
-                0.5,
-                "per-step timestamps not recorded\n"
-                f"(mean decode {timing.get('decode_tokens_per_s', float('nan')):,.1f} tok/s)",
-                ha="center",
-                va="center",
-                transform=ax_rate.transAxes,
-                fontsize=9,
-            )
-            ax_rate.set_axis_off()
-            notes.append(f"{rec['request_id']}: no step_times in generations.json")
-        logprobs = rec.get("logprobs") or []
-        if logprobs:
-            probs = [math.exp(lp) for lp in logprobs]
-            labels = token_labels(rec["tokens"], rec.get("pieces"), rec.get("token_strings"))
-            font = pick_font(labels)
-            ax_prob.bar(range(len(probs)), probs, color="#51cf66")
-            if len(labels) <= 64:
-                ax_prob.set_xticks(
-                    range(len(labels)),
-                    [drawable(x, font) for x in labels],
-                    rotation=90,
-                    fontsize=max(4.0, min(8.0, 400 / len(labels))),
-                    fontproperties=font.properties(),
-                )
-            ax_prob.set_ylim(0, 1.05)
-            kind = "sampled" if (rec.get("temperature") or 0) > 0 else "greedy"
-            ax_prob.set_title(f"probability of each chosen token ({kind}, T={rec.get('temperature')})", fontsize=9)
-            ax_prob.set_ylabel("p(token)")
-            ax_prob.grid(axis="y", alpha=0.3)
-            if font.note and font.note not in notes:
-                notes.append(font.note)
-        else:
-            ax_prob.text(
-                0.5,
-                0.5,
-                "no logprobs (beam search or cached result)",
-                ha="center",
-                va="center",
-                transform=ax_prob.transAxes,
-            )
-            ax_prob.set_axis_off()
-    if len(records) > MAX_REQUESTS:
-        notes.append(f"showing {MAX_REQUESTS} of {len(records)} requests")
-    fig.tight_layout()
-    path = save(fig, out_dir / "generation.png")
-    return [
-        Figure(
-            "generation",
-            "Generation",
-            path,
-            "Left: tokens/s of each decode step (1 / time between tokens). Right: exp(logprob) of each "
-            "generated token under the raw model distribution.",
-            notes,
-        )
-    ]
+    legend = "".join(f'<span style="background:{colour}">{escape(text)}</span>' for _, colour, text in BUCKETS)
+    pages = []
+    for first in range(0, len(records), PER_PAGE):
+        group = records[first : first + PER_PAGE]
+        label = f"{first + 1}–{first + len(group)}" if len(group) > 1 else f"{first + 1}"
+        pages.append(f'<div class="page" data-label="{label}">{"".join(request_html(r) for r in group)}</div>')
+    html = (
+        f'<p class="legend">probability of each generated token: {legend} (hover a token for its best '
+        f"alternatives)</p>"
+        f'<div class="pages"><div class="pager"></div>{"".join(pages)}</div>'
+    )
+    caption = (
+        f"All {len(records)} request(s), {PER_PAGE} per page. Colours: the probability of the chosen token "
+        "under the model's raw distribution (before penalties and sampling filters)."
+    )
+    return [Figure("generation", "Generation", None, caption, html=html)]

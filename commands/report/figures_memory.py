@@ -42,19 +42,21 @@ def draw_memory(run: RunData, out_dir: Path) -> list[Figure]:
     spans = stage_spans(memory.get("marks") or [])
     fig, ax = plt.subplots(figsize=(12, 5.2))
     top = max(rss) * 1.18
+    # A label only where the band is wide enough for it: short stages side by side made an unreadable clump;
+    # they are named in a note instead.
+    span_all = max(t[-1] - t[0], 1e-9)
+    unlabelled = []
+    last_label = float("-inf")
     for i, (stage, a, b) in enumerate(spans):
         ax.axvspan(a, b, color="#e9ecef" if i % 2 else "#f8f9fa", zorder=0)
         ax.axvline(a, color="#ced4da", linewidth=0.6, zorder=1)
+        middle = (a + b) / 2
+        if b - a < span_all * 0.018 or middle - last_label < span_all * 0.018:
+            unlabelled.append(stage)
+            continue
+        last_label = middle
         ax.text(
-            (a + b) / 2,
-            top * 0.995,
-            stage,
-            rotation=90,
-            ha="center",
-            va="top",
-            fontsize=7,
-            color="#495057",
-            clip_on=True,
+            middle, top * 0.995, stage, rotation=90, ha="center", va="top", fontsize=8, color="#495057", clip_on=True
         )
     ax.plot(t, rss, color="#1c7ed6", linewidth=1.6, label="host RSS", zorder=3)
     if has_device:
@@ -119,12 +121,14 @@ def draw_memory(run: RunData, out_dir: Path) -> list[Figure]:
         )
     else:
         notes.append("no output.release stage in this plan: memory is returned when the process exits")
+    if unlabelled:
+        notes.append(f"stages too short to label in the chart: {', '.join(unlabelled)}")
     ax.set_ylim(0, top)
     ax.set_xlabel("seconds since the run started")
     ax.set_ylabel("MiB")
     ax.set_title(f"Memory over time — peak RSS {mib((run.metrics.get('run') or {}).get('peak_rss_bytes'))}")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, framealpha=0.9)
     ax.grid(axis="y", alpha=0.3)
-    path = save(fig, out_dir / "memory.png")
+    path = save(fig, out_dir / "memory.svg")
     caption = f"Samples every {memory.get('interval_ms')} ms plus one at each stage boundary; grey bands are stages."
     return [Figure("memory", "Memory over time", path, caption, notes)]

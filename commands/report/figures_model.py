@@ -148,7 +148,7 @@ def draw_model_graph(run: RunData, out_dir: Path) -> list[Figure]:
     ax.set_title(
         f"Model as loaded: {m['n_layers']} layers, dim {dim}, {heads} query / {kv} KV heads of {hd}", fontsize=12
     )
-    path = save(fig, out_dir / "model_graph.png")
+    path = save(fig, out_dir / "model_graph.svg")
     return [
         Figure(
             "model",

@@ -1,4 +1,8 @@
-"""The plan's stage graph, rebuilt from plan.resolved.yaml, each stage labelled with its time and memory."""
+"""The plan's stage graph, rebuilt from plan.resolved.yaml, each stage labelled with its time and memory.
+
+Drawn by the engine's layered layout (engine/graph_layout.py) as inline SVG markup: real text at 11-14 px,
+shown at its own size (the section scrolls sideways on a narrow window rather than shrink the text).
+"""
 
 from __future__ import annotations
 
@@ -8,10 +12,12 @@ from .common import Figure, mib
 from .run_data import RunData
 
 
-def stage_label(record: dict | None) -> str:
+def stage_label(record: dict | None, replayed: bool = False) -> str:
     if record is None:
         return "not run"
     status = record.get("status", "?")
+    if status == "skipped" and replayed:
+        return "skipped: answers replayed\nfrom the results cache"
     if status != "ok":
         return status
     delta = (record.get("rss_after") or 0) - (record.get("rss_before") or 0)
@@ -23,9 +29,9 @@ def stage_label(record: dict | None) -> str:
 
 
 def draw_plan_graph(run: RunData, out_dir: Path) -> list[Figure]:
-    from llmplan.engine.drawing import draw_graph
     from llmplan.engine.findings import PlanError
     from llmplan.engine.graph import build_graph
+    from llmplan.engine.graph_layout import graph_svg
     from llmplan.engine.plan import load_plan
     from llmplan.engine.registry import discover
 
@@ -37,12 +43,15 @@ def draw_plan_graph(run: RunData, out_dir: Path) -> list[Figure]:
         bound = load_plan(plan_path, discover())
     except PlanError as bad:
         why = "; ".join(str(f) for f in bad.findings[:3])
-        return [Figure("plan", title, None, notes=[f"the plan no longer validates here: {why}"])]
+        return [Figure("plan", title, None, warnings=[f"the plan no longer validates here: {why}"])]
     graph = build_graph(bound.stages)
-    labels = {node: stage_label(run.record(node)) for node in graph.nodes}
-    path = draw_graph(graph, out_dir / "plan_graph.png", labels=labels, title=f"plan {bound.plan.name}")
+    labels = {node: stage_label(run.record(node), run.replayed is not None) for node in graph.nodes}
+    svg = graph_svg(graph, labels, title=f"plan {bound.plan.name}")
+    (out_dir / "plan_graph.svg").write_text(svg, encoding="utf-8")  # the same picture as a file of its own
     caption = (
-        "Stages coloured by phase, each with its wall time and the change of host memory (RSS) while it ran. "
-        "Solid arrows carry slots; dashed ones only order stages."
+        "Stages top to bottom in dependency order, coloured by phase, each with its wall time and the change of "
+        "host memory (RSS) while it ran. Solid arrows carry the named slots; dashed ones only order stages or "
+        "may fill a slot (a cache hit). Dashed grey boxes did not run. Click to open full size."
     )
-    return [Figure("plan", title, path, caption)]
+    inline = svg.replace(' xmlns="http://www.w3.org/2000/svg"', "", 1)  # HTML needs no namespace: no URL on the page
+    return [Figure("plan", title, None, caption, html=f"<figure>{inline}</figure>")]

@@ -29,6 +29,7 @@ class RunData:
     generations: list[dict[str, Any]] | None
     layer_timings: dict[str, Any] | None
     attention: dict[str, Any] | None
+    steps: dict[str, Any] | None = None
     problems: list[str] = field(default_factory=list)
 
     @classmethod
@@ -54,6 +55,7 @@ class RunData:
             generations=_json(run_dir / "generations.json"),
             layer_timings=_json(run_dir / "layer_timings.json"),
             attention=_json(run_dir / "attention.json"),
+            steps=_json(run_dir / "steps.json"),
             problems=problems,
         )
 
@@ -80,3 +82,26 @@ class RunData:
     @property
     def name(self) -> str:
         return str((self.plan or {}).get("name") or self.run_dir.name)
+
+    @property
+    def replayed(self) -> dict[str, Any] | None:
+        """The cache lookup's record when this run's answers were replayed, not generated: which results, from
+        which runs (`replayed_from`)."""
+        for stage_id in self.stage_ids("cache.lookup"):
+            lookup = self.metrics.get(stage_id) or {}
+            if lookup.get("replayed"):
+                return lookup.get("replayed_from") or {}
+        return None
+
+    def source_runs(self) -> list[Path]:
+        """The run directories that generated the replayed answers, those that still exist."""
+        found: list[Path] = []
+        for source in (self.replayed or {}).get("results") or []:
+            where = source.get("run_dir")
+            if where and Path(where).is_dir() and Path(where) not in found:
+                found.append(Path(where))
+        return found
+
+    @property
+    def load_average(self) -> dict[str, Any] | None:
+        return (self.run or {}).get("load_average")

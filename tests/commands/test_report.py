@@ -6,11 +6,9 @@ import argparse
 import base64
 import json
 import re
-import shutil
-import subprocess
+from html import escape
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -20,33 +18,45 @@ from llmplan.commands.report.figures_generation import step_rates
 from llmplan.commands.report.figures_memory import stage_spans
 from llmplan.commands.report.figures_plan import stage_label
 from llmplan.commands.report.tokens import token_labels
+from tests.commands.browser import Browser, find_chromium
 from tests.stages.tiny_run import make_tiny_model_dir, run_plan, wire_observers, write_plan
 
 OBSERVE = {"layer_timings": True, "attention": {"layers": [0, 1], "heads": [0, 1], "max_tokens": 32}}
-ALL_PNGS = {
-    "plan_graph.png",
-    "flow_load.png",
-    "flow_compute.png",
-    "flow_output.png",
-    "model_graph.png",
-    "memory.png",
-    "layer_timings.png",
-    "attention.png",
-    "generation.png",
+ALL_SVGS = {
+    "plan_graph.svg",
+    "flow_load.svg",
+    "flow_compute.svg",
+    "flow_output.svg",
+    "model_graph.svg",
+    "memory.svg",
+    "layer_timings.svg",
+    "decode_steps.svg",
+    "attention.svg",
+    "attention_decode.svg",
 }
+EMBEDDED = ALL_SVGS - {"plan_graph.svg"}  # the plan graph is inline markup, the others data: URIs
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts" / "report"  # screenshots (ignored by git)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Two real runs of a tiny model: one observing everything (sampled), one asking for nothing."""
+    """Real runs of a tiny model: one observing everything (sampled, 5 requests), one asking for nothing."""
     tmp = tmp_path_factory.mktemp("report")
     patch = pytest.MonkeyPatch()
     try:
         wire_observers(patch)
         model_dir, _ = make_tiny_model_dir(tmp, n_layers=2)
+        prompts = tmp / "prompts.jsonl"
+        prompts.write_text(
+            "".join(json.dumps({"id": f"q{i}", "text": f"Question number {i}: why?"}) + "\n" for i in range(5)),
+            encoding="utf-8",
+        )
         observed = write_plan(tmp, model_dir, observe=OBSERVE, generate={"temperature": 0.9}, name="observed")
         plain = write_plan(tmp, model_dir, name="plain")
-        return {"observed": run_plan(observed, tmp / "observed"), "plain": run_plan(plain, tmp / "plain")}
+        return {
+            "observed": run_plan(observed, tmp / "observed", "--prompts", str(prompts)),
+            "plain": run_plan(plain, tmp / "plain"),
+        }
     finally:
         patch.undo()
 
@@ -58,27 +68,53 @@ def page(runs: dict[str, Path]) -> Path:
 
 def test_every_picture_is_drawn_and_embedded(page: Path) -> None:
     assert page == page.parent.parent / "report" / "index.html"
-    pngs = {p.name for p in page.parent.glob("*.png")}
-    assert pngs == ALL_PNGS
+    svgs = {p.name for p in page.parent.glob("*.svg")}
+    assert svgs == ALL_SVGS
     assert not list(page.parent.glob("*.error.txt"))
     html = page.read_text(encoding="utf-8")
-    assert html.count('<img src="data:image/png;base64,') == len(ALL_PNGS)
-    for name in ALL_PNGS:
+    assert html.count('<img src="data:image/svg+xml;base64,') == len(EMBEDDED)
+    for name in EMBEDDED:
         assert base64.b64encode((page.parent / name).read_bytes()).decode() in html
+    assert html.count('<svg class="plan-graph"') == 1
+    for name in ALL_SVGS:  # vector pictures whose text is text (readable, measurable), not outlines
+        assert "<text" in (page.parent / name).read_text(encoding="utf-8") or name != "plan_graph.svg"
+
+
+def test_generation_view_shows_every_request(runs: dict[str, Path], page: Path) -> None:
+    """Prompt and answer of all 5 requests (paged by 3), tokens coloured with alternatives, finish reasons."""
+    html = page.read_text(encoding="utf-8")
+    records = json.loads((runs["observed"] / "generations.json").read_text())
+    assert len(records) == 5
+    for i, record in enumerate(records):
+        assert record["prompt"] and f"Question number {i}: why?" in record["prompt"]
+        assert escape(record["prompt"]) in html
+        assert len(record["alternatives"]) == len(record["tokens"]) and len(record["alternatives"][0]) == 5
+        assert f"<h3>q{i}</h3>" in html
+    assert html.count('<div class="page" data-label=') == 2  # 1–3, 4–5
+    assert html.count('class="tok"') == sum(len(r["tokens"]) for r in records)
+    assert "most likely here:" in html and "finish: <b>length</b>" in html
+
+
+def test_notes_are_neutral_and_warnings_are_warnings(runs: dict[str, Path]) -> None:
+    html = build_report(runs["plain"]).read_text(encoding="utf-8")
+    assert '<p class="note">not asked for (plan `observe: {layer_timings: true}`)</p>' in html
+    assert ".note{color:#495057" in html  # grey, not red
+    assert '<p class="warning">' not in html.split("<nav>")[0] or "ended" in html
 
 
 def test_page_is_self_contained(page: Path) -> None:
     html = page.read_text(encoding="utf-8")
     assert not re.search(r"https?://", html)
-    assert not re.search(r"<script[^>]*\bsrc=|<link\b|@import|url\(", html, re.I)
+    # url(#id) points inside the page (the plan graph's arrow markers); any other url( would fetch something
+    assert not re.search(r"<script[^>]*\bsrc=|<link\b|@import|url\((?!#)", html, re.I)
 
 
 def test_missing_stages_are_shown_as_missing(runs: dict[str, Path]) -> None:
     html = build_report(runs["plain"]).read_text(encoding="utf-8")
     assert "not asked for (plan `observe: {layer_timings: true}`)" in html
-    assert not (runs["plain"] / "report" / "attention.png").exists()
+    assert not (runs["plain"] / "report" / "attention.svg").exists()
     # the plan has no output stages: the output flow is drawn, hatched, without invented numbers
-    assert (runs["plain"] / "report" / "flow_output.png").exists()
+    assert (runs["plain"] / "report" / "flow_output.svg").exists()
 
 
 def test_heatmap_rows_sum_to_one(runs: dict[str, Path]) -> None:
@@ -99,6 +135,9 @@ def test_numbers_come_from_the_run(runs: dict[str, Path]) -> None:
     assert [s[0] for s in spans] == [s["id"] for s in stages if s["status"] == "ok"]
     timings = json.loads((run / "layer_timings.json").read_text())
     assert len(timings["prefill"]["attention_s"]) == len(timings["decode"]["mlp_s"]) == 2
+    assert len(timings["decode"]["attention_ms"]) == 2 and timings["decode"]["passes"] > 10
+    steps = json.loads((run / "steps.json").read_text())["steps"]
+    assert sum(len(s["prefill"]) for s in steps) == 5 and sum(bool(s.get("decode")) for s in steps) > 0
     generation = json.loads((run / "generations.json").read_text())[0]
     assert generation["temperature"] == 0.9 and len(generation["logprobs"]) == len(generation["tokens"])
 
@@ -137,27 +176,77 @@ def test_report_command_through_the_cli(runs: dict[str, Path], capsys: pytest.Ca
     assert main(["report", str(runs["plain"] / "nope")]) == 1
 
 
-def _chromium() -> str | None:
-    return next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
+def test_page_in_headless_chromium_at_1280px(page: Path, tmp_path: Path) -> None:
+    """Every figure loads; the plan graph's smallest text renders at >= 10 px; a screenshot of each section is
+    kept under tests/artifacts/report/."""
+    executable = find_chromium()
+    if executable is None:
+        pytest.skip("no chromium on PATH (Debian: apt-get install -y chromium; .ci/run installs it)")
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    browser = Browser(executable, tmp_path / "profile")
+    try:
+        browser.open(page.as_uri(), 1280, 900)
+        loaded = browser.evaluate("document.body.getAttribute('data-figures-loaded')")
+        assert loaded == f"{len(ALL_SVGS)}/{len(ALL_SVGS)}", loaded
+        broken = browser.evaluate("Array.from(document.images).filter(i => !(i.naturalWidth > 0)).length")
+        assert broken == 0
+        sizes = browser.evaluate(
+            "Array.from(document.querySelectorAll('#plan svg text')).map(t => t.getBoundingClientRect().height)"
+        )
+        font_px = browser.evaluate(
+            "Math.min(...Array.from(document.querySelectorAll('#plan svg text'))"
+            ".map(t => parseFloat(getComputedStyle(t).fontSize) * t.getScreenCTM().a))"
+        )
+        assert sizes and min(sizes) >= 10 and font_px >= 10, (min(sizes), font_px)
+        width = browser.evaluate("document.documentElement.clientWidth")
+        assert width == 1280
+        sections = browser.evaluate(
+            "Array.from(document.querySelectorAll('section')).map(s => { const r = s.getBoundingClientRect();"
+            " return {id: s.id, x: r.left + scrollX, y: r.top + scrollY, width: r.width, height: r.height}; })"
+        )
+        assert {s["id"] for s in sections} >= {"plan", "layers", "decode", "attention", "generation", "memory"}
+        for box in sections:
+            shot = browser.screenshot(
+                ARTIFACTS / f"{box['id']}.png",
+                {"x": box["x"], "y": box["y"], "width": box["width"], "height": min(box["height"], 6000)},
+            )
+            assert shot.stat().st_size > 1000
+        # click opens full size, click again closes
+        assert browser.evaluate(
+            "(() => { const f = document.querySelector('#plan figure'); f.click();"
+            " const on = f.classList.contains('full'); f.click(); return on; })()"
+        )
+    finally:
+        browser.close()
 
 
-def test_page_loads_in_headless_chromium(page: Path, tmp_path: Path) -> None:
-    browser = _chromium()
-    if browser is None:
-        pytest.skip("no chromium on PATH (Debian: apt-get install -y chromium)")
-    flags = [
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--no-first-run",
-        f"--user-data-dir={tmp_path / 'profile'}",
-    ]
-    done = subprocess.run(
-        [browser, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120, check=False
-    )
-    found: Any = re.search(r"<title>(\d+)/(\d+) images</title>", done.stdout)
-    assert found, f"the page's load script did not run: {done.stderr[-500:]}"
-    assert found.group(1) == found.group(2) == str(len(ALL_PNGS))
+def test_replayed_run_says_so_and_shows_the_source_runs_pictures(tmp_path: Path) -> None:
+    """A cached answer's page: replayed, from which run, that run's pictures; no "not run" boxes blaming the plan."""
+    import yaml
+
+    patch = pytest.MonkeyPatch()
+    try:
+        wire_observers(patch)
+        model_dir, _ = make_tiny_model_dir(tmp_path, n_layers=2)
+        path = write_plan(tmp_path, model_dir, observe={"layer_timings": True}, name="cached")
+        plan = yaml.safe_load(path.read_text(encoding="utf-8"))
+        db = str(tmp_path / "results.sqlite")
+        plan["stages"] += [
+            {"id": "lookup", "uses": "cache.lookup", "with": {"db": db}},
+            {"id": "post", "uses": "output.postprocess"},
+            {"id": "detok", "uses": "output.detokenize"},
+            {"id": "store", "uses": "output.cache", "with": {"db": db}},
+        ]
+        path.write_text(yaml.safe_dump(plan, sort_keys=False), encoding="utf-8")
+        first = run_plan(path, tmp_path / "first")
+        second = run_plan(path, tmp_path / "second")
+    finally:
+        patch.undo()
+    assert json.loads((second / "metrics.json").read_text())["lookup"]["replayed"] is True
+    html = build_report(second).read_text(encoding="utf-8")
+    assert "Replayed from the results cache." in html and "Nothing was generated in this run" in html
+    assert escape((first / "report" / "index.html").as_uri()) in html
+    assert f"(from {first.name}, the run that generated the answers)" in html
+    assert "skipped: answers replayed" in html  # the plan graph's label, not "not run"
+    assert "not in plan / not run" not in html
+    assert (second / "report" / "source" / "layer_timings.svg").is_file()

@@ -90,7 +90,7 @@ def test_model_json_matches_the_config(tiny: tuple[Path, Any], tmp_path: Path, w
 def test_observed_run_records_timings_and_attention(
     tiny: tuple[Path, Any], tmp_path: Path, wired: dict[str, int]
 ) -> None:
-    observe = {"layer_timings": True, "attention": {"layers": [0, -1, 99], "heads": [0, 3], "max_tokens": 8}}
+    observe = {"layer_timings": True, "attention": {"layers": [0, -1], "heads": [0, 3], "max_tokens": 8}}
     run = run_plan(write_plan(tmp_path, tiny[0], observe=observe), tmp_path / "run")
     assert wired["hooks"] > 0
     timings = json.loads((run / "layer_timings.json").read_text())
@@ -100,8 +100,12 @@ def test_observed_run_records_timings_and_attention(
     for phase in ("prefill", "decode"):
         for key in ("attention_s", "mlp_s"):
             assert len(timings[phase][key]) == N_LAYERS and all(t > 0 for t in timings[phase][key])
+        for key in ("attention_ms", "mlp_ms"):
+            spread = timings[phase][key]
+            assert len(spread) == N_LAYERS and all(0 < s["min"] <= s["median"] <= s["max"] for s in spread)
+    assert timings["load_average"] is not None
     attention = json.loads((run / "attention.json").read_text())
-    assert attention["layers"] == [0, N_LAYERS - 1] and attention["ignored"]["layers"] == [99]
+    assert attention["layers"] == [0, N_LAYERS - 1] and attention["ignored"]["layers"] == []
     assert len(attention["token_ids"]) == 8 and len(attention["pieces"]) == 8
     assert [(m["layer"], m["head"]) for m in attention["maps"]] == [(0, 0), (0, 3), (2, 0), (2, 3)]
     for m in attention["maps"]:
@@ -161,3 +165,53 @@ def test_model_summary_without_a_cache(model: Transformer) -> None:
     summary = model_summary(model)
     assert summary["n_layers"] == N_LAYERS and "kv_cache" not in summary
     assert summary["layers_identical"] and summary["modules"]["norm"]["kind"] == "RMSNorm"
+
+
+def test_attention_choice_is_checked_against_the_model(tiny: tuple[Path, Any], tmp_path: Path) -> None:
+    """A layer or head the model does not have stops the run with the plan's file:line:field (was: ignored)."""
+    from llmplan.engine.cli import main
+
+    observe = {"attention": {"layers": [0, 99], "heads": [0, 7]}}
+    plan = write_plan(tmp_path, tiny[0], observe=observe)
+    assert main(["run", str(plan), "--out", str(tmp_path / "run"), "--quiet"]) == 1
+    message = json.loads((tmp_path / "run" / "run.json").read_text())["message"]
+    assert f"{plan}:" in message
+    assert "observe.attention.layers[1]: layer 99 does not exist: the model has 3 layers" in message
+    assert "observe.attention.heads[1]: head 7 does not exist: the model has 4 query heads (0..3)" in message
+
+
+def test_layer_timings_keep_the_fused_step(tiny: tuple[Path, Any], tmp_path: Path, wired: dict[str, int]) -> None:
+    """Timings need no hooks: decode stays on the path it takes unobserved (the fused step where it applies)."""
+    from llmplan.llm import native
+
+    run = run_plan(write_plan(tmp_path, tiny[0], observe={"layer_timings": True}), tmp_path / "run")
+    assert wired["hooks"] == 0
+    timings = json.loads((run / "layer_timings.json").read_text())
+    expected = "fused" if native.kernels() is not None else "torch"
+    assert timings["decode"]["paths"] == {expected: NEW_TOKENS - 1}
+    assert timings["prefill"]["paths"] == {"torch": 1}
+    for key in ("attention_ms", "mlp_ms"):  # the step's own clock marks: every layer's span is positive
+        assert all(s["min"] > 0 for s in timings["decode"][key])
+    trace = json.loads((run / "trace.json").read_text())
+    passes = [e for e in trace["traceEvents"] if e.get("cat") == "pass" and e["name"].startswith("decode")]
+    assert len(passes) == NEW_TOKENS - 1 and all(f"({expected})" in e["name"] for e in passes)
+
+
+def test_decode_attention_equals_transformers(tiny: tuple[Path, Any], model: Transformer) -> None:
+    """The decode steps' rows: each generated token's query over the prompt and the tokens before it."""
+    hf = tiny[1]
+    hf.config._attn_implementation = "eager"
+    prompt, generated = [1, 40, 41, 50, 60], [70, 80, 90, 100]
+    observer = install_observers(model, Observe(attention=AttentionCapture(layers=[1], heads=[2], max_tokens=64)))
+    assert observer is not None
+    observer.capture_decode(prompt, generated)
+    observer.remove()
+    record = observer.attention_record()
+    assert record is not None and record["decode"] is not None
+    decode = record["decode"]
+    assert decode["prompt_tokens"] == 5 and decode["rows"]["token_ids"] == generated
+    assert decode["columns"]["token_ids"] == prompt + generated[:-1]
+    with torch.inference_mode():
+        expected = hf(torch.tensor([prompt + generated[:-1]]), output_attentions=True).attentions[1][0, 2].float()
+    [m] = decode["maps"]
+    torch.testing.assert_close(torch.tensor(m["weights"]), expected[4:], atol=1e-5, rtol=1e-4)

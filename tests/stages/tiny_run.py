@@ -55,9 +55,7 @@ def make_tiny_model_dir(tmp_path: Path, n_layers: int = 3) -> tuple[Path, Any]:
     return model_dir, hf
 
 
-def load_stages(
-    model_dir: Path, *, hashes: str = "off", place: dict[str, Any] | None = None
-) -> list[dict[str, Any]]:
+def load_stages(model_dir: Path, *, hashes: str = "off", place: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The load half of a tiny plan, env to place (fp32; no hashes and a 128-token cache unless told)."""
     return [
         {"id": "env", "uses": "env.check"},
@@ -107,10 +105,10 @@ def write_plan(
     return path
 
 
-def run_plan(plan: Path, out: Path) -> Path:
+def run_plan(plan: Path, out: Path, *extra: str) -> Path:
     from llmplan.engine.cli import main
 
-    code = main(["run", str(plan), "--out", str(out), "--quiet"])
+    code = main(["run", str(plan), "--out", str(out), "--quiet", *extra])
     assert code == 0, (out / "run.json").read_text() if (out / "run.json").exists() else code
     return out
 
