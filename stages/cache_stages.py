@@ -251,6 +251,26 @@ def _replay(request: Request, row: dict[str, Any], gen_params: dict[str, Any]) -
     )
 
 
+def stored_completion(request: Request, row: dict[str, Any]) -> Completion:
+    """A stored answer as the completion a run delivers, marked replayed (the distributed executor's resume:
+    its text is the one stored, after the post-processing and filter of the run that made it)."""
+    usage = row.get("usage") or {}
+    tokens = [int(t) for t in row["tokens"]]
+    logprobs = [float(x) if x is not None else float("-inf") for x in row.get("logprobs") or []]
+    return Completion(
+        request_id=request.id,
+        prompt=request.prompt_text,
+        text=row["text"],
+        finish_reason=row["finish_reason"],
+        prompt_tokens=int(usage.get("prompt_tokens", len(request.prompt_ids))),
+        completion_tokens=int(usage.get("completion_tokens", len(tokens))),
+        tokens=tokens,
+        logprobs=logprobs or None,
+        candidates=list(row.get("candidates") or []),
+        from_cache=True,
+    )
+
+
 class OutputCache(Stage):
     """Store the run's completions and metadata in the results database (history + cache)."""
 
@@ -269,7 +289,7 @@ class OutputCache(Stage):
             gen_params, seed = generation_params(ctx, params.generate_stage)
             context = key_context(ctx, params.generate_stage)
             keys = {r.id: request_key(ctx, r, gen_params, seed, context) for r in ctx.requests}
-        rows = [_row(c, keys.get(c.request_id)) for c in ctx.completions]
+        rows = [result_row(c, keys.get(c.request_id)) for c in ctx.completions]
         plan = ctx.plan.plan.name if ctx.plan is not None else "-"
         status = "ok" if all(c.error is None for c in ctx.completions) else "errors"
         run = RunRow(plan, fingerprint, ctx.device, status, str(ctx.run_dir) if ctx.run_dir else None)
@@ -290,7 +310,7 @@ class OutputCache(Stage):
         ctx.metrics.set("stored", len(rows))
 
 
-def _row(c: Completion, key: str | None) -> ResultRow:
+def result_row(c: Completion, key: str | None) -> ResultRow:
     return ResultRow(
         request_id=c.request_id,
         prompt=c.prompt,
