@@ -27,7 +27,7 @@ from typing import Any
 
 from llmplan.engine.cli import CliError, new_context
 from llmplan.engine.console import RichProgress, print_stage, stderr
-from llmplan.engine.executors import ExecutorJob
+from llmplan.engine.executors import ExecutorJob, ExecutorMissing
 from llmplan.engine.plan import BoundPlan, bind
 from llmplan.engine.runner import Runner, write_json
 from llmplan.stages import output_format
@@ -48,9 +48,24 @@ from .result_shards import ResultShards
 OnBatch = Callable[[str, int], None]  # (the replica that answered "host:pid", rows written so far)
 
 
-def run(job: ExecutorJob) -> int:
+MISSING = "executor 'ray' needs Ray, which is not installed: pip install 'llmplan[ray]'"
+
+
+class RayExecutor:
     """The `llmplan.executors` entry point `ray`."""
-    return execute(job)
+
+    def check(self) -> None:
+        try:
+            import ray  # an optional extra
+            import ray.data  # noqa: F401
+        except ImportError:
+            raise ExecutorMissing(MISSING) from None
+
+    def __call__(self, job: ExecutorJob) -> int:
+        return execute(job)
+
+
+RAY = RayExecutor()
 
 
 def execute(job: ExecutorJob, on_batch: OnBatch | None = None) -> int:
@@ -58,7 +73,7 @@ def execute(job: ExecutorJob, on_batch: OnBatch | None = None) -> int:
         import ray  # an optional extra: said in one line when it is missing
         import ray.data
     except ImportError:
-        raise CliError("executor 'ray' needs Ray, which is not installed: pip install 'llmplan[ray]'") from None
+        raise CliError(MISSING) from None
     settings = job.bound.plan.executor
     overrides = [*job.overrides, *replica_overrides(job.bound)]
     bound = bind(job.bound.source, job.registry, overrides)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .context import Context
+from .executors import Executor
 from .findings import Finding, PlanError
 from .plan import BoundPlan, load_plan
 from .registry import Registry, discover
@@ -172,6 +173,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise CliError(f"--until runs part of the plan in this process; it does not go with executor {kind!r}")
     if args.until is not None and args.until not in {b.id for b in bound.stages}:
         raise CliError(f"--until: no stage with id {args.until!r} in {args.plan}")
+    executor = _executor(bound.plan.executor.kind)  # before the run directory: a missing package makes none
     run_dir = Path(args.out) if args.out else make_run_dir(bound.plan.runs_dir, bound.plan.name)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -181,8 +183,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise CliError(f"--out {run_dir}: cannot create the run directory ({bad.strerror or bad})") from None
     if not run_dir.is_dir():
         raise CliError(f"--out {run_dir}: exists and is not a directory")
-    if bound.plan.executor.kind != "local":
-        return _run_elsewhere(args, bound, registry, run_dir)
+    if executor is not None:
+        return _run_elsewhere(executor, args, bound, registry, run_dir)
     ctx = new_context(registry, bound, json_mode=args.json)
     ctx.progress = RichProgress(enabled=not args.quiet)
     if not args.json:
@@ -206,14 +208,26 @@ def cmd_run(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
-def _run_elsewhere(args: argparse.Namespace, bound: BoundPlan, registry: Registry, run_dir: Path) -> int:
-    """Hand the run to the executor plugin the plan names (`executor.kind`); it reports its own progress."""
-    from .executors import ExecutorJob, ExecutorMissing, find_executor
+def _executor(kind: str) -> Executor | None:
+    """The executor plugin of `kind`, checked ready to run (None for local, the Runner here)."""
+    from .executors import ExecutorMissing, find_executor
 
+    if kind == "local":
+        return None
     try:
-        executor = find_executor(bound.plan.executor.kind)
+        executor = find_executor(kind)
+        executor.check()
     except ExecutorMissing as missing:
         raise CliError(str(missing)) from None
+    return executor
+
+
+def _run_elsewhere(
+    executor: Executor, args: argparse.Namespace, bound: BoundPlan, registry: Registry, run_dir: Path
+) -> int:
+    """Hand the run to the executor plugin the plan names (`executor.kind`); it reports its own progress."""
+    from .executors import ExecutorJob
+
     job = ExecutorJob(
         bound, registry, run_dir, plan_overrides(args), json_mode=args.json, quiet=args.quiet, debug=args.debug
     )

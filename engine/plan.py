@@ -7,6 +7,7 @@ parameters, the graph) so that `llmplan validate` reports them all at once, each
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -68,13 +69,20 @@ class Executor(_Numbers):
 
     kind: Literal["local", "ray"] = Field("local", description="local: this process; ray: Ray Data replicas")
     address: str | None = Field(
-        None, pattern=RAY_ADDRESS, description="Ray cluster: auto | local | ray://HOST:PORT | HOST:PORT; None = local"
+        None, description="Ray cluster: auto | local | ray://HOST:PORT | HOST:PORT; None = start one here"
     )
     replicas: int = Field(1, ge=1, le=4096, description="copies of the plan, each loading the model once")
     threads_per_replica: int = Field(1, ge=1, le=512, description="CPUs Ray reserves for a replica; its torch threads")
     gpus_per_replica: float = Field(0, ge=0, le=64, description="GPUs Ray reserves for a replica (fractions allowed)")
     batch_size: int = Field(16, ge=1, le=65536, description="requests handed to a replica at a time")
     max_restarts: int = Field(3, ge=0, le=1000, description="times Ray restarts a replica that died")
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(RAY_ADDRESS, value):
+            raise ValueError(f"expected auto, local, ray://HOST:PORT or HOST:PORT (got {value!r})")
+        return value
 
 
 class StageSpec(_Strict):

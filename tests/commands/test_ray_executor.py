@@ -37,10 +37,15 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ray")
     model_dir, _ = make_tiny_model_dir(root, n_layers=2)
     prompts = root / "prompts.jsonl"
-    with prompts.open("w", encoding="utf-8") as handle:
-        for i in range(PROMPTS):
-            text = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(1 + i % 7))
-            handle.write(json.dumps({"id": f"p{i:02d}", "messages": [{"role": "user", "content": text}]}) + "\n")
+    lines = [
+        {"id": f"p{i:02d}", "messages": [{"role": "user", "content": " ".join(WORDS[(i + j) % 10] for j in range(1 + i % 7))}]}
+        for i in range(PROMPTS)
+    ]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(lines), root / "prompts.parquet")  # the same set, as Parquet
     plan = {
         "name": "tiny-ray",
         "device": "cpu",
@@ -65,7 +70,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
     path = root / "tiny-ray.yaml"
     path.write_text(yaml.safe_dump(plan, allow_unicode=True, sort_keys=False), encoding="utf-8")
-    return {"root": root, "plan": path, "prompts": prompts}
+    return {"root": root, "plan": path, "prompts": prompts, "parquet": root / "prompts.parquet"}
 
 
 def _db(setup: dict[str, Path], name: str) -> list[str]:
@@ -84,9 +89,9 @@ def _local(setup: dict[str, Path], name: str, *extra: str) -> dict[str, dict[str
     return {r["id"]: r for r in json.loads(out.read_text(encoding="utf-8"))["results"]}
 
 
-def _ray_args(setup: dict[str, Path], run: str, db: str, *extra: str) -> list[str]:
+def _ray_args(setup: dict[str, Path], run: str, db: str, *extra: str, prompts: str = "prompts") -> list[str]:
     return [
-        "run", str(setup["plan"]), "--prompts", str(setup["prompts"]), "--quiet", "--executor", "ray",
+        "run", str(setup["plan"]), "--prompts", str(setup[prompts]), "--quiet", "--executor", "ray",
         "--replicas", "2", "--threads-per-replica", "1", "--out", str(setup["root"] / run), *_db(setup, db), *extra,
     ]  # fmt: skip
 
@@ -125,8 +130,8 @@ def test_ray_run_equals_local_then_rerun_generates_nothing(cluster: Any, setup: 
     assert len(metrics["replicas_seen"]) == 2  # two replica processes answered
     assert sum(metrics["replicas_seen"].values()) == PROMPTS
 
-    # The same set again: every answer comes from the results database, nothing is generated.
-    assert main(_ray_args(setup, "ray-2", "ray")) == 0
+    # The same set again, as Parquet: every answer comes from the results database, nothing is generated.
+    assert main(_ray_args(setup, "ray-2", "ray", prompts="parquet")) == 0
     again = _shards(setup["root"] / "ray-2")
     _exactly_once(again)
     assert all(r["from_cache"] for r in again)
