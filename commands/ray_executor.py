@@ -43,7 +43,7 @@ from llmplan.stages.results_store import ResultRow, RunRow, StoreError, open_exi
 from llmplan.stages.slots import InferenceContext
 
 from .replica import TOKENIZE, PlanReplica, encode_request, key_stage
-from .result_shards import ResultShards
+from .result_shards import ResultShards, read_shards
 
 OnBatch = Callable[[str, int], None]  # (the replica that answered "host:pid", rows written so far)
 
@@ -148,6 +148,7 @@ def execute(job: ExecutorJob, on_batch: OnBatch | None = None) -> int:
     if missing:  # every request once, or the run failed: never a silent gap
         print(f"error: {missing} request(s) have no result", file=sys.stderr)
         return 1
+    deliver(bound, job.run_dir, [r.id for r in requests], fingerprint)
     if not job.quiet:
         stderr.print(_summary(metrics, shards))
     if shards.errors:
@@ -155,6 +156,30 @@ def execute(job: ExecutorJob, on_batch: OnBatch | None = None) -> int:
         print(f"error: {len(shards.errors)} request(s) ended in error ({listed})", file=sys.stderr)
         return 3
     return 0
+
+
+def deliver(bound: BoundPlan, run_dir: Path, order: list[str], model: str) -> None:
+    """The plan's output.write JSON files, written once every result is in (in request order), as a local run
+    writes them. Its terminal and text/Markdown sinks are not run for a distributed set (the shards are its
+    results); that is said in one line."""
+    from llmplan.stages import output_write
+
+    for stage in bound.stages:
+        if stage.spec.uses != "output.write":
+            continue
+        files = output_write.file_sinks(stage.params)
+        left = [sink for sink in stage.params.to if isinstance(sink, str)] + [
+            f"{kind}: {path}" for kind, path in files if kind != "json"
+        ]
+        json_files = [path for kind, path in files if kind == "json"]
+        if json_files:
+            by_id = {r["id"]: r for r in read_shards(run_dir)}
+            results = [by_id[rid] for rid in order]
+            for path in json_files:
+                chunks = output_format.json_document_chunks(results, plan=bound.plan.name, model=model)
+                output_write.atomic_write(path, chunks, "json")
+        if left:
+            stderr.print(f"[dim]ray executor: not run for a distributed set: the {', '.join(left)} sink(s)[/dim]")
 
 
 def explain(error: BaseException) -> str:
@@ -232,10 +257,12 @@ def _generate(
     replicas: dict[str, int] = {}
     batch_seconds: list[float] = []
     mismatched = 0
+    driver_s = 0.0  # the one writer's own time per batch: what caps a cluster of any size
     first_s: float | None = None
     with ctx.progress.task(f"requests on {settings.replicas} Ray replica(s)", total=len(pending)) as advance:
         for batch in answered.iter_batches(batch_size=None, batch_format="numpy"):
-            first_s = first_s if first_s is not None else time.perf_counter() - t0
+            handled = time.perf_counter()
+            first_s = first_s if first_s is not None else handled - t0
             results = [json.loads(text) for text in batch["result"]]
             stored_rows = [ResultRow(**json.loads(text)) for text in batch["row"]]
             mismatched += sum(1 for row in stored_rows if row.cache_key and row.cache_key != keys.get(row.request_id))
@@ -250,6 +277,7 @@ def _generate(
             metrics["generated_requests"] += written
             metrics["generated_tokens"] += int(sum(batch["generated"]))
             advance(len(results))
+            driver_s += time.perf_counter() - handled
             if on_batch is not None:
                 on_batch(str(batch["replica"][0]), len(shards.seen))
     wall = time.perf_counter() - t0
@@ -260,6 +288,7 @@ def _generate(
             "replicas_seen": replicas,
             "batches": len(batch_seconds),
             "batch_s_mean": sum(batch_seconds) / len(batch_seconds) if batch_seconds else None,
+            "driver_s": driver_s,
             "tokens_per_s": metrics["generated_tokens"] / wall if wall > 0 else 0.0,
             "key_mismatches": mismatched,
         }

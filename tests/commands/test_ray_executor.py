@@ -116,9 +116,14 @@ def test_ray_run_equals_local_then_rerun_generates_nothing(cluster: Any, setup: 
     from llmplan.engine.cli import main
 
     local = _local(setup, "plain")
-    assert main(_ray_args(setup, "ray-1", "ray")) == 0
+    document = setup["root"] / "ray-1.json"
+    assert main(_ray_args(setup, "ray-1", "ray", "--set", f"write.to=[{{json: {document}}}]")) == 0
     results = _shards(setup["root"] / "ray-1")
     _exactly_once(results)
+    # The plan's JSON file sink gets the whole set in request order, as the local run wrote it.
+    written = json.loads(document.read_text(encoding="utf-8"))["results"]
+    assert [r["id"] for r in written] == list(local)
+    assert [r["tokens"] for r in written] == [r["tokens"] for r in local.values()]
     for result in results:  # fp32 greedy: token for token what one process generates
         assert result["tokens"] == local[result["id"]]["tokens"], result["id"]
         assert result["text"] == local[result["id"]]["text"]
