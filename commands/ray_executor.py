@@ -22,8 +22,9 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from contextlib import redirect_stdout
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from llmplan.engine.cli import CliError, new_context
 from llmplan.engine.console import RichProgress, print_stage, stderr
@@ -120,19 +121,26 @@ def execute(job: ExecutorJob, on_batch: OnBatch | None = None) -> int:
             completions = [stored_completion(r, stored[r.id]) for r in replayed]
             results = [output_format.result_object(c, plan=bound.plan.name, model=fingerprint) for c in completions]
             shards.add(results, [result_row(c, keys[c.request_id]) for c in completions])
-            _print_json(job, results)
+            _print_json(job, results, sys.stdout)
         pending = [r for r in requests if r.id not in stored]
         metrics.update({"replayed": len(replayed), "generated_requests": 0, "generated_tokens": 0})
         if replayed:
             stderr.print(f"replayed from the results database {db}: {len(replayed)} of {len(requests)} request(s)")
         if pending:
-            _generate(job, bound, pending, keys, shards, ctx, metrics, on_batch)
+            # Ray's driver prints its notices (a task retried after a replica died) on stdout, which is for
+            # results: they go to the run directory's ray.log instead.
+            results_out = sys.stdout
+            with (job.run_dir / "ray.log").open("a", encoding="utf-8") as ray_log, redirect_stdout(ray_log):
+                _generate(job, bound, pending, keys, shards, ctx, metrics, on_batch, results_out)
         status = "errors" if shards.errors else "ok"
     except KeyboardInterrupt:
         status = "interrupted"
         raise
     except ray.exceptions.RayError as bad:  # a replica that cannot load, a cluster that went away
-        raise CliError(f"ray executor: {explain(bad)}") from None
+        if job.debug:
+            raise
+        where = f"{job.run_dir / 'ray.log'}, /tmp/ray/session_latest/logs"
+        raise CliError(f"ray executor: {explain(bad)} (Ray's own messages: {where})") from None
     finally:
         metrics.update(
             {
@@ -234,6 +242,7 @@ def _generate(
     ctx: InferenceContext,
     metrics: dict[str, Any],
     on_batch: OnBatch | None,
+    results_out: TextIO,
 ) -> None:
     import ray
     import ray.data
@@ -267,7 +276,7 @@ def _generate(
             stored_rows = [ResultRow(**json.loads(text)) for text in batch["row"]]
             mismatched += sum(1 for row in stored_rows if row.cache_key and row.cache_key != keys.get(row.request_id))
             written = shards.add(results, stored_rows)
-            _print_json(job, results)
+            _print_json(job, results, results_out)
             for notices in batch["notices"]:
                 for notice in json.loads(str(notices)):
                     ctx.notice(notice["kind"], notice["message"])
@@ -305,7 +314,9 @@ def init_args(address: str | None) -> dict[str, Any]:
     or connect through Ray Client (ray://HOST:PORT, which takes no local-start options)."""
     if address is not None and address.startswith("ray://"):
         return {"address": address}
-    quiet: dict[str, Any] = {"log_to_driver": True, "logging_level": logging.ERROR}
+    # The replicas' own output stays in Ray's log files: what they have to say comes back with their results
+    # (notices), and a failure as one line (`explain`).
+    quiet: dict[str, Any] = {"log_to_driver": False, "logging_level": logging.ERROR}
     if address in (None, "local"):
         return {**quiet, "include_dashboard": False}
     return {**quiet, "address": address}
@@ -333,16 +344,17 @@ def _map(ray: Any, dataset: Any, job: ExecutorJob, bound: BoundPlan) -> Any:
 
 
 def _quiet_ray() -> None:
-    """No Ray usage-stats prompt or upload, and Ray Data's INFO lines kept out of the run's stderr."""
+    """No Ray usage-stats prompt or upload; Ray Data's log lines (its stack traces too: a failure is said in
+    one line by this executor) stay in Ray's log files."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    logging.getLogger("ray.data").setLevel(logging.ERROR)
+    logging.getLogger("ray.data").setLevel(logging.CRITICAL)
 
 
-def _print_json(job: ExecutorJob, results: list[dict[str, Any]]) -> None:
+def _print_json(job: ExecutorJob, results: list[dict[str, Any]], out: TextIO) -> None:
     """Under --json, one result object per line on stdout, as results arrive (nothing else goes there)."""
     if job.json_mode and results:
-        sys.stdout.write("".join(output_format.json_line(r) + "\n" for r in results))
-        sys.stdout.flush()
+        out.write("".join(output_format.json_line(r) + "\n" for r in results))
+        out.flush()
 
 
 def _finish(

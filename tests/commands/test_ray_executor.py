@@ -146,7 +146,9 @@ def test_ray_run_equals_local_then_rerun_generates_nothing(cluster: Any, setup: 
     assert "cluster_s" not in metrics  # no replica was started
 
 
-def test_a_replica_killed_mid_run_loses_nothing(cluster: Any, setup: dict[str, Path]) -> None:
+def test_a_replica_killed_mid_run_loses_nothing(
+    cluster: Any, setup: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
     from llmplan.commands.ray_executor import execute
     from llmplan.engine.cli import build_parser, plan_overrides
     from llmplan.engine.executors import ExecutorJob
@@ -172,7 +174,10 @@ def test_a_replica_killed_mid_run_loses_nothing(cluster: Any, setup: dict[str, P
             os.kill(pid, signal.SIGKILL)
             killed.update(pid=pid, written=written)
 
-    assert execute(ExecutorJob(bound, registry, run_dir, plan_overrides(args), quiet=True), on_batch=kill_once) == 0
+    job = ExecutorJob(bound, registry, run_dir, plan_overrides(args), json_mode=True, quiet=True)
+    assert execute(job, on_batch=kill_once) == 0
+    # stdout is the results, one line each, whatever Ray said about the retried batches (that is in ray.log)
+    assert sorted(json.loads(line)["id"] for line in capsys.readouterr().out.splitlines()) == sorted(local)
     results = _shards(run_dir)
     _exactly_once(results)
     assert killed and killed["written"] <= PROMPTS // 2  # the kill came half-way at the latest
@@ -183,6 +188,20 @@ def test_a_replica_killed_mid_run_loses_nothing(cluster: Any, setup: dict[str, P
     metrics = _executor_metrics(run_dir)
     assert metrics["generated_requests"] == PROMPTS
     assert f":{killed['pid']}" in " ".join(metrics["replicas_seen"])
+
+
+def test_a_replica_that_cannot_load_is_one_line(
+    cluster: Any, setup: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from llmplan.engine.cli import main
+
+    # The driver never verifies shards (it loads no weights); every replica does, and this one cannot.
+    assert main(_ray_args(setup, "ray-broken", "broken", "--set", "verify.hashes=required")) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(
+        "ray executor: loading the plan failed: stage 'verify' (load.verify): "
+    ), err
 
 
 def replica_pid(replica: str) -> int:
