@@ -151,7 +151,7 @@ def execute(job: ExecutorJob, on_batch: OnBatch | None = None) -> int:
             }
         )
         shards.close(status)
-        _finish(job.run_dir, ctx, prepared.context, metrics, status, bound.plan.name)
+        _finish(job.run_dir, ctx, metrics, status, bound.plan.name)
     missing = len(requests) - len(shards.seen)
     if missing:  # every request once, or the run failed: never a silent gap
         print(f"error: {missing} request(s) have no result", file=sys.stderr)
@@ -357,9 +357,7 @@ def _print_json(job: ExecutorJob, results: list[dict[str, Any]], out: TextIO) ->
         out.flush()
 
 
-def _finish(
-    run_dir: Path, ctx: InferenceContext, prepared: Any, metrics: dict[str, Any], status: str, plan: str
-) -> None:
+def _finish(run_dir: Path, ctx: InferenceContext, metrics: dict[str, Any], status: str, plan: str) -> None:
     """metrics.json and run.json of the whole run: the driver's stages, then the executor's numbers."""
     by_stage = dict(ctx.metrics.by_stage)
     by_stage["executor"] = metrics
