@@ -12,6 +12,11 @@ tokens, every run with a fresh results database (nothing is replayed):
   ray 2x1 --executor ray --replicas 2 --threads-per-replica 1 (each replica: 16 slots, batches of 16)
   ray 1x2 --executor ray --replicas 1 --threads-per-replica 2
 
+All three with `prefix_reuse: false`: measured here, the scheduler's prefix reuse makes a local run whose
+requests come in several waves (more requests than slots) about 5x slower (32 prompts, 16 slots: generate
+79 s with it, 15 s without), which would be charged to the local executor; it is the scheduler's matter,
+not the executor's.
+
 Each is a subprocess timed from start to exit. Start-up is everything before generation: for local, the
 run's wall less its generate stage; for Ray, the time to the first result (a local Ray cluster started by the
 run, the actors, their model loads) less one batch. The machine may be shared: the load average is recorded
@@ -63,6 +68,7 @@ def run_one(name: str, extra: list[str], prompts: Path, work: Path, max_new: int
         str(ROOT / ".venv" / "bin" / "llmplan"), "run", str(PLAN), "--prompts", str(prompts), "--quiet",
         "--out", str(out), "--set", f"generate.max_new_tokens={max_new}", "--set", "generate.ignore_eos=true",
         "--set", "generate.temperature=0", "--set", "place.max_batch=16", "--set", "place.kv_cache.max_tokens=256",
+        "--set", "generate.prefix_reuse=false",  # see the module docstring
         "--set", f"lookup.db={db}", "--set", f"store.db={db}", "--set", f"write.to=[{{json: {work / name}.json}}]",
         *extra,
     ]  # fmt: skip
@@ -149,7 +155,8 @@ def to_markdown(result: dict[str, Any]) -> str:
         f"ray {m['ray']}; load average (1 min) {m['loadavg'][0]:.2f} at start, {m['loadavg_end'][0]:.2f} at the end "
         "(other work shares the cores).",
         f"{s['prompts']} prompts (short chat questions), {s['max_new_tokens']} tokens each (greedy, EOS ignored), "
-        f"plan {s['plan']} (int8), 16 scheduler slots per process, Ray batches of 16; {s['when']}.",
+        f"plan {s['plan']} (int8), 16 scheduler slots per process, `prefix_reuse: false` (see the script's "
+        f"docstring), Ray batches of 16; {s['when']}.",
         "",
         "| executor | processes x threads | wall s | start-up s | output tok/s (wall) | steady tok/s | per batch s | "
         "overhead per batch s |",
