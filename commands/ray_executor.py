@@ -38,7 +38,7 @@ from llmplan.stages.cache_stages import (
     key_context,
     request_key,
     result_row,
-    stored_completion,
+    stored_result,
 )
 from llmplan.stages.results_store import ResultRow, RunRow, StoreError, open_existing
 from llmplan.stages.slots import InferenceContext
@@ -118,7 +118,7 @@ def execute(job: ExecutorJob, on_batch: OnBatch | None = None) -> int:
     try:
         replayed = [r for r in requests if r.id in stored]
         if replayed:
-            completions = [stored_completion(r, stored[r.id]) for r in replayed]
+            completions = [stored_result(r, stored[r.id], gen_params) for r in replayed]
             results = [output_format.result_object(c, plan=bound.plan.name, model=fingerprint) for c in completions]
             shards.add(results, [result_row(c, keys[c.request_id]) for c in completions])
             _print_json(job, results, sys.stdout)

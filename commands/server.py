@@ -127,12 +127,9 @@ class TokenClock:
 
 
 def create_app(host: ModelHost, settings: ServerSettings) -> FastAPI:
-    executor = ThreadPoolExecutor(max_workers=settings.max_queue + 4, thread_name_prefix="llmplan-request")
     metrics = ServerMetrics(host)
-    model_name = host.bound.plan.name
-    created = now()
-    plan_limit = host.generate_params.max_new_tokens
-    admitted = threading.Semaphore(settings.max_queue)
+    service = Answering(host, settings, metrics)
+    model_name = service.model_name
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -142,7 +139,7 @@ def create_app(host: ModelHost, settings: ServerSettings) -> FastAPI:
         finally:
             if watcher is not None:
                 watcher.cancel()
-            executor.shutdown(wait=False, cancel_futures=True)  # the model thread's owner releases the model
+            service.executor.shutdown(wait=False, cancel_futures=True)  # the model thread's owner releases the model
 
     app = FastAPI(title="llmplan", lifespan=lifespan)
     app.state.host, app.state.metrics = host, metrics
@@ -172,31 +169,50 @@ def create_app(host: ModelHost, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": model_name, "object": "model", "created": created, "owned_by": "llmplan"}
+        card = {"id": model_name, "object": "model", "created": service.created, "owned_by": "llmplan"}
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await _answer(request, "/v1/chat/completions", ChatRequest)
+        return await service.answer(request, "/v1/chat/completions", ChatRequest)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _answer(request, "/v1/completions", CompletionRequest)
+        return await service.answer(request, "/v1/completions", CompletionRequest)
 
-    async def _answer(request: Request, endpoint: str, schema: type[ChatRequest] | type[CompletionRequest]) -> Response:
+    return app
+
+
+class Answering:
+    """The OpenAI-compatible answers of one server: admission, parsing, running the plan, the response shapes."""
+
+    def __init__(self, host: ModelHost, settings: ServerSettings, metrics: ServerMetrics) -> None:
+        self.host, self.settings, self.metrics = host, settings, metrics
+        self.executor = ThreadPoolExecutor(max_workers=settings.max_queue + 4, thread_name_prefix="llmplan-request")
+        self.model_name = host.bound.plan.name
+        self.created = now()
+        self.plan_limit = host.generate_params.max_new_tokens
+        self.admitted = threading.Semaphore(settings.max_queue)
+
+    async def answer(
+        self, request: Request, endpoint: str, schema: type[ChatRequest] | type[CompletionRequest]
+    ) -> Response:
         arrived = time.perf_counter()
         taken = 0
         try:
-            body = await _parse(request, schema)
-            if body.model is not None and body.model != model_name:
+            body = await self._parse(request, schema)
+            if body.model is not None and body.model != self.model_name:
                 raise ApiError(
-                    404, f"model {body.model!r} not found (this server has {model_name!r})", "not_found_error", "model"
+                    404,
+                    f"model {body.model!r} not found (this server has {self.model_name!r})",
+                    "not_found_error",
+                    "model",
                 )
-            jobs = _jobs(body)
+            jobs = self._jobs(body)
             for _ in jobs:  # one queue place per choice; all or none
-                if not admitted.acquire(blocking=False):
+                if not self.admitted.acquire(blocking=False):
                     raise ApiError(
-                        429, f"the queue is full ({settings.max_queue} requests in flight)", "rate_limit_error"
+                        429, f"the queue is full ({self.settings.max_queue} requests in flight)", "rate_limit_error"
                     )
                 taken += 1
             if body.stream:
@@ -204,26 +220,26 @@ def create_app(host: ModelHost, settings: ServerSettings) -> FastAPI:
 
                 def on_end() -> None:
                     for _ in range(release):
-                        admitted.release()
+                        self.admitted.release()
 
-                stream = _stream(request, body, jobs, arrived, endpoint, on_end)
+                stream = self._stream(request, body, jobs, arrived, endpoint, on_end)
                 return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-            runs = await _run_all(request, jobs, arrived)
-            metrics.requests.labels(endpoint, "200").inc()
+            runs = await self._run_all(request, jobs, arrived)
+            self.metrics.requests.labels(endpoint, "200").inc()
             replayed = all(r.context.generations[0].from_cache for r in runs)
             # A replay from the plan's results cache says so (the body keeps OpenAI's shape).
-            return JSONResponse(_response(body, jobs, runs), headers={"X-Llmplan-Replayed": str(replayed).lower()})
+            return JSONResponse(self._response(body, jobs, runs), headers={"X-Llmplan-Replayed": str(replayed).lower()})
         except ApiError as bad:
-            metrics.requests.labels(endpoint, str(bad.status)).inc()
+            self.metrics.requests.labels(endpoint, str(bad.status)).inc()
             return bad.response({"Retry-After": "1"} if bad.status == 429 else None)
         finally:
             for _ in range(taken):
-                admitted.release()
+                self.admitted.release()
 
-    async def _parse(request: Request, schema: type[Any]) -> Any:
+    async def _parse(self, request: Request, schema: type[Any]) -> Any:
         raw = await request.body()
-        if len(raw) > settings.max_body_bytes:
-            raise ApiError(413, f"request body over {settings.max_body_bytes} bytes")
+        if len(raw) > self.settings.max_body_bytes:
+            raise ApiError(413, f"request body over {self.settings.max_body_bytes} bytes")
         try:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as bad:
@@ -236,14 +252,14 @@ def create_app(host: ModelHost, settings: ServerSettings) -> FastAPI:
             first = bad.errors()[0]
             field = ".".join(str(p) for p in first["loc"])
             raise ApiError(400, f"{field}: {describe(first)}", param=field) from None
-        if body.token_limit is not None and body.token_limit > plan_limit:
+        if body.token_limit is not None and body.token_limit > self.plan_limit:
             field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
             raise ApiError(
-                400, f"{field}: at most {plan_limit} (the plan's limit), got {body.token_limit}", param=field
+                400, f"{field}: at most {self.plan_limit} (the plan's limit), got {body.token_limit}", param=field
             )
         return body
 
-    def _jobs(body: Any) -> list[dict[str, dict[str, Any]]]:
+    def _jobs(self, body: Any) -> list[dict[str, dict[str, Any]]]:
         """Per choice: the stage overrides it runs with. n choices of one prompt differ by seed."""
         try:
             if isinstance(body, ChatRequest):
@@ -258,23 +274,25 @@ def create_app(host: ModelHost, settings: ServerSettings) -> FastAPI:
             generate["logprobs"] = top
         # Seeds: the request's own (choice j gets seed + j, so n choices differ yet repeat); else, when sampling,
         # a fresh one per request as OpenAI and vLLM do. Greedy needs none (and keeps its results-cache key).
-        sampling = generate.get("temperature", host.generate_params.temperature) > 0
+        sampling = generate.get("temperature", self.host.generate_params.temperature) > 0
         base = body.seed if body.seed is not None else (secrets.randbelow(1 << 31) if sampling else None)
         jobs = []
         for prompt in prompts:
             for j in range(body.n):
                 seeded = generate if base is None else generate | {"seed": base + j}
-                jobs.append({host.tokenize_id: prompt, host.generate_id: seeded})
+                jobs.append({self.host.tokenize_id: prompt, self.host.generate_id: seeded})
         return jobs
 
-    def _start(job: dict[str, Any], on_text: Callable[[str], None], cancel: threading.Event) -> Any:
+    def _start(self, job: dict[str, Any], on_text: Callable[[str], None], cancel: threading.Event) -> Any:
         loop = asyncio.get_running_loop()
-        return loop.run_in_executor(executor, lambda: host.run(job, stream=on_text, cancel=cancel))
+        return loop.run_in_executor(self.executor, lambda: self.host.run(job, stream=on_text, cancel=cancel))
 
-    async def _run_all(request: Request, jobs: list[dict[str, Any]], arrived: float) -> list[RequestRun]:
+    async def _run_all(self, request: Request, jobs: list[dict[str, Any]], arrived: float) -> list[RequestRun]:
         cancels = [threading.Event() for _ in jobs]
-        clocks = [TokenClock(metrics, arrived) for _ in jobs]
-        futures = [_start(job, lambda _t, c=c: c.tick(), ev) for job, c, ev in zip(jobs, clocks, cancels, strict=True)]
+        clocks = [TokenClock(self.metrics, arrived) for _ in jobs]
+        futures = [
+            self._start(job, lambda _t, c=c: c.tick(), ev) for job, c, ev in zip(jobs, clocks, cancels, strict=True)
+        ]
         try:
             pending = set(futures)
             while pending:
@@ -282,12 +300,12 @@ def create_app(host: ModelHost, settings: ServerSettings) -> FastAPI:
                 if pending and await request.is_disconnected():
                     for ev in cancels:
                         ev.set()
-            return [_result(f) for f in futures]
+            return [self._result(f) for f in futures]
         finally:
             for ev in cancels:
                 ev.set()
 
-    def _result(future: Any) -> RequestRun:
+    def _result(self, future: Any) -> RequestRun:
         try:
             run = future.result()
         except RequestError as bad:
@@ -300,16 +318,16 @@ def create_app(host: ModelHost, settings: ServerSettings) -> FastAPI:
                 "invalid_request_error" if bad.client_error else "server_error",
             ) from None
         except Exception as bug:
-            host.plan.log.error("request_failed", error=f"{type(bug).__name__}: {bug}")
+            self.host.plan.log.error("request_failed", error=f"{type(bug).__name__}: {bug}")
             raise ApiError(500, f"internal error: {type(bug).__name__}: {bug}", "server_error") from None
         generation = run.context.generations[0]
         if generation.finish_reason == "error":
             raise ApiError(500, f"generation failed: {generation.error}", "server_error")
-        metrics.prompt_tokens.inc(generation.prompt_tokens)
-        metrics.output_tokens.inc(len(generation.tokens))
+        self.metrics.prompt_tokens.inc(generation.prompt_tokens)
+        self.metrics.output_tokens.inc(len(generation.tokens))
         return run
 
-    def _choice_parts(run: RequestRun) -> tuple[str, str, Any]:
+    def _choice_parts(self, run: RequestRun) -> tuple[str, str, Any]:
         ctx = run.context
         generation = ctx.generations[0]
         if ctx.completions:
@@ -318,18 +336,18 @@ def create_app(host: ModelHost, settings: ServerSettings) -> FastAPI:
             text = ctx.tokenizer.decode(generation.tokens, skip_special_tokens=True)
         return text, finish_reason(generation.finish_reason), generation
 
-    def _usage(runs: list[RequestRun], prompts: int) -> dict[str, int]:
+    def _usage(self, runs: list[RequestRun], prompts: int) -> dict[str, int]:
         gens = [r.context.generations[0] for r in runs]
         # n choices of one prompt count its tokens once, as OpenAI does
         prompt = sum(g.prompt_tokens for g in gens[:: max(1, len(gens) // prompts)])
         completion = sum(len(g.tokens) for g in gens)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def _response(body: Any, jobs: list[Any], runs: list[RequestRun]) -> dict[str, Any]:
-        tok = host.context.tokenizer if host.context is not None else runs[0].context.tokenizer
+    def _response(self, body: Any, jobs: list[Any], runs: list[RequestRun]) -> dict[str, Any]:
+        tok = self.host.context.tokenizer if self.host.context is not None else runs[0].context.tokenizer
         choices = []
         for index, run in enumerate(runs):
-            text, reason, gen = _choice_parts(run)
+            text, reason, gen = self._choice_parts(run)
             top = gen.top_logprobs
             if isinstance(body, ChatRequest):
                 choice: dict[str, Any] = {
@@ -353,21 +371,21 @@ def create_app(host: ModelHost, settings: ServerSettings) -> FastAPI:
         return {
             "id": new_id("chatcmpl" if chat else "cmpl"),
             "object": "chat.completion" if chat else "text_completion",
-            "created": now(),
-            "model": model_name,
+            "self.created": now(),
+            "model": self.model_name,
             "choices": choices,
-            "usage": _usage(runs, prompts),
-            "system_fingerprint": f"llmplan-{model_name}",
+            "usage": self._usage(runs, prompts),
+            "system_fingerprint": f"llmplan-{self.model_name}",
         }
 
     async def _stream(
-        request: Request, body: Any, jobs: list[Any], arrived: float, endpoint: str, on_end: Callable[[], None]
+        self, request: Request, body: Any, jobs: list[Any], arrived: float, endpoint: str, on_end: Callable[[], None]
     ) -> AsyncIterator[str]:
         chat = isinstance(body, ChatRequest)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, int, Any]] = asyncio.Queue()
         cancels = [threading.Event() for _ in jobs]
-        clocks = [TokenClock(metrics, arrived) for _ in jobs]
+        clocks = [TokenClock(self.metrics, arrived) for _ in jobs]
         ident, made = new_id("chatcmpl" if chat else "cmpl"), now()
         kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -375,8 +393,8 @@ def create_app(host: ModelHost, settings: ServerSettings) -> FastAPI:
             data: dict[str, Any] = {
                 "id": ident,
                 "object": kind,
-                "created": made,
-                "model": model_name,
+                "self.created": made,
+                "model": self.model_name,
                 "choices": choices,
             }
             if usage is not None or body.include_usage:
@@ -400,7 +418,7 @@ def create_app(host: ModelHost, settings: ServerSettings) -> FastAPI:
 
         futures = []
         for index, job in enumerate(jobs):
-            future = _start(job, on_text(index), cancels[index])
+            future = self._start(job, on_text(index), cancels[index])
             future.add_done_callback(lambda f, i=index: loop.call_soon_threadsafe(queue.put_nowait, ("done", i, f)))
             futures.append(future)
         streamed = [""] * len(jobs)
@@ -419,13 +437,13 @@ def create_app(host: ModelHost, settings: ServerSettings) -> FastAPI:
                     continue
                 remaining -= 1
                 try:
-                    run = _result(payload)
+                    run = self._result(payload)
                 except ApiError as bad:
                     status = str(bad.status)
                     yield f"data: {json.dumps(error_body(str(bad), bad.kind, bad.param))}\n\n"
                     continue
                 runs[index] = run
-                text, reason, _ = _choice_parts(run)
+                text, reason, _ = self._choice_parts(run)
                 # The final text is the answer: send what the stream has not shown yet (the whole text for a
                 # results-cache replay, which streams nothing; a character completed only at the end).
                 if text.startswith(streamed[index]) and len(text) > len(streamed[index]):
@@ -434,7 +452,7 @@ def create_app(host: ModelHost, settings: ServerSettings) -> FastAPI:
             done = [r for r in runs if r is not None]
             if body.include_usage and done:
                 prompts = 1 if chat else len(body.prompts())
-                yield chunk([], _usage(done, prompts))
+                yield chunk([], self._usage(done, prompts))
             yield "data: [DONE]\n\n"
         except asyncio.CancelledError:
             status = "499"  # the client went away
@@ -442,10 +460,8 @@ def create_app(host: ModelHost, settings: ServerSettings) -> FastAPI:
         finally:
             for ev in cancels:
                 ev.set()
-            metrics.requests.labels(endpoint, status).inc()
+            self.metrics.requests.labels(endpoint, status).inc()
             on_end()
-
-    return app
 
 
 async def _keep_alive(host: ModelHost, settings: ServerSettings) -> None:

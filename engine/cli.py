@@ -20,9 +20,10 @@ from typing import Any
 from .context import Context
 from .executors import Executor
 from .findings import Finding, PlanError
-from .plan import BoundPlan, load_plan
+from .plan import BoundPlan, bind, load_plan
 from .registry import Registry, discover
 from .stage import DeepCheck
+from .yaml_source import Source, load_file
 
 COMMAND_GROUP = "llmplan.commands"
 REPORTER_GROUP = "llmplan.reporters"
@@ -134,19 +135,30 @@ def _add_plan_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", metavar="FILE", help="requests from a JSONL file (or Parquet, same columns)")
 
 
-def plan_overrides(args: argparse.Namespace) -> list[str]:
-    """--prompt and --prompts are sugar for overrides of the stage with id `prompt`."""
+def plan_overrides(args: argparse.Namespace, registry: Registry, source: Source) -> list[str]:
+    """`--set` overrides, then --prompt / --prompts as overrides of the stages whose plugin takes prompts."""
     overrides = list(getattr(args, "set", []) or [])
-    if getattr(args, "prompt", None) is not None:
-        message = json.dumps([{"role": "user", "content": args.prompt}], ensure_ascii=False)
-        overrides += [f"prompt.messages={message}", "prompt.text=null", "prompt.prompts_file=null"]
-    if getattr(args, "prompts", None):
-        overrides += [f"prompt.prompts_file={json.dumps(args.prompts)}", "prompt.messages=null", "prompt.text=null"]
     # The executor flags are overrides of the plan's `executor:` block, validated (and reported) like --set.
     for flag, key in EXECUTOR_FLAGS.items():
         value = getattr(args, flag, None)
         if value is not None:
             overrides.append(f"executor.{key}={json.dumps(value)}")
+    message, prompts_file = getattr(args, "prompt", None), getattr(args, "prompts", None) or None
+    if message is None and prompts_file is None:
+        return overrides
+    stages = source.data.get("stages") if isinstance(source.data, dict) else None
+    takers = 0
+    for spec in stages if isinstance(stages, list) else []:
+        uses, stage_id = (spec.get("uses"), spec.get("id")) if isinstance(spec, dict) else (None, None)
+        stage_cls = registry.get(uses) if isinstance(uses, str) else None
+        params = stage_cls.prompt_params(message, prompts_file) if stage_cls is not None else None
+        if params is None or not isinstance(stage_id, str):
+            continue
+        takers += 1
+        overrides += [f"{stage_id}.{name}={json.dumps(value, ensure_ascii=False)}" for name, value in params.items()]
+    if not takers:
+        flag = "--prompt" if message is not None else "--prompts"
+        raise CliError(f"{flag}: no stage of {source.file} takes prompts (see `llmplan stages`)")
     return overrides
 
 
@@ -167,7 +179,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .runner import Runner, make_run_dir
 
     registry = _registry()
-    bound = load_plan(args.plan, registry, plan_overrides(args))
+    source = load_file(args.plan)
+    overrides = plan_overrides(args, registry, source)
+    bound = bind(source, registry, overrides)
     if args.until is not None and bound.plan.executor.kind != "local":
         kind = bound.plan.executor.kind
         raise CliError(f"--until runs part of the plan in this process; it does not go with executor {kind!r}")
@@ -184,7 +198,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not run_dir.is_dir():
         raise CliError(f"--out {run_dir}: exists and is not a directory")
     if executor is not None:
-        return _run_elsewhere(executor, args, bound, registry, run_dir)
+        return _run_elsewhere(executor, args, bound, registry, run_dir, overrides)
     ctx = new_context(registry, bound, json_mode=args.json)
     ctx.progress = RichProgress(enabled=not args.quiet)
     if not args.json:
@@ -223,13 +237,18 @@ def _executor(kind: str) -> Executor | None:
 
 
 def _run_elsewhere(
-    executor: Executor, args: argparse.Namespace, bound: BoundPlan, registry: Registry, run_dir: Path
+    executor: Executor,
+    args: argparse.Namespace,
+    bound: BoundPlan,
+    registry: Registry,
+    run_dir: Path,
+    overrides: list[str],
 ) -> int:
     """Hand the run to the executor plugin the plan names (`executor.kind`); it reports its own progress."""
     from .executors import ExecutorJob
 
     job = ExecutorJob(
-        bound, registry, run_dir, plan_overrides(args), json_mode=args.json, quiet=args.quiet, debug=args.debug
+        bound, registry, run_dir, overrides, json_mode=args.json, quiet=args.quiet, debug=args.debug
     )
     code = executor(job)
     if args.report:

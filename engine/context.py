@@ -17,7 +17,9 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
+
+from .observing import ObserveSettings
 
 EXT_PREFIX = "ext."
 _BOOKKEEPING = {
@@ -69,6 +71,9 @@ def _noop_stream(text: str) -> None:
 
 @dataclasses.dataclass
 class Context:
+    # What a plan's `observe:` block may hold; a plugin's subclass adds its own fields (engine/observing.py).
+    Observe: ClassVar[type[ObserveSettings]] = ObserveSettings
+
     plan: Any = None
     run_dir: Path | None = None
     log: Any = None

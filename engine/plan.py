@@ -9,15 +9,17 @@ from __future__ import annotations
 import copy
 import re
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, create_model, field_validator
 
 from .findings import Finding, PlanError, format_path
 from .findings import Path as FieldPath
 from .messages import describe, suggest
+from .observing import ObserveSettings
 from .registry import Registry
 from .stage import Stage
 from .strict import strict_numbers
@@ -38,25 +40,6 @@ class _Numbers(_Strict):
     @classmethod
     def _strict_numbers(cls, value: Any, info: ValidationInfo) -> Any:
         return strict_numbers(cls, value, info)
-
-
-# A negative head would wrap around (head -1 silently became head 8): refused, not reinterpreted.
-# Layers keep their documented Python-style negative index (-1 = the last layer).
-Index = Annotated[int, Field(ge=0)]
-
-
-class AttentionCapture(_Numbers):
-    layers: list[int] = Field(default_factory=lambda: [0], max_length=64)
-    heads: list[Index] = Field(default_factory=lambda: [0], max_length=64)
-    max_tokens: int = Field(64, ge=1, le=512)
-
-
-class Observe(_Numbers):
-    """What to record beyond the always-on stage timings and memory."""
-
-    memory_interval_ms: int = Field(50, ge=0, le=10_000, description="RSS/device memory sampling; 0 = off")
-    layer_timings: bool = Field(False, description="per-layer attention/MLP times (hooks; off = no hooks)")
-    attention: AttentionCapture | None = Field(None, description="capture attention weights for heatmaps")
 
 
 # "auto" (a running cluster found from this machine), "local" (start one in this process), ray://HOST:PORT
@@ -101,7 +84,7 @@ class Plan(_Numbers):
     seed: int = Field(0, ge=0, le=2**63 - 1)
     threads: int | None = Field(None, ge=1, le=512, description="CPU threads for torch; None = library default")
     runs_dir: str = "runs"
-    observe: Observe = Field(default_factory=Observe)
+    observe: ObserveSettings = Field(default_factory=ObserveSettings)
     executor: Executor = Field(default_factory=Executor, description="where requests run (llmplan run)")
     stages: list[StageSpec] = Field(min_length=1, max_length=MAX_STAGES)
 
@@ -111,6 +94,16 @@ class Plan(_Numbers):
         if "\x00" in value:
             raise ValueError("must not contain NUL")
         return value
+
+
+@cache
+def plan_model(observe: type[ObserveSettings]) -> type[Plan]:
+    """The plan schema with the `observe:` block the installed context plugin defines (`Context.Observe`)."""
+    if observe is ObserveSettings:
+        return Plan
+    return create_model(  # type: ignore[call-overload, no-any-return]
+        "Plan", __base__=Plan, observe=(observe, Field(default_factory=observe))
+    )
 
 
 @dataclass
@@ -223,10 +216,11 @@ def bind(source: Source, registry: Registry, overrides: list[str] | None = None)
 
     findings: list[Finding] = []
     plan: Plan | None = None
+    schema = plan_model(registry.context_cls.Observe)
     try:
-        plan = Plan.model_validate(data)
+        plan = schema.model_validate(data)
     except ValidationError as bad:
-        findings += _findings(bad, source, (), Plan, data, overridden)
+        findings += _findings(bad, source, (), schema, data, overridden)
     if plan is None:
         # Schema errors elsewhere must not hide errors in stage parameters: validate those we can.
         for index, raw in enumerate(data.get("stages") or [] if isinstance(data.get("stages"), list) else []):

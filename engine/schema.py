@@ -10,11 +10,12 @@ from typing import Any, Literal
 
 from pydantic import Field, create_model
 
-from .plan import ID_PATTERN, Plan, StageSpec
+from .plan import ID_PATTERN, StageSpec, plan_model
 from .registry import Registry
 
 
 def plan_schema(registry: Registry) -> dict[str, Any]:
+    plan = plan_model(registry.context_cls.Observe)
     branches = []
     for name in registry.names():
         stage_cls = registry.stages[name]
@@ -26,11 +27,11 @@ def plan_schema(registry: Registry) -> dict[str, Any]:
         )
         branches.append(branch)
     if not branches:
-        return Plan.model_json_schema(by_alias=True)
+        return plan.model_json_schema(by_alias=True)
     union = branches[0] if len(branches) == 1 else _union(branches)
     typed = create_model(  # type: ignore[call-overload]
         "Plan",
-        __base__=Plan,
+        __base__=plan,
         stages=(list[union], Field(min_length=1)),  # type: ignore[valid-type]
     )
     schema = typed.model_json_schema(by_alias=True)

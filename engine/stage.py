@@ -76,6 +76,11 @@ class Stage:
         """`validate --deep`: look at files and the machine without loading a model."""
 
     @classmethod
+    def prompt_params(cls, message: str | None, prompts_file: str | None) -> dict[str, Any] | None:
+        """The parameters `llmplan run --prompt TEXT` / `--prompts FILE` set on this stage; None: takes no prompts."""
+        return None
+
+    @classmethod
     def summary(cls) -> str:
         doc = (cls.__doc__ or "").strip()
         return doc.splitlines()[0] if doc else ""

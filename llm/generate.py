@@ -96,62 +96,88 @@ def generate(
         raise ValueError(f"{batch} prompts need as many pickers ({len(pickers)}) and limits ({len(limits)})")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    device = model.device
-    start = time.perf_counter()
-    gens = [Generation(prompt_tokens=len(p)) for p in prompts]
-    seen = [list(p) for p in prompts]
-    live = [limit > 0 for limit in limits]
-    first_token_at = [0.0] * batch
-    next_ids = [pad_id] * batch
+    run = _StaticBatch(prompts, pickers, limits, eos_ids, pad_id, stop_fn, on_token)
+    with torch.inference_mode():
+        cache.reset(batch)
+        last = run.prefill(model, cache, prefill_chunk)
+        if last is not None and any(run.live):
+            run.pick_all(last)
+        run.decode(model, cache)
+    return run.gens
 
-    def finish(row: int, reason: FinishReason, error: str | None = None) -> None:
-        gens[row].finish_reason, gens[row].error = reason, error
-        live[row] = False
-        next_ids[row] = pad_id
-        if gens[row].ttft_s is not None:
-            gens[row].decode_s = time.perf_counter() - first_token_at[row]
 
-    def finish_live(reason: FinishReason, error: str | None = None) -> None:
-        for row in range(batch):
-            if live[row]:
-                finish(row, reason, error)
+class _StaticBatch:
+    """The rows of one `generate` call: left-padded prefill together, then one decode step for all per token."""
 
-    def pick_all(logits: Tensor) -> None:
+    def __init__(
+        self,
+        prompts: list[list[int]],
+        pickers: Sequence[TokenPicker],
+        limits: list[int],
+        eos_ids: set[int],
+        pad_id: int,
+        stop_fn: Callable[[int, list[int]], bool] | None,
+        on_token: Callable[[int, int], None] | None,
+    ) -> None:
+        self.prompts, self.pickers, self.limits = prompts, pickers, limits
+        self.eos_ids, self.pad_id, self.stop_fn, self.on_token = eos_ids, pad_id, stop_fn, on_token
+        self.batch = len(prompts)
+        self.start = time.perf_counter()
+        self.gens = [Generation(prompt_tokens=len(p)) for p in prompts]
+        self.seen = [list(p) for p in prompts]
+        self.live = [limit > 0 for limit in limits]
+        self.first_token_at = [0.0] * self.batch
+        self.next_ids = [pad_id] * self.batch
+        for row in range(self.batch):
+            if not self.live[row]:
+                self.gens[row].finish_reason = "length"
+
+    def finish(self, row: int, reason: FinishReason, error: str | None = None) -> None:
+        gen = self.gens[row]
+        gen.finish_reason, gen.error = reason, error
+        self.live[row] = False
+        self.next_ids[row] = self.pad_id
+        if gen.ttft_s is not None:
+            gen.decode_s = time.perf_counter() - self.first_token_at[row]
+
+    def finish_live(self, reason: FinishReason, error: str | None = None) -> None:
+        for row in range(self.batch):
+            if self.live[row]:
+                self.finish(row, reason, error)
+
+    def pick_all(self, logits: Tensor) -> None:
         """Pick one token for each live row from fp32 logits [batch, V]."""
         finite = torch.isfinite(logits).all(dim=-1).tolist()  # also waits for the forward pass
-        for row in range(batch):
-            if not live[row]:
+        for row in range(self.batch):
+            if not self.live[row]:
                 continue
-            gen = gens[row]
+            gen = self.gens[row]
             if not finite[row]:
-                finish(row, "error", f"non-finite logits (NaN/inf) at generated token {len(gen.tokens)}")
+                self.finish(row, "error", f"non-finite logits (NaN/inf) at generated token {len(gen.tokens)}")
                 continue
-            pick = pickers[row](logits[row], seen[row])
+            pick = self.pickers[row](logits[row], self.seen[row])
             gen.tokens.append(pick.token)
             gen.logprobs.append(pick.logprob)
             gen.top_logprobs.append(pick.top)
-            seen[row].append(pick.token)
+            self.seen[row].append(pick.token)
             if gen.ttft_s is None:
-                first_token_at[row] = time.perf_counter()
-                gen.ttft_s = first_token_at[row] - start
-            next_ids[row] = pick.token
-            if on_token is not None:
-                on_token(row, pick.token)
-            if pick.token in eos_ids:
-                finish(row, "eos")
-            elif stop_fn is not None and stop_fn(row, gen.tokens):
-                finish(row, "stop_string")
-            elif len(gen.tokens) >= limits[row]:
-                finish(row, "length")
+                self.first_token_at[row] = time.perf_counter()
+                gen.ttft_s = self.first_token_at[row] - self.start
+            self.next_ids[row] = pick.token
+            if self.on_token is not None:
+                self.on_token(row, pick.token)
+            if pick.token in self.eos_ids:
+                self.finish(row, "eos")
+            elif self.stop_fn is not None and self.stop_fn(row, gen.tokens):
+                self.finish(row, "stop_string")
+            elif len(gen.tokens) >= self.limits[row]:
+                self.finish(row, "length")
 
-    for row in range(batch):
-        if not live[row]:
-            gens[row].finish_reason = "length"
-
-    with torch.inference_mode():
-        cache.reset(batch)
+    def prefill(self, model: Transformer, cache: KVCache, prefill_chunk: int | None) -> Tensor | None:
+        """Every prompt through the model, left-padded so each row's last token is in the last column; the
+        fp32 logits of those last tokens, or None when the prefill could not finish."""
+        device, pad_id, prompts = model.device, self.pad_id, self.prompts
         width = max(len(p) for p in prompts)
-        # Left padding: every row's last prompt token is in the last column.
         tokens = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
         valid = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts], device=device)
         positions = (valid.cumsum(1) - 1).clamp(min=0)  # padding does not advance positions
@@ -163,7 +189,7 @@ def generate(
             for lo in range(0, width, chunk):
                 hi = min(lo + chunk, width)
                 if not cache.make_room(hi - lo):
-                    finish_live("cache_full")
+                    self.finish_live("cache_full")
                     logits = None
                     break
                 logits = model(tokens[:, lo:hi], positions[:, lo:hi], cache, valid=valid[:, lo:hi], last_only=True)
@@ -172,31 +198,32 @@ def generate(
                 raise
             logits = None
             release_memory(device)
-            finish_live("error", f"out of memory during prefill: {err}")
+            self.finish_live("error", f"out of memory during prefill: {err}")
+        last = None
         if logits is not None:
             last = logits[:, -1].float()
             torch.isfinite(last[:1, :1]).item()  # wait for the device, so prefill_s is the real time
-        prefill_s = time.perf_counter() - start
-        for gen in gens:
+        prefill_s = time.perf_counter() - self.start
+        for gen in self.gens:
             gen.prefill_s = prefill_s
-        if logits is not None and any(live):
-            pick_all(last)
+        return last
 
-        step_tokens = torch.full((batch, 1), pad_id, dtype=torch.long, device=device)
-        while any(live):
+    def decode(self, model: Transformer, cache: KVCache) -> None:
+        """One token per live row per step until every row has ended."""
+        step_tokens = torch.full((self.batch, 1), self.pad_id, dtype=torch.long, device=model.device)
+        while any(self.live):
             if not cache.make_room(1):
-                finish_live("cache_full")
+                self.finish_live("cache_full")
                 break
-            step_tokens.copy_(torch.tensor(next_ids).view(batch, 1))
+            step_tokens.copy_(torch.tensor(self.next_ids).view(self.batch, 1))
             try:
                 logits = decode_step(model, step_tokens, cache.next_positions(), cache)
             except RuntimeError as err:
                 if not is_oom(err):
                     raise
-                release_memory(device)
-                finish_live("error", f"out of memory during decode: {err}")
+                release_memory(model.device)
+                self.finish_live("error", f"out of memory during decode: {err}")
                 break
-            for row in range(batch):
-                gens[row].decode_steps += live[row]
-            pick_all(logits[:, -1].float())
-    return gens
+            for row in range(self.batch):
+                self.gens[row].decode_steps += self.live[row]
+            self.pick_all(logits[:, -1].float())

@@ -26,7 +26,7 @@ import json
 import re
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from functools import cached_property
@@ -425,9 +425,6 @@ class StreamDecoder:
         del self._ids[: self._read]
         self._prefix, self._read = 0, len(self._ids)
         return delta
-
-    def push_many(self, ids: Iterable[int]) -> str:
-        return "".join(self.push(i) for i in ids)
 
     def flush(self) -> str:
         """Emit whatever is held back (at end of generation), even an incomplete character."""

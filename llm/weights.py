@@ -47,11 +47,6 @@ def _hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor name the model needs with its shape (a copy: callers may keep it)."""
-    return dict(_hf_shapes(cfg))
-
-
 # What a Llama weight may be stored as; anything else (I32, U8, F8…) is not a weight this loader converts.
 FLOAT_STORAGE = frozenset({"F32", "F16", "BF16"})
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")

@@ -45,7 +45,7 @@ from llmplan.llm.manifest import MANIFEST_NAME, ManifestError, read_sha256sums
 
 from .results_store import ResultRow, ResultsStore, RunRow, StoreError, cache_key, open_existing
 from .slots import InferenceContext
-from .types import Candidate, Completion, GenerationResult, Request
+from .types import Candidate, Request, Result, candidate_records
 
 DEFAULT_DB = "runs/results.sqlite"
 # Generation params that change how output is shown, never what is generated: not part of the key.
@@ -198,7 +198,7 @@ class CacheLookup(Stage):
             ctx.metrics.set("hits", 0)
             ctx.metrics.set("misses", len(ctx.requests))
             return
-        found: list[GenerationResult] = []
+        found: list[Result] = []
         sources: list[dict[str, Any]] = []
         with store:
             for request in ctx.requests:
@@ -233,9 +233,9 @@ class CacheLookup(Stage):
             ctx.log.info("cache_miss", hits=hits, requests=len(ctx.requests))
 
 
-def _replay(request: Request, row: dict[str, Any], gen_params: dict[str, Any]) -> GenerationResult:
+def _replay(request: Request, row: dict[str, Any], gen_params: dict[str, Any]) -> Result:
     usage = row.get("usage") or {}
-    return GenerationResult(
+    return Result(
         request_id=request.id,
         prompt_tokens=int(usage.get("prompt_tokens", len(request.prompt_ids))),
         tokens=[int(t) for t in row["tokens"]],
@@ -251,24 +251,17 @@ def _replay(request: Request, row: dict[str, Any], gen_params: dict[str, Any]) -
     )
 
 
-def stored_completion(request: Request, row: dict[str, Any]) -> Completion:
-    """A stored answer as the completion a run delivers, marked replayed (the distributed executor's resume:
-    its text is the one stored, after the post-processing and filter of the run that made it)."""
+def stored_result(request: Request, row: dict[str, Any], gen_params: dict[str, Any]) -> Result:
+    """A stored answer as the result a run delivers, marked replayed, its text the stored one (the distributed
+    executor's resume: made by the post-processing and filter of the run that generated it)."""
+    result = _replay(request, row, gen_params)
+    result.prompt = request.prompt_text
+    result.text = row["text"]
+    result.candidate_texts = [str(c.get("text", "")) for c in row.get("candidates") or []]
     usage = row.get("usage") or {}
-    tokens = [int(t) for t in row["tokens"]]
-    logprobs = [float(x) if x is not None else float("-inf") for x in row.get("logprobs") or []]
-    return Completion(
-        request_id=request.id,
-        prompt=request.prompt_text,
-        text=row["text"],
-        finish_reason=row["finish_reason"],
-        prompt_tokens=int(usage.get("prompt_tokens", len(request.prompt_ids))),
-        completion_tokens=int(usage.get("completion_tokens", len(tokens))),
-        tokens=tokens,
-        logprobs=logprobs or None,
-        candidates=list(row.get("candidates") or []),
-        from_cache=True,
-    )
+    if "completion_tokens" in usage and int(usage["completion_tokens"]) != len(result.tokens):
+        result.redacted_tokens = int(usage["completion_tokens"])
+    return result
 
 
 class OutputCache(Stage):
@@ -310,7 +303,7 @@ class OutputCache(Stage):
         ctx.metrics.set("stored", len(rows))
 
 
-def result_row(c: Completion, key: str | None) -> ResultRow:
+def result_row(c: Result, key: str | None) -> ResultRow:
     return ResultRow(
         request_id=c.request_id,
         prompt=c.prompt,
@@ -319,15 +312,7 @@ def result_row(c: Completion, key: str | None) -> ResultRow:
         finish_reason=c.finish_reason,
         usage={"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens},
         timings=dict(c.timings),
-        candidates=[
-            {
-                "tokens": list(x.get("tokens", [])),
-                "score": x.get("score"),
-                "finish_reason": x.get("finish_reason"),
-                "text": x.get("text", ""),
-            }
-            for x in c.candidates
-        ],
+        candidates=candidate_records(c),
         # A failed, cancelled or filtered-out generation is history, not something to replay (a cancelled one
         # is cut wherever its client left; a filtered answer has no ids to replay).
         cache_key=key if c.error is None and not c.flagged and c.finish_reason not in NOT_REPLAYED else None,

@@ -19,7 +19,7 @@ import torch
 from pydantic import Field, model_validator
 
 from llmplan.engine.findings import StageFailure
-from llmplan.engine.stage import Params, Phase, Stage
+from llmplan.engine.stage import Phase, Stage
 from llmplan.llm.beam_search import beam_search
 from llmplan.llm.generate import Generation, generate
 from llmplan.llm.sampling import SamplingParams, build_picker
@@ -30,39 +30,19 @@ from llmplan.llm.tokenizer import StreamDecoder
 
 from .compute_tokenize import truncate
 from .observe import finish_observing
+from .request_settings import SAMPLING_FIELDS, RequestSettings
 from .slots import InferenceContext
-from .types import Candidate, GenerationResult, Request
-
-SAMPLING_FIELDS = (
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "frequency_penalty",
-    "presence_penalty",
-    "no_repeat_ngram_size",
-    "seed",
-)
+from .types import Request, Result
 
 
-class GenerateParams(Params):
-    max_new_tokens: int = Field(256, ge=1, le=1 << 20, description="generated tokens per request, at most")
-    temperature: float = Field(0.0, ge=0, le=100, description="0 = greedy")
-    top_k: int = Field(0, ge=0, description="keep the k most likely tokens; 0 = off")
-    top_p: float = Field(1.0, gt=0, le=1, description="keep the smallest set with this probability; 1 = off")
-    min_p: float = Field(0.0, ge=0, le=1, description="drop tokens below min_p × p(best); 0 = off")
-    repetition_penalty: float = Field(1.0, gt=0, le=10, description="HF-style, over prompt and output; 1 = off")
-    frequency_penalty: float = Field(0.0, ge=-2, le=2, description="OpenAI-style, over generated tokens")
-    presence_penalty: float = Field(0.0, ge=-2, le=2, description="OpenAI-style, over generated tokens")
-    no_repeat_ngram_size: int = Field(0, ge=0, le=64, description="ban repeating any n-gram; 0 = off")
-    seed: int | None = Field(None, ge=0, description="sampling seed; default: the plan's seed")
+class GenerateParams(RequestSettings):
+    """The request settings (defaults for every request) and how the stage runs them."""
+
     logprobs: int = Field(0, ge=0, le=20, description="top-n alternatives per token (0 = only the chosen)")
     num_beams: int = Field(1, ge=1, le=64, description="beam search when > 1 (greedy beams, scored)")
     length_penalty: float = Field(1.0, ge=-10, le=10, description="beam score = logprob sum / len ** this")
     num_return_sequences: int = Field(1, ge=1, le=64, description="beam candidates returned per request")
     early_stopping: bool | Literal["never"] = Field(False, description="beam search stopping rule (as HF)")
-    stop: list[str] = Field(default_factory=list, max_length=16, description="stop strings (on decoded text)")
     ignore_eos: bool = Field(False, description="generate exactly max_new_tokens (benchmarks)")
     batch_size: int | None = Field(None, ge=1, le=4096, description="requests running at once; default: cache rows")
     prefill_chunk: int | None = Field(None, ge=1, description="prefill at most this many tokens per pass")
@@ -78,8 +58,6 @@ class GenerateParams(Params):
             raise ValueError(f"num_return_sequences ({self.num_return_sequences}) exceeds num_beams ({self.num_beams})")
         if self.num_beams > 1 and self.temperature > 0:
             raise ValueError("beam search is deterministic here: use temperature 0 with num_beams > 1")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must not be empty")
         return self
 
 
@@ -108,7 +86,7 @@ class Generate(Stage):
         )
         pad = cfg.pad_token_id if cfg.pad_token_id is not None else (tok.pad_id or 0)
         seed = ctx.plan.plan.seed
-        results: list[GenerationResult] = []
+        results: list[Result] = []
         started = time.perf_counter()
         if params.num_beams > 1:
             if cache in _SERVED:
@@ -151,7 +129,7 @@ class Generate(Stage):
         seed: int,
         stream: bool,
         running: int,
-    ) -> list[GenerationResult]:
+    ) -> list[Result]:
         tok = ctx.tokenizer
         assert tok is not None
         served = _SERVED.get(cache)
@@ -243,7 +221,7 @@ class Generate(Stage):
         pad: int,
         seed: int,
         stream: bool,
-    ) -> list[GenerationResult]:
+    ) -> list[Result]:
         tok = ctx.tokenizer
         settings = [settings_for(r, params, seed) for r in group]
         prompts = [self._fit(ctx, r, cache.max_tokens) for r, s in zip(group, settings, strict=True)]
@@ -312,7 +290,7 @@ class Generate(Stage):
         params: GenerateParams,
         eos: set[int],
         seed: int,
-    ) -> GenerationResult:
+    ) -> Result:
         settings = settings_for(request, params, seed)
         max_new = settings["max_new_tokens"]
         prompt = self._fit(ctx, request, cache.max_tokens - max_new + 1)
@@ -333,15 +311,15 @@ class Generate(Stage):
                 )
         except (torch.OutOfMemoryError, RuntimeError) as bad:
             ctx.log.warning("generation_error", request=request.id, error=str(bad))
-            return GenerationResult(request.id, len(prompt), [], "error", error=f"{type(bad).__name__}: {bad}")
+            return Result(request.id, len(prompt), [], "error", error=f"{type(bad).__name__}: {bad}")
         wall = time.perf_counter() - start
         best = candidates[0]
-        return GenerationResult(
+        return Result(
             request_id=request.id,
             prompt_tokens=len(prompt),
             tokens=list(best.tokens),
             finish_reason=best.finish_reason,
-            candidates=[Candidate(list(c.tokens), float(c.score), c.finish_reason) for c in candidates],
+            candidates=list(candidates),
             timings={"wall_s": wall, "decode_tokens_per_s": len(best.tokens) / wall if wall > 0 else 0.0},
             params=settings | {"num_beams": params.num_beams, "length_penalty": params.length_penalty},
         )
@@ -383,11 +361,12 @@ def unserve(cache: Any) -> None:
 
 def _result(
     request: Request, gen: Generation, prompt_len: int, settings: dict[str, Any], batch: int, batch_prompt: int
-) -> GenerationResult:
+) -> Result:
     """Per-request timings. batch_prompt: the prompt tokens the prefill time covers (a static batch's prefill
     is one pass for all its rows; a scheduled request's is its own, less any reused prefix)."""
     decoded = max(len(gen.tokens) - 1, 0)
     timings = {
+        "queue_s": gen.queued_s,  # submitted -> admitted into a slot (0 for a static batch)
         "prefill_s": gen.prefill_s,
         "ttft_s": gen.ttft_s if gen.ttft_s is not None else 0.0,
         "decode_s": gen.decode_s,
@@ -395,7 +374,7 @@ def _result(
         "decode_tokens_per_s": decoded / gen.decode_s if gen.decode_s > 0 else 0.0,
         "batch": float(batch),
     }
-    return GenerationResult(
+    return Result(
         request_id=request.id,
         prompt_tokens=prompt_len,
         tokens=list(gen.tokens),

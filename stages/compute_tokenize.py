@@ -22,8 +22,9 @@ from llmplan.engine.messages import describe
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
 from llmplan.llm.tokenizer import TokenizerError
 
+from .request_settings import Overrides
 from .slots import InferenceContext
-from .types import GenerationResult, Request
+from .types import Request, Result
 
 Truncation = Literal["keep_end", "keep_start", "error"]
 MAX_PROMPT_FILE_BYTES = 64 << 20
@@ -34,23 +35,6 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     role: Literal["system", "user", "assistant"]
     content: str
-
-
-class Overrides(BaseModel):
-    """Per-request generation settings a JSONL line may carry (checked by the generate stage)."""
-
-    model_config = ConfigDict(extra="forbid")
-    max_new_tokens: int | None = Field(None, ge=1, le=1 << 20)
-    temperature: float | None = Field(None, ge=0, le=100)
-    top_k: int | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0, le=10)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    no_repeat_ngram_size: int | None = Field(None, ge=0)
-    seed: int | None = Field(None, ge=0)
-    stop: list[str] | None = None
 
 
 class RequestLine(Overrides):
@@ -200,7 +184,7 @@ def read_prompt_parquet(
     return good
 
 
-def report_requests(ctx: InferenceContext, generations: list[GenerationResult]) -> None:
+def report_requests(ctx: InferenceContext, generations: list[Result]) -> None:
     """After generation: a prompt cut to fit the KV cache, and a request that ended in error, are
     reported (once each) — never only an event in events.jsonl."""
     requests = {r.id: r for r in ctx.requests or []}
@@ -259,6 +243,13 @@ class Tokenize(Stage):
         ctx.requests = requests
         ctx.metrics.set("requests", len(requests))
         ctx.metrics.set("prompt_tokens", [len(r.prompt_ids) for r in requests])
+
+    @classmethod
+    def prompt_params(cls, message: str | None, prompts_file: str | None) -> dict[str, Any] | None:
+        """--prompt is one user message, --prompts a JSONL file; either replaces the plan's own prompts."""
+        if message is not None:
+            return {"messages": [{"role": "user", "content": message}], "text": None, "prompts_file": None}
+        return {"prompts_file": prompts_file, "messages": None, "text": None}
 
     def check(self, params: Any, deep: DeepCheck) -> None:
         """`validate --deep`: the prompts file `run` would read must be there (the same test as run's)."""

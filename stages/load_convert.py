@@ -33,7 +33,7 @@ from llmplan.llm.quantize import (
 )
 from llmplan.llm.weights import fusion_table, internal_shapes
 
-from .load_read_shards import CONVERTED_MARKER
+from .load_shard_stream import CONVERTED_MARKER
 from .slots import InferenceContext
 from .types import ConvertedWeights
 

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from llmplan.llm.tokenizer import Tokenizer
 
     from .slots import InferenceContext
-    from .types import GenerationResult
+    from .types import Result
 
 OBSERVER_KEY = "ext.observer"
 MODEL_FILE, GENERATIONS_FILE = "model.json", "generations.json"
@@ -337,7 +337,7 @@ def _write_json(path: Path, data: Any) -> Path:
     return write_json(path, data, indent=None)
 
 
-def generation_records(results: list[GenerationResult], tokenizer: Tokenizer | None = None) -> list[dict[str, Any]]:
+def generation_records(results: list[Result], tokenizer: Tokenizer | None = None) -> list[dict[str, Any]]:
     """One record per request: generated ids (and their text pieces), logprobs, per-token timestamps."""
     records = []
     for result in results:
@@ -370,7 +370,7 @@ def begin_observing(ctx: InferenceContext, model: Transformer, kv_cache: KVCache
     return observer
 
 
-def redact_flagged(ctx: InferenceContext, results: list[GenerationResult], records: list[dict[str, Any]]) -> None:
+def redact_flagged(ctx: InferenceContext, results: list[Result], records: list[dict[str, Any]]) -> None:
     """A generation an output filter of the plan flags keeps no tokens, pieces or logprobs here either."""
     from .output_filter import flags
 
@@ -388,7 +388,7 @@ def _text(tokenizer: Tokenizer, ids: list[int]) -> str:
     return tokenizer.decode([int(i) for i in ids if 0 <= int(i) < vocab], skip_special_tokens=True)
 
 
-def finish_observing(ctx: InferenceContext, results: list[GenerationResult]) -> None:
+def finish_observing(ctx: InferenceContext, results: list[Result]) -> None:
     """For compute.generate: report cut prompts and failed requests; write generations.json and
     whatever the observer recorded."""
     from .compute_tokenize import report_requests

@@ -1,18 +1,19 @@
-"""`output.detokenize`: answer ids → text, and everything a reader needs around it (a Completion).
+"""`output.detokenize`: answer ids → text, beside the prompt it answers.
 
 Each answer is decoded in one call over all its ids, never token by token: byte-level tokens join
 into UTF-8 characters (CJK, emoji), and the tokenizer's decoder applies its whitespace rules
 (leading-space markers, byte fallback) to the whole sequence, exactly as a streamed decode ends up.
 
-`Completion.tokens` are the generated ids as produced (with EOS, aligned with `logprobs`), and
+`Result.tokens` are the generated ids as produced (with EOS, aligned with `logprobs`), and
 `completion_tokens` counts them: that is what the model generated and what usage reports. `text`
 is the cleaned answer from output.postprocess, without the stop string that ended it (the way
-OpenAI and vLLM return it; finish_reason stays `stop_string`). With `logprobs: N` the completion
+OpenAI and vLLM return it; finish_reason stays `stop_string`). With `logprobs: N` the result
 carries `token_logprobs`: per token its text, id, logprob and the N best alternatives.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from llmplan.engine.findings import StageFailure
@@ -21,66 +22,38 @@ from llmplan.llm.tokenizer import Tokenizer
 
 from .compute_tokenize import report_requests
 from .slots import InferenceContext
-from .types import Answer, Completion, GenerationResult, Request
+from .types import Request, Result
 
 
 class OutputDetokenize(Stage):
-    """Decode each answer (and beam) to text; assemble completions with usage and timings."""
+    """Decode each answer (and beam) to text, beside the prompt it answers."""
 
     name = "output.detokenize"
     phase = Phase.OUTPUT
-    reads = ("answers", "generations", "requests", "tokenizer")
+    reads = ("answers", "requests", "tokenizer")
     writes = ("completions",)
 
     def run(self, ctx: InferenceContext, params: Any) -> None:
-        assert ctx.answers is not None and ctx.generations is not None
-        assert ctx.requests is not None and ctx.tokenizer is not None
-        answers = {a.request_id: a for a in ctx.answers}
+        assert ctx.answers is not None and ctx.requests is not None and ctx.tokenizer is not None
         requests = {r.id: r for r in ctx.requests}
-        completions = []
-        for gen in ctx.generations:
-            answer = answers.get(gen.request_id)
-            if answer is None:
-                raise StageFailure(f"answers: no answer for request {gen.request_id!r} (postprocess output is stale)")
-            completions.append(build_completion(gen, answer, requests.get(gen.request_id), ctx.tokenizer))
-        report_requests(ctx, ctx.generations)  # once each: generate reported what it could already
+        completions = [with_text(a, requests.get(a.request_id), ctx.tokenizer) for a in ctx.answers]
+        report_requests(ctx, ctx.answers)  # once each: generate reported what it could already
         ctx.completions = completions
         ctx.metrics.set("completions", len(completions))
         ctx.metrics.set("chars", sum(len(c.text) for c in completions))
 
 
-def build_completion(
-    gen: GenerationResult, answer: Answer, request: Request | None, tokenizer: Tokenizer
-) -> Completion:
-    candidates = []
-    for index, cand in enumerate(gen.candidates):
-        ids = answer.candidates[index] if index < len(answer.candidates) else []
-        candidates.append(
-            {
-                "text": decode_text(ids, tokenizer),
-                "tokens": list(cand.tokens),
-                "score": float(cand.score),
-                "finish_reason": cand.finish_reason,
-            }
-        )
+def with_text(answer: Result, request: Request | None, tokenizer: Tokenizer) -> Result:
+    """A copy of `answer` with its text, its beams' texts and the prompt it answers."""
     text = decode_text(answer.ids, tokenizer)
-    if gen.finish_reason == "stop_string":
-        text = cut_at_stop(text, gen.params.get("stop") or [])
-    return Completion(
-        request_id=gen.request_id,
+    if answer.finish_reason == "stop_string":
+        text = cut_at_stop(text, answer.params.get("stop") or [])
+    return replace(
+        answer,
         prompt=request.prompt_text if request is not None else "",
         text=text,
-        finish_reason=gen.finish_reason,
-        prompt_tokens=gen.prompt_tokens,
-        completion_tokens=len(gen.tokens),
-        tokens=list(gen.tokens),
-        logprobs=list(gen.logprobs) if gen.logprobs else None,
-        candidates=candidates,
-        timings=dict(gen.timings),
-        error=gen.error,
-        from_cache=gen.from_cache,
-        token_logprobs=token_logprobs(gen, tokenizer),
-        streamed=gen.streamed,
+        candidate_texts=[decode_text(ids, tokenizer) for ids in answer.candidate_ids],
+        token_logprobs=token_logprobs(answer, tokenizer),
     )
 
 
@@ -90,7 +63,7 @@ def cut_at_stop(text: str, stops: list[str]) -> str:
     return text[: min(found)] if found else text
 
 
-def token_logprobs(gen: GenerationResult, tokenizer: Tokenizer) -> list[dict[str, Any]] | None:
+def token_logprobs(gen: Result, tokenizer: Tokenizer) -> list[dict[str, Any]] | None:
     """With `logprobs: N`: per generated token its text, id, logprob and the N best alternatives
     (OpenAI's shape: token, logprob, top_logprobs). None when no alternatives were recorded."""
     if not gen.top_logprobs:

@@ -10,7 +10,7 @@ A literal is matched as a whole word when its normalized form is ASCII, as a sub
 
 `action: mask` replaces every match with `***`; `action: reject` empties the text (and the beam
 candidates' texts) and sets `error: "rejected by filter"`, keeping `finish_reason`. Either way the
-entries that matched are listed in `Completion.flagged`, and a flagged answer keeps no token-level
+entries that matched are listed in `Result.flagged`, and a flagged answer keeps no token-level
 data — token ids, logprobs, top logprobs, beam tokens — since the ids spell what the text no longer
 says: not in JSON, `--json`, the results database (where it is also never replayed from the cache),
 nor in `generations.json`.
@@ -30,6 +30,7 @@ A blocklist that cannot be read or parsed stops the run in `prepare`, before the
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -40,7 +41,7 @@ from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
 
 from .slots import InferenceContext
 from .text_match import Entry, Matcher, StreamGuard, literal_entry, regex_entry
-from .types import Completion
+from .types import Result
 
 MASK = "***"
 REJECTED = "rejected by filter"
@@ -84,28 +85,26 @@ def load_blocklist(path: str | Path) -> list[Entry]:
     return entries
 
 
-def apply_filter(completion: Completion, entries: list[Entry] | Matcher, action: str) -> bool:
+def apply_filter(completion: Result, entries: list[Entry] | Matcher, action: str) -> bool:
     """Mask or reject one completion in place; True when something matched."""
     matcher = entries if isinstance(entries, Matcher) else Matcher(entries)
-    hits = matcher.labels(completion.text, *(c.get("text", "") for c in completion.candidates))
+    hits = matcher.labels(completion.text, *completion.candidate_texts)
     if not hits:
         return False
     completion.flagged = list(dict.fromkeys([*completion.flagged, *hits]))
     if action == "reject":
         completion.text = ""
-        for cand in completion.candidates:
-            cand["text"] = ""
+        completion.candidate_texts = ["" for _ in completion.candidate_texts]
         completion.error = REJECTED
     else:
         completion.text = matcher.mask(completion.text, MASK)
-        for cand in completion.candidates:
-            cand["text"] = matcher.mask(cand.get("text", ""), MASK)
-    # The ids (and their logprobs) spell the text that was masked or rejected: keep none of them.
-    completion.tokens = []
-    completion.logprobs = None
-    completion.token_logprobs = None
-    for cand in completion.candidates:
-        cand["tokens"] = []
+        completion.candidate_texts = [matcher.mask(text, MASK) for text in completion.candidate_texts]
+    # The ids (and their logprobs) spell the text that was masked or rejected: keep none of them. New lists,
+    # not edits in place: the same lists may still be held by the result in `generations` or `answers`.
+    completion.redacted_tokens = completion.completion_tokens
+    completion.tokens, completion.ids, completion.logprobs, completion.token_logprobs = [], [], [], None
+    completion.candidates = [replace(cand, tokens=[]) for cand in completion.candidates]
+    completion.candidate_ids = [[] for _ in completion.candidate_ids]
     return True
 
 

@@ -39,7 +39,7 @@ from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
-from .types import Completion
+from .types import Result, candidate_records
 
 SCHEMA = "llmplan.result/v1"
 TIMING_KEYS = ("load_s", "ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s")
@@ -64,7 +64,7 @@ RESULT_KEYS = (
 
 
 def result_object(
-    completion: Completion, *, plan: str | None = None, model: str | None = None, load_s: float | None = None
+    completion: Result, *, plan: str | None = None, model: str | None = None, load_s: float | None = None
 ) -> dict[str, Any]:
     """The v1 result object of one completion."""
     c = completion
@@ -86,15 +86,7 @@ def result_object(
             "total_tokens": c.prompt_tokens + c.completion_tokens,
         },
         "logprobs": None if not c.logprobs else [_finite(x) for x in c.logprobs],
-        "candidates": [
-            {
-                "text": cand.get("text", ""),
-                "tokens": list(cand.get("tokens", [])),
-                "score": _finite(cand.get("score")),
-                "finish_reason": cand.get("finish_reason"),
-            }
-            for cand in c.candidates
-        ],
+        "candidates": [{**cand, "score": _finite(cand["score"])} for cand in candidate_records(c)],
         "timings": timings,
         "error": c.error,
         "from_cache": c.from_cache,
@@ -142,7 +134,7 @@ def json_document_chunks(results: list[dict[str, Any]], *, plan: str | None, mod
     yield "\n"
 
 
-def text_chunks(completions: Iterable[Completion]) -> Iterator[str]:
+def text_chunks(completions: Iterable[Result]) -> Iterator[str]:
     """Plain text: the answers; with several requests each is headed by `[id]`."""
     items = list(completions)
     for index, c in enumerate(items):
@@ -153,7 +145,7 @@ def text_chunks(completions: Iterable[Completion]) -> Iterator[str]:
 
 
 def markdown_chunks(
-    completions: Iterable[Completion], *, plan: str | None = None, model: str | None = None
+    completions: Iterable[Result], *, plan: str | None = None, model: str | None = None
 ) -> Iterator[str]:
     """A Markdown report: per request the prompt (quoted), the answer (as the model wrote it), and stats."""
     title = f"# {plan}" if plan else "# Results"
@@ -164,8 +156,8 @@ def markdown_chunks(
         yield f"\n## {c.request_id}\n\n"
         yield "\n".join(f"> {line}" for line in (c.prompt or "").splitlines() or [""]) + "\n\n"
         yield (c.text if c.text else "_(empty)_") + "\n\n"
-        for rank, cand in enumerate(c.candidates, start=1):
-            yield f"{rank}. (score {float(cand.get('score') or 0.0):.4f}) {cand.get('text', '')}\n"
+        for rank, cand in enumerate(candidate_records(c), start=1):
+            yield f"{rank}. (score {float(cand['score'] or 0.0):.4f}) {cand['text']}\n"
         if c.candidates:
             yield "\n"
         yield f"_{stats_text(c)}_\n"
@@ -175,7 +167,7 @@ def markdown_chunks(
             yield f"\n**flagged:** {', '.join(c.flagged)}\n"
 
 
-def stats_text(c: Completion, load_s: float | None = None) -> str:
+def stats_text(c: Result, load_s: float | None = None) -> str:
     """`12 prompt + 64 generated tokens · finish length · TTFT 0.120 s · 45.1 tok/s decode`."""
     parts = [f"{c.prompt_tokens} prompt + {c.completion_tokens} generated tokens", f"finish {c.finish_reason}"]
     if load_s is not None:

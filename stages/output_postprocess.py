@@ -4,14 +4,14 @@ Cleaning works on ids, not text, so that no string-level rule can mangle what th
   * everything from the first EOS on is dropped (the EOS itself ends the answer);
   * BOS, PAD and every other special id (`tokenizer.special_ids`, which holds the chat-template
     markers such as `<|im_start|>`) are dropped wherever they appear;
-  * ids outside [0, vocab_size) are dropped, listed in `Answer.dropped_invalid`, and logged as a
+  * ids outside [0, vocab_size) are dropped, listed in `Result.dropped_invalid`, and logged as a
     warning — a corrupted id must never crash the output phase;
   * a sequence cut by a length limit in the middle of a multi-byte character (an emoji spans up to
     four byte tokens) loses those last ≤3 tokens, so no U+FFFD ends the text.
 
 `trim_to_sentence` (only for finish_reason "length", the case where a limit cut a sentence): the
 ids are cut after the last complete sentence. It is done here, on ids, by decoding prefixes, so
-that Answer.ids and the text always agree. A sentence ends at `.`, `!` or `?` followed by
+that Result.ids and the text always agree. A sentence ends at `.`, `!` or `?` followed by
 whitespace or the end of the text, or at `。`, `！`, `？` (CJK text has no space after them).
 A text with no sentence end is left whole rather than emptied.
 """
@@ -19,6 +19,7 @@ A text with no sentence end is left whole rather than emptied.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any
 
 from pydantic import Field
@@ -28,7 +29,7 @@ from llmplan.engine.stage import Params, Phase, Stage
 from llmplan.llm.tokenizer import Tokenizer
 
 from .slots import InferenceContext
-from .types import Answer
+from .types import Result
 
 _REPLACEMENT = "\ufffd"
 # ASCII ends need following whitespace/end ("3.14", "e.g.x" are not ends); CJK ends do not.
@@ -53,7 +54,7 @@ class OutputPostprocess(Stage):
     def run(self, ctx: InferenceContext, params: Any) -> None:
         assert ctx.generations is not None and ctx.tokenizer is not None
         tokenizer = ctx.tokenizer
-        answers: list[Answer] = []
+        answers: list[Result] = []
         invalid_total = trimmed = 0
         for gen in ctx.generations:
             trim = params.trim_to_sentence and gen.finish_reason == "length"
@@ -72,7 +73,7 @@ class OutputPostprocess(Stage):
             if dropped:
                 ctx.log.warning("invalid_token_ids", request=gen.request_id, ids=dropped[:20], count=len(dropped))
                 invalid_total += len(dropped)
-            answers.append(Answer(gen.request_id, ids, dropped, candidates))
+            answers.append(replace(gen, ids=ids, dropped_invalid=dropped, candidate_ids=candidates))
         ctx.answers = answers
         ctx.metrics.set("answers", len(answers))
         ctx.metrics.set("invalid_ids", invalid_total)

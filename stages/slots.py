@@ -11,9 +11,12 @@ registered, and the graph the engine derives from them is the data flow of infer
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from llmplan.engine.context import Context
+from llmplan.engine.observing import ObserveSettings
+
+from . import observe_settings
 
 if TYPE_CHECKING:
     from llmplan.llm.checkpoint import ShardManifest
@@ -22,20 +25,13 @@ if TYPE_CHECKING:
     from llmplan.llm.model import Transformer
     from llmplan.llm.tokenizer import Tokenizer
 
-    from .types import (
-        Answer,
-        Completion,
-        ConvertedWeights,
-        Environment,
-        GenerationResult,
-        HostWeights,
-        ModelSource,
-        Request,
-    )
+    from .types import ConvertedWeights, Environment, HostWeights, ModelSource, Request, Result
 
 
 @dataclass
 class InferenceContext(Context):
+    Observe: ClassVar[type[ObserveSettings]] = observe_settings.Observe
+
     environment: Environment | None = None
     model_source: ModelSource | None = None
     model_config: ModelConfig | None = None
@@ -46,9 +42,9 @@ class InferenceContext(Context):
     model: Transformer | None = None
     kv_cache: KVCache | None = None
     requests: list[Request] | None = None
-    generations: list[GenerationResult] | None = None
-    answers: list[Answer] | None = None
-    completions: list[Completion] | None = None
+    generations: list[Result] | None = None
+    answers: list[Result] | None = None
+    completions: list[Result] | None = None
     deliveries: list[str] | None = None
     cache_record: dict[str, Any] | None = None
     release_report: dict[str, Any] | None = None

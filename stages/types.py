@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from llmplan.llm.beam_search import Candidate  # stated once, where beam search makes them
 from llmplan.llm.generate import FinishReason  # stated once, where generation ends sequences
 
 
@@ -70,55 +71,55 @@ class Request:
 
 
 @dataclass
-class Candidate:
-    tokens: list[int]
-    score: float
-    finish_reason: FinishReason
+class Result:
+    """One request's result, the one type carried from generation to the sinks.
 
+    compute.generate (or cache.lookup, replaying) fills the first part and writes `generations`;
+    output.postprocess copies each result and adds the ids a reader gets (`answers`); output.detokenize
+    copies again and adds the text (`completions`), which output.filter may edit before the sinks.
+    Each stage writes new objects, so a slot never changes under a stage that already read it.
+    """
 
-@dataclass
-class GenerationResult:
+    # compute.generate
     request_id: str
     prompt_tokens: int
-    tokens: list[int]
+    tokens: list[int]  # generated ids as produced (EOS included), aligned with logprobs
     finish_reason: FinishReason
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] | None = None
     error: str | None = None
-    candidates: list[Candidate] = field(default_factory=list)
+    candidates: list[Candidate] = field(default_factory=list)  # beams, as generated
     timings: dict[str, float] = field(default_factory=dict)
     params: dict[str, Any] = field(default_factory=dict)
     from_cache: bool = False
     streamed: bool = False  # the text was already shown through ctx.stream as it was generated
-
-
-@dataclass
-class Answer:
-    """Generated ids cleaned for display: special/template tokens and invalid ids removed."""
-
-    request_id: str
-    ids: list[int]
+    # output.postprocess: special, template and invalid ids removed
+    ids: list[int] = field(default_factory=list)
     dropped_invalid: list[int] = field(default_factory=list)
-    candidates: list[list[int]] = field(default_factory=list)
-
-
-@dataclass
-class Completion:
-    """What a user reads: the text of one request, with everything needed to format it."""
-
-    request_id: str
-    prompt: str
-    text: str
-    finish_reason: FinishReason
-    prompt_tokens: int
-    completion_tokens: int
-    tokens: list[int]
-    logprobs: list[float] | None = None
-    candidates: list[dict[str, Any]] = field(default_factory=list)
-    timings: dict[str, float] = field(default_factory=dict)
-    error: str | None = None
-    from_cache: bool = False
-    flagged: list[str] = field(default_factory=list)
+    candidate_ids: list[list[int]] = field(default_factory=list)
+    # output.detokenize (and output.filter)
+    prompt: str = ""
+    text: str = ""
+    candidate_texts: list[str] = field(default_factory=list)
     # With `logprobs: N`: per generated token {token, id, logprob, top_logprobs: [{token, id, logprob}]}.
     token_logprobs: list[dict[str, Any]] | None = None
-    streamed: bool = False  # already shown on the terminal by the generate stage; not printed twice
+    flagged: list[str] = field(default_factory=list)
+    redacted_tokens: int | None = None  # output.filter dropped `tokens`; this many were generated
+
+    @property
+    def completion_tokens(self) -> int:
+        """What the model generated (usage), also after output.filter redacted the ids."""
+        return len(self.tokens) if self.redacted_tokens is None else self.redacted_tokens
+
+
+def candidate_records(result: Result) -> list[dict[str, Any]]:
+    """The beams as sinks and the results database show them: text, tokens, score, finish reason."""
+    return [
+        {
+            "text": result.candidate_texts[i] if i < len(result.candidate_texts) else "",
+            "tokens": list(cand.tokens),
+            "score": cand.score,
+            "finish_reason": cand.finish_reason,
+        }
+        for i, cand in enumerate(result.candidates)
+    ]

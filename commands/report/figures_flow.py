@@ -29,8 +29,10 @@ def _box(title: str, metrics: dict[str, Any] | None, lines: list[str], phase: st
 
 
 def draw_load_flow(run: RunData, out_dir: Path) -> Figure:
-    verify, read = run.metrics_of("load.verify"), run.metrics_of("load.read_shards")
+    verify, stream = run.metrics_of("load.verify"), run.metrics_of("load.shard_stream")
     convert, place = run.metrics_of("load.convert"), run.metrics_of("load.to_device")
+    # The stream stage sets the reading up; the stage that drains it (convert) records the reader's numbers.
+    read = None if stream is None else {**stream, **(convert or {})}
     shards = _get(read, "shards")
     n_shards = len(shards) if isinstance(shards, list) else _get(verify, "shards")
     on_disk = _get(verify, "bytes") or (sum(s.get("bytes", 0) for s in shards) if isinstance(shards, list) else None)
@@ -54,7 +56,7 @@ def draw_load_flow(run: RunData, out_dir: Path) -> Figure:
             f"{_get(read, 'tensors_wanted') or MISSING} tensors",
         ],
         "load",
-        "load.read_shards",
+        "load.shard_stream",
     )
     conversion = _box(
         f"conversion → {_get(convert, 'dtype') or '?'}",

@@ -71,7 +71,7 @@ def draw_memory(run: RunData, out_dir: Path) -> list[Figure]:
     regions = (place or {}).get("regions") or {}
     on_device = (place or {}).get("device", "cpu") != "cpu" and has_device
     # Weights land in host memory from the first loading stage on (device memory: from place).
-    loaders = ("load.to_device",) if on_device else ("load.read_shards", "load.convert", "load.to_device")
+    loaders = ("load.to_device",) if on_device else ("load.shard_stream", "load.convert", "load.to_device")
     load_span = next((s for s in spans if (run.record(s[0]) or {}).get("uses") in loaders), None)
     if regions and load_span is not None:
         # The regions stacked on the memory in use before the weights were loaded, as reference lines.

@@ -154,6 +154,7 @@ def test_a_replica_killed_mid_run_loses_nothing(
     from llmplan.engine.executors import ExecutorJob
     from llmplan.engine.plan import load_plan
     from llmplan.engine.registry import discover
+    from llmplan.engine.yaml_source import load_file
 
     # Longer answers, one at a time per replica: the run lasts long enough to kill a replica in the middle.
     slow = [
@@ -163,7 +164,8 @@ def test_a_replica_killed_mid_run_loses_nothing(
     local = _local(setup, "slow", *slow)
     args = build_parser().parse_args(_ray_args(setup, "ray-killed", "killed", *slow))
     registry = discover()
-    bound = load_plan(args.plan, registry, plan_overrides(args))
+    overrides = plan_overrides(args, registry, load_file(args.plan))
+    bound = load_plan(args.plan, registry, overrides)
     run_dir = Path(args.out)
     run_dir.mkdir()
     killed: dict[str, Any] = {}
@@ -174,7 +176,7 @@ def test_a_replica_killed_mid_run_loses_nothing(
             os.kill(pid, signal.SIGKILL)
             killed.update(pid=pid, written=written)
 
-    job = ExecutorJob(bound, registry, run_dir, plan_overrides(args), json_mode=True, quiet=True)
+    job = ExecutorJob(bound, registry, run_dir, overrides, json_mode=True, quiet=True)
     assert execute(job, on_batch=kill_once) == 0
     # stdout is the results, one line each, whatever Ray said about the retried batches (that is in ray.log)
     assert sorted(json.loads(line)["id"] for line in capsys.readouterr().out.splitlines()) == sorted(local)

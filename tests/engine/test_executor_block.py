@@ -11,6 +11,7 @@ from llmplan.engine.cli import build_parser, main, plan_overrides
 from llmplan.engine.findings import PlanError
 from llmplan.engine.plan import load_plan
 from llmplan.engine.registry import Registry
+from llmplan.engine.yaml_source import load_file
 
 PLAN = """\
 name: toy
@@ -64,7 +65,7 @@ def test_run_flags_override_the_block(tmp_path: Path, registry: Registry) -> Non
         ["run", str(path), "--executor", "ray", "--address", "ray://head:10001", "--replicas", "8",
          "--threads-per-replica", "4", "--gpus-per-replica", "0.5"]
     )  # fmt: skip
-    executor = load_plan(path, registry, plan_overrides(args)).plan.executor
+    executor = load_plan(path, registry, plan_overrides(args, registry, load_file(path))).plan.executor
     assert (executor.address, executor.replicas, executor.threads_per_replica, executor.gpus_per_replica) == (
         "ray://head:10001", 8, 4, 0.5
     )

@@ -24,7 +24,7 @@ from llmplan.stages.output_postprocess import OutputPostprocess
 from llmplan.stages.output_release import OutputRelease
 from llmplan.stages.output_write import OutputWrite
 from llmplan.stages.slots import InferenceContext
-from llmplan.stages.types import GenerationResult, ModelSource, Request
+from llmplan.stages.types import ModelSource, Request, Result
 from tests.stages.tiny_run import train_byte_bpe
 
 SPECIALS = ["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
@@ -66,12 +66,12 @@ def ctx(tokenizer: Tokenizer) -> InferenceContext:
 
 def make_generation(
     tokenizer: Tokenizer, request_id: str, text: str, *, finish: str = "eos", **extra: Any
-) -> GenerationResult:
+) -> Result:
     ids = tokenizer.encode(text)
     if finish == "eos":
         assert tokenizer.eos_id is not None
         ids = [*ids, tokenizer.eos_id]
-    return GenerationResult(request_id, prompt_tokens=5, tokens=ids, finish_reason=finish, **extra)  # type: ignore[arg-type]
+    return Result(request_id, prompt_tokens=5, tokens=ids, finish_reason=finish, **extra)  # type: ignore[arg-type]
 
 
 def make_request(tokenizer: Tokenizer, request_id: str, prompt: str, **overrides: Any) -> Request:
@@ -174,7 +174,7 @@ def make_plan(registry: Registry) -> Callable[..., BoundPlan]:
 
 
 @pytest.fixture
-def gen() -> Callable[..., GenerationResult]:
+def gen() -> Callable[..., Result]:
     """make_generation, as a fixture (test modules should not import conftest)."""
     return make_generation
 

@@ -8,7 +8,7 @@ from llmplan.engine.findings import StageFailure
 from llmplan.engine.runner import Runner
 from llmplan.stages.cache_stages import CacheLookup, LookupParams, OutputCache, StoreParams, generation_params
 from llmplan.stages.results_store import ResultsStore, cache_key
-from llmplan.stages.types import Completion, ModelSource
+from llmplan.stages.types import ModelSource, Result
 
 
 def _plan_text(tokenizer_dir, db, *, prompts=("Tell me about the sky.",), mode="reuse", json_out=None) -> str:
@@ -134,7 +134,7 @@ def test_errors_are_stored_but_never_replayed(ctx, make_plan, tokenizer, tokeniz
     ctx.plan = make_plan(_plan_text(tokenizer_dir, db))
     ctx.model_source = ModelSource(tmp_path, "hf-dir", "fp")
     ctx.requests = [req(tokenizer, "a", "hi")]
-    ctx.completions = [Completion("a", "hi", "", "error", 1, 0, [], error="out of memory")]
+    ctx.completions = [Result("a", 1, [], "error", error="out of memory", prompt="hi")]
     OutputCache().run(ctx, StoreParams(db=str(db)))
     assert ctx.cache_record["keys"] == [None] and ctx.cache_record["results"] == 1
     CacheLookup().run(ctx, LookupParams(db=str(db)))

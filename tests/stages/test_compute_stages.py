@@ -250,3 +250,34 @@ def test_a_request_that_ends_in_error_fails_the_run(tmp_path: Path, model_dir: P
     assert json.loads(out.splitlines()[0])["finish_reason"] == "error"
     assert code == 3 and "1 request(s) ended in error" in err
     assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "errors"
+
+
+def test_run_prompt_flags_reach_the_tokenize_stage_whatever_its_id(tmp_path: Path, model_dir: Path) -> None:
+    """--prompt / --prompts go to the stage whose plugin takes prompts (Stage.prompt_params), not to an id."""
+    import argparse
+
+    from llmplan.engine.cli import CliError, plan_overrides
+    from llmplan.engine.plan import bind
+    from llmplan.engine.registry import discover
+    from llmplan.engine.yaml_source import load_file
+
+    path = write_plan(tmp_path, model_dir)
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    for spec in data["stages"]:
+        if spec["id"] == "prompt":
+            spec["id"] = "ask"
+    path.write_text(yaml.safe_dump(data, allow_unicode=True, sort_keys=False), encoding="utf-8")
+    registry, source = discover(), load_file(path)
+
+    message = argparse.Namespace(set=[], prompt="Why is the sky blue?", prompts=None)
+    ask = bind(source, registry, plan_overrides(message, registry, source)).stage("ask").params
+    assert [m.content for m in ask.messages] == ["Why is the sky blue?"] and ask.prompts_file is None
+
+    jsonl = argparse.Namespace(set=[], prompt=None, prompts=str(tmp_path / "p.jsonl"))
+    ask = bind(source, registry, plan_overrides(jsonl, registry, source)).stage("ask").params
+    assert ask.prompts_file == str(tmp_path / "p.jsonl") and ask.messages is None
+
+    data["stages"] = [s for s in data["stages"] if s["uses"] != "compute.tokenize"]
+    path.write_text(yaml.safe_dump(data, allow_unicode=True, sort_keys=False), encoding="utf-8")
+    with pytest.raises(CliError, match=r"--prompt: no stage of .* takes prompts"):
+        plan_overrides(message, registry, load_file(path))

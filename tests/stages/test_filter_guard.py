@@ -17,7 +17,7 @@ from llmplan.engine.stage import Params, Phase, Stage
 from llmplan.stages.output_filter import MASK, apply_filter, load_blocklist
 from llmplan.stages.slots import InferenceContext
 from llmplan.stages.text_match import Matcher, StreamGuard, normalize
-from llmplan.stages.types import Completion
+from llmplan.stages.types import Candidate, Result
 
 BLOCKED = ["secret", "straße", "launch code"]
 
@@ -153,12 +153,12 @@ def test_unbounded_regex_holds_the_stream_until_the_end(tmp_path):
 def test_flagged_completion_keeps_no_token_data(blocklist):
     matcher = Matcher(load_blocklist(blocklist))
     for action in ("mask", "reject"):
-        c = Completion("a", "p", "the ѕесrеt", "eos", 3, 4, [1, 2, 3, 4], logprobs=[-1.0] * 4)
+        c = Result("a", 3, [1, 2, 3, 4], "eos", logprobs=[-1.0] * 4, prompt="p", text="the ѕесrеt")
         c.token_logprobs = [{"token": "x", "id": 1, "logprob": -1.0, "top_logprobs": []}]
-        c.candidates = [{"text": "the secret", "tokens": [1, 2], "score": -1.0}]
+        c.candidates, c.candidate_texts = [Candidate([1, 2], -1.0, "eos")], ["the secret"]
         assert apply_filter(c, matcher, action)
-        assert c.tokens == [] and c.logprobs is None and c.token_logprobs is None
-        assert c.candidates[0]["tokens"] == []
+        assert c.tokens == [] and c.logprobs == [] and c.token_logprobs is None
+        assert c.candidates[0].tokens == [] and c.completion_tokens == 4  # usage still counts what was generated
         assert c.text == ("the ***" if action == "mask" else "")
 
 
@@ -180,7 +180,7 @@ class StreamingGenerate(Stage):
 
     def run(self, ctx: InferenceContext, params: Any) -> None:
         from llmplan.stages.observe import finish_observing
-        from llmplan.stages.types import GenerationResult
+        from llmplan.stages.types import Result
 
         assert ctx.tokenizer is not None and ctx.requests is not None
         ids = ctx.tokenizer.encode(params.answer)
@@ -188,7 +188,7 @@ class StreamingGenerate(Stage):
             ctx.stream(ctx.tokenizer.decode(ids[: i + 1])[len(ctx.tokenizer.decode(ids[:i])) :])
         ctx.stream("\n")
         ctx.generations = [
-            GenerationResult(r.id, len(r.prompt_ids), list(ids), "length", logprobs=[-0.5] * len(ids), streamed=True)
+            Result(r.id, len(r.prompt_ids), list(ids), "length", logprobs=[-0.5] * len(ids), streamed=True)
             for r in ctx.requests
         ]
         finish_observing(ctx, ctx.generations)

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import torch
 
-from llmplan.engine.plan import AttentionCapture, Observe
 from llmplan.llm.model import Transformer
 from llmplan.stages import compute_generate
 from llmplan.stages.observe import install_observers, model_summary
+from llmplan.stages.observe_settings import AttentionCapture, Observe
 from tests.llm.tiny import load_tiny
 from tests.stages.tiny_run import make_tiny_model_dir, run_plan, wire_observers, write_plan
 

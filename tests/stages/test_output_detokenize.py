@@ -61,10 +61,10 @@ def test_beam_candidates_have_text_tokens_and_scores(ctx, tokenizer, gen, req):
         Candidate(tokenizer.encode("Is it"), -3.0, "length"),
     ]
     (c,) = _complete(ctx, [g], [req(tokenizer, "b", "p")])
-    assert [x["text"] for x in c.candidates] == ["The sky is blue.", "The grass is green!", "Is it"]
-    assert [x["score"] for x in c.candidates] == [-1.25, -2.5, -3.0]
-    assert c.candidates[0]["tokens"] == g.candidates[0].tokens
-    assert c.candidates[2]["finish_reason"] == "length"
+    assert c.candidate_texts == ["The sky is blue.", "The grass is green!", "Is it"]
+    assert [x.score for x in c.candidates] == [-1.25, -2.5, -3.0]
+    assert c.candidates[0].tokens == g.candidates[0].tokens
+    assert c.candidates[2].finish_reason == "length"
 
 
 def test_error_generation_is_carried(ctx, tokenizer, gen, req):

@@ -4,11 +4,11 @@ import pytest
 
 from llmplan.engine.findings import StageFailure
 from llmplan.stages.output_filter import FilterParams, OutputFilter
-from llmplan.stages.types import Completion
+from llmplan.stages.types import Candidate, Result
 
 
-def _completion(text: str, **kw) -> Completion:
-    return Completion("a", "prompt", text, "eos", 3, 4, [1, 2, 3, 4], **kw)
+def _completion(text: str, **kw) -> Result:
+    return Result("a", 3, [1, 2, 3, 4], "eos", prompt="prompt", text=text, **kw)
 
 
 @pytest.fixture
@@ -35,16 +35,16 @@ def test_mask(ctx, blocklist):
 
 
 def test_reject_keeps_finish_reason(ctx, blocklist):
-    c = _completion("a grey day", candidates=[{"text": "grey", "tokens": [1], "score": -1.0}])
+    c = _completion("a grey day", candidates=[Candidate([1], -1.0, "eos")], candidate_texts=["grey"])
     _run(ctx, [c], blocklist, action="reject")
-    assert c.text == "" and c.candidates[0]["text"] == ""
+    assert c.text == "" and c.candidate_texts == [""]
     assert c.error == "rejected by filter" and c.finish_reason == "eos" and c.flagged == ["re:gr[ae]y"]
 
 
 def test_candidates_are_masked(ctx, blocklist):
-    c = _completion("fine", candidates=[{"text": "a class act", "tokens": [1], "score": -1.0}])
+    c = _completion("fine", candidates=[Candidate([1], -1.0, "eos")], candidate_texts=["a class act"])
     _run(ctx, [c], blocklist)
-    assert c.text == "fine" and c.candidates[0]["text"] == "a *** act" and c.flagged == ["class"]
+    assert c.text == "fine" and c.candidate_texts == ["a *** act"] and c.flagged == ["class"]
 
 
 def test_bad_regex_names_file_and_line(ctx, tmp_path):

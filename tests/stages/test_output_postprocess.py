@@ -35,7 +35,7 @@ def test_invalid_ids_are_dropped_with_a_warning(ctx, tokenizer, gen):
     with capture_logs() as logs:
         (answer,) = _run(ctx, [g])
     assert answer.ids == body
-    assert answer.candidates == [body]
+    assert answer.candidate_ids == [body]
     assert answer.dropped_invalid == [-1, tokenizer.vocab_size, 10**9, tokenizer.vocab_size + 7]
     warnings = [e for e in logs if e["log_level"] == "warning"]
     assert warnings and warnings[0]["event"] == "invalid_token_ids" and warnings[0]["request"] == "a"
@@ -95,4 +95,4 @@ def test_beam_candidates_cleaned_the_same_way(ctx, tokenizer, gen):
     g = gen(tokenizer, "beam", "The sky is blue.")
     g.candidates = [Candidate([*a, eos], -1.5, "eos"), Candidate([tokenizer.bos_id, *b, eos, eos], -2.5, "eos")]
     (answer,) = _run(ctx, [g])
-    assert answer.candidates == [a, b]
+    assert answer.candidate_ids == [a, b]

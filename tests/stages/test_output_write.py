@@ -10,7 +10,7 @@ from llmplan.engine.findings import StageFailure
 from llmplan.stages import output_format, output_write
 from llmplan.stages.output_format import RESULT_KEYS, SCHEMA
 from llmplan.stages.output_write import OutputWrite, WriteParams
-from llmplan.stages.types import Completion, ModelSource
+from llmplan.stages.types import Candidate, ModelSource, Result
 
 PLAN = """
 name: write-test
@@ -24,23 +24,21 @@ stages:
 """
 
 
-def _completion(rid: str = "r0", text: str = "Hello world.", **kw) -> Completion:
+def _completion(rid: str = "r0", text: str = "Hello world.", **kw) -> Result:
     base = {
         "timings": {"ttft_s": 0.125, "decode_tokens_per_s": 42.5, "prefill_tokens_per_s": 300.0},
         "logprobs": [-0.25, -0.5, -1.0],
     }
     base.update(kw)
-    return Completion(rid, "Say hello", text, "eos", 3, 3, [5, 6, 2], **base)
+    return Result(rid, 3, [5, 6, 2], "eos", prompt="Say hello", text=text, **base)
 
 
-def _beam() -> Completion:
+def _beam() -> Result:
     return _completion(
         "beam",
         "The sky is blue.",
-        candidates=[
-            {"text": "The sky is blue.", "tokens": [1, 2], "score": -1.5, "finish_reason": "eos"},
-            {"text": "The sky.", "tokens": [1, 3], "score": float("-inf"), "finish_reason": "length"},
-        ],
+        candidates=[Candidate([1, 2], -1.5, "eos"), Candidate([1, 3], float("-inf"), "length")],
+        candidate_texts=["The sky is blue.", "The sky."],
     )
 
 

@@ -65,7 +65,7 @@ def load_stages(
         {"id": "config", "uses": "load.config"},
         {"id": "tokenizer", "uses": "load.tokenizer"},
         {"id": "verify", "uses": "load.verify", "with": {"hashes": hashes}},
-        {"id": "read", "uses": "load.read_shards"},
+        {"id": "read", "uses": "load.shard_stream"},
         {"id": "convert", "uses": "load.convert", "with": {"dtype": "fp32"}},
         {"id": "place", "uses": "load.to_device", "with": place or {"kv_cache": {"max_tokens": 128}}},
     ]

@@ -1,10 +1,10 @@
-"""`load.read_shards`: shards in order through a bounded FIFO buffer, mmap-backed, unused tensors skipped.
+"""`load.shard_stream`: the checkpoint's shards as a stream through a bounded FIFO buffer, mmap-backed.
 
-Reading is streamed into the convert stage: this stage prepares the reader (which tensors, how many
-shards may be held at once) and the convert stage pulls tensors through it, converting each group as
-soon as it is complete. So host memory peaks near (converted weights + N shards), never at
-(all fp32 shards + converted copy). The reader's own numbers (bytes, seconds, peak buffer) are
-recorded under this stage's id.
+This stage reads no weights: it checks every shard's header against the config and sets up the stream
+(which tensors, how many shards may be held at once). The stage that drains it (`load.convert`) pulls
+tensors through it and converts each group as soon as it is complete, so host memory peaks near
+(converted weights + N shards), never at (all fp32 shards + converted copy). The reading happens, and is
+timed and counted (bytes, seconds, peak buffer), in the draining stage: its metrics carry the reader's.
 """
 
 from __future__ import annotations
@@ -82,10 +82,10 @@ class ReadParams(Params):
     buffer_shards: int = Field(1, ge=1, le=64, description="shards held in host memory at once (FIFO)")
 
 
-class ReadShards(Stage):
-    """Read the model's tensors shard by shard through a bounded FIFO buffer (streamed into convert)."""
+class ShardStream(Stage):
+    """Check shard headers; set up the bounded FIFO stream that load.convert reads and converts from."""
 
-    name = "load.read_shards"
+    name = "load.shard_stream"
     phase = Phase.LOAD
     Params = ReadParams
     reads = ("shard_manifest", "model_config")
@@ -99,7 +99,6 @@ class ReadShards(Stage):
             check_headers(manifest, cfg)
         # A checkpoint saved by load.convert holds the model's own (fused, quantized) tensors: take them all.
         wanted = set(manifest.tensor_to_shard) if converted is not None else expected_hf_names(cfg)
-        stage_id = ctx.metrics.current
         metrics = ctx.metrics
 
         def stream(on_tensor: Callable[[str, Tensor], None]) -> ReadResult:
@@ -110,6 +109,7 @@ class ReadShards(Stage):
                     result = read_shards(manifest, wanted, params.buffer_shards, on_tensor, advance)
             except IntegrityError as bad:
                 raise StageFailure(str(bad)) from None
+            stage_id = metrics.current  # the stage that drains the stream: where the reading happened
             bucket = metrics.by_stage.setdefault(stage_id, {})
             bucket.update(
                 {

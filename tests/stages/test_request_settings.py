@@ -1,0 +1,60 @@
+"""A request line and the plan accept exactly the same generation settings (declared once)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from llmplan.llm.sampling import SamplingParams
+from llmplan.stages.compute_generate import GenerateParams
+from llmplan.stages.compute_tokenize import RequestLine
+from llmplan.stages.request_settings import SAMPLING_FIELDS, Overrides, RequestSettings
+
+# Values at, inside and past each limit; bools and strings where numbers go.
+PROBES: dict[str, list[Any]] = {
+    "max_new_tokens": [0, 1, 1 << 20, (1 << 20) + 1, True, "3"],
+    "temperature": [-0.1, 0, 0.7, 100, 100.5, "1"],
+    "top_k": [-1, 0, 40],
+    "top_p": [0, 0.001, 1, 1.01],
+    "min_p": [-0.1, 0, 1, 1.1],
+    "repetition_penalty": [0, 0.5, 10, 10.5],
+    "frequency_penalty": [-2.1, -2, 2, 2.1],
+    "presence_penalty": [-2.1, -2, 2, 2.1],
+    "no_repeat_ngram_size": [-1, 0, 64, 65, 1000],
+    "seed": [-1, 0, 2**40],
+    "stop": [[], [""], ["a"], ["a"] * 16, ["a"] * 17, "a"],
+}
+
+
+def _accepts(model: type, values: dict[str, Any]) -> bool:
+    try:
+        model.model_validate(values)
+    except ValidationError:
+        return False
+    return True
+
+
+def test_every_request_setting_is_probed() -> None:
+    assert set(PROBES) == set(RequestSettings.model_fields) == set(Overrides.model_fields)
+
+
+@pytest.mark.parametrize(("name", "value"), [(n, v) for n, vs in PROBES.items() for v in vs])
+def test_a_request_line_accepts_what_the_plan_accepts(name: str, value: Any) -> None:
+    in_plan = _accepts(GenerateParams, {name: value})
+    in_line = _accepts(RequestLine, {"text": "hi", name: value})
+    assert in_plan == in_line, f"{name}={value!r}: plan {'accepts' if in_plan else 'refuses'}, line differs"
+
+
+def test_what_the_plan_accepts_the_sampler_accepts() -> None:
+    """The library's own checks never refuse a value a plan let through (its limits are wider or equal)."""
+    for name in SAMPLING_FIELDS:
+        for value in PROBES[name]:
+            if _accepts(GenerateParams, {name: value}):
+                SamplingParams(**{name: value})
+
+
+def test_unset_override_fields_are_none() -> None:
+    line = RequestLine.model_validate({"text": "hi", "temperature": 0.5})
+    assert line.model_dump(exclude={"id", "messages", "text"}, exclude_none=True) == {"temperature": 0.5}
