@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .context import Context
+from .executors import Executor
 from .findings import Finding, PlanError
 from .plan import BoundPlan, bind, load_plan
 from .registry import Registry, discover
@@ -93,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", metavar="DIR", help="run directory (default: <runs_dir>/<time>-<plan>)")
     run.add_argument("--quiet", action="store_true", help="no per-stage lines on stderr")
     run.add_argument("--report", action="store_true", help="write the HTML report of the run at the end")
+    scale = run.add_argument_group("executor (the plan's `executor:` block, overridden)")
+    scale.add_argument("--executor", choices=["local", "ray"], help="where the requests run")
+    scale.add_argument("--address", help="Ray cluster: auto | ray://HOST:PORT | HOST:PORT (default: start one here)")
+    scale.add_argument("--replicas", type=int, metavar="N", help="copies of the plan on the cluster")
+    scale.add_argument("--threads-per-replica", type=int, metavar="T", help="CPUs (torch threads) per replica")
+    scale.add_argument("--gpus-per-replica", type=float, metavar="G", help="GPUs per replica (fractions allowed)")
     run.set_defaults(handler=cmd_run)
 
     validate = sub.add_parser("validate", help="check plans without loading a model")
@@ -125,12 +132,17 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_plan_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="ID.PARAM=VALUE", help="override a parameter")
     parser.add_argument("--prompt", help="one user message (replaces the plan's prompts)")
-    parser.add_argument("--prompts", metavar="FILE.jsonl", help="requests from a JSONL file")
+    parser.add_argument("--prompts", metavar="FILE", help="requests from a JSONL file (or Parquet, same columns)")
 
 
 def plan_overrides(args: argparse.Namespace, registry: Registry, source: Source) -> list[str]:
     """`--set` overrides, then --prompt / --prompts as overrides of the stages whose plugin takes prompts."""
     overrides = list(getattr(args, "set", []) or [])
+    # The executor flags are overrides of the plan's `executor:` block, validated (and reported) like --set.
+    for flag, key in EXECUTOR_FLAGS.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides.append(f"executor.{key}={json.dumps(value)}")
     message, prompts_file = getattr(args, "prompt", None), getattr(args, "prompts", None) or None
     if message is None and prompts_file is None:
         return overrides
@@ -150,6 +162,15 @@ def plan_overrides(args: argparse.Namespace, registry: Registry, source: Source)
     return overrides
 
 
+EXECUTOR_FLAGS = {
+    "executor": "kind",
+    "address": "address",
+    "replicas": "replicas",
+    "threads_per_replica": "threads_per_replica",
+    "gpus_per_replica": "gpus_per_replica",
+}
+
+
 # --- run -----------------------------------------------------------------------------------------
 
 
@@ -159,9 +180,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     registry = _registry()
     source = load_file(args.plan)
-    bound = bind(source, registry, plan_overrides(args, registry, source))
+    overrides = plan_overrides(args, registry, source)
+    bound = bind(source, registry, overrides)
+    if args.until is not None and bound.plan.executor.kind != "local":
+        kind = bound.plan.executor.kind
+        raise CliError(f"--until runs part of the plan in this process; it does not go with executor {kind!r}")
     if args.until is not None and args.until not in {b.id for b in bound.stages}:
         raise CliError(f"--until: no stage with id {args.until!r} in {args.plan}")
+    executor = _executor(bound.plan.executor.kind)  # before the run directory: a missing package makes none
     run_dir = Path(args.out) if args.out else make_run_dir(bound.plan.runs_dir, bound.plan.name)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -171,6 +197,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise CliError(f"--out {run_dir}: cannot create the run directory ({bad.strerror or bad})") from None
     if not run_dir.is_dir():
         raise CliError(f"--out {run_dir}: exists and is not a directory")
+    if executor is not None:
+        return _run_elsewhere(executor, args, bound, registry, run_dir, overrides)
     ctx = new_context(registry, bound, json_mode=args.json)
     ctx.progress = RichProgress(enabled=not args.quiet)
     if not args.json:
@@ -192,6 +220,41 @@ def cmd_run(args: argparse.Namespace) -> int:
     elif result.exit_code:
         _err(f"error: {result.message}")
     return result.exit_code
+
+
+def _executor(kind: str) -> Executor | None:
+    """The executor plugin of `kind`, checked ready to run (None for local, the Runner here)."""
+    from .executors import ExecutorMissing, find_executor
+
+    if kind == "local":
+        return None
+    try:
+        executor = find_executor(kind)
+        executor.check()
+    except ExecutorMissing as missing:
+        raise CliError(str(missing)) from None
+    return executor
+
+
+def _run_elsewhere(
+    executor: Executor,
+    args: argparse.Namespace,
+    bound: BoundPlan,
+    registry: Registry,
+    run_dir: Path,
+    overrides: list[str],
+) -> int:
+    """Hand the run to the executor plugin the plan names (`executor.kind`); it reports its own progress."""
+    from .executors import ExecutorJob
+
+    job = ExecutorJob(
+        bound, registry, run_dir, overrides, json_mode=args.json, quiet=args.quiet, debug=args.debug
+    )
+    code = executor(job)
+    if args.report:
+        page = write_report(run_dir)
+        _err(f"report: {page}" if page else "report: no reporter plugin is installed")
+    return code
 
 
 def write_report(run_dir: Path) -> Path | None:

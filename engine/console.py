@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from .context import Progress as ProgressHook
 from .memory import mib
@@ -34,6 +34,8 @@ class RichProgress(ProgressHook):
         columns = [TextColumn("  {task.description}"), BarColumn()]
         if total and total > 1 << 20:
             columns.append(DownloadColumn())
+        elif total:
+            columns.append(MofNCompleteColumn())  # a count (requests done / total), not bytes
         columns.append(TimeRemainingColumn())
         with Progress(*columns, console=self.console, transient=True) as bar:
             task = bar.add_task(description, total=total)

@@ -7,6 +7,7 @@ parameters, the graph) so that `llmplan validate` reports them all at once, each
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -41,6 +42,32 @@ class _Numbers(_Strict):
         return strict_numbers(cls, value, info)
 
 
+# "auto" (a running cluster found from this machine), "local" (start one in this process), ray://HOST:PORT
+# (Ray Client) or HOST:PORT (a head node's GCS address), as `ray.init(address=...)` takes them.
+RAY_ADDRESS = r"^(auto|local|ray://[A-Za-z0-9._\-\[\]:]+:\d{1,5}|[A-Za-z0-9._\-\[\]:]+:\d{1,5})$"
+
+
+class Executor(_Numbers):
+    """Where the request stages run: in this process (local) or on a Ray cluster, N replicas of the plan."""
+
+    kind: Literal["local", "ray"] = Field("local", description="local: this process; ray: Ray Data replicas")
+    address: str | None = Field(
+        None, description="Ray cluster: auto | local | ray://HOST:PORT | HOST:PORT; None = start one here"
+    )
+    replicas: int = Field(1, ge=1, le=4096, description="copies of the plan, each loading the model once")
+    threads_per_replica: int = Field(1, ge=1, le=512, description="CPUs Ray reserves for a replica; its torch threads")
+    gpus_per_replica: float = Field(0, ge=0, le=64, description="GPUs Ray reserves for a replica (fractions allowed)")
+    batch_size: int = Field(16, ge=1, le=65536, description="requests handed to a replica at a time")
+    max_restarts: int = Field(3, ge=0, le=1000, description="times Ray restarts a replica that died")
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(RAY_ADDRESS, value):
+            raise ValueError(f"expected auto, local, ray://HOST:PORT or HOST:PORT (got {value!r})")
+        return value
+
+
 class StageSpec(_Strict):
     id: str = Field(pattern=ID_PATTERN, description="unique name of this step; --set and --until use it")
     uses: str = Field(min_length=1, description="the registered stage to run (see `llmplan stages`)")
@@ -58,6 +85,7 @@ class Plan(_Numbers):
     threads: int | None = Field(None, ge=1, le=512, description="CPU threads for torch; None = library default")
     runs_dir: str = "runs"
     observe: ObserveSettings = Field(default_factory=ObserveSettings)
+    executor: Executor = Field(default_factory=Executor, description="where requests run (llmplan run)")
     stages: list[StageSpec] = Field(min_length=1, max_length=MAX_STAGES)
 
     @field_validator("runs_dir")

@@ -138,8 +138,12 @@ class ResidentPlan:
         cancel: threading.Event | None = None,
         log: Any = None,
         skip: set[str] | frozenset[str] = frozenset(),
+        given: Mapping[str, Any] | None = None,
     ) -> RequestRun:
-        """Run the request stages (less `skip`) on a fresh request context. StageFailure and bugs propagate."""
+        """Run the request stages (less `skip`) on a fresh request context. StageFailure and bugs propagate.
+
+        `given`: request slots already made elsewhere (requests a driver tokenized for its replicas); the
+        stages that would write only them are then not needed and do not run, as after a cache hit."""
         resident = self.context
         if resident is None:
             raise StageFailure("the model is not loaded")
@@ -166,8 +170,12 @@ class ResidentPlan:
             ctx.stream = stream
         for slot in self.request_slots:
             ctx.put(slot, None)
+        for slot, value in (given or {}).items():
+            ctx.put(slot, value)
         params = params or {}
         for stage_id in self.request_order:  # e.g. an output filter guards this request's stream
+            if stage_id in skip:
+                continue  # a stage that will not run has nothing to guard (a skipped sink checks no target)
             stage = self.graph.nodes[stage_id]["stage"]
             try:
                 stage.cls().prepare(ctx, params.get(stage_id, stage.params))

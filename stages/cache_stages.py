@@ -252,6 +252,19 @@ def _replay(request: Request, row: dict[str, Any], gen_params: dict[str, Any]) -
     )
 
 
+def stored_result(request: Request, row: dict[str, Any], gen_params: dict[str, Any]) -> Result:
+    """A stored answer as the result a run delivers, marked replayed, its text the stored one (the distributed
+    executor's resume: made by the post-processing and filter of the run that generated it)."""
+    result = _replay(request, row, gen_params)
+    result.prompt = request.prompt_text
+    result.text = row["text"]
+    result.candidate_texts = [str(c.get("text", "")) for c in row.get("candidates") or []]
+    usage = row.get("usage") or {}
+    if "completion_tokens" in usage and int(usage["completion_tokens"]) != len(result.tokens):
+        result.redacted_tokens = int(usage["completion_tokens"])
+    return result
+
+
 class OutputCache(Stage):
     """Store the run's completions and metadata in the results database (history + cache)."""
 
@@ -270,7 +283,7 @@ class OutputCache(Stage):
             gen_params, seed = generation_params(ctx, params.generate_stage)
             context = key_context(ctx, params.generate_stage)
             keys = {r.id: request_key(ctx, r, gen_params, seed, context) for r in ctx.requests}
-        rows = [_row(c, keys.get(c.request_id)) for c in ctx.completions]
+        rows = [result_row(c, keys.get(c.request_id)) for c in ctx.completions]
         plan = ctx.plan.plan.name if ctx.plan is not None else "-"
         status = "ok" if all(c.error is None for c in ctx.completions) else "errors"
         run = RunRow(plan, fingerprint, ctx.device, status, str(ctx.run_dir) if ctx.run_dir else None)
@@ -291,7 +304,7 @@ class OutputCache(Stage):
         ctx.metrics.set("stored", len(rows))
 
 
-def _row(c: Result, key: str | None) -> ResultRow:
+def result_row(c: Result, key: str | None) -> ResultRow:
     return ResultRow(
         request_id=c.request_id,
         prompt=c.prompt,

@@ -53,7 +53,7 @@ class TokenizeParams(Params):
     messages: list[Message] | None = Field(None, min_length=1, description="a chat: [{role, content}, ...]")
     system: str | None = Field(None, description="a system prompt put before `messages`")
     text: str | None = Field(None, description="a raw prompt (no chat template)")
-    prompts_file: str | None = Field(None, description="JSONL: one request per line")
+    prompts_file: str | None = Field(None, description="JSONL (one request per line) or Parquet (same columns)")
     id: str = Field("prompt", description="request id for a single prompt")
     chat_template: Literal["auto", "never"] = Field("auto", description="auto: chat prompts use the template")
     add_bos: Literal["auto", "always", "never"] = Field("auto", description="auto: as the tokenizer says")
@@ -137,6 +137,53 @@ def read_prompt_file(
     return good
 
 
+PARQUET_SUFFIXES = (".parquet", ".pq")
+
+
+def read_prompts(
+    path: Path, on_bad_line: str, log: Any, notice: Callable[[str, str], None] | None = None
+) -> list[tuple[int, RequestLine]]:
+    """A prompts file by its suffix: Parquet (the JSONL fields as columns) or JSONL."""
+    if path.suffix.lower() in PARQUET_SUFFIXES:
+        return read_prompt_parquet(path, on_bad_line, log, notice)
+    return read_prompt_file(path, on_bad_line, log, notice)
+
+
+def read_prompt_parquet(
+    path: Path, on_bad_line: str, log: Any, notice: Callable[[str, str], None] | None = None
+) -> list[tuple[int, RequestLine]]:
+    """(row number, request) for every good row of a Parquet file whose columns are the JSONL fields
+    (id, messages or text, per-request settings); a null cell is an absent field. A bad row is handled
+    as a bad JSONL line: a notice naming `file:row`, or fatal with on_bad_line: fail."""
+    notice = notice or (lambda kind, message: None)
+    if not path.is_file():
+        raise StageFailure(f"{path}: prompts file not found")
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise StageFailure(f"{path}: reading Parquet needs pyarrow (pip install 'llmplan[ray]')") from None
+    try:
+        table = pq.read_table(path)
+    except Exception as bad:  # pyarrow's errors (ArrowInvalid, OSError) all mean the same here
+        raise StageFailure(f"{path}: not a readable Parquet file ({bad})") from None
+    good: list[tuple[int, RequestLine]] = []
+    bad_rows = 0
+    for number, record in enumerate(table.to_pylist(), start=1):
+        try:
+            good.append((number, RequestLine.model_validate({k: v for k, v in record.items() if v is not None})))
+        except ValidationError as error:
+            first = error.errors()[0]
+            problem = f"{path}:{number}: {'.'.join(str(p) for p in first['loc']) or 'row'}: {describe(first)}"
+            bad_rows += 1
+            if on_bad_line == "fail":
+                raise StageFailure(problem) from None
+            log.warning("bad_prompt_line", problem=problem)
+            notice("skipped_line", f"{problem}; row skipped (on_bad_line: skip)")
+    if not good:
+        raise StageFailure(f"{path}: no valid request ({bad_rows} bad row(s))")
+    return good
+
+
 def report_requests(ctx: InferenceContext, generations: list[Result]) -> None:
     """After generation: a prompt cut to fit the KV cache, and a request that ended in error, are
     reported (once each) — never only an event in events.jsonl."""
@@ -170,7 +217,7 @@ class Tokenize(Stage):
         assert tok is not None and cfg is not None
         if params.prompts_file is not None:
             path = Path(params.prompts_file)
-            numbered = read_prompt_file(path, params.on_bad_line, ctx.log, ctx.notice)
+            numbered = read_prompts(path, params.on_bad_line, ctx.log, ctx.notice)
             lines = [(f"{path}:{line_number}", line) for line_number, line in numbered]
         else:
             single = RequestLine(id=params.id, messages=params.messages, text=params.text)

@@ -207,39 +207,60 @@ class ResultsStore:
 
     def record_run(self, run: RunRow, results: Sequence[ResultRow]) -> int:
         """Insert a run and its results atomically; returns the run's id."""
-        now = datetime.now(UTC).isoformat(timespec="seconds")
-
         with self._write() as conn:
-            cursor = conn.execute(
-                "INSERT INTO runs (time, plan, model_fingerprint, device, status, run_dir) VALUES (?, ?, ?, ?, ?, ?)",
-                (now, run.plan, run.model_fingerprint, run.device, run.status, run.run_dir),
-            )
-            run_id = int(cursor.lastrowid or 0)
-            conn.executemany(
-                "INSERT INTO results (run_id, cache_key, request_id, prompt_excerpt, text, tokens, finish_reason,"
-                " usage, timings, logprobs, candidates, error, from_cache, created)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [
-                    (
-                        run_id,
-                        r.cache_key,
-                        r.request_id,
-                        excerpt(r.prompt),
-                        r.text,
-                        _dumps(r.tokens),
-                        r.finish_reason,
-                        _dumps(r.usage),
-                        _dumps(r.timings),
-                        None if r.logprobs is None else _dumps(r.logprobs),
-                        _dumps(r.candidates),
-                        r.error,
-                        int(r.from_cache),
-                        now,
-                    )
-                    for r in results
-                ],
-            )
+            run_id = self._insert_run(conn, run)
+            self._insert_results(conn, run_id, results)
         return run_id
+
+    def open_run(self, run: RunRow) -> int:
+        """Insert a run whose results come later, batch by batch (`add_results`); returns its id."""
+        with self._write() as conn:
+            return self._insert_run(conn, run)
+
+    def add_results(self, run_id: int, results: Sequence[ResultRow]) -> None:
+        """One batch of an open run's results, in one transaction: a crash keeps whole batches only."""
+        with self._write() as conn:
+            self._insert_results(conn, run_id, results)
+
+    def set_status(self, run_id: int, status: str) -> None:
+        with self._write() as conn:
+            conn.execute("UPDATE runs SET status = ? WHERE id = ?", (status, int(run_id)))
+
+    @staticmethod
+    def _insert_run(conn: sqlite3.Connection, run: RunRow) -> int:
+        cursor = conn.execute(
+            "INSERT INTO runs (time, plan, model_fingerprint, device, status, run_dir) VALUES (?, ?, ?, ?, ?, ?)",
+            (_now(), run.plan, run.model_fingerprint, run.device, run.status, run.run_dir),
+        )
+        return int(cursor.lastrowid or 0)
+
+    @staticmethod
+    def _insert_results(conn: sqlite3.Connection, run_id: int, results: Sequence[ResultRow]) -> None:
+        now = _now()
+        conn.executemany(
+            "INSERT INTO results (run_id, cache_key, request_id, prompt_excerpt, text, tokens, finish_reason,"
+            " usage, timings, logprobs, candidates, error, from_cache, created)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [
+                (
+                    run_id,
+                    r.cache_key,
+                    r.request_id,
+                    excerpt(r.prompt),
+                    r.text,
+                    _dumps(r.tokens),
+                    r.finish_reason,
+                    _dumps(r.usage),
+                    _dumps(r.timings),
+                    None if r.logprobs is None else _dumps(r.logprobs),
+                    _dumps(r.candidates),
+                    r.error,
+                    int(r.from_cache),
+                    now,
+                )
+                for r in results
+            ],
+        )
 
     # --- reading ---------------------------------------------------------------------------------
 
@@ -282,6 +303,10 @@ class ResultsStore:
         if table not in ("results", "runs"):
             raise ValueError(table)
         return int(self._conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0])
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def excerpt(prompt: str, limit: int = EXCERPT_CHARS) -> str:
