@@ -203,6 +203,7 @@ class FusedDecoder:
             cache.valid.data_ptr(),
             model.tok_embeddings.weight.data_ptr(),
             id(model.output),
+            native.kernels(),  # the build (ISA path) the step calls into: tests switch it
         )
 
     @classmethod

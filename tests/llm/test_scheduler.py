@@ -35,6 +35,8 @@ PROMPTS = [
 ]
 NEW = [12, 5, 9, 14, 7, 3]
 NATIVE = native.kernels() is not None
+# With native kernels, every test runs on the AVX2 and on the AVX-512 build (tests/llm/conftest.py).
+pytestmark = [pytest.mark.usefixtures("isa_path")] if NATIVE else []
 PATHS = ["torch", pytest.param("fused", marks=pytest.mark.skipif(not NATIVE, reason="native kernels unavailable"))]
 
 
