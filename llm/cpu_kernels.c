@@ -24,14 +24,14 @@
 // (F/BW/VL/DQ + VNNI + BF16), and loads the build the CPU supports (`cpu_features` below, from the AVX2 build,
 // tells it which). The hot kernels are written once against the `vf` vector type below, VW floats wide:
 // __m512 (16 lanes, 32 registers) in the AVX-512 build, __m256 (8 lanes, 16 registers) otherwise. The
-// register tiles are sized for each: 3 weight rows x 4 activation rows (12 accumulators) on AVX2, 4 x 6 (24)
+// register tiles are sized for each: 3 weight rows x 4 activation rows (12 accumulators) on AVX2, 6 x 4 (24)
 // on AVX-512. K % 8 == 0 everywhere; on AVX-512 the last 8 columns of a K % 16 == 8 row use a masked load.
 #ifdef __AVX512F__
 typedef __m512 vf;
 #define VW 16
 #define ISA_NAME "avx512"
-#define NR 4  // weight rows per register tile, several activation rows
-#define MR 6  // activation rows per register tile
+#define NR 6  // weight rows per register tile, several activation rows
+#define MR 4  // activation rows per register tile (4: batches of 16 and prompts of 128 fill whole tiles)
 static inline vf vzero(void) { return _mm512_setzero_ps(); }
 static inline vf vld(const float *p) { return _mm512_loadu_ps(p); }
 static inline vf vld8(const float *p) { return _mm512_maskz_loadu_ps(0x00FF, p); }  // 8 floats, rest 0
@@ -329,11 +329,13 @@ __attribute__((unused)) static void dot4_one_int4(const uint8_t *const p[4], con
 #ifdef __AVX512F__
 // AVX-512: 16 codes (8 bytes) per vector. The 64 bits are broadcast and 32-bit lane i is shifted right by
 // 4 * (i / 2): even lanes take the low word's codes 0..7, odd lanes the high word's 8..15, so lane i holds
-// code (i % 2) * 8 + i / 2. x is permuted the same way once per call (`permute16`), so the products pair up.
-// 4 ops per 16 codes (broadcast load, shift, and, convert) and one FMA.
-static inline __m512 codes16(const uint8_t *p, __m512i shifts, __m512i mask) {
+// code (i % 2) * 8 + i / 2 in its low 4 bits. x is permuted the same way once per call (`permute16`), so the
+// products pair up. The code becomes a float by a table lookup (vpermps reads only the index's low 4 bits:
+// no mask, no int->float conversion): a broadcast load, a shift, a permute and the FMA per 16 codes, the
+// int8 kernel's count (sign-extend, convert, FMA) for half its bytes.
+static inline __m512 codes16(const uint8_t *p, __m512i shifts, __m512 table) {
     const __m512i word = _mm512_set1_epi64(*(const int64_t *)p);
-    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(word, shifts), mask));
+    return _mm512_permutexvar_ps(_mm512_srlv_epi32(word, shifts), table);
 }
 
 // xp[k + i] = x[k + (i % 2) * 8 + i / 2] for each 16 columns (K % 16 == 0).
@@ -346,7 +348,7 @@ static void permute16(const float *x, float *xp, int64_t K) {
 static void dot4_one_int4_512(const uint8_t *const p[4], const uint16_t *const sc[4], const uint16_t *const ze[4],
                               const float *xp, const float *xsum, int64_t K, int64_t G, float out[4]) {
     const __m512i shifts = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
-    const __m512i mask = _mm512_set1_epi32(0x0F);
+    const __m512 mask = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);  // code -> float
     const int64_t groups = K / G;
     __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
     const uint8_t *p0 = p[0], *p1 = p[1], *p2 = p[2], *p3 = p[3];
@@ -354,9 +356,15 @@ static void dot4_one_int4_512(const uint8_t *const p[4], const uint16_t *const s
         _mm_prefetch((const char *)(sc[r] + 4 * groups), _MM_HINT_T0);
         _mm_prefetch((const char *)(ze[r] + 4 * groups), _MM_HINT_T0);
     }
+    float sf[4][16];  // the fp16 scales of the next 16 groups as fp32: one broadcast load per group and row
     for (int64_t g = 0; g < groups; g++) {
+        if (g % 16 == 0) {
+            const __mmask16 live = groups - g >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
+            for (int r = 0; r < 4; r++)
+                _mm512_storeu_ps(sf[r], _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, sc[r] + g)));
+        }
         __m512 d0 = _mm512_setzero_ps(), d1 = d0, d2 = d0, d3 = d0;
-        for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+        for (int64_t k = g * G; k < (g + 1) * G; k += 32) {  // G % 32 == 0: 32 codes (16 bytes) per row
             const int64_t at = k / 2;
             if ((at & 63) == 0) {
                 _mm_prefetch((const char *)(p0 + at + 2 * K), _MM_HINT_T0);
@@ -364,16 +372,20 @@ static void dot4_one_int4_512(const uint8_t *const p[4], const uint16_t *const s
                 _mm_prefetch((const char *)(p2 + at + 2 * K), _MM_HINT_T0);
                 _mm_prefetch((const char *)(p3 + at + 2 * K), _MM_HINT_T0);
             }
-            const __m512 xv = _mm512_loadu_ps(xp + k);
+            const __m512 xv = _mm512_loadu_ps(xp + k), xw = _mm512_loadu_ps(xp + k + 16);
             d0 = _mm512_fmadd_ps(codes16(p0 + at, shifts, mask), xv, d0);
             d1 = _mm512_fmadd_ps(codes16(p1 + at, shifts, mask), xv, d1);
             d2 = _mm512_fmadd_ps(codes16(p2 + at, shifts, mask), xv, d2);
             d3 = _mm512_fmadd_ps(codes16(p3 + at, shifts, mask), xv, d3);
+            d0 = _mm512_fmadd_ps(codes16(p0 + at + 8, shifts, mask), xw, d0);
+            d1 = _mm512_fmadd_ps(codes16(p1 + at + 8, shifts, mask), xw, d1);
+            d2 = _mm512_fmadd_ps(codes16(p2 + at + 8, shifts, mask), xw, d2);
+            d3 = _mm512_fmadd_ps(codes16(p3 + at + 8, shifts, mask), xw, d3);
         }
-        acc0 = _mm512_fmadd_ps(d0, _mm512_set1_ps(_cvtsh_ss(sc[0][g])), acc0);
-        acc1 = _mm512_fmadd_ps(d1, _mm512_set1_ps(_cvtsh_ss(sc[1][g])), acc1);
-        acc2 = _mm512_fmadd_ps(d2, _mm512_set1_ps(_cvtsh_ss(sc[2][g])), acc2);
-        acc3 = _mm512_fmadd_ps(d3, _mm512_set1_ps(_cvtsh_ss(sc[3][g])), acc3);
+        acc0 = _mm512_fmadd_ps(d0, _mm512_set1_ps(sf[0][g % 16]), acc0);
+        acc1 = _mm512_fmadd_ps(d1, _mm512_set1_ps(sf[1][g % 16]), acc1);
+        acc2 = _mm512_fmadd_ps(d2, _mm512_set1_ps(sf[2][g % 16]), acc2);
+        acc3 = _mm512_fmadd_ps(d3, _mm512_set1_ps(sf[3][g % 16]), acc3);
     }
     const __m512 accs[4] = {acc0, acc1, acc2, acc3};
     for (int r = 0; r < 4; r++) {
@@ -420,6 +432,7 @@ void gemm_int4(const float *x, const uint8_t *packed, const uint16_t *scale, con
         float *xp = (float *)malloc(K * sizeof(float));
         permute16(x, xp, K);
 #endif
+
         const int64_t blocks = (N + NB - 1) / NB;
 #pragma omp parallel for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
