@@ -20,8 +20,9 @@ from llmplan.llm.beam_search import beam_search
 from llmplan.llm.fused_decode import FusedDecoder, decode_step
 from llmplan.llm.generate import Pick, generate
 from llmplan.llm.kv_cache import KVCache
+from llmplan.llm.linear import make_linear
 from llmplan.llm.model import Transformer
-from llmplan.llm.quantize import make_linear, quantize_weight
+from llmplan.llm.weight_formats import quantize_weight
 
 pytestmark = [
     pytest.mark.skipif(native.kernels() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}"),

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from llmplan.llm import native
-from llmplan.llm.quantize import Int8Linear, make_linear, quantize_weight
+from llmplan.llm.linear import Int8Linear, make_linear
+from llmplan.llm.weight_formats import quantize_weight
 
 FAST = native.kernels()
 needs_native = pytest.mark.skipif(FAST is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")
@@ -153,7 +154,7 @@ def test_native_quantization_leaves_non_finite_weights_to_torch(isa_path: native
 @needs_native
 @pytest.mark.parametrize("row_step", [1, 8])
 def test_native_error_terms_equal_the_torch_ones(isa_path: native.NativeKernels, row_step: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    from llmplan.llm.quantize import error_terms
+    from llmplan.llm.weight_formats import error_terms
 
     w = torch.randn(300, 76)  # 76: a tail after the 8-wide body
     q = quantize_weight(w, "int8")
@@ -167,7 +168,7 @@ def test_native_error_terms_equal_the_torch_ones(isa_path: native.NativeKernels,
 @pytest.mark.parametrize("rows", [1, 3, 16, 130])
 @pytest.mark.parametrize(("n", "k", "group"), [(70, 64, 32), (9, 1536, 64), (5, 576, 32)])
 def test_int4_kernel_equals_the_exact_product(isa_path: native.NativeKernels, rows: int, n: int, k: int, group: int) -> None:
-    from llmplan.llm.quantize import Int4Weight, dequantize
+    from llmplan.llm.weight_formats import Int4Weight, dequantize
 
     gen = torch.Generator().manual_seed(rows + n + group)
     q = quantize_weight(torch.randn(n, k, generator=gen), "int4", group)
@@ -178,29 +179,30 @@ def test_int4_kernel_equals_the_exact_product(isa_path: native.NativeKernels, ro
 
 @needs_native
 def test_int4_modules_read_the_packed_codes_or_fall_back_to_int8(isa_path: native.NativeKernels) -> None:
-    from llmplan.llm.quantize import Int4Linear, dequantize
+    from llmplan.llm.linear import Int4Linear
+    from llmplan.llm.weight_formats import dequantize
 
     w = torch.randn(40, 64)
     native_module = make_linear(quantize_weight(w, "int4", 32))
     native_module.prepack()
-    assert isinstance(native_module, Int4Linear) and native_module._packed == Int4Linear.NATIVE
+    assert isinstance(native_module, Int4Linear) and native_module.path == f"native-{isa_path.isa}-int4"
     x = torch.randn(2, 64)
     _close(native_module(x), x.double() @ dequantize(native_module.quantized_weight()).double().T)
     odd_groups = make_linear(quantize_weight(w, "int4", 16))  # groups of 16: not the kernel's 32-column steps
     odd_groups.prepack()
-    assert isinstance(odd_groups._packed, tuple)  # the int8 re-quantization
+    assert odd_groups.int8 is not None and odd_groups.path == f"native-{isa_path.isa}-int8-requant"
     got, want = odd_groups(x), odd_groups.reference(x)
     assert float((got - want).norm() / want.norm()) < 0.02  # the re-quantization: ~0.01 (see test_quantize)
 
 
 def _torch_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, ...]:
     """`_quantize_int4` with the native kernels switched off: the arithmetic the kernel must reproduce."""
-    from llmplan.llm import quantize
+    from llmplan.llm import weight_formats
 
     saved = native.kernels
     native.kernels = lambda: None  # type: ignore[assignment]
     try:
-        q = quantize._quantize_int4(w, group)
+        q = weight_formats._quantize_int4(w, group)
     finally:
         native.kernels = saved  # type: ignore[assignment]
     return q.packed, q.scale, q.zero

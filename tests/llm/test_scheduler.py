@@ -20,10 +20,11 @@ from llmplan.llm import native
 from llmplan.llm.fused_decode import FusedDecoder
 from llmplan.llm.generate import Generation, Pick, generate
 from llmplan.llm.kv_cache import KVCache
+from llmplan.llm.linear import make_linear
 from llmplan.llm.model import Transformer
-from llmplan.llm.quantize import make_linear, quantize_weight
 from llmplan.llm.scheduler import GenerationRequest, Scheduler, Sequence
 from llmplan.llm.slot_cache import SlotCache
+from llmplan.llm.weight_formats import quantize_weight
 
 PROMPTS = [
     [1, 17, 99, 4, 250, 31, 8, 40, 41, 9, 12],
