@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -105,7 +106,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.vs == "llama.cpp":
         from .llama_cpp import bench_vs_llama_cpp, vs_markdown
 
-        vs = bench_vs_llama_cpp(args, _say)
+        def write(partial: dict[str, Any]) -> None:
+            if args.out:
+                prefix = Path(args.out)
+                prefix.parent.mkdir(parents=True, exist_ok=True)
+                prefix.with_suffix(".json").write_text(json.dumps(partial, indent=2), encoding="utf-8")
+                prefix.with_suffix(".md").write_text(vs_markdown(partial), encoding="utf-8")
+
+        vs = bench_vs_llama_cpp(args, _say, write)
         _emit(args, vs, vs_markdown(vs))
         return 0
     if args.mix:

@@ -98,8 +98,9 @@ def batched_bench(bin_dir: Path, gguf: Path, prompt: int, gen: int, batch: int, 
     return {"decode_batch": float(row["speed_tg"]), "prefill_batch": float(row["speed_pp"])}
 
 
-def bench_vs_llama_cpp(args: argparse.Namespace, say: Any) -> dict[str, Any]:
-    """Alternating runs, llmplan then llama.cpp, per precision of the grid; see the module doc."""
+def bench_vs_llama_cpp(args: argparse.Namespace, say: Any, partial: Any = None) -> dict[str, Any]:
+    """Alternating runs, llmplan then llama.cpp, per precision of the grid; see the module doc. `partial`,
+    when given, is called with the result so far after each precision."""
     from llmplan.llm import native
 
     from .traffic import cpu_features
@@ -149,7 +150,9 @@ def bench_vs_llama_cpp(args: argparse.Namespace, say: Any) -> dict[str, Any]:
             )  # fmt: skip
         del model, cache, loaded
         gc.collect()
-    info["loadavg_end"] = machine()["loadavg"]
+        info["loadavg_end"] = machine()["loadavg"]
+        if partial is not None:  # each precision's rows as soon as they exist: a run on a busy machine is long
+            partial(result)
     return result
 
 
