@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's `llama-server` and `llama-quantize` from the llama.cpp source that llama-cpp-python's
+# Builds llama.cpp's `llama-server`, `llama-quantize`, `llama-bench` and `llama-batched-bench` from the llama.cpp source that llama-cpp-python's
 # source distribution vendors (vendor/llama.cpp), so the baseline of `llmplan bench --serve` is one pinned,
 # reproducible llama.cpp that any machine with PyPI access can rebuild. A benchmark dependency, not a test one.
 #
@@ -11,6 +11,9 @@
 #                             $LLMPLAN_CACHE/llama.cpp/<version>/bin, the source stays in .../src
 #   PYTHON                    the Python whose pip downloads the sdist (default: .venv/bin/python, else python3)
 #   JOBS                      parallel compile jobs (default 2: the machine's cores are shared)
+#   LLAMA_CPU                 native (default): GGML_NATIVE=ON, for this CPU; avx2: AVX2+FMA+F16C only (no
+#                             AVX-512), the reference for llmplan's forced AVX2 path (LLMPLAN_ISA=avx2). The
+#                             avx2 build goes to .../build-avx2 and .../bin-avx2.
 #
 # Idempotent: when both binaries exist it only prints the path. Progress goes to stderr; stdout is the path.
 set -euo pipefail
@@ -18,15 +21,24 @@ set -euo pipefail
 # The pinned version: its sdist vendors llama.cpp commit 0c1e570 (see .../<version>/LLAMA_CPP_COMMIT).
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 ROOT="${LLMPLAN_CACHE:-$HOME/.cache/llmplan}/llama.cpp/$VERSION"
-BIN="$ROOT/bin"
+CPU="${LLAMA_CPU:-native}"
+case "$CPU" in
+  native) SUFFIX="" ;;
+  avx2) SUFFIX="-avx2" ;;
+  *) echo "build_llama_server.sh: LLAMA_CPU must be native or avx2 (got '$CPU')" >&2; exit 1 ;;
+esac
+BIN="$ROOT/bin$SUFFIX"
+TARGETS=(llama-server llama-quantize llama-bench llama-batched-bench)
 JOBS="${JOBS:-2}"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
 die() { echo "build_llama_server.sh: $*" >&2; exit 1; }
 say() { echo "build_llama_server.sh: $*" >&2; }
 
-# BUILD_OK is written last, after both binaries are in place and start: a half-done build is redone.
-if [[ -x "$BIN/llama-server" && -x "$BIN/llama-quantize" && -f "$ROOT/BUILD_OK" ]]; then
+# BUILD_OK is written last, after the binaries are in place and start: a half-done build is redone.
+built=1
+for target in "${TARGETS[@]}"; do [[ -x "$BIN/$target" ]] || built=0; done
+if [[ $built == 1 && -f "$ROOT/BUILD_OK$SUFFIX" ]]; then
   echo "$BIN/llama-server"
   exit 0
 fi
@@ -45,7 +57,7 @@ done
 mkdir -p "$ROOT"
 SDIST_DIR="$ROOT/sdist"
 SRC="$ROOT/src"
-BUILD="$ROOT/build"
+BUILD="$ROOT/build$SUFFIX"
 
 # 1. Download the source distribution (--no-binary: we want its vendored llama.cpp tree, not a built binding;
 #    pip prepares the sdist's metadata in an isolated build env, so this step takes a minute or two).
@@ -75,7 +87,7 @@ if [[ -f "$COMMIT_FILE" ]]; then cp "$COMMIT_FILE" "$ROOT/LLAMA_CPP_COMMIT"; fi
 #    Some VMs list AMX but fault on its first instruction (llama-server then dies with SIGSEGV/SIGILL in
 #    ggml_backend_amx_mul_mat on its warm-up): run one tile instruction, and build without AMX if it fails.
 EXTRA_FLAGS=""
-if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+if [[ "$CPU" == native ]] && grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
   PROBE_DIR="$(mktemp -d)"
   cat >"$PROBE_DIR/amx.c" <<'EOF'
 #include <immintrin.h>
@@ -102,14 +114,20 @@ EOF
   fi
   rm -rf "$PROBE_DIR"
 fi
-echo "GGML_NATIVE=ON ${EXTRA_FLAGS}" >"$ROOT/BUILD_FLAGS"
+if [[ "$CPU" == native ]]; then
+  ISA_FLAGS=(-DGGML_NATIVE=ON)
+else  # x86-64 with AVX2/FMA/F16C/BMI2 and nothing wider: what an AVX2-only CPU (e.g. Zen 3) runs
+  ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+             -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF)
+fi
+echo "${ISA_FLAGS[*]} ${EXTRA_FLAGS}" >"$ROOT/BUILD_FLAGS$SUFFIX"
 
 # 4. Configure. No network at build time: no CURL/OpenSSL (the server runs on loopback, models are local
 #    files) and no web UI (its prebuilt assets would be downloaded); tests and examples are not needed.
-say "configure: cmake (Release, GGML_NATIVE=ON) in $BUILD"
+say "configure: cmake (Release, ${ISA_FLAGS[*]}) in $BUILD"
 cmake -S "$LLAMA" -B "$BUILD" \
   -DCMAKE_BUILD_TYPE=Release \
-  -DGGML_NATIVE=ON \
+  "${ISA_FLAGS[@]}" \
   -DCMAKE_C_FLAGS="$EXTRA_FLAGS" -DCMAKE_CXX_FLAGS="$EXTRA_FLAGS" \
   -DBUILD_SHARED_LIBS=OFF \
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
@@ -118,19 +136,19 @@ cmake -S "$LLAMA" -B "$BUILD" \
   -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON >&2 \
   || die "configure: cmake failed for $LLAMA (see the output above)"
 
-# 5. Build only the two targets.
-say "build: llama-server llama-quantize with -j$JOBS (several minutes on 2 cores)"
-cmake --build "$BUILD" --config Release --target llama-server llama-quantize -j "$JOBS" >&2 \
+# 5. Build only these targets (the server for --serve; llama-bench and llama-batched-bench for --vs llama.cpp).
+say "build: ${TARGETS[*]} with -j$JOBS (several minutes on 2 cores)"
+cmake --build "$BUILD" --config Release --target "${TARGETS[@]}" -j "$JOBS" >&2 \
   || die "build: cmake --build failed (see the output above)"
 
 mkdir -p "$BIN"
-for target in llama-server llama-quantize; do
+for target in "${TARGETS[@]}"; do
   found="$(find "$BUILD" -type f -name "$target" -perm -u+x | head -n 1)"
   [[ -n "$found" ]] || die "install: $target was not produced under $BUILD"
-  cp "$found" "$BIN/$target"
+  cp "$found" "$BIN/.$target.tmp" && mv -f "$BIN/.$target.tmp" "$BIN/$target"  # a running copy keeps its inode
 done
-"$BIN/llama-server" --version >"$ROOT/LLAMA_SERVER_VERSION" 2>&1 \
+"$BIN/llama-server" --version >"$ROOT/LLAMA_SERVER_VERSION$SUFFIX" 2>&1 \
   || die "check: the built llama-server does not start ($BIN/llama-server --version)"
-touch "$ROOT/BUILD_OK"
-say "done: $(tr '\n' ' ' <"$ROOT/LLAMA_SERVER_VERSION")"
+touch "$ROOT/BUILD_OK$SUFFIX"
+say "done: $(tr '\n' ' ' <"$ROOT/LLAMA_SERVER_VERSION$SUFFIX")"
 echo "$BIN/llama-server"

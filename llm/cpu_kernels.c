@@ -20,9 +20,70 @@
 #include <stdint.h>
 #include <string.h>
 
+// Runtime dispatch: llm/native.py builds this one source twice, for AVX2+FMA+F16C and for AVX-512
+// (F/BW/VL/DQ + VNNI + BF16), and loads the build the CPU supports (`cpu_features` below, from the AVX2 build,
+// tells it which). The hot kernels are written once against the `vf` vector type below, VW floats wide:
+// __m512 (16 lanes, 32 registers) in the AVX-512 build, __m256 (8 lanes, 16 registers) otherwise. The
+// register tiles are sized for each: 3 weight rows x 4 activation rows (12 accumulators) on AVX2, 6 x 4 (24)
+// on AVX-512. K % 8 == 0 everywhere; on AVX-512 the last 8 columns of a K % 16 == 8 row use a masked load.
+#ifdef __AVX512F__
+typedef __m512 vf;
+#define VW 16
+#define ISA_NAME "avx512"
+#define NR 6  // weight rows per register tile, several activation rows
+#define MR 4  // activation rows per register tile (4: batches of 16 and prompts of 128 fill whole tiles)
+static inline vf vzero(void) { return _mm512_setzero_ps(); }
+static inline vf vld(const float *p) { return _mm512_loadu_ps(p); }
+static inline vf vld8(const float *p) { return _mm512_maskz_loadu_ps(0x00FF, p); }  // 8 floats, rest 0
+static inline vf vld_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline vf vld8_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline void vst(float *p, vf v) { _mm512_storeu_ps(p, v); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+#else
+typedef __m256 vf;
+#define VW 8
+#define ISA_NAME "avx2"
+#define NR 3
+#define MR 4
+static inline vf vzero(void) { return _mm256_setzero_ps(); }
+static inline vf vld(const float *p) { return _mm256_loadu_ps(p); }
+static inline vf vld8(const float *p) { return _mm256_loadu_ps(p); }
+static inline vf vld_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline vf vld8_i8(const int8_t *p) { return vld_i8(p); }
+static inline void vst(float *p, vf v) { _mm256_storeu_ps(p, v); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline float hsum(__m256 v);
+static inline float vsum(vf v) { return hsum(v); }
+#endif
+
 #define NB 4   // weight rows per block, one activation row
-#define NR 3   // weight rows per block, several activation rows
-#define MC 64  // activation rows per chunk (64 x 1536 fp32 = 384 KB, in L2)
+#define MC 96  // activation rows per chunk (96 x 1536 fp32 = 576 KB, in L2)
+
+// Which build this is ("avx512" or "avx2"): the run's env metrics name the path taken.
+const char *kernel_isa(void) { return ISA_NAME; }
+
+// The CPU's features as bits (1 avx2+fma+f16c, 2 avx512 f/bw/vl/dq, 4 avx512_vnni, 8 avx512_bf16), from
+// cpuid and the OS's saved-state mask (libgcc checks XCR0), so a CPU whose OS does not save zmm reads as AVX2.
+int64_t cpu_features(void) {
+    __builtin_cpu_init();
+    int64_t f = 0;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) f |= 1;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+        f |= 2;
+    if (__builtin_cpu_supports("avx512vnni")) f |= 4;
+    if (__builtin_cpu_supports("avx512bf16")) f |= 8;
+    return f;
+}
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -35,62 +96,93 @@ static inline __m256 load_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
-static inline __m256 load_f32(const float *p) { return _mm256_loadu_ps(p); }
-
-#define FMA(a, b, c) c = _mm256_fmadd_ps(a, b, c)
-
-// y[m, r] (row stride ldy) = scale[r] * sum_k w_r[k] x[m, k] for r < nr <= 3, m < M; scale may be NULL.
+// y[m, r] (row stride ldy) = scale[r] * sum_k w_r[k] x[m, k] for r < nr <= NR, m < M; scale may be NULL.
 // Rows past nr (or m past M in the last tile) repeat row 0 and are not stored. K % 8 == 0.
-static void rows3(const float *w0, const float *w1, const float *w2, const float *x, int64_t M, int64_t K,
-                  float *y, int64_t ldy, int nr, const float *scale) {
-    for (int64_t m = 0; m < M; m += 4) {
-        const int mb = (int)(M - m < 4 ? M - m : 4);
-        const float *x0 = x + m * K, *x1 = x0 + (mb > 1 ? K : 0), *x2 = x0 + (mb > 2 ? 2 * K : 0),
-                    *x3 = x0 + (mb > 3 ? 3 * K : 0);
-        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
-               a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00;
-        for (int64_t k = 0; k < K; k += 8) {
-            __m256 u = load_f32(w0 + k), v = load_f32(w1 + k), t = load_f32(w2 + k), xv;
-            xv = load_f32(x0 + k); FMA(u, xv, a00); FMA(v, xv, a10); FMA(t, xv, a20);
-            xv = load_f32(x1 + k); FMA(u, xv, a01); FMA(v, xv, a11); FMA(t, xv, a21);
-            xv = load_f32(x2 + k); FMA(u, xv, a02); FMA(v, xv, a12); FMA(t, xv, a22);
-            xv = load_f32(x3 + k); FMA(u, xv, a03); FMA(v, xv, a13); FMA(t, xv, a23);
+// An NR x MR register tile (NR * MR accumulators, NR weight vectors, 1 activation vector live).
+static void rows_tile(const float *const *wr, const float *x, int64_t M, int64_t K, float *y, int64_t ldy, int nr,
+                      const float *scale) {
+    for (int64_t m = 0; m < M; m += MR) {
+        const int mb = (int)(M - m < MR ? M - m : MR);
+        const float *xr[MR];
+        for (int i = 0; i < MR; i++) xr[i] = x + (m + (i < mb ? i : 0)) * K;
+        vf acc[NR][MR];
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; r++)
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; i++) acc[r][i] = vzero();
+        int64_t k = 0;
+        for (; k + VW <= K; k += VW) {
+            vf w[NR];
+#pragma GCC unroll 8
+            for (int r = 0; r < NR; r++) w[r] = vld(wr[r] + k);
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; i++) {
+                const vf xv = vld(xr[i] + k);
+#pragma GCC unroll 8
+                for (int r = 0; r < NR; r++) acc[r][i] = vfma(w[r], xv, acc[r][i]);
+            }
         }
-        __m256 acc[3][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21, a22, a23}};
+        if (k < K) {  // AVX-512 only: the last 8 columns
+            vf w[NR];
+#pragma GCC unroll 8
+            for (int r = 0; r < NR; r++) w[r] = vld8(wr[r] + k);
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; i++) {
+                const vf xv = vld8(xr[i] + k);
+#pragma GCC unroll 8
+                for (int r = 0; r < NR; r++) acc[r][i] = vfma(w[r], xv, acc[r][i]);
+            }
+        }
         for (int i = 0; i < mb; i++)
-            for (int r = 0; r < nr; r++) y[(m + i) * ldy + r] = hsum(acc[r][i]) * (scale ? scale[r] : 1.0f);
+            for (int r = 0; r < nr; r++) y[(m + i) * ldy + r] = vsum(acc[r][i]) * (scale ? scale[r] : 1.0f);
     }
 }
 
-// One activation row: 4 weight rows (W loaded by LOAD from row pointers p0..p3), 8 FMA chains.
-#define DOT4_ONE(T, LOAD)                                                                        \
+// The NR row pointers of the block starting at weight row n0 of a [N, K] matrix (rows past N repeat n0).
+static inline void block_rows(const float *w, int64_t n0, int nr, int64_t K, const float **wr) {
+    for (int r = 0; r < NR; r++) wr[r] = w + (n0 + (r < nr ? r : 0)) * K;
+}
+
+// Prefetch the 64-byte lines that the bytes [from, to) of each of 4 rows start, `ahead` bytes further on.
+#define PREFETCH4(p0, p1, p2, p3, from, to, ahead)                                                \
+    for (int64_t b_ = ((from) + 63) & ~(int64_t)63; b_ < (to); b_ += 64) {                       \
+        _mm_prefetch((const char *)(p0) + b_ + (ahead), _MM_HINT_T0);                            \
+        _mm_prefetch((const char *)(p1) + b_ + (ahead), _MM_HINT_T0);                            \
+        _mm_prefetch((const char *)(p2) + b_ + (ahead), _MM_HINT_T0);                            \
+        _mm_prefetch((const char *)(p3) + b_ + (ahead), _MM_HINT_T0);                            \
+    }
+
+// One activation row: 4 weight rows (W loaded by LOAD from row pointers p0..p3), 8 FMA chains, and a
+// software prefetch of the next block's rows (the hardware prefetcher alone reaches half the bandwidth).
+#define DOT4_ONE(T, LOAD, LOAD8)                                                                  \
     static void dot4_one_##T(const T *p0, const T *p1, const T *p2, const T *p3, const float *x,   \
                              int64_t K, float out[4]) {                                           \
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0; \
+        vf a0 = vzero(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;          \
+        const int64_t sz = (int64_t)sizeof(T);                                                   \
         int64_t k = 0;                                                                           \
-        for (; k + 16 <= K; k += 16) {                                                           \
-            if ((k * (int64_t)sizeof(T)) % 64 == 0) {                                            \
-                /* the next block's rows: the hardware prefetcher alone reaches half the bandwidth */ \
-                _mm_prefetch((const char *)(p0 + k + 4 * K), _MM_HINT_T0);                       \
-                _mm_prefetch((const char *)(p1 + k + 4 * K), _MM_HINT_T0);                       \
-                _mm_prefetch((const char *)(p2 + k + 4 * K), _MM_HINT_T0);                       \
-                _mm_prefetch((const char *)(p3 + k + 4 * K), _MM_HINT_T0);                       \
-            }                                                                                    \
-            __m256 x0 = load_f32(x + k), x1 = load_f32(x + k + 8);                               \
-            a0 = _mm256_fmadd_ps(LOAD(p0 + k), x0, a0); b0 = _mm256_fmadd_ps(LOAD(p0 + k + 8), x1, b0); \
-            a1 = _mm256_fmadd_ps(LOAD(p1 + k), x0, a1); b1 = _mm256_fmadd_ps(LOAD(p1 + k + 8), x1, b1); \
-            a2 = _mm256_fmadd_ps(LOAD(p2 + k), x0, a2); b2 = _mm256_fmadd_ps(LOAD(p2 + k + 8), x1, b2); \
-            a3 = _mm256_fmadd_ps(LOAD(p3 + k), x0, a3); b3 = _mm256_fmadd_ps(LOAD(p3 + k + 8), x1, b3); \
+        for (; k + 2 * VW <= K; k += 2 * VW) {                                                   \
+            PREFETCH4(p0, p1, p2, p3, k * sz, (k + 2 * VW) * sz, 4 * K * sz)                     \
+            const vf x0 = vld(x + k), x1 = vld(x + k + VW);                                      \
+            a0 = vfma(LOAD(p0 + k), x0, a0); b0 = vfma(LOAD(p0 + k + VW), x1, b0);               \
+            a1 = vfma(LOAD(p1 + k), x0, a1); b1 = vfma(LOAD(p1 + k + VW), x1, b1);               \
+            a2 = vfma(LOAD(p2 + k), x0, a2); b2 = vfma(LOAD(p2 + k + VW), x1, b2);               \
+            a3 = vfma(LOAD(p3 + k), x0, a3); b3 = vfma(LOAD(p3 + k + VW), x1, b3);               \
         }                                                                                        \
-        for (; k < K; k += 8) {                                                                  \
-            __m256 x0 = load_f32(x + k);                                                         \
-            a0 = _mm256_fmadd_ps(LOAD(p0 + k), x0, a0); a1 = _mm256_fmadd_ps(LOAD(p1 + k), x0, a1); \
-            a2 = _mm256_fmadd_ps(LOAD(p2 + k), x0, a2); a3 = _mm256_fmadd_ps(LOAD(p3 + k), x0, a3); \
+        for (; k + VW <= K; k += VW) {                                                           \
+            PREFETCH4(p0, p1, p2, p3, k * sz, (k + VW) * sz, 4 * K * sz)                         \
+            const vf x0 = vld(x + k);                                                            \
+            a0 = vfma(LOAD(p0 + k), x0, a0); a1 = vfma(LOAD(p1 + k), x0, a1);                    \
+            a2 = vfma(LOAD(p2 + k), x0, a2); a3 = vfma(LOAD(p3 + k), x0, a3);                    \
         }                                                                                        \
-        out[0] = hsum(_mm256_add_ps(a0, b0));                                                    \
-        out[1] = hsum(_mm256_add_ps(a1, b1));                                                    \
-        out[2] = hsum(_mm256_add_ps(a2, b2));                                                    \
-        out[3] = hsum(_mm256_add_ps(a3, b3));                                                    \
+        if (k < K) { /* AVX-512 only: the last 8 columns */                                      \
+            const vf x0 = vld8(x + k);                                                           \
+            b0 = vfma(LOAD8(p0 + k), x0, b0); b1 = vfma(LOAD8(p1 + k), x0, b1);                  \
+            b2 = vfma(LOAD8(p2 + k), x0, b2); b3 = vfma(LOAD8(p3 + k), x0, b3);                  \
+        }                                                                                        \
+        out[0] = vsum(vadd(a0, b0));                                                             \
+        out[1] = vsum(vadd(a1, b1));                                                             \
+        out[2] = vsum(vadd(a2, b2));                                                             \
+        out[3] = vsum(vadd(a3, b3));                                                             \
     }
 
 // One activation row against all N weight rows, 4 at a time over the threads; y[n] = dot * scale[n] (scale
@@ -109,10 +201,17 @@ static void rows3(const float *w0, const float *w1, const float *w2, const float
         }                                                                                          \
     }
 
-DOT4_ONE(int8_t, load_i8)
-DOT4_ONE(float, load_f32)
+DOT4_ONE(int8_t, vld_i8, vld8_i8)
+DOT4_ONE(float, vld, vld8)
 ONE_ROW(int8_t)
 ONE_ROW(float)
+
+// Widen int8 codes to fp32 (K % 8 == 0).
+static void widen_i8(const int8_t *q, float *dst, int64_t K) {
+    int64_t k = 0;
+    for (; k + VW <= K; k += VW) vst(dst + k, vld_i8(q + k));
+    for (; k < K; k += 8) _mm256_storeu_ps(dst + k, load_i8(q + k));
+}
 
 // int8 codes with one fp32 scale per output row: y[m, n] = scale[n] * sum_k x[m, k] * q[n, k].
 // Requires K % 8 == 0 (checked by the caller).
@@ -131,10 +230,10 @@ void gemm_int8(const float *x, const int8_t *q, const float *scale, float *y, in
             for (int64_t b = 0; b < blocks; b++) {
                 const int64_t n0 = b * NR;
                 const int nr = (int)(N - n0 < NR ? N - n0 : NR);
-                for (int r = 0; r < nr; r++)
-                    for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(wide + r * K + k, load_i8(q + (n0 + r) * K + k));
-                rows3(wide, wide + (nr > 1 ? K : 0), wide + (nr > 2 ? 2 * K : 0), x + m0 * K, mc, K, y + m0 * N + n0,
-                      N, nr, scale + n0);
+                for (int r = 0; r < nr; r++) widen_i8(q + (n0 + r) * K, wide + r * K, K);
+                const float *wr[NR];
+                block_rows(wide, 0, nr, K, wr);
+                rows_tile(wr, x + m0 * K, mc, K, y + m0 * N + n0, N, nr, scale + n0);
             }
             _mm_free(wide);
         }
@@ -154,8 +253,9 @@ void gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, in
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t n0 = b * NR;
             const int nr = (int)(N - n0 < NR ? N - n0 : NR);
-            const float *w0 = w + n0 * K;
-            rows3(w0, w0 + (nr > 1 ? K : 0), w0 + (nr > 2 ? 2 * K : 0), x + m0 * K, mc, K, y + m0 * N + n0, N, nr, 0);
+            const float *wr[NR];
+            block_rows(w, n0, nr, K, wr);
+            rows_tile(wr, x + m0 * K, mc, K, y + m0 * N + n0, N, nr, 0);
         }
     }
 }
@@ -167,7 +267,7 @@ void gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, in
 // meets a contiguous run of x; a group's dot product is scaled once, and the zero term is
 // zero[n, :] . xsum[:], xsum[g] being the sum of x over group g. 4 weight rows at a time, 0.5 byte/weight:
 // half the int8 kernel's memory traffic for the same arithmetic.
-// Several rows: NR rows are dequantized (code * scale + zero) into an fp32 scratch, then `rows3`.
+// Several rows: NR rows are dequantized (code * scale + zero) into an fp32 scratch, then `rows_tile`.
 
 static inline __m256 nibbles_lo8(__m128i codes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)); }
 static inline __m256 nibbles_hi8(__m128i codes) {
@@ -183,7 +283,7 @@ static inline __m256 codes8(const uint8_t *p, __m256i shifts, __m256i mask) {
 
 // Four weight rows against one activation row: out[r] = sum_k x[k] * w_r[k]. Per group, the codes' dot
 // product with x is scaled once; the zero term is zero[r, :] . xsum[:].
-static void dot4_one_int4(const uint8_t *const p[4], const uint16_t *const sc[4], const uint16_t *const ze[4],
+__attribute__((unused)) static void dot4_one_int4(const uint8_t *const p[4], const uint16_t *const sc[4], const uint16_t *const ze[4],
                           const float *x, const float *xsum, int64_t K, int64_t G, float out[4]) {
     const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), mask = _mm256_set1_epi32(0x0F);
     const int64_t groups = K / G;
@@ -226,6 +326,80 @@ static void dot4_one_int4(const uint8_t *const p[4], const uint16_t *const sc[4]
     }
 }
 
+#ifdef __AVX512F__
+// AVX-512: 16 codes (8 bytes) per vector. The 64 bits are broadcast and 32-bit lane i is shifted right by
+// 4 * (i / 2): even lanes take the low word's codes 0..7, odd lanes the high word's 8..15, so lane i holds
+// code (i % 2) * 8 + i / 2 in its low 4 bits. x is permuted the same way once per call (`permute16`), so the
+// products pair up. The code becomes a float by a table lookup (vpermps reads only the index's low 4 bits:
+// no mask, no int->float conversion): a broadcast load, a shift, a permute and the FMA per 16 codes, the
+// int8 kernel's count (sign-extend, convert, FMA) for half its bytes.
+static inline __m512 codes16(const uint8_t *p, __m512i shifts, __m512 table) {
+    const __m512i word = _mm512_set1_epi64(*(const int64_t *)p);
+    return _mm512_permutexvar_ps(_mm512_srlv_epi32(word, shifts), table);
+}
+
+// xp[k + i] = x[k + (i % 2) * 8 + i / 2] for each 16 columns (K % 16 == 0).
+static void permute16(const float *x, float *xp, int64_t K) {
+    const __m512i idx = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+    for (int64_t k = 0; k < K; k += 16) _mm512_storeu_ps(xp + k, _mm512_permutexvar_ps(idx, _mm512_loadu_ps(x + k)));
+}
+
+// As dot4_one_int4 below, with x permuted by permute16 and 16 codes per vector.
+static void dot4_one_int4_512(const uint8_t *const p[4], const uint16_t *const sc[4], const uint16_t *const ze[4],
+                              const float *xp, const float *xsum, int64_t K, int64_t G, float out[4]) {
+    const __m512i shifts = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
+    const __m512 mask = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);  // code -> float
+    const int64_t groups = K / G;
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    const uint8_t *p0 = p[0], *p1 = p[1], *p2 = p[2], *p3 = p[3];
+    for (int r = 0; r < 4; r++) {
+        _mm_prefetch((const char *)(sc[r] + 4 * groups), _MM_HINT_T0);
+        _mm_prefetch((const char *)(ze[r] + 4 * groups), _MM_HINT_T0);
+    }
+    float sf[4][16];  // the fp16 scales of the next 16 groups as fp32: one broadcast load per group and row
+    for (int64_t g = 0; g < groups; g++) {
+        if (g % 16 == 0) {
+            const __mmask16 live = groups - g >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
+            for (int r = 0; r < 4; r++)
+                _mm512_storeu_ps(sf[r], _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, sc[r] + g)));
+        }
+        __m512 d0 = _mm512_setzero_ps(), d1 = d0, d2 = d0, d3 = d0;
+        for (int64_t k = g * G; k < (g + 1) * G; k += 32) {  // G % 32 == 0: 32 codes (16 bytes) per row
+            const int64_t at = k / 2;
+            if ((at & 63) == 0) {
+                _mm_prefetch((const char *)(p0 + at + 2 * K), _MM_HINT_T0);
+                _mm_prefetch((const char *)(p1 + at + 2 * K), _MM_HINT_T0);
+                _mm_prefetch((const char *)(p2 + at + 2 * K), _MM_HINT_T0);
+                _mm_prefetch((const char *)(p3 + at + 2 * K), _MM_HINT_T0);
+            }
+            const __m512 xv = _mm512_loadu_ps(xp + k), xw = _mm512_loadu_ps(xp + k + 16);
+            d0 = _mm512_fmadd_ps(codes16(p0 + at, shifts, mask), xv, d0);
+            d1 = _mm512_fmadd_ps(codes16(p1 + at, shifts, mask), xv, d1);
+            d2 = _mm512_fmadd_ps(codes16(p2 + at, shifts, mask), xv, d2);
+            d3 = _mm512_fmadd_ps(codes16(p3 + at, shifts, mask), xv, d3);
+            d0 = _mm512_fmadd_ps(codes16(p0 + at + 8, shifts, mask), xw, d0);
+            d1 = _mm512_fmadd_ps(codes16(p1 + at + 8, shifts, mask), xw, d1);
+            d2 = _mm512_fmadd_ps(codes16(p2 + at + 8, shifts, mask), xw, d2);
+            d3 = _mm512_fmadd_ps(codes16(p3 + at + 8, shifts, mask), xw, d3);
+        }
+        acc0 = _mm512_fmadd_ps(d0, _mm512_set1_ps(sf[0][g % 16]), acc0);
+        acc1 = _mm512_fmadd_ps(d1, _mm512_set1_ps(sf[1][g % 16]), acc1);
+        acc2 = _mm512_fmadd_ps(d2, _mm512_set1_ps(sf[2][g % 16]), acc2);
+        acc3 = _mm512_fmadd_ps(d3, _mm512_set1_ps(sf[3][g % 16]), acc3);
+    }
+    const __m512 accs[4] = {acc0, acc1, acc2, acc3};
+    for (int r = 0; r < 4; r++) {
+        __m256 z = _mm256_setzero_ps();
+        int64_t g = 0;
+        for (; g + 8 <= groups; g += 8)
+            z = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ze[r] + g))), _mm256_loadu_ps(xsum + g), z);
+        float zsum = hsum(z);
+        for (; g < groups; g++) zsum += _cvtsh_ss(ze[r][g]) * xsum[g];
+        out[r] = _mm512_reduce_add_ps(accs[r]) + zsum;
+    }
+}
+#endif
+
 // One dequantized row, natural k order: dst[k] = code[k] * scale[g] + zero[g].
 static void dequant_int4_row(const uint8_t *p, const uint16_t *sc, const uint16_t *ze, int64_t K, int64_t G,
                              float *dst) {
@@ -254,6 +428,11 @@ void gemm_int4(const float *x, const uint8_t *packed, const uint16_t *scale, con
             for (int64_t k = g * G; k < (g + 1) * G; k++) t += x[k];
             xsum[g] = t;
         }
+#ifdef __AVX512F__
+        float *xp = (float *)malloc(K * sizeof(float));
+        permute16(x, xp, K);
+#endif
+
         const int64_t blocks = (N + NB - 1) / NB;
 #pragma omp parallel for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
@@ -265,10 +444,17 @@ void gemm_int4(const float *x, const uint8_t *packed, const uint16_t *scale, con
                 p[r] = packed + n * (K / 2), sc[r] = scale + n * groups, ze[r] = zero + n * groups;
             }
             float out[NB];
+#ifdef __AVX512F__
+            dot4_one_int4_512(p, sc, ze, xp, xsum, K, G, out);
+#else
             dot4_one_int4(p, sc, ze, x, xsum, K, G, out);
+#endif
             for (int64_t r = 0; r < nb; r++) y[n0 + r] = out[r];
         }
         free(xsum);
+#ifdef __AVX512F__
+        free(xp);
+#endif
         return;
     }
     const int64_t blocks = (N + NR - 1) / NR;
@@ -284,8 +470,9 @@ void gemm_int4(const float *x, const uint8_t *packed, const uint16_t *scale, con
                 for (int r = 0; r < nr; r++)
                     dequant_int4_row(packed + (n0 + r) * (K / 2), scale + (n0 + r) * groups, zero + (n0 + r) * groups,
                                      K, G, wide + r * K);
-                rows3(wide, wide + (nr > 1 ? K : 0), wide + (nr > 2 ? 2 * K : 0), x + m0 * K, mc, K, y + m0 * N + n0,
-                      N, nr, 0);
+                const float *wr[NR];
+                block_rows(wide, 0, nr, K, wr);
+                rows_tile(wr, x + m0 * K, mc, K, y + m0 * N + n0, N, nr, 0);
             }
             _mm_free(wide);
         }

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from . import native
-from .quantize import FloatLinear, Int4Linear, Int8Linear
+from .linear import FloatLinear, Int4Linear, Int8Linear
 
 if TYPE_CHECKING:
     from .kv_cache import KVCache
@@ -109,11 +109,11 @@ def _native_linear(module: nn.Module, keep: list[Tensor]) -> _Linear:
     elif isinstance(module, Int8Linear) and module.kernel == "auto":
         w, scale, kind = module.qweight, module.scale.float().contiguous(), _INT8
     elif isinstance(module, Int4Linear) and module.kernel == "auto":
-        module.prepack()
-        if module._packed == Int4Linear.NATIVE:
+        path = module._chosen()
+        if module.int8 is not None:  # the int8 re-quantization (groups the int4 kernel does not take)
+            w, scale, kind = module.int8[0], module.int8[1], _INT8
+        elif path.startswith("native-"):
             w, scale, zero, kind, group = module.packed, module.scale, module.zero, _INT4, module.group_size
-        elif isinstance(module._packed, tuple):  # the int8 re-quantization
-            w, scale, kind = module._packed[0], module._packed[1], _INT8
         else:
             raise NotFused("an int4 layer has no native kernel")
     elif isinstance(module, nn.Linear) and module.bias is None and module.weight.dtype == torch.float32:
@@ -208,6 +208,7 @@ class FusedDecoder:
             cache.valid.data_ptr(),
             model.tok_embeddings.weight.data_ptr(),
             id(model.output),
+            native.kernels(),  # the build (ISA path) the step calls into: tests switch it
         )
 
     @classmethod

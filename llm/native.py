@@ -8,6 +8,14 @@ to a temporary name and renamed, so concurrent builds never load a half-written 
 Available when: the CPU has AVX2 (torch reports its capability as AVX2 or AVX512; FMA comes with both),
 a C compiler is on PATH (`$CC`, else cc/gcc/clang), and `LLMPLAN_NATIVE` is not `0`. Otherwise
 `kernels()` returns None and the callers use torch's kernels; the reason is kept in `unavailable_reason()`.
+
+Runtime dispatch: the one source is built per instruction set (`ISAS`): "avx2" (AVX2+FMA+F16C, 8-lane
+vectors) and "avx512" (F/BW/VL/DQ+VNNI+BF16, 16-lane vectors, 32 registers: wider register tiles). The AVX2
+build always loads first (it runs on every CPU this module accepts) and reports the CPU's features from
+cpuid and the OS's saved-state mask (`cpu_features`); where AVX-512 is usable its build is loaded instead.
+`LLMPLAN_ISA=avx2` forces the AVX2 path (to test it, or to compare, on an AVX-512 machine); `avx512` asks for
+AVX-512 and falls back to AVX2, with the reason in `isa_note()`, where the CPU lacks it. The path taken is
+`NativeKernels.isa`, and the run's env metrics name it (stages/env_check.py).
 """
 
 from __future__ import annotations
@@ -25,13 +33,22 @@ import torch
 from torch import Tensor
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+_AVX2 = ("-mavx2", "-mfma", "-mf16c")
+# Not -march=x86-64-v4 or -march=native: the build must not pick up AMX or other extensions that a CPU may
+# list in cpuid and still fault on (this project has met one), and must run on every AVX-512 CPU it is loaded on.
+_AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16")
+ISAS: dict[str, tuple[str, ...]] = {"avx2": _AVX2, "avx512": _AVX512}
 LIBS = ("-lm",)
+# `cpu_features` bits (cpu_kernels.c)
+FEATURE_AVX2, FEATURE_AVX512, FEATURE_VNNI, FEATURE_BF16 = 1, 2, 4, 8
 
 _lock = threading.Lock()
 _loaded: NativeKernels | None = None
 _reason: str | None = None
+_note: str | None = None
 _tried = False
+_by_isa: dict[str, NativeKernels | None] = {}
 
 
 class NativeKernels:
@@ -41,6 +58,12 @@ class NativeKernels:
         self.path = path
         self.lib = lib
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.kernel_isa.argtypes = []
+        lib.kernel_isa.restype = ctypes.c_char_p
+        lib.cpu_features.argtypes = []
+        lib.cpu_features.restype = i64
+        self.isa: str = lib.kernel_isa().decode()  # "avx2" or "avx512": the vector path this build runs
+        self.features: int = int(lib.cpu_features())  # this CPU's FEATURE_* bits
         lib.decode_step.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr]  # see llm/fused_decode.py
         lib.decode_layout.argtypes = [ptr, i64]
         lib.decode_layout.restype = i64
@@ -177,17 +200,75 @@ def unavailable_reason() -> str | None:
     return _reason
 
 
+def isa_note() -> str | None:
+    """Why the loaded kernels are not the widest build this CPU could run (forced, or a failed build), else None."""
+    return _note
+
+
+def describe() -> str:
+    """One line for the run's env metrics: the path taken and why, or why there is none."""
+    fast = kernels()
+    if fast is None:
+        return f"unavailable: {unavailable_reason()}"
+    note = f"; {_note}" if _note else ""
+    return f"available: {fast.isa} ({fast.path.name}{note})"
+
+
+def cpu_has(isa: str) -> bool:
+    """Whether this CPU (and OS) can run the `isa` build; False where the native kernels cannot load at all."""
+    base = kernels_for("avx2")
+    need = {"avx2": FEATURE_AVX2, "avx512": FEATURE_AVX512 | FEATURE_VNNI}[isa]
+    return base is not None and base.features & need == need
+
+
+def kernels_for(isa: str) -> NativeKernels | None:
+    """The `isa` build (tests run every kernel on both paths), loaded once; None where this CPU cannot run it
+    or it cannot be built. Independent of `LLMPLAN_ISA` and of which build `kernels()` chose."""
+    if isa not in ISAS:
+        raise ValueError(f"isa: expected one of {', '.join(ISAS)}, got {isa!r}")
+    with _lock:
+        if isa not in _by_isa:
+            try:
+                _by_isa[isa] = _load_isa(isa)
+            except NativeUnavailable:
+                _by_isa[isa] = None
+        return _by_isa[isa]
+
+
 class NativeUnavailable(RuntimeError):
     """The native kernels cannot be used here; the message says why."""
 
 
 def _load() -> NativeKernels:
+    """The build to use: AVX-512 where the CPU has it (F/BW/VL/DQ and VNNI) unless LLMPLAN_ISA says avx2."""
+    global _note
+    _note = None
     if os.environ.get("LLMPLAN_NATIVE", "1") == "0":
         raise NativeUnavailable("disabled by LLMPLAN_NATIVE=0")
+    want = os.environ.get("LLMPLAN_ISA", "auto").strip().lower() or "auto"
+    if want not in ("auto", *ISAS):
+        raise NativeUnavailable(f"LLMPLAN_ISA={want!r}: expected auto, {' or '.join(ISAS)}")
+    base = _load_isa("avx2")
+    if want == "avx2":
+        _note = "forced by LLMPLAN_ISA=avx2"
+        return base
+    need = FEATURE_AVX512 | FEATURE_VNNI
+    if base.features & need != need:
+        if want == "avx512":
+            _note = "LLMPLAN_ISA=avx512, but this CPU lacks AVX-512 F/BW/VL/DQ or VNNI"
+        return base
+    try:
+        return _load_isa("avx512")
+    except NativeUnavailable as why:  # e.g. a compiler too old for -mavx512bf16: the AVX2 build still runs
+        _note = f"the AVX-512 build failed, so AVX2: {why}"
+        return base
+
+
+def _load_isa(isa: str) -> NativeKernels:
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
         raise NativeUnavailable(f"needs an AVX2 CPU (torch reports {capability})")
-    path = build()
+    path = build(isa)
     try:
         return NativeKernels(ctypes.CDLL(str(path)), path)
     except OSError as err:
@@ -206,11 +287,12 @@ def compiler() -> str | None:
     return None
 
 
-def build() -> Path:
-    """Compile the source unless a build of this exact source (and flags) is cached; return the .so path."""
+def build(isa: str = "avx2") -> Path:
+    """Compile the source for `isa` unless a build of this exact source (and flags) is cached; the .so path."""
+    flags = (*FLAGS, *ISAS[isa])
     source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
-    target = cache_dir() / f"cpu_kernels-{digest}.so"
+    digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
+    target = cache_dir() / f"cpu_kernels-{isa}-{digest}.so"
     if target.exists():
         return target
     cc = compiler()
@@ -223,7 +305,7 @@ def build() -> Path:
         raise NativeUnavailable(f"cannot write to {target.parent}: {err.strerror or err}") from None
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, *LIBS], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, *LIBS], capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             first = (done.stderr.strip().splitlines() or ["no output"])[0]
             raise NativeUnavailable(f"{cc} failed to build {SOURCE.name}: {first}")

@@ -67,8 +67,7 @@ def native_kernels_status(device: str) -> str:
         return f"not used on {device}"
     from llmplan.llm import native
 
-    fast = native.kernels()
-    return f"available ({fast.path.name})" if fast is not None else f"unavailable: {native.unavailable_reason()}"
+    return native.describe()  # names the instruction-set path taken (avx512 or avx2) and why
 
 
 class EnvCheck(Stage):

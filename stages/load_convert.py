@@ -21,7 +21,7 @@ from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
 from llmplan.llm.checkpoint_writer import write_checkpoint
 from llmplan.llm.config import ModelConfig
-from llmplan.llm.quantize import (
+from llmplan.llm.weight_formats import (
     FLOAT_DTYPES,
     concat_quantized,
     error_terms,
@@ -49,10 +49,10 @@ class ConvertParams(Params):
     save_to: str | None = Field(
         None, description="also write the converted weights (with scales) as a checkpoint a later plan loads"
     )
-    kernel: Literal["auto", "reference", "dynamic_int8"] = Field(
+    kernel: Literal["auto", "reference"] = Field(
         "auto",
-        description="auto: fastest weight-only kernels; reference: plain matmuls; "
-        "dynamic_int8: fbgemm int8 with activations quantized too (faster, much less accurate on SmolLM2)",
+        description="auto: the fastest weight-only kernel path for each linear layer, chosen at load (the "
+        "run's linear_kernels metric names them); reference: plain matmuls",
     )
 
 

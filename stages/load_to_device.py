@@ -16,8 +16,8 @@ from pydantic import Field
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
 from llmplan.llm.kv_cache import KVCache
+from llmplan.llm.linear import kernel_paths, make_linear
 from llmplan.llm.model import Transformer
-from llmplan.llm.quantize import make_linear
 from llmplan.llm.weights import WeightError
 
 from .load_convert import activation_dtype
@@ -123,6 +123,8 @@ class ToDevice(Stage):
         work = work_buffer_bytes(cfg, kv.max_tokens)
         ctx.metrics.set("regions", {"weights": weights.nbytes, "kv_cache": cache.nbytes, "work_buffers": work})
         ctx.metrics.set("device", str(model.device))
+        # each linear module's kernel path, chosen by prepack() above: e.g. {"native-avx512-int8": 151}
+        ctx.metrics.set("linear_kernels", kernel_paths(model))
         ctx.metrics.set("activation_dtype", str(model.dtype).removeprefix("torch."))
         ctx.metrics.set("kv_cache_shape", list(cache.k.shape))
 

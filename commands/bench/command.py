@@ -1,7 +1,7 @@
 """`llmplan bench PLAN`: load time, prefill and decode speed, TTFT and memory of a plan's model.
 
     llmplan bench plans/llama-int8.yaml [--prompt-tokens 128] [--gen-tokens 128] [--batch 1,4,16] [--runs 3]
-        [--vs transformers] [--format md|json|csv] [--set ID.PARAM=VALUE] [--dtype fp32,int8] [--out PREFIX]
+        [--vs transformers|llama.cpp] [--format md|json|csv] [--set ID.PARAM=VALUE] [--dtype fp32,int8] [--out PREFIX]
 
 Per dtype of the grid (like llama-bench's): a cold load (after dropping the model files from the page
 cache, when the kernel lets us), a warm load whose model is measured, a warm-up at every batch size, then
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,12 @@ def register(subparsers: Any) -> None:
     bench.add_argument("--batch", type=_int_list, default=[1, 4, 16], help="batch sizes, e.g. 1,4,16")
     bench.add_argument("--runs", type=positive, default=3, help="measured runs per batch size (after a warm-up)")
     bench.add_argument(
-        "--vs", choices=["transformers", "llama-server"], help="the reference, alternating (llama-server: --serve)"
+        "--vs",
+        choices=["transformers", "llama-server", "llama.cpp"],
+        help="the reference, alternating (llama-server: --serve; llama.cpp: llama-bench and llama-batched-bench)",
+    )
+    bench.add_argument(
+        "--llama-build", choices=["native", "avx2"], default="native", help="--vs llama.cpp: avx2 = no AVX-512"
     )
     bench.add_argument("--format", choices=["md", "json", "csv"], default="md")
     bench.add_argument("--set", action="append", default=[], metavar="ID.PARAM=VALUE", help="override a parameter")
@@ -49,7 +55,7 @@ def register(subparsers: Any) -> None:
     bench.add_argument("--serve", action="store_true", help="`llmplan serve` under concurrent streaming clients")
     bench.add_argument("--clients", type=_int_list, default=[1, 4, 16], help="--serve: concurrent clients per level")
     bench.add_argument("--time-limit", type=float, default=600.0, help="--serve: seconds per level at most")
-    bench.add_argument("--threads", type=positive, default=2, help="--serve: llama-server's threads (-t)")
+    bench.add_argument("--threads", type=positive, default=2, help="--serve, --vs llama.cpp: llama.cpp's threads (-t)")
     bench.add_argument("--slots", type=positive, default=16, help="--mix: batch size and scheduler slots")
     bench.add_argument("--max-step-tokens", type=positive, default=512, help="--mix: scheduler tokens per step")
     bench.add_argument("--mix-prompts", type=_range, default=(16, 512), metavar="LO-HI", help="--mix: prompt lengths")
@@ -96,6 +102,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _bench_serve(args)
     if args.vs == "llama-server":
         raise CliError("--vs llama-server compares servers: add --serve")
+    if args.vs == "llama.cpp":
+        from .llama_cpp import bench_vs_llama_cpp, vs_markdown
+
+        def write(partial: dict[str, Any]) -> None:
+            if args.out:
+                prefix = Path(args.out)
+                prefix.parent.mkdir(parents=True, exist_ok=True)
+                prefix.with_suffix(".json").write_text(json.dumps(partial, indent=2), encoding="utf-8")
+                prefix.with_suffix(".md").write_text(vs_markdown(partial), encoding="utf-8")
+
+        vs = bench_vs_llama_cpp(args, _say, write)
+        _emit(args, vs, vs_markdown(vs))
+        return 0
     if args.mix:
         return _bench_mix(args)
     result: dict[str, Any] = {

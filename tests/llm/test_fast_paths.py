@@ -17,8 +17,9 @@ from torch import Tensor
 from llmplan.llm import native
 from llmplan.llm.generate import Pick, generate
 from llmplan.llm.kv_cache import KVCache
+from llmplan.llm.linear import make_linear
 from llmplan.llm.model import RMSNorm, Transformer, apply_rope, apply_rope_full, rope_tables
-from llmplan.llm.quantize import make_linear, quantize_weight
+from llmplan.llm.weight_formats import quantize_weight
 from llmplan.llm.weights import fuse_hf_state_dict
 
 PAD = 0

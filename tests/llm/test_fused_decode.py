@@ -20,12 +20,14 @@ from llmplan.llm.beam_search import beam_search
 from llmplan.llm.fused_decode import FusedDecoder, decode_step
 from llmplan.llm.generate import Pick, generate
 from llmplan.llm.kv_cache import KVCache
+from llmplan.llm.linear import make_linear
 from llmplan.llm.model import Transformer
-from llmplan.llm.quantize import make_linear, quantize_weight
+from llmplan.llm.weight_formats import quantize_weight
 
-pytestmark = pytest.mark.skipif(
-    native.kernels() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}"
-)
+pytestmark = [
+    pytest.mark.skipif(native.kernels() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}"),
+    pytest.mark.usefixtures("isa_path"),  # each test on the AVX2 and the AVX-512 build (tests/llm/conftest.py)
+]
 PAD = 0
 PROMPTS = [[1, 17, 99, 4, 250, 31, 8, 40, 41], [1, 5, 9], [1, 200, 13, 77, 3, 3]]
 LINEARS = ("wqkv.weight", "wo.weight", "w13.weight", "w2.weight")

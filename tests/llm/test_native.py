@@ -15,10 +15,13 @@ import pytest
 import torch
 
 from llmplan.llm import native
-from llmplan.llm.quantize import Int8Linear, make_linear, quantize_weight
+from llmplan.llm.linear import Int8Linear, make_linear
+from llmplan.llm.weight_formats import quantize_weight
 
 FAST = native.kernels()
 needs_native = pytest.mark.skipif(FAST is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")
+# The tests marked needs_native take `isa_path` (tests/llm/conftest.py): they run on the AVX2 and the AVX-512
+# build, and native.kernels() returns that build meanwhile (the modules' own dispatch included).
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -26,48 +29,48 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert (got.double() - want).abs().max().item() <= 1e-5 * scale
 
 
-# rows: 1 (the one-row kernel), 2..5 and 16 (the 3x4 register tiles with a partial last tile), 130 (chunks
-# of 64 activation rows and a partial one); N not a multiple of the 4- or 3-row blocks; K = 24 is a multiple
-# of 8 but not 16 (the one-row kernel's tail), 1536 is SmolLM2's MLP
+# rows: 1 (the one-row kernel), 2..5 and 16 (the 3x4 / 4x6 register tiles with a partial last tile), 130
+# (chunks of 96 activation rows and a partial one); N not a multiple of the 4- or 3-row blocks; K = 24 is a
+# multiple of 8 but not 16 (the one-row kernel's tail, the AVX-512 masked tail), 1536 is SmolLM2's MLP
 @needs_native
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 130])
 @pytest.mark.parametrize(("n", "k"), [(70, 24), (9, 1536), (4, 8)])
-def test_int8_kernel_equals_the_exact_product(rows: int, n: int, k: int) -> None:
+def test_int8_kernel_equals_the_exact_product(isa_path: native.NativeKernels, rows: int, n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + n)
     qweight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
     scale = torch.rand(n, generator=gen) + 0.01
     x = torch.randn(rows, k, generator=gen)
     want = (x.double() @ qweight.double().T) * scale.double()
-    _close(FAST.linear_int8(x, qweight, scale), want)
+    _close(isa_path.linear_int8(x, qweight, scale), want)
 
 
 @needs_native
 @pytest.mark.parametrize("rows", [1, 3, 16, 130])
 @pytest.mark.parametrize(("n", "k"), [(70, 24), (1027, 576)])
-def test_f32_kernel_equals_the_exact_product(rows: int, n: int, k: int) -> None:
+def test_f32_kernel_equals_the_exact_product(isa_path: native.NativeKernels, rows: int, n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(rows + n)
     w, x = torch.randn(n, k, generator=gen), torch.randn(rows, k, generator=gen)
-    _close(FAST.linear_f32(x, w), x.double() @ w.double().T)
+    _close(isa_path.linear_f32(x, w), x.double() @ w.double().T)
 
 
 @needs_native
-def test_leading_dims_and_dtype_are_kept() -> None:
+def test_leading_dims_and_dtype_are_kept(isa_path: native.NativeKernels) -> None:
     w = torch.randn(12, 16)
     x = torch.randn(2, 3, 16).bfloat16()
-    y = FAST.linear_f32(x, w)
+    y = isa_path.linear_f32(x, w)
     assert y.shape == (2, 3, 12) and y.dtype == torch.bfloat16
 
 
 @needs_native
-def test_modules_take_the_native_path_only_where_it_fits() -> None:
+def test_modules_take_the_native_path_only_where_it_fits(isa_path: native.NativeKernels) -> None:
     q = quantize_weight(torch.randn(40, 20), "int8")  # K = 20: not a multiple of 8
-    assert not FAST.supports(torch.randn(1, 20), q.qweight)
+    assert not isa_path.supports(torch.randn(1, 20), q.qweight)
     module, reference = make_linear(q, "auto"), make_linear(q, "reference")
     x = torch.randn(3, 20)
     torch.testing.assert_close(module(x), reference(x))  # torch's int8 kernel is wrong at K % 8 != 0: not used
     q = quantize_weight(torch.randn(40, 32), "int8")
-    assert FAST.supports(torch.randn(300, 32), q.qweight)  # prefill too
-    assert not FAST.supports(torch.randn(3, 32), q.qweight.t())  # a transposed view: not row-major
+    assert isa_path.supports(torch.randn(300, 32), q.qweight)  # prefill too
+    assert not isa_path.supports(torch.randn(3, 32), q.qweight.t())  # a transposed view: not row-major
     module = make_linear(q, "auto")
     assert isinstance(module, Int8Linear)
     x = torch.randn(2, 32)
@@ -75,7 +78,7 @@ def test_modules_take_the_native_path_only_where_it_fits() -> None:
 
 
 @needs_native
-def test_the_library_shares_torchs_openmp_runtime() -> None:
+def test_the_library_shares_torchs_openmp_runtime(isa_path: native.NativeKernels) -> None:
     # Two OpenMP runtimes in one process would each keep a pool of spinning threads on 2 cores.
     maps = Path(f"/proc/{os.getpid()}/maps")
     if not maps.exists():
@@ -125,13 +128,13 @@ def _torch_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @needs_native
 @pytest.mark.parametrize("shape", [(64, 576), (7, 1539), (3, 5)])  # vector body, a tail, a tail only
-def test_native_quantization_is_bit_identical_to_torchs(shape: tuple[int, int]) -> None:
+def test_native_quantization_is_bit_identical_to_torchs(isa_path: native.NativeKernels, shape: tuple[int, int]) -> None:
     gen = torch.Generator().manual_seed(shape[1])
     w = torch.randn(*shape, generator=gen) * (torch.rand(shape[0], 1, generator=gen) * 3)
     w[0] = 0  # an all-zero row: scale 1
     step = w[-1].abs().max() / 127
     w[-1, :3] = torch.tensor([0.5, -2.5, 1.5]) * step  # exact halves: ties round to even
-    got = FAST.quantize_int8(w)
+    got = isa_path.quantize_int8(w)
     assert got is not None
     want = _torch_int8(w)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -140,18 +143,18 @@ def test_native_quantization_is_bit_identical_to_torchs(shape: tuple[int, int]) 
 @needs_native
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("col", [3, 17])  # in the vector body, in the tail
-def test_native_quantization_leaves_non_finite_weights_to_torch(bad: float, col: int) -> None:
+def test_native_quantization_leaves_non_finite_weights_to_torch(isa_path: native.NativeKernels, bad: float, col: int) -> None:
     w = torch.randn(4, 18)
     w[2, col] = bad
-    assert FAST.quantize_int8(w) is None
+    assert isa_path.quantize_int8(w) is None
     q = quantize_weight(w, "int8")  # falls back to the torch arithmetic, whatever it makes of them
     assert torch.equal(q.qweight, _torch_int8(w)[0])
 
 
 @needs_native
 @pytest.mark.parametrize("row_step", [1, 8])
-def test_native_error_terms_equal_the_torch_ones(row_step: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    from llmplan.llm.quantize import error_terms
+def test_native_error_terms_equal_the_torch_ones(isa_path: native.NativeKernels, row_step: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    from llmplan.llm.weight_formats import error_terms
 
     w = torch.randn(300, 76)  # 76: a tail after the 8-wide body
     q = quantize_weight(w, "int8")
@@ -164,41 +167,42 @@ def test_native_error_terms_equal_the_torch_ones(row_step: int, monkeypatch: pyt
 @needs_native
 @pytest.mark.parametrize("rows", [1, 3, 16, 130])
 @pytest.mark.parametrize(("n", "k", "group"), [(70, 64, 32), (9, 1536, 64), (5, 576, 32)])
-def test_int4_kernel_equals_the_exact_product(rows: int, n: int, k: int, group: int) -> None:
-    from llmplan.llm.quantize import Int4Weight, dequantize
+def test_int4_kernel_equals_the_exact_product(isa_path: native.NativeKernels, rows: int, n: int, k: int, group: int) -> None:
+    from llmplan.llm.weight_formats import Int4Weight, dequantize
 
     gen = torch.Generator().manual_seed(rows + n + group)
     q = quantize_weight(torch.randn(n, k, generator=gen), "int4", group)
     assert isinstance(q, Int4Weight)
     x = torch.randn(rows, k, generator=gen)
-    _close(FAST.linear_int4(x, q.packed, q.scale, q.zero), x.double() @ dequantize(q).double().T)
+    _close(isa_path.linear_int4(x, q.packed, q.scale, q.zero), x.double() @ dequantize(q).double().T)
 
 
 @needs_native
-def test_int4_modules_read_the_packed_codes_or_fall_back_to_int8() -> None:
-    from llmplan.llm.quantize import Int4Linear, dequantize
+def test_int4_modules_read_the_packed_codes_or_fall_back_to_int8(isa_path: native.NativeKernels) -> None:
+    from llmplan.llm.linear import Int4Linear
+    from llmplan.llm.weight_formats import dequantize
 
     w = torch.randn(40, 64)
     native_module = make_linear(quantize_weight(w, "int4", 32))
     native_module.prepack()
-    assert isinstance(native_module, Int4Linear) and native_module._packed == Int4Linear.NATIVE
+    assert isinstance(native_module, Int4Linear) and native_module.path == f"native-{isa_path.isa}-int4"
     x = torch.randn(2, 64)
     _close(native_module(x), x.double() @ dequantize(native_module.quantized_weight()).double().T)
     odd_groups = make_linear(quantize_weight(w, "int4", 16))  # groups of 16: not the kernel's 32-column steps
     odd_groups.prepack()
-    assert isinstance(odd_groups._packed, tuple)  # the int8 re-quantization
+    assert odd_groups.int8 is not None and odd_groups.path == f"native-{isa_path.isa}-int8-requant"
     got, want = odd_groups(x), odd_groups.reference(x)
     assert float((got - want).norm() / want.norm()) < 0.02  # the re-quantization: ~0.01 (see test_quantize)
 
 
 def _torch_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, ...]:
     """`_quantize_int4` with the native kernels switched off: the arithmetic the kernel must reproduce."""
-    from llmplan.llm import quantize
+    from llmplan.llm import weight_formats
 
     saved = native.kernels
     native.kernels = lambda: None  # type: ignore[assignment]
     try:
-        q = quantize._quantize_int4(w, group)
+        q = weight_formats._quantize_int4(w, group)
     finally:
         native.kernels = saved  # type: ignore[assignment]
     return q.packed, q.scale, q.zero
@@ -206,12 +210,12 @@ def _torch_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, ...]:
 
 @needs_native
 @pytest.mark.parametrize("group", [32, 64, 2])
-def test_native_int4_quantization_is_bit_identical_to_torchs(group: int) -> None:
+def test_native_int4_quantization_is_bit_identical_to_torchs(isa_path: native.NativeKernels, group: int) -> None:
     gen = torch.Generator().manual_seed(group)
     w = torch.randn(33, 128, generator=gen) * (torch.rand(33, 1, generator=gen) * 3)
     w[0] = 0.25  # a constant row: every group's scale is 1
     w[1, :group] = torch.linspace(-1, 1, group)  # exact halves of the step: ties round to even
-    got = FAST.quantize_int4(w, group)
+    got = isa_path.quantize_int4(w, group)
     assert got is not None
     for mine, theirs in zip(got, _torch_int4(w, group), strict=True):
         assert torch.equal(mine, theirs)
@@ -219,10 +223,24 @@ def test_native_int4_quantization_is_bit_identical_to_torchs(group: int) -> None
 
 @needs_native
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), 70000.0])
-def test_native_int4_quantization_leaves_odd_values_to_torch(bad: float) -> None:
+def test_native_int4_quantization_leaves_odd_values_to_torch(isa_path: native.NativeKernels, bad: float) -> None:
     w = torch.randn(4, 64)
     w[3, 40] = bad
-    assert FAST.quantize_int4(w, 32) is None
+    assert isa_path.quantize_int4(w, 32) is None
     if bad == 70000.0:  # beyond fp16: the torch version's error, unchanged
         with pytest.raises(ValueError, match="beyond fp16"):
             quantize_weight(w, "int4", 32)
+
+
+def test_the_isa_path_is_chosen_from_the_cpu_and_can_be_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    if native.compiler() is None or native.kernels() is None:
+        pytest.skip("native kernels unavailable")
+    monkeypatch.setenv("LLMPLAN_ISA", "avx2")
+    assert native._load().isa == "avx2" and native.isa_note() == "forced by LLMPLAN_ISA=avx2"
+    monkeypatch.setenv("LLMPLAN_ISA", "auto")
+    assert native._load().isa == ("avx512" if native.cpu_has("avx512") else "avx2")
+    monkeypatch.setenv("LLMPLAN_ISA", "sse2")
+    with pytest.raises(native.NativeUnavailable, match="LLMPLAN_ISA"):
+        native._load()
+    assert native.kernels_for("avx2").isa == "avx2"  # type: ignore[union-attr]
+    assert native.kernels() is not None and native.kernels().isa in native.describe()  # type: ignore[union-attr]

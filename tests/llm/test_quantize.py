@@ -7,13 +7,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from llmplan.llm.quantize import (
+from llmplan.llm.linear import make_linear
+from llmplan.llm.weight_formats import (
     QUANT_DTYPES,
     Int4Weight,
     Int8Weight,
     dequantize,
     from_tensors,
-    make_linear,
     nbytes,
     quantize_weight,
     relative_error,

@@ -20,10 +20,11 @@ from llmplan.llm import native
 from llmplan.llm.fused_decode import FusedDecoder
 from llmplan.llm.generate import Generation, Pick, generate
 from llmplan.llm.kv_cache import KVCache
+from llmplan.llm.linear import make_linear
 from llmplan.llm.model import Transformer
-from llmplan.llm.quantize import make_linear, quantize_weight
 from llmplan.llm.scheduler import GenerationRequest, Scheduler, Sequence
 from llmplan.llm.slot_cache import SlotCache
+from llmplan.llm.weight_formats import quantize_weight
 
 PROMPTS = [
     [1, 17, 99, 4, 250, 31, 8, 40, 41, 9, 12],
@@ -35,6 +36,8 @@ PROMPTS = [
 ]
 NEW = [12, 5, 9, 14, 7, 3]
 NATIVE = native.kernels() is not None
+# With native kernels, every test runs on the AVX2 and on the AVX-512 build (tests/llm/conftest.py).
+pytestmark = [pytest.mark.usefixtures("isa_path")] if NATIVE else []
 PATHS = ["torch", pytest.param("fused", marks=pytest.mark.skipif(not NATIVE, reason="native kernels unavailable"))]
 
 

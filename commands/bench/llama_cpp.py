@@ -1,0 +1,191 @@
+"""`llmplan bench PLAN --vs llama.cpp`: the plan's decode, prefill and batch speed against llama.cpp's own tools.
+
+    llmplan bench plans/llama-int8.yaml --vs llama.cpp [--dtype fp32,int8,int4] [--runs 3] [--threads 2]
+        [--llama-build native|avx2] [--out benchmarks/vs-llama-cpp]
+
+Three figures per precision, each a ratio llmplan / llama.cpp of medians over `--runs` runs that alternate
+(ours, theirs, ours, theirs: both see the same machine load, which on a shared 2-core machine moves the
+absolute numbers by 2x or more):
+
+* batch 1 decode: llmplan's greedy decode after a `--prompt-tokens` prompt against `llama-bench -p 0 -n GEN
+  -d PROMPT` (tg at the same depth);
+* prefill: llmplan's batch-1 prefill of `--prompt-tokens` against `llama-bench -p PROMPT -n 0` (pp);
+* batch 16 aggregate decode (the largest `--batch`): against `llama-batched-bench -npp PROMPT -ntg GEN -npl B`
+  (every sequence its own prompt, aggregate tg speed).
+
+llama.cpp is the one `benchmarks/build_llama_server.sh` builds from the vendored source of the pinned
+llama-cpp-python (GGML_NATIVE=ON, or `--llama-build avx2`: AVX2 only, the reference for `LLMPLAN_ISA=avx2`).
+Its GGUFs are requantized from the plan's bundled GGUF with that build's `llama-quantize`: F32 for fp32, Q8_0
+for int8, Q4_1 for int4 (BF16 and F16 for bf16 and fp16), the same weights llmplan quantizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from llmplan.engine.cli import CliError
+
+from .measure import bench_overrides, load, random_prompts, run_once
+from .report import machine
+from .stats import summary
+
+GGUF_TYPES = {"fp32": "F32", "int8": "Q8_0", "int4": "Q4_1", "bf16": "BF16", "fp16": "F16"}
+FIGURES = ("decode_b1", "prefill", "decode_batch")
+TITLES = {"decode_b1": "batch 1 decode", "prefill": "prefill", "decode_batch": "aggregate decode"}
+_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "build_llama_server.sh"
+
+
+def llama_bin(build: str, say: Any) -> Path:
+    """The directory of the llama.cpp tools, building them the first time (several minutes)."""
+    env = dict(os.environ, LLAMA_CPU=build)
+    say(f"bench: llama.cpp ({build}) from {_SCRIPT.name}")
+    done = subprocess.run(["bash", str(_SCRIPT)], capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise CliError(f"building llama.cpp failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    return Path(done.stdout.strip().splitlines()[-1]).parent
+
+
+def gguf_for(dtype: str, source: Path, bin_dir: Path) -> Path:
+    """The bundled GGUF requantized to the llama.cpp type that matches `dtype`, made once and cached."""
+    kind = GGUF_TYPES.get(dtype)
+    if kind is None:
+        raise CliError(f"--vs llama.cpp: no llama.cpp type for dtype {dtype!r} (have {', '.join(GGUF_TYPES)})")
+    out = bin_dir.parent / "models" / f"{source.stem}.requant-{kind}.gguf"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    cmd = [str(bin_dir / "llama-quantize"), "--allow-requantize", str(source), str(tmp), kind]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise CliError(f"llama-quantize to {kind} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    tmp.replace(out)
+    return out
+
+
+def _run_json(cmd: list[str]) -> list[dict[str, Any]]:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    if done.returncode != 0:
+        raise CliError(f"{Path(cmd[0]).name} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    text = done.stdout.strip()
+    if text.startswith("["):
+        return list(json.loads(text))
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def llama_bench(bin_dir: Path, gguf: Path, prompt: int, gen: int, threads: int) -> dict[str, float]:
+    """llama-bench's pp (prompt tok/s) and tg at depth `prompt` (decode tok/s), one repetition each."""
+    base = [str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json"]
+    pp = _run_json([*base, "-p", str(prompt), "-n", "0"])[0]
+    tg = _run_json([*base, "-p", "0", "-n", str(gen), "-d", str(prompt)])[0]
+    return {"prefill": float(pp["avg_ts"]), "decode_b1": float(tg["avg_ts"])}
+
+
+def batched_bench(bin_dir: Path, gguf: Path, prompt: int, gen: int, batch: int, threads: int) -> dict[str, float]:
+    """llama-batched-bench: `batch` sequences of their own prompt, then `gen` tokens each; aggregate tg tok/s."""
+    cmd = [
+        str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-c", str(batch * (prompt + gen) + 64),
+        "-b", "2048", "-ub", "512", "-npp", str(prompt), "-ntg", str(gen), "-npl", str(batch),
+        "-t", str(threads), "-tb", str(threads), "--output-format", "jsonl",
+    ]  # fmt: skip
+    row = _run_json(cmd)[-1]
+    return {"decode_batch": float(row["speed_tg"]), "prefill_batch": float(row["speed_pp"])}
+
+
+def bench_vs_llama_cpp(args: argparse.Namespace, say: Any, partial: Any = None) -> dict[str, Any]:
+    """Alternating runs, llmplan then llama.cpp, per precision of the grid; see the module doc. `partial`,
+    when given, is called with the result so far after each precision."""
+    from llmplan.llm import native
+
+    from .traffic import cpu_features
+
+    bin_dir = llama_bin(args.llama_build, say)
+    flags_file = bin_dir.parent / ("BUILD_FLAGS" + ("" if args.llama_build == "native" else f"-{args.llama_build}"))
+    prompt, gen, batch, threads = args.prompt_tokens, args.gen_tokens, max(args.batch), args.threads
+    info = machine() | {"cpu_features": cpu_features()}
+    info["llama_cpp_build"] = flags_file.read_text().strip() if flags_file.is_file() else args.llama_build
+    result: dict[str, Any] = {
+        "plan": args.plan,
+        "machine": info,
+        "settings": {"prompt_tokens": prompt, "gen_tokens": gen, "batch": batch, "runs": args.runs, "threads": threads},
+        "rows": [],
+    }
+    for dtype in args.dtype or [None]:
+        overrides = bench_overrides(args.plan, args.set, dtype=dtype, max_batch=batch, max_tokens=prompt + gen)
+        say(f"bench: load {dtype or 'the plan dtype'}")
+        loaded = load(args.plan, overrides)
+        label = dtype or str(loaded.metric("load.convert", "dtype") or "?")
+        source = loaded.ctx.model_source.gguf_file
+        if source is None:
+            raise CliError("--vs llama.cpp needs a plan whose model comes from a GGUF (model.source file:)")
+        gguf = gguf_for(label, Path(source), bin_dir)
+        info["native_kernels"] = native.describe()
+        model, cache, vocab = loaded.model, loaded.cache, loaded.ctx.model_config.vocab_size
+        one, many = random_prompts(1, prompt, vocab, seed=1), random_prompts(batch, prompt, vocab, seed=batch)
+        run_once(model, cache, one, 8)  # warm-up: lazy setup, allocator growth
+        run_once(model, cache, many, 4)
+        ours: dict[str, list[float]] = {f: [] for f in FIGURES}
+        theirs: dict[str, list[float]] = {f: [] for f in FIGURES}
+        for r in range(args.runs):
+            say(f"bench: {label} run {r + 1}/{args.runs} (llmplan, llama.cpp, alternating)")
+            a = run_once(model, cache, one, gen)
+            ours["decode_b1"].append(a["decode_tok_s"])
+            ours["prefill"].append(a["prefill_tok_s"])
+            for figure, value in llama_bench(bin_dir, gguf, prompt, gen, threads).items():
+                theirs[figure].append(value)
+            ours["decode_batch"].append(run_once(model, cache, many, gen)["decode_tok_s"])
+            theirs["decode_batch"].append(batched_bench(bin_dir, gguf, prompt, gen, batch, threads)["decode_batch"])
+        for figure in FIGURES:
+            mine, hers = summary(ours[figure]), summary(theirs[figure])
+            ratio = mine["median"] / hers["median"] if mine["median"] and hers["median"] else None
+            result["rows"].append(
+                {"figure": figure, "dtype": label, "gguf_type": GGUF_TYPES[label], "batch": batch if figure ==
+                 "decode_batch" else 1, "llmplan": mine, "llama_cpp": hers, "ratio": ratio}
+            )  # fmt: skip
+        del model, cache, loaded
+        gc.collect()
+        info["loadavg_end"] = machine()["loadavg"]
+        if partial is not None:  # each precision's rows as soon as they exist: a run on a busy machine is long
+            partial(result)
+    return result
+
+
+def vs_markdown(result: dict[str, Any]) -> str:
+    m, s = result["machine"], result["settings"]
+    load = m.get("loadavg") or []
+    end = m.get("loadavg_end") or []
+    lines = [
+        f"# llmplan vs llama.cpp: {result['plan']}",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores; features {' '.join(m.get('cpu_features', []))}; "
+        f"{s['threads']} threads on both sides; torch {m['torch']}.",
+        f"llmplan native kernels: {m.get('native_kernels')}. llama.cpp build: {m.get('llama_cpp_build')}.",
+        f"Load average {' '.join(f'{v:.2f}' for v in load)} at start, {' '.join(f'{v:.2f}' for v in end)} at the "
+        "end (the CPU is shared: the runs alternate so both sides see the same load; read the ratios).",
+        f"Prompt {s['prompt_tokens']} tokens, {s['gen_tokens']} generated, {s['runs']} alternating runs; tok/s "
+        "median [min-max]. Decode at batch 1 against llama-bench tg at the prompt's depth, prefill against "
+        f"llama-bench pp, batch {s['batch']} aggregate decode against llama-batched-bench.",
+        "",
+        "| figure | llmplan dtype | llama.cpp type | llmplan tok/s | llama.cpp tok/s | ratio |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for row in result["rows"]:
+        title = TITLES[row["figure"]] + (f" (batch {row['batch']})" if row["figure"] == "decode_batch" else "")
+        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
+        lines.append(
+            f"| {title} | {row['dtype']} | {row['gguf_type']} | {_fmt(row['llmplan'])} | {_fmt(row['llama_cpp'])} "
+            f"| {ratio} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(s: dict[str, Any]) -> str:
+    if s.get("median") is None:
+        return "-"
+    return f"{s['median']:.1f} [{s['min']:.1f}-{s['max']:.1f}]"
