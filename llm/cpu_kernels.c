@@ -757,7 +757,7 @@ void decode_step(const DecodeModel *m, const int64_t *tokens, const int64_t *pos
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Per-row symmetric int8 quantization at load, the same arithmetic as `_quantize_int8` in quantize.py
+// Per-row symmetric int8 quantization at load, the same arithmetic as `_quantize_int8` in weight_formats.py
 // (scale = absmax / 127, or 1 for an all-zero row; q = round-half-even(w / scale) clamped to +-127), in two
 // passes over each row while it is in L1 instead of six full-tensor passes with temporaries.
 // Returns the number of rows holding NaN or infinity (their output is meaningless: the caller falls back).
@@ -835,7 +835,7 @@ void int8_error_terms(const float *w, const int8_t *q, const float *scale, int64
     out[1] = den;
 }
 
-// Group-wise asymmetric int4 at load, the arithmetic of `_quantize_int4` in quantize.py: per group of G
+// Group-wise asymmetric int4 at load, the arithmetic of `_quantize_int4` in weight_formats.py: per group of G
 // columns zero = fp16(min), scale = fp16((max - zero) / 15) (1 where that is not > 0), code = clamp(
 // round-half-even((w - zero) / scale), 0, 15), two codes per byte (even k in the low nibble). Returns the
 // number of groups holding NaN, infinity or values beyond fp16's range: the caller then uses the torch
