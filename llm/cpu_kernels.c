@@ -281,6 +281,17 @@ static inline __m256 codes8(const uint8_t *p, __m256i shifts, __m256i mask) {
     return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(word, shifts), mask));
 }
 
+// zero[:] . xsum[:] for one weight row (fp16 zero points): the zero-point term of the int4 dot products.
+static inline float zero_term(const uint16_t *ze, const float *xsum, int64_t groups) {
+    __m256 z = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8)
+        z = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ze + g))), _mm256_loadu_ps(xsum + g), z);
+    float zsum = hsum(z);
+    for (; g < groups; g++) zsum += _cvtsh_ss(ze[g]) * xsum[g];
+    return zsum;
+}
+
 // Four weight rows against one activation row: out[r] = sum_k x[k] * w_r[k]. Per group, the codes' dot
 // product with x is scaled once; the zero term is zero[r, :] . xsum[:].
 __attribute__((unused)) static void dot4_one_int4(const uint8_t *const p[4], const uint16_t *const sc[4], const uint16_t *const ze[4],
@@ -316,13 +327,7 @@ __attribute__((unused)) static void dot4_one_int4(const uint8_t *const p[4], con
     }
     const __m256 accs[4] = {acc0, acc1, acc2, acc3};
     for (int r = 0; r < 4; r++) {
-        __m256 z = _mm256_setzero_ps();
-        int64_t g = 0;
-        for (; g + 8 <= groups; g += 8)
-            z = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ze[r] + g))), _mm256_loadu_ps(xsum + g), z);
-        float zsum = hsum(z);
-        for (; g < groups; g++) zsum += _cvtsh_ss(ze[r][g]) * xsum[g];
-        out[r] = hsum(accs[r]) + zsum;
+        out[r] = hsum(accs[r]) + zero_term(ze[r], xsum, groups);
     }
 }
 
@@ -389,13 +394,7 @@ static void dot4_one_int4_512(const uint8_t *const p[4], const uint16_t *const s
     }
     const __m512 accs[4] = {acc0, acc1, acc2, acc3};
     for (int r = 0; r < 4; r++) {
-        __m256 z = _mm256_setzero_ps();
-        int64_t g = 0;
-        for (; g + 8 <= groups; g += 8)
-            z = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ze[r] + g))), _mm256_loadu_ps(xsum + g), z);
-        float zsum = hsum(z);
-        for (; g < groups; g++) zsum += _cvtsh_ss(ze[r][g]) * xsum[g];
-        out[r] = _mm512_reduce_add_ps(accs[r]) + zsum;
+        out[r] = _mm512_reduce_add_ps(accs[r]) + zero_term(ze[r], xsum, groups);
     }
 }
 #endif

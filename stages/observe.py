@@ -226,22 +226,7 @@ class Observer:
         if mask is not None:
             columns = columns[mask[0, 0, -1, : x.shape[1]]]
         columns = columns[: state["max_tokens"]]  # the first tokens: their rows see only kept tokens
-        xs = x[:1, columns]
-        q, k, _ = attn.wqkv(xs).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        t = xs.shape[1]
-        q = q.view(1, t, attn.n_heads, attn.head_dim).transpose(1, 2)
-        k = k.view(1, t, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
-        # RoPE from the model's own tables, by position (row 0's prompt starts at position 0): this does
-        # not depend on how the forward pass lays out its cos/sin arguments.
-        positions = torch.arange(t, device=x.device)
-        cos_t = self.model.rope_cos[positions].to(q.dtype)[None, None]
-        sin_t = self.model.rope_sin[positions].to(q.dtype)[None, None]
-        q, k = apply_rope(q, cos_t, sin_t), apply_rope(k, cos_t, sin_t)
-        group = attn.n_heads // attn.n_kv_heads
-        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        for head in heads:
-            scores = (q[0, head].float() @ k[0, head // group].float().T) / math.sqrt(attn.head_dim)
-            weights = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        for head, weights in self._weights(attn, x[:1, columns], heads).items():
             state["maps"][(layer, head)] = weights.cpu().tolist()
         if state["ids"] is None and self._prompt_ids is not None:
             state["ids"] = self._prompt_ids[0, columns.to(self._prompt_ids.device)].tolist()
@@ -283,6 +268,8 @@ class Observer:
         t = x.shape[1]
         q = q.view(1, t, attn.n_heads, attn.head_dim).transpose(1, 2)
         k = k.view(1, t, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
+        # RoPE from the model's own tables, by position (row 0's prompt starts at position 0): this does
+        # not depend on how the forward pass lays out its cos/sin arguments.
         positions = torch.arange(t, device=x.device)
         cos_t = self.model.rope_cos[positions].to(q.dtype)[None, None]
         sin_t = self.model.rope_sin[positions].to(q.dtype)[None, None]
