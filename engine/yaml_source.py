@@ -9,13 +9,13 @@ PyYAML's composer gives nodes with marks; we build plain Python values from them
 
 from __future__ import annotations
 
-import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from llmplan.bounded_read import NotRegularFileError, TooLargeError, read_limited
 
 from .findings import Finding, PlanError, format_path
 from .findings import Path as FieldPath
@@ -58,51 +58,6 @@ class Source:
     def finding(self, path: FieldPath, message: str, *, key: bool = False, field_text: str | None = None) -> Finding:
         line, column = self.position(path, key=key)
         return Finding(self.file, line, column, format_path(path) if field_text is None else field_text, message)
-
-
-def read_limited(path: str | Path, limit: int, what: str = "file") -> bytes:
-    """At most `limit` bytes of a regular file; anything else is refused with a one-line reason.
-
-    The limit counts bytes actually read (limit + 1 are asked for), never `st_size`: a FIFO, a device
-    such as /dev/zero, or a file growing while read reports a size that means nothing. The file is
-    opened non-blocking so that opening a FIFO with no writer cannot hang, and `fstat` on the open
-    descriptor (not the name) decides whether it is a regular file.
-    """
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(path, flags)
-    try:
-        info = os.fstat(fd)
-        mode = info.st_mode
-        if stat.S_ISDIR(mode):
-            raise IsADirectoryError(f"{path}: is a directory, not a {what}")
-        if not stat.S_ISREG(mode):
-            raise NotRegularFileError(f"{path}: not a regular file (a FIFO, socket or device); refused")
-        chunks: list[bytes] = []
-        total = 0
-        while total <= limit:
-            chunk = os.read(fd, min(1 << 20, limit + 1 - total))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-    finally:
-        os.close(fd)
-    data = b"".join(chunks)
-    if len(data) > limit:
-        raise TooLargeError(path, max(info.st_size, len(data)), limit)
-    return data
-
-
-class NotRegularFileError(OSError):
-    """A path that is not a regular file where one is required (FIFO, device, socket)."""
-
-
-class TooLargeError(OSError):
-    """A file with more bytes than its reading limit (`size`: at least this many bytes)."""
-
-    def __init__(self, path: str | Path, size: int, limit: int) -> None:
-        super().__init__(f"{path}: {size} bytes; the limit is {limit}")
-        self.size, self.limit = size, limit
 
 
 def load_file(path: str | Path) -> Source:

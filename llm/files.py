@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import errno
 import json
-import os
-import stat
 from pathlib import Path
 from typing import Any
+
+from llmplan.bounded_read import NotRegularFileError, TooLargeError, read_limited
 
 SMALL_FILE_LIMIT = 64 << 20  # config, index, SHA256SUMS, tokenizer files: far below this
 
@@ -35,32 +35,14 @@ def describe_os_error(path: str | Path, error: OSError) -> str:
 
 
 def read_bytes_limited(path: str | Path, limit: int = SMALL_FILE_LIMIT) -> bytes:
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(path, flags)
+        return read_limited(path, limit)
+    except TooLargeError:
+        raise FileProblem(f"{path}: larger than the {limit}-byte limit for this file; refused") from None
+    except (NotRegularFileError, IsADirectoryError) as bad:  # the message names the file and says what it is
+        raise FileProblem(str(bad)) from None
     except OSError as error:
         raise FileProblem(describe_os_error(path, error)) from None
-    try:
-        mode = os.fstat(fd).st_mode
-        if stat.S_ISDIR(mode):
-            raise FileProblem(f"{path}: is a directory, not a file")
-        if not stat.S_ISREG(mode):
-            raise FileProblem(f"{path}: not a regular file (a FIFO, socket or device); refused")
-        chunks: list[bytes] = []
-        total = 0
-        while total <= limit:
-            chunk = os.read(fd, min(1 << 20, limit + 1 - total))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-    except OSError as error:
-        raise FileProblem(describe_os_error(path, error)) from None
-    finally:
-        os.close(fd)
-    if total > limit:
-        raise FileProblem(f"{path}: larger than the {limit}-byte limit for this file; refused")
-    return b"".join(chunks)
 
 
 def read_text_limited(path: str | Path, limit: int = SMALL_FILE_LIMIT) -> str:

@@ -52,6 +52,16 @@ def test_no_layer_imports_against_the_direction(layer: str) -> None:
     assert not wrong, "\n".join(wrong)
 
 
+def test_the_shared_top_package_imports_no_layer() -> None:
+    """llmplan/*.py (what every layer shares, e.g. the bounded reader) depends on none of the layers."""
+    wrong = [
+        f"{path.relative_to(REPO)}:{line}: imports {target}"
+        for path in sorted((REPO / "llmplan").glob("*.py"))
+        for target, line in imported_layers(path.read_text(encoding="utf-8"), "llmplan")
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
 def test_the_check_sees_a_forbidden_import() -> None:
     source = "from llmplan.stages.slots import InferenceContext\nfrom ..llm import model\nfrom . import graph\n"
     assert {t for t, _ in imported_layers(source, "engine")} == {"stages", "llm", "engine"}

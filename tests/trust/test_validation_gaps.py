@@ -84,7 +84,7 @@ def test_plan_that_is_not_a_regular_file_is_refused_without_hanging(tmp_path: Pa
 
 
 def test_plan_limit_counts_bytes_read_not_st_size(tmp_path: Path) -> None:
-    from llmplan.engine.yaml_source import TooLargeError, read_limited
+    from llmplan.bounded_read import TooLargeError, read_limited
 
     path = tmp_path / "grow.yaml"
     path.write_bytes(b"a" * 100)
@@ -94,7 +94,7 @@ def test_plan_limit_counts_bytes_read_not_st_size(tmp_path: Path) -> None:
 
 
 def test_fifo_open_does_not_block(tmp_path: Path) -> None:
-    from llmplan.engine.yaml_source import NotRegularFileError, read_limited
+    from llmplan.bounded_read import NotRegularFileError, read_limited
 
     fifo = tmp_path / "f"
     os.mkfifo(fifo)
