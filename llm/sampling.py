@@ -263,8 +263,15 @@ class Picker:
                     logits = step(logits, ctx)
         if logits is not raw and not torch.isfinite(logits).any():
             logits = raw  # every token was banned/masked: ignore the chain rather than fail
+        best = None
+        if self.params.logprobs_top_n > 0:
+            best = torch.topk(raw, min(self.params.logprobs_top_n, raw.numel()))
         if self.params.greedy:
-            token = int(torch.argmax(logits))
+            values = best.values if best is not None else None
+            if logits is raw and values is not None and len(values) > 1 and bool(values[0] > values[1]):
+                token = int(best.indices[0])  # a unique maximum the top list already found: no second pass
+            else:
+                token = int(torch.argmax(logits))  # on a tie the lowest index, as always
         else:
             # Draw among the tokens the chain left (a nucleus is a few dozen of 49152): multinomial over the
             # whole vocabulary draws one exponential per entry, which cost more than the model's decode step.
@@ -276,9 +283,8 @@ class Picker:
                 token = int(torch.multinomial(logits.softmax(dim=-1), 1, generator=self._generator))
         lse = torch.logsumexp(raw, dim=-1)
         top = None
-        if self.params.logprobs_top_n > 0:
-            values, ids = torch.topk(raw, min(self.params.logprobs_top_n, raw.numel()))
-            top = [(int(i), float(v)) for i, v in zip(ids.tolist(), (values - lse).tolist(), strict=True)]
+        if best is not None:
+            top = [(int(i), float(v)) for i, v in zip(best.indices.tolist(), (best.values - lse).tolist(), strict=True)]
         return Pick(token=token, logprob=float(raw[token] - lse), top=top)
 
 
