@@ -41,6 +41,15 @@ static inline vf vld_i8(const int8_t *p) {
 static inline vf vld8_i8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
+// bf16 is the top half of an fp32: widening is a zero-extend and a shift, exact for every value.
+static inline vf vld_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline vf vld8_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(0x00FF, p)), 16));
+}
+static inline vf vld_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vf vld8_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(0x00FF, p)); }
 static inline void vst(float *p, vf v) { _mm512_storeu_ps(p, v); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
@@ -58,6 +67,12 @@ static inline vf vld_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 static inline vf vld8_i8(const int8_t *p) { return vld_i8(p); }
+static inline vf vld_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline vf vld8_bf16(const uint16_t *p) { return vld_bf16(p); }
+static inline vf vld_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline vf vld8_f16(const uint16_t *p) { return vld_f16(p); }
 static inline void vst(float *p, vf v) { _mm256_storeu_ps(p, v); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
@@ -66,7 +81,22 @@ static inline float vsum(vf v) { return hsum(v); }
 #endif
 
 #define NB 4   // weight rows per block, one activation row
-#define MC 96  // activation rows per chunk (96 x 1536 fp32 = 576 KB, in L2)
+
+// Activation rows per chunk of a several-rows product: as many as half of this core's L2 holds at K columns
+// (each chunk re-reads every weight row, so fewer chunks means fewer weight passes: a 128-token prompt ran as
+// 96 + 32 rows, reading the weights twice, with the fixed 96 this replaced), in equal chunks, 32 at least.
+#include <unistd.h>
+static int64_t chunk_rows(int64_t M, int64_t K) {
+    static int64_t l2 = 0;
+    if (!l2) {
+        const long got = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        l2 = got > 0 ? got : 512 << 10;  // unknown: the smallest L2 of the CPUs this runs on
+    }
+    int64_t most = l2 / 2 / (K * (int64_t)sizeof(float));
+    most = most < 32 ? 32 : most;
+    const int64_t chunks = (M + most - 1) / most;
+    return (M + chunks - 1) / chunks;
+}
 
 // Which build this is ("avx512" or "avx2"): the run's env metrics name the path taken.
 const char *kernel_isa(void) { return ISA_NAME; }
@@ -99,9 +129,17 @@ static inline __m256 load_i8(const int8_t *p) {
 // y[m, r] (row stride ldy) = scale[r] * sum_k w_r[k] x[m, k] for r < nr <= NR, m < M; scale may be NULL.
 // Rows past nr (or m past M in the last tile) repeat row 0 and are not stored. K % 8 == 0.
 // An NR x MR register tile (NR * MR accumulators, NR weight vectors, 1 activation vector live).
+// next[r] (or NULL): the stored rows of the block this thread runs next, next_bytes each. Their cache lines are
+// prefetched into L2 a few per tile: a block's weights come from memory once and are then reused by every
+// tile, so without it each block starts with a stall on its rows (in a prefill, 20-30 % of the GEMM).
 static void rows_tile(const float *const *wr, const float *x, int64_t M, int64_t K, float *y, int64_t ldy, int nr,
-                      const float *scale) {
+                      const float *scale, const char *const *next, int64_t next_bytes) {
+    const int64_t lines = next ? (next_bytes + 63) / 64 : 0, tiles = (M + MR - 1) / MR;
+    const int64_t per_tile = (lines * NR + tiles - 1) / tiles;
+    int64_t fetched = 0;
     for (int64_t m = 0; m < M; m += MR) {
+        for (int64_t j = 0; j < per_tile && fetched < lines * NR; j++, fetched++)
+            _mm_prefetch(next[fetched / lines] + (fetched % lines) * 64, _MM_HINT_T1);
         const int mb = (int)(M - m < MR ? M - m : MR);
         const float *xr[MR];
         for (int i = 0; i < MR; i++) xr[i] = x + (m + (i < mb ? i : 0)) * K;
@@ -143,6 +181,15 @@ static inline void block_rows(const float *w, int64_t n0, int nr, int64_t K, con
     for (int r = 0; r < NR; r++) wr[r] = w + (n0 + (r < nr ? r : 0)) * K;
 }
 
+// The stored rows of the block after the one at n0 (row_bytes each), for rows_tile's prefetch; false when
+// there is none.
+static inline int next_rows(const void *w, int64_t n0, int64_t N, int64_t row_bytes, const char **next) {
+    const int64_t at = n0 + NR;
+    if (at >= N) return 0;
+    for (int r = 0; r < NR; r++) next[r] = (const char *)w + (at + (at + r < N ? r : 0)) * row_bytes;
+    return 1;
+}
+
 // Prefetch the 64-byte lines that the bytes [from, to) of each of 4 rows start, `ahead` bytes further on.
 #define PREFETCH4(p0, p1, p2, p3, from, to, ahead)                                                \
     for (int64_t b_ = ((from) + 63) & ~(int64_t)63; b_ < (to); b_ += 64) {                       \
@@ -154,8 +201,8 @@ static inline void block_rows(const float *w, int64_t n0, int nr, int64_t K, con
 
 // One activation row: 4 weight rows (W loaded by LOAD from row pointers p0..p3), 8 FMA chains, and a
 // software prefetch of the next block's rows (the hardware prefetcher alone reaches half the bandwidth).
-#define DOT4_ONE(T, LOAD, LOAD8)                                                                  \
-    static void dot4_one_##T(const T *p0, const T *p1, const T *p2, const T *p3, const float *x,   \
+#define DOT4_ONE(NAME, T, LOAD, LOAD8)                                                            \
+    static void dot4_one_##NAME(const T *p0, const T *p1, const T *p2, const T *p3, const float *x,   \
                              int64_t K, float out[4]) {                                           \
         vf a0 = vzero(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;          \
         const int64_t sz = (int64_t)sizeof(T);                                                   \
@@ -187,8 +234,8 @@ static inline void block_rows(const float *w, int64_t n0, int nr, int64_t K, con
 
 // One activation row against all N weight rows, 4 at a time over the threads; y[n] = dot * scale[n] (scale
 // may be NULL).
-#define ONE_ROW(T)                                                                                 \
-    static void one_row_##T(const T *w, const float *scale, const float *x, float *y, int64_t N, int64_t K) { \
+#define ONE_ROW(NAME, T)                                                                           \
+    static void one_row_##NAME(const T *w, const float *scale, const float *x, float *y, int64_t N, int64_t K) { \
         const int64_t blocks = (N + NB - 1) / NB;                                                  \
         _Pragma("omp parallel for schedule(static)")                                               \
         for (int64_t b = 0; b < blocks; b++) {                                                     \
@@ -196,15 +243,19 @@ static inline void block_rows(const float *w, int64_t n0, int nr, int64_t K, con
             const T *rows[NB];                                                                     \
             for (int64_t r = 0; r < NB; r++) rows[r] = w + (n0 + (r < nb ? r : 0)) * K;            \
             float out[NB];                                                                         \
-            dot4_one_##T(rows[0], rows[1], rows[2], rows[3], x, K, out);                           \
+            dot4_one_##NAME(rows[0], rows[1], rows[2], rows[3], x, K, out);                           \
             for (int64_t r = 0; r < nb; r++) y[n0 + r] = out[r] * (scale ? scale[n0 + r] : 1.0f);  \
         }                                                                                          \
     }
 
-DOT4_ONE(int8_t, vld_i8, vld8_i8)
-DOT4_ONE(float, vld, vld8)
-ONE_ROW(int8_t)
-ONE_ROW(float)
+DOT4_ONE(i8, int8_t, vld_i8, vld8_i8)
+DOT4_ONE(f32, float, vld, vld8)
+DOT4_ONE(bf16, uint16_t, vld_bf16, vld8_bf16)
+DOT4_ONE(f16, uint16_t, vld_f16, vld8_f16)
+ONE_ROW(i8, int8_t)
+ONE_ROW(f32, float)
+ONE_ROW(bf16, uint16_t)
+ONE_ROW(f16, uint16_t)
 
 // Widen int8 codes to fp32 (K % 8 == 0).
 static void widen_i8(const int8_t *q, float *dst, int64_t K) {
@@ -217,10 +268,11 @@ static void widen_i8(const int8_t *q, float *dst, int64_t K) {
 // Requires K % 8 == 0 (checked by the caller).
 void gemm_int8(const float *x, const int8_t *q, const float *scale, float *y, int64_t M, int64_t N, int64_t K) {
     if (M == 1) {
-        one_row_int8_t(q, scale, x, y, N, K);
+        one_row_i8(q, scale, x, y, N, K);
         return;
     }
     const int64_t blocks = (N + NR - 1) / NR;
+    const int64_t MC = chunk_rows(M, K);
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
         const int64_t mc = M - m0 < MC ? M - m0 : MC;
 #pragma omp parallel
@@ -232,8 +284,10 @@ void gemm_int8(const float *x, const int8_t *q, const float *scale, float *y, in
                 const int nr = (int)(N - n0 < NR ? N - n0 : NR);
                 for (int r = 0; r < nr; r++) widen_i8(q + (n0 + r) * K, wide + r * K, K);
                 const float *wr[NR];
+                const char *next[NR];
                 block_rows(wide, 0, nr, K, wr);
-                rows_tile(wr, x + m0 * K, mc, K, y + m0 * N + n0, N, nr, scale + n0);
+                const int more = next_rows(q, n0, N, K, next);
+                rows_tile(wr, x + m0 * K, mc, K, y + m0 * N + n0, N, nr, scale + n0, more ? next : NULL, K);
             }
             _mm_free(wide);
         }
@@ -243,10 +297,11 @@ void gemm_int8(const float *x, const int8_t *q, const float *scale, float *y, in
 // fp32 weights: y[m, n] = sum_k x[m, k] * w[n, k]. Requires K % 8 == 0.
 void gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K) {
     if (M == 1) {
-        one_row_float(w, NULL, x, y, N, K);
+        one_row_f32(w, NULL, x, y, N, K);
         return;
     }
     const int64_t blocks = (N + NR - 1) / NR;
+    const int64_t MC = chunk_rows(M, K);
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
         const int64_t mc = M - m0 < MC ? M - m0 : MC;
 #pragma omp parallel for schedule(static)
@@ -254,8 +309,54 @@ void gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, in
             const int64_t n0 = b * NR;
             const int nr = (int)(N - n0 < NR ? N - n0 : NR);
             const float *wr[NR];
+            const char *next[NR];
             block_rows(w, n0, nr, K, wr);
-            rows_tile(wr, x + m0 * K, mc, K, y + m0 * N + n0, N, nr, 0);
+            const int more = next_rows(w, n0, N, K * (int64_t)sizeof(float), next);
+            rows_tile(wr, x + m0 * K, mc, K, y + m0 * N + n0, N, nr, 0, more ? next : NULL, K * (int64_t)sizeof(float));
+        }
+    }
+}
+
+// Widen 16-bit floats (bf16, or fp16 when `f16`) to fp32 (K % 8 == 0).
+static void widen_half(const uint16_t *w, float *dst, int64_t K, int f16) {
+    int64_t k = 0;
+    for (; k + VW <= K; k += VW) vst(dst + k, f16 ? vld_f16(w + k) : vld_bf16(w + k));
+    for (; k < K; k += 8) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)(w + k));
+        _mm256_storeu_ps(dst + k, f16 ? _mm256_cvtph_ps(h)
+                                      : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+    }
+}
+
+// bf16 or fp16 weights (uint16 bit patterns; fp16 when `f16`): y[m, n] = sum_k x[m, k] * w[n, k], exactly the
+// fp32 product of the widened weights (every bf16 and fp16 value is an fp32 value). Half the bytes of fp32 at
+// decode; several rows widen NR rows into an L1 scratch, as int8 does.
+void gemm_half(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K, int64_t f16) {
+    if (M == 1) {
+        if (f16)
+            one_row_f16(w, NULL, x, y, N, K);
+        else
+            one_row_bf16(w, NULL, x, y, N, K);
+        return;
+    }
+    const int64_t blocks = (N + NR - 1) / NR, MC = chunk_rows(M, K);
+    for (int64_t m0 = 0; m0 < M; m0 += MC) {
+        const int64_t mc = M - m0 < MC ? M - m0 : MC;
+#pragma omp parallel
+        {
+            float *wide = (float *)_mm_malloc(NR * K * sizeof(float), 64);
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; b++) {
+                const int64_t n0 = b * NR;
+                const int nr = (int)(N - n0 < NR ? N - n0 : NR);
+                for (int r = 0; r < nr; r++) widen_half(w + (n0 + r) * K, wide + r * K, K, (int)f16);
+                const float *wr[NR];
+                const char *next[NR];
+                block_rows(wide, 0, nr, K, wr);
+                const int more = next_rows(w, n0, N, 2 * K, next);
+                rows_tile(wr, x + m0 * K, mc, K, y + m0 * N + n0, N, nr, 0, more ? next : NULL, 2 * K);
+            }
+            _mm_free(wide);
         }
     }
 }
@@ -416,6 +517,8 @@ static void dequant_int4_row(const uint8_t *p, const uint16_t *sc, const uint16_
     }
 }
 
+
+
 // y[m, n] = sum_k x[m, k] * w[n, k] for int4 groups; packed uint8 [N, K/2], scale/zero fp16 [N, K/G].
 void gemm_int4(const float *x, const uint8_t *packed, const uint16_t *scale, const uint16_t *zero, float *y,
                int64_t M, int64_t N, int64_t K, int64_t G) {
@@ -457,6 +560,7 @@ void gemm_int4(const float *x, const uint8_t *packed, const uint16_t *scale, con
         return;
     }
     const int64_t blocks = (N + NR - 1) / NR;
+    const int64_t MC = chunk_rows(M, K);
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
         const int64_t mc = M - m0 < MC ? M - m0 : MC;
 #pragma omp parallel
@@ -470,8 +574,10 @@ void gemm_int4(const float *x, const uint8_t *packed, const uint16_t *scale, con
                     dequant_int4_row(packed + (n0 + r) * (K / 2), scale + (n0 + r) * groups, zero + (n0 + r) * groups,
                                      K, G, wide + r * K);
                 const float *wr[NR];
+                const char *next[NR];
                 block_rows(wide, 0, nr, K, wr);
-                rows_tile(wr, x + m0 * K, mc, K, y + m0 * N + n0, N, nr, 0);
+                const int more = next_rows(packed, n0, N, K / 2, next);
+                rows_tile(wr, x + m0 * K, mc, K, y + m0 * N + n0, N, nr, 0, more ? next : NULL, K / 2);
             }
             _mm_free(wide);
         }
@@ -493,12 +599,13 @@ void gemm_int4(const float *x, const uint8_t *packed, const uint16_t *scale, con
 #include <stdlib.h>
 #include <time.h>
 
-enum { LINEAR_F32 = 0, LINEAR_INT8 = 1, LINEAR_INT4 = 2 };
+
+enum { LINEAR_F32 = 0, LINEAR_INT8 = 1, LINEAR_INT4 = 2, LINEAR_BF16 = 3, LINEAR_F16 = 4 };
 
 typedef struct {
     int64_t kind;        // LINEAR_F32: w is float [n, k]; LINEAR_INT8: w is int8 [n, k] with fp32 scale [n];
-    const void *w;       // LINEAR_INT4: w is packed uint8 [n, k/2] with fp16 scale and zero [n, k/group]
-    const void *scale;
+    const void *w;       // LINEAR_INT4: w is packed uint8 [n, k/2] with fp16 scale and zero [n, k/group];
+    const void *scale;   // LINEAR_BF16 / LINEAR_F16: w is bf16 / fp16 (uint16 bits) [n, k]
     const void *zero;
     int64_t n, k, group;
 } Linear;
@@ -556,11 +663,14 @@ static void linear(const Linear *l, const float *x, float *y, int64_t M) {
     else if (l->kind == LINEAR_INT4)
         gemm_int4(x, (const uint8_t *)l->w, (const uint16_t *)l->scale, (const uint16_t *)l->zero, y, M, l->n, l->k,
                   l->group);
+    else if (l->kind == LINEAR_BF16 || l->kind == LINEAR_F16)
+        gemm_half(x, (const uint16_t *)l->w, y, M, l->n, l->k, l->kind == LINEAR_F16);
     else
         gemm_f32(x, (const float *)l->w, y, M, l->n, l->k);
 }
 
 static void rms_norm(const float *x, const float *w, float *y, int64_t M, int64_t D, float eps) {
+#pragma omp parallel for schedule(static) if (M >= 16)
     for (int64_t m = 0; m < M; m++) {
         const float *xm = x + m * D;
         float ss = 0.0f;
@@ -568,6 +678,12 @@ static void rms_norm(const float *x, const float *w, float *y, int64_t M, int64_
         const float inv = 1.0f / sqrtf(ss / (float)D + eps);
         for (int64_t i = 0; i < D; i++) y[m * D + i] = xm[i] * inv * w[i];
     }
+}
+
+// h += d over n floats (the residuals), in parallel when `many`.
+static void add_rows(float *h, const float *d, int64_t n, int many) {
+#pragma omp parallel for schedule(static) if (many)
+    for (int64_t i = 0; i < n; i++) h[i] += d[i];
 }
 
 // rotate-half RoPE of one head in place: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)
@@ -675,17 +791,27 @@ static void attend_chunk(const float *q, const float *kc, const float *vc, const
 
 // Input r is cache row rows[r]: its K/V go to slot slots[r] and it attends over that row's valid slots
 // 0..slots[r]. Rows may sit at different lengths (a scheduler's slots), or all at one slot (a static batch).
+// A prompt chunk is inputs of one row at consecutive slots: every input's K/V is stored before any input
+// attends, so each sees the chunk's earlier tokens (causal attention within the chunk) and this one call
+// prefills; decode rows and prompt chunks may share it. Logits are computed for the n_out inputs outs[]
+// into logits [n_out, vocab] (none when n_out is 0: a chunk before a prompt's last needs none, its last chunk
+// only its last token's), or for all M inputs when n_out is -1.
 // work: floats for h, xn [M, dim], qkv [M, (H + 2 KV) hd], att [M, H hd], gu [M, 2 hidden], act [M, hidden]
+//
+// The per-input loops (norms, RoPE, K/V stores, SwiGLU, residuals) run in parallel from MANY_INPUTS inputs;
+// below that (decode) a fork would cost more than the loop.
+#define MANY_INPUTS 16
 void decode_step(const DecodeModel *m, const int64_t *tokens, const int64_t *positions, const int64_t *rows,
-                 const int64_t *slots, int64_t M, float *work, float *logits) {
+                 const int64_t *slots, int64_t M, float *work, float *logits, const int64_t *outs, int64_t n_out) {
     const int64_t D = m->dim, H = m->n_heads, KV = m->n_kv_heads, hd = m->head_dim, half = hd / 2;
     const int64_t I = m->hidden, qkv_w = (H + 2 * KV) * hd, rep = H / KV, T = m->max_tokens;
     float *h = work, *xn = h + M * D, *qkv = xn + M * D, *att = qkv + M * qkv_w, *gu = att + M * H * hd,
           *act = gu + M * 2 * I;
     const float scale = 1.0f / sqrtf((float)hd);
+    const int many = M >= MANY_INPUTS;
     step_clock(m, 0);
     for (int64_t r = 0; r < M; r++) memcpy(h + r * D, m->embed + tokens[r] * D, D * sizeof(float));
-    // Attention work items: (row, KV head, chunk of slots); enough chunks that both threads have work even
+    // Attention work items: (input, KV head, chunk of slots); enough chunks that both threads have work even
     // at batch 1 (3 KV heads), not so many that the merge costs more than it spreads.
     // Chunks are sized for the longest row; a shorter row's surplus chunks are empty.
     int64_t longest = 0;
@@ -694,13 +820,13 @@ void decode_step(const DecodeModel *m, const int64_t *tokens, const int64_t *pos
     int64_t chunks = per_row_group >= want ? 1 : (want + per_row_group - 1) / per_row_group;
     if (chunks > (longest + 31) / 32) chunks = (longest + 31) / 32;  // at least 32 slots per chunk
     const int64_t span = (longest + chunks - 1) / chunks, items = M * KV * chunks;
-    float *parts = (float *)malloc((size_t)items * rep * (hd + 2 + span) * sizeof(float));
-    float *scores = parts + items * rep * (hd + 2);
+    float *parts = (float *)malloc((size_t)items * rep * (hd + 2) * sizeof(float));
 
     for (int64_t l = 0; l < m->n_layers; l++) {
         const Layer *L = m->layers + l;
         rms_norm(h, L->attn_norm, xn, M, D, m->eps);
         linear(&L->wqkv, xn, qkv, M);
+#pragma omp parallel for schedule(static) if (many)
         for (int64_t r = 0; r < M; r++) {
             float *q = qkv + r * qkv_w, *k = q + H * hd, *v = k + KV * hd;
             const float *c = m->rope_cos + positions[r] * half, *s = m->rope_sin + positions[r] * half;
@@ -711,16 +837,23 @@ void decode_step(const DecodeModel *m, const int64_t *tokens, const int64_t *pos
                 memcpy(m->v_cache + at, v + g * hd, hd * sizeof(float));
             }
         }
-#pragma omp parallel for schedule(static)
-        for (int64_t item = 0; item < items; item++) {
-            const int64_t rg = item / chunks, c = item % chunks, r = rg / KV, g = rg % KV;
-            const int64_t t0 = c * span, t1 = t0 + span < slots[r] + 1 ? t0 + span : slots[r] + 1;
-            const int64_t base = ((l * m->max_batch + rows[r]) * KV + g) * T * hd;
-            float *part = parts + item * rep * (hd + 2);
-            attend_chunk(qkv + r * qkv_w + g * rep * hd, m->k_cache + base, m->v_cache + base, m->valid + rows[r] * T,
-                         t0, t1 > t0 ? t1 : t0, hd, rep, scale, scores + item * rep * span, part, part + rep,
-                         part + 2 * rep);
+#pragma omp parallel
+        {
+            float *scores = (float *)malloc((size_t)rep * span * sizeof(float));  // this thread's
+            // Round-robin: a prompt chunk's later inputs attend over more slots than its first ones.
+#pragma omp for schedule(static, 1)
+            for (int64_t item = 0; item < items; item++) {
+                const int64_t rg = item / chunks, c = item % chunks, r = rg / KV, g = rg % KV;
+                const int64_t t0 = c * span, t1 = t0 + span < slots[r] + 1 ? t0 + span : slots[r] + 1;
+                const int64_t base = ((l * m->max_batch + rows[r]) * KV + g) * T * hd;
+                float *part = parts + item * rep * (hd + 2);
+                attend_chunk(qkv + r * qkv_w + g * rep * hd, m->k_cache + base, m->v_cache + base,
+                             m->valid + rows[r] * T, t0, t1 > t0 ? t1 : t0, hd, rep, scale, scores, part, part + rep,
+                             part + 2 * rep);
+            }
+            free(scores);
         }
+#pragma omp parallel for schedule(static) if (many)
         for (int64_t r = 0; r < M; r++)  // merge the chunks: rescale each to the common max
             for (int64_t hq = 0; hq < H; hq++) {
                 const int64_t g = hq / rep, j = hq % rep;
@@ -740,18 +873,27 @@ void decode_step(const DecodeModel *m, const int64_t *tokens, const int64_t *pos
                 for (int64_t i = 0; i < hd; i++) out[i] /= den;
             }
         linear(&L->wo, att, xn, M);
-        for (int64_t i = 0; i < M * D; i++) h[i] += xn[i];
+        add_rows(h, xn, M * D, many);
         step_clock(m, 1 + 2 * l);
         rms_norm(h, L->ffn_norm, xn, M, D, m->eps);
         linear(&L->w13, xn, gu, M);
+#pragma omp parallel for schedule(static) if (many)
         for (int64_t r = 0; r < M; r++) swiglu(gu + r * 2 * I, gu + r * 2 * I + I, act + r * I, I);
         linear(&L->w2, act, xn, M);
-        for (int64_t i = 0; i < M * D; i++) h[i] += xn[i];
+        add_rows(h, xn, M * D, many);
         step_clock(m, 2 + 2 * l);
     }
     free(parts);
-    rms_norm(h, m->norm, xn, M, D, m->eps);
-    linear(&m->head, xn, logits, M);
+    if (n_out >= 0) {  // the head's rows only: gather them (h is free now)
+        for (int64_t i = 0; i < n_out; i++) memcpy(xn + i * D, h + outs[i] * D, D * sizeof(float));
+        if (n_out) {
+            rms_norm(xn, m->norm, h, n_out, D, m->eps);
+            linear(&m->head, h, logits, n_out);
+        }
+    } else {
+        rms_norm(h, m->norm, xn, M, D, m->eps);
+        linear(&m->head, xn, logits, M);
+    }
     step_clock(m, 2 * m->n_layers + 1);
 }
 

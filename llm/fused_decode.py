@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from .layer_clock import LayerClock
     from .model import Transformer
 
-_F32, _INT8, _INT4 = 0, 1, 2
+_F32, _INT8, _INT4, _BF16, _F16 = 0, 1, 2, 3, 4
+_HALF_KINDS = {torch.bfloat16: _BF16, torch.float16: _F16}
 
 
 class _Linear(ctypes.Structure):
@@ -106,6 +107,8 @@ def _native_linear(module: nn.Module, keep: list[Tensor]) -> _Linear:
     group = 0
     if isinstance(module, FloatLinear) and module.kernel == "auto" and module.weight.dtype == torch.float32:
         w, scale, kind = module.weight, None, _F32
+    elif isinstance(module, FloatLinear) and module.kernel == "auto" and module.weight.dtype in _HALF_KINDS:
+        w, scale, kind = module.weight, None, _HALF_KINDS[module.weight.dtype]
     elif isinstance(module, Int8Linear) and module.kernel == "auto":
         w, scale, kind = module.qweight, module.scale.float().contiguous(), _INT8
     elif isinstance(module, Int4Linear) and module.kernel == "auto":
@@ -256,16 +259,37 @@ class FusedDecoder:
         self._check_ids(tokens)
         return self._run(tokens.contiguous(), positions.contiguous(), rows.contiguous(), slots.contiguous())
 
+    def run(self, tokens: Tensor, positions: Tensor, rows: Tensor, slots: Tensor, outs: Tensor) -> Tensor:
+        """Logits [len(outs), V] (fp32) of the inputs `outs` (indices into the others) of one pass: input i is
+        token tokens[i] of cache row rows[i] at slot slots[i] (marked valid first) and RoPE position
+        positions[i]. Every input's K/V is stored before any attends, so the inputs of one row at consecutive
+        slots form a causal chunk: one call prefills it (beside decode rows: one input each), and only the
+        inputs in `outs` pay for the head."""
+        self._check_ids(tokens)
+        parts = (tokens, positions, rows, slots)
+        n_rows = int(torch.unique(rows).numel())
+        shape = (n_rows, len(tokens) // n_rows)
+        return self._run(*(t.contiguous() for t in parts), outs=outs.contiguous(), shape=shape)
+
     def _check_ids(self, token_ids: Tensor) -> None:
         if int(token_ids.min()) < 0 or int(token_ids.max()) >= self.vocab:
             raise IndexError(f"token ids must be in [0, {self.vocab})")
 
-    def _run(self, tokens: Tensor, positions: Tensor, rows: Tensor, slots: Tensor) -> Tensor:
+    def _run(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        rows: Tensor,
+        slots: Tensor,
+        outs: Tensor | None = None,
+        shape: tuple[int, int] | None = None,
+    ) -> Tensor:
+        """shape: (rows, tokens per row) of the pass for the layer clock; default one token per input."""
         m = tokens.shape[0]
         need = m * self._per_row
         if self._work.numel() < need:
-            self._work = torch.empty(need)  # work buffers, grown once to the largest batch seen
-        logits = torch.empty(m, self.vocab)
+            self._work = torch.empty(need)  # work buffers, grown once to the largest pass seen
+        logits = torch.empty(m if outs is None else outs.shape[0], self.vocab)
         clock = self.clock
         self.model_struct.layer_ns = clock.buffer.data_ptr() if clock is not None else None
         self._lib.decode_step(
@@ -277,9 +301,11 @@ class FusedDecoder:
             m,
             self._work.data_ptr(),
             logits.data_ptr(),
+            None if outs is None else outs.data_ptr(),
+            -1 if outs is None else outs.shape[0],  # -1: logits of every input
         )
         if clock is not None:
-            clock.record_fused(m)
+            clock.record_fused(*(shape or (m, 1)))
         return logits
 
 
@@ -289,3 +315,29 @@ def decode_step(model: Transformer, tokens: Tensor, positions: Tensor, cache: KV
     if fused is not None:
         return fused.step(tokens, positions, cache)
     return model(tokens, positions, cache, last_only=True)
+
+
+def prefill_step(
+    model: Transformer, tokens: Tensor, positions: Tensor, cache: KVCache, valid: Tensor | None, *, logits: bool
+) -> Tensor | None:
+    """A prompt chunk [B, T] of a static batch (left padding marked False in `valid`) through the model, its
+    K/V appended to `cache`: one fused native call where it applies, else the torch modules. With `logits`,
+    those of the chunk's last column [B, 1, V] (every row's last token: left padding), else None.
+
+    The fused call takes only the real tokens (padding is never computed: its slots stay invalid, so no
+    query sees them) and runs the head on the last column alone."""
+    fused = FusedDecoder.bound(model, cache)
+    if fused is None:
+        out = model(tokens, positions, cache, valid=valid, last_only=True)
+        return out if logits else None
+    batch, width = tokens.shape
+    keep = torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid
+    start = cache.append(positions, valid)
+    flat = keep.reshape(-1)
+    index = flat.nonzero().squeeze(1)  # the real tokens, row by row
+    rows, cols = index // width, index % width
+    outs = torch.empty(0, dtype=torch.long)
+    if logits:  # each row's last column, as an index into the real tokens
+        outs = flat.cumsum(0)[torch.arange(batch) * width + width - 1] - 1
+    found = fused.run(tokens.reshape(-1)[index], positions.reshape(-1)[index], rows, start + cols, outs)
+    return found.view(batch, 1, fused.vocab) if logits else None

@@ -15,7 +15,7 @@ from typing import Literal, Protocol
 import torch
 from torch import Tensor
 
-from .fused_decode import decode_step
+from .fused_decode import decode_step, prefill_step
 from .kv_cache import KVCache
 from .model import Transformer
 
@@ -193,7 +193,9 @@ class _StaticBatch:
                     self.finish_live("cache_full")
                     logits = None
                     break
-                logits = model(tokens[:, lo:hi], positions[:, lo:hi], cache, valid=valid[:, lo:hi], last_only=True)
+                logits = prefill_step(
+                    model, tokens[:, lo:hi], positions[:, lo:hi], cache, valid[:, lo:hi], logits=hi == width
+                )
         except RuntimeError as err:
             if not is_oom(err):
                 raise

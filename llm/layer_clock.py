@@ -48,9 +48,9 @@ class LayerClock:
         else:
             self.dropped += 1
 
-    def record_fused(self, rows: int) -> None:
-        """After a fused step: keep what C wrote into `buffer`."""
-        self.record("fused", rows, 1, self.buffer.tolist())
+    def record_fused(self, rows: int, tokens: int = 1) -> None:
+        """After a fused pass (a decode step, or a prompt chunk of `tokens` per row): keep what C wrote."""
+        self.record("fused", rows, tokens, self.buffer.tolist())
 
 
 def now_ns(device: torch.device) -> int:

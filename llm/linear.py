@@ -7,12 +7,13 @@ runs that path, or the reference where an input does not fit it (another device,
 
     path                          weights                 what runs
     native-<isa>-f32              fp32                    cpu_kernels.c fp32 GEMM (<isa>: avx512 or avx2)
+    native-<isa>-bf16 / -fp16     bf16 / fp16             cpu_kernels.c, weights widened in registers (exact)
     native-<isa>-int8             int8                    cpu_kernels.c int8 GEMM, fp32 activations
     native-<isa>-int4             int4 (groups % 32 == 0) cpu_kernels.c int4 GEMM on the packed codes
     native-<isa>-int8-requant     int4, other groups      int4 re-quantized once to per-channel int8
     torch-f32                     fp32                    F.linear
     torch-f32-transposed          fp32, >= 16384 rows     x @ W^T from a contiguous W^T at <= 16 rows
-    fbgemm-fp16                   fp16 / bf16             fbgemm's fp16 GEMM, fp32 activations
+    fbgemm-fp16                   fp16 / bf16             fbgemm's fp16 GEMM, fp32 activations (no native)
     torch-int8pack-bf16           int8                    _weight_int8pack_mm below 64 rows, else reference
     torch-int8pack-bf16-requant   int4                    the same on the int8 re-quantization
     reference                     any                     the plain weight-only product (the oracle)
@@ -185,13 +186,17 @@ class FloatLinear(_Chosen):
             else:
                 self.path = "torch-f32"
         else:
+            self._fast = _native_for(w)
+            if self._fast is not None:
+                self.path = f"native-{self._fast.isa}-{'bf16' if w.dtype == torch.bfloat16 else 'fp16'}"
+                return
             self._packed = _prepack_fp16(w, "FloatLinear")
             self.path = "fbgemm-fp16" if self._packed is not None else REFERENCE
 
     def forward(self, x: Tensor) -> Tensor:
         path, w = self._chosen(), self.weight
         if self._fast is not None and self._fast.supports(x, w):
-            return self._fast.linear_f32(x, w)
+            return self._fast.linear_f32(x, w) if w.dtype == torch.float32 else self._fast.linear_half(x, w)
         if self._transposed is not None and x.numel() <= _SMALL_ROWS * w.shape[1]:
             return (x @ self._transposed).to(x.dtype)
         if path == "fbgemm-fp16" and x.device.type == "cpu":

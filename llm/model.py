@@ -303,13 +303,15 @@ class Transformer(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         max_seq_len: int | None = None,
+        keep_linear_dtype: bool = False,
     ) -> Transformer:
         """Build a model around `weights` (internal names, see `llm.weights`) without any init copy.
 
         The skeleton is built on the meta device, then each parameter is *assigned*: tensors already on
         `device` in `dtype` are used as they are (no copy; tied embeddings stay one tensor). Non-tensor
         linear weights (quantized) go to `linear_factory` as they are; its module is then moved to `device`.
-        device/dtype default to those of `tok_embeddings.weight`.
+        device/dtype default to those of `tok_embeddings.weight`. keep_linear_dtype: dense linear weights keep
+        their own dtype (a bf16 weight under fp32 activations, as load.convert produces) instead of `dtype`.
         """
         factory = linear_factory or dense_linear
         shapes = internal_shapes(cfg)
@@ -320,15 +322,16 @@ class Transformer(nn.Module):
         embed = weights["tok_embeddings.weight"]
         device = torch.device(device) if device is not None else embed.device
         dtype = dtype or embed.dtype
-        converted: dict[int, Tensor] = {}  # by id: a tensor shared by two names stays shared
+        converted: dict[tuple[int, Any], Tensor] = {}  # by id: a tensor shared by two names stays shared
 
-        def tensor(name: str) -> Tensor:
+        def tensor(name: str, keep_dtype: bool = False) -> Tensor:
             t = weights[name]
             if tuple(t.shape) != shapes[name]:
                 raise WeightError(f"{name}: expected shape {shapes[name]}, got {tuple(t.shape)}")
-            if id(t) not in converted:
-                converted[id(t)] = t.to(device=device, dtype=dtype)
-            return converted[id(t)]
+            key = (id(t), t.dtype if keep_dtype else dtype)
+            if key not in converted:
+                converted[key] = t.to(device=device, dtype=key[1])
+            return converted[key]
 
         def linear(name: str) -> nn.Module:
             key = name + ".weight"
@@ -336,7 +339,8 @@ class Transformer(nn.Module):
             shape = getattr(obj, "shape", None)
             if shape is not None and tuple(shape) != shapes[key]:
                 raise WeightError(f"{key}: expected shape {shapes[key]}, got {tuple(shape)}")
-            return factory(tensor(key) if isinstance(obj, Tensor) else obj).to(device=device)
+            dense = isinstance(obj, Tensor)
+            return factory(tensor(key, keep_linear_dtype) if dense else obj).to(device=device)
 
         def param(name: str) -> nn.Parameter:
             return nn.Parameter(tensor(name), requires_grad=False)

@@ -64,7 +64,7 @@ class NativeKernels:
         lib.cpu_features.restype = i64
         self.isa: str = lib.kernel_isa().decode()  # "avx2" or "avx512": the vector path this build runs
         self.features: int = int(lib.cpu_features())  # this CPU's FEATURE_* bits
-        lib.decode_step.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr]  # see llm/fused_decode.py
+        lib.decode_step.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64]  # see llm/fused_decode.py
         lib.decode_layout.argtypes = [ptr, i64]
         lib.decode_layout.restype = i64
         lib.decode_step.restype = None
@@ -83,6 +83,9 @@ class NativeKernels:
         self._f32 = lib.gemm_f32
         self._f32.argtypes = [ptr, ptr, ptr, i64, i64, i64]
         self._f32.restype = None
+        self._half = lib.gemm_half
+        self._half.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64]
+        self._half.restype = None
         self._int4 = lib.gemm_int4
         self._int4.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
         self._int4.restype = None
@@ -134,6 +137,14 @@ class NativeKernels:
         self._f32(x2.data_ptr(), weight.data_ptr(), y.data_ptr(), x2.shape[0], *weight.shape)
         return _restore(x, y)
 
+    def linear_half(self, x: Tensor, weight: Tensor) -> Tensor:
+        """y = x @ weight.T in fp32 for a bf16 or fp16 weight [N, K], widened in registers (exact)."""
+        if weight.dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"linear_half takes a bf16 or fp16 weight, not {weight.dtype}")
+        x2, y = _rows(x, weight.shape[0])
+        f16 = int(weight.dtype == torch.float16)
+        self._half(x2.data_ptr(), weight.data_ptr(), y.data_ptr(), x2.shape[0], *weight.shape, f16)
+        return _restore(x, y)
 
     def quantize_int8(self, w: Tensor) -> tuple[Tensor, Tensor] | None:
         """(codes int8 [N, K], scale fp32 [N]) of a 2-D CPU tensor, bit-identical to the torch version;

@@ -13,8 +13,11 @@ A `Scheduler` owns a `SlotCache` and runs one **step** at a time:
 3. Spend the step's token budget (`max_step_tokens`): one decode token for every running row first, then
    prompt chunks of the admitted requests in arrival order. A long prompt thus holds the decoding rows
    back by one chunk per step, never by its whole prefill.
-4. Run the decode rows in one forward pass (the native fused step where it applies: rows at different
-   lengths in one call; else the torch modules over a cache view) and each prompt chunk in its own pass.
+4. Run the step. Where the native fused pass applies, the decode rows and the prompt chunks are one call:
+   every input is a (slot, position) pair, a chunk's inputs see each other causally, and the weights are read
+   once for all of them (a decode row riding along a prefill costs one more GEMM row, not another pass over
+   the weights: vLLM's chunked prefill). Otherwise the torch modules run the decode rows in one pass over a
+   cache view and each prompt chunk in its own.
 5. Pick a token for every row whose logits came out (decode rows, and prompts whose last chunk ran), deliver
    it (`on_token`), and end a row the moment it finishes: EOS, its length limit, a stop condition, its slot
    full ("cache_full"), non-finite logits ("error", that row only). An out-of-memory pass is retried in
@@ -232,17 +235,21 @@ class Scheduler:
                 budget -= n
             record = StepRecord(time.perf_counter()) if self.timeline is not None else None
             picks: list[tuple[Sequence, Tensor, bool]] = []
-            if decode:
-                picks += self._decode(decode)
-                if record is not None:
-                    record.decode = (record.start, time.perf_counter(), len(decode))
-            for seq, n in chunks:
-                began = time.perf_counter()
-                logits = self._prefill(seq, n)
-                if record is not None:
-                    record.prefill.append((began, time.perf_counter(), seq.request.tag, n))
-                if logits is not None:
-                    picks.append((seq, logits, bool(torch.isfinite(logits).all())))
+            fused = FusedDecoder.bound(self.model, self.cache) if decode and chunks else None
+            if fused is not None:
+                picks += self._mixed_pass(fused, decode, chunks, record)
+            else:
+                if decode:
+                    picks += self._decode(decode)
+                    if record is not None:
+                        record.decode = (record.start, time.perf_counter(), len(decode))
+                for seq, n in chunks:
+                    began = time.perf_counter()
+                    logits = self._prefill(seq, n)
+                    if record is not None:
+                        record.prefill.append((began, time.perf_counter(), seq.request.tag, n))
+                    if logits is not None:
+                        picks.append((seq, logits, bool(torch.isfinite(logits).all())))
             for seq, logits, finite in picks:
                 self._pick(seq, logits, finite)
             if record is not None and self.timeline is not None:
@@ -286,16 +293,23 @@ class Scheduler:
         assert slot is not None
         ids = seq.request.prompt[seq.prefilled : seq.prefilled + n]
         [start] = self.cache.claim([slot], [ids])
-        device = self.model.device
-        tokens = torch.tensor([ids], device=device)
-        positions = torch.arange(start, start + n, device=device)[None]
+        done = seq.prefilled + n == len(seq.request.prompt)
         try:
-            logits = self.model(tokens, positions, self.cache.rows([slot], [start]), last_only=True)
+            fused = FusedDecoder.bound(self.model, self.cache)
+            if fused is not None:  # one native call; the head only for the prompt's last token
+                at = torch.arange(start, start + n)
+                outs = torch.tensor([n - 1] if done else [], dtype=torch.long)
+                logits = fused.run(torch.tensor(ids), at, torch.full((n,), slot), at, outs)[None]
+            else:
+                device = self.model.device
+                tokens = torch.tensor([ids], device=device)
+                positions = torch.arange(start, start + n, device=device)[None]
+                logits = self.model(tokens, positions, self.cache.rows([slot], [start]), last_only=True)
         except RuntimeError as err:
             if not is_oom(err):
                 raise
             self.cache.unclaim([slot], [start])
-            release_memory(device)
+            release_memory(self.model.device)
             self._finish(seq, "error", f"out of memory during prefill: {err}")
             return None
         seq.prefilled += n
@@ -305,14 +319,68 @@ class Scheduler:
         seq.generation.prefill_s = time.perf_counter() - seq.admitted_at
         return logits[0, -1].float()
 
-    def _decode(self, rows: list[Sequence]) -> list[tuple[Sequence, Tensor, bool]]:
-        """One token for each row; a row whose slot is full ends with "cache_full"."""
+    def _with_room(self, rows: list[Sequence]) -> list[Sequence]:
+        """The decode rows whose slot has room for one more token; the others end with "cache_full"."""
         ready = []
         for seq in rows:
             if self.cache.lengths[seq.slot] >= self.cache.max_tokens:  # type: ignore[index]
                 self._finish(seq, "cache_full")
             else:
                 ready.append(seq)
+        return ready
+
+    def _mixed_pass(
+        self, fused: FusedDecoder, decode: list[Sequence], chunks: list[tuple[Sequence, int]], record: StepRecord | None
+    ) -> list[tuple[Sequence, Tensor, bool]]:
+        """The decode rows and the prompt chunks in one native pass; logits for every decode row and for the
+        last token of each prompt this step completes."""
+        ready = self._with_room(decode)
+        seqs = ready + [seq for seq, _ in chunks]
+        parts = [[s.generation.tokens[-1]] for s in ready]
+        parts += [seq.request.prompt[seq.prefilled : seq.prefilled + n] for seq, n in chunks]
+        slots: list[int] = [s.slot for s in seqs]  # type: ignore[misc]
+        starts = self.cache.claim(slots, parts)
+        tokens: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
+        ends: list[int] = []  # each part's last input
+        for slot, start, part in zip(slots, starts, parts, strict=True):
+            tokens += part
+            positions += range(start, start + len(part))
+            rows += [slot] * len(part)
+            ends.append(len(tokens) - 1)
+        done = [seq.prefilled + n == len(seq.request.prompt) for seq, n in chunks]
+        outs = ends[: len(ready)] + [end for end, last in zip(ends[len(ready) :], done, strict=True) if last]
+        began = time.perf_counter()
+        try:
+            at = torch.tensor(positions)
+            logits = fused.run(torch.tensor(tokens), at, torch.tensor(rows), at, torch.tensor(outs, dtype=torch.long))
+        except BaseException:
+            self.cache.unclaim(slots, starts)
+            raise
+        ended = time.perf_counter()
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        picks = []
+        for i, seq in enumerate(ready):
+            seq.generation.decode_steps += 1
+            picks.append((seq, logits[i], finite[i]))
+        self.stats.decode_tokens += len(ready)
+        at_out = len(ready)
+        for (seq, n), last in zip(chunks, done, strict=True):
+            seq.prefilled += n
+            self.stats.prefill_tokens += n
+            if last:
+                seq.generation.prefill_s = ended - seq.admitted_at
+                picks.append((seq, logits[at_out], finite[at_out]))
+                at_out += 1
+        if record is not None:  # one pass: the decode rows and the chunks share its span
+            record.decode = (began, ended, len(ready))
+            record.prefill += [(began, ended, seq.request.tag, n) for seq, n in chunks]
+        return picks
+
+    def _decode(self, rows: list[Sequence]) -> list[tuple[Sequence, Tensor, bool]]:
+        """One token for each row; a row whose slot is full ends with "cache_full"."""
+        ready = self._with_room(rows)
         if not ready:
             return []
         try:

@@ -2,8 +2,8 @@
 
 Tensors arrive one at a time from the shard reader; each fused group is converted as soon as its
 parts are all in, and the parts are dropped, so the fp32 checkpoint is never held whole. Linear
-weights take the plan's precision; embeddings and norms stay in the activation dtype (a gather and
-a scale are cheap, and their precision matters for every token).
+weights take the plan's precision; embeddings and norms stay fp32 (a gather and a scale are cheap, and
+their precision matters for every token) until `load.to_device` gives them the activation dtype.
 """
 
 from __future__ import annotations
@@ -56,9 +56,17 @@ class ConvertParams(Params):
     )
 
 
-def activation_dtype(precision: str) -> torch.dtype:
-    """fp16/bf16 plans compute in that dtype; fp32 and weight-only int8/int4 plans compute in fp32."""
-    return FLOAT_DTYPES.get(precision, torch.float32) if precision in ("fp16", "bf16") else torch.float32
+def activation_dtype(precision: str, device_type: str = "cpu") -> torch.dtype:
+    """The dtype of the residual stream, embeddings, norms and (by default) the KV cache.
+
+    fp32 on the CPU at every precision: the native kernels widen fp16/bf16/int8/int4 weights to fp32 in
+    registers, so the products are exact and the fused native step runs (a bf16 plan reads half of fp32's
+    bytes per token, like llama.cpp's BF16 with fp32 activations). On a GPU an fp16/bf16 plan computes in
+    its own dtype (tensor cores); int8/int4 are weight-only there too, in fp32.
+    """
+    if device_type != "cpu" and precision in ("fp16", "bf16"):
+        return FLOAT_DTYPES[precision]
+    return torch.float32
 
 
 def is_linear(name: str) -> bool:
@@ -67,7 +75,6 @@ def is_linear(name: str) -> bool:
 
 def weight_bytes(cfg: ModelConfig, precision: str, group_size: int, head: str = "same") -> int:
     """Bytes of the converted weights, for `validate --deep` (same rules as the conversion)."""
-    act = torch.tensor([], dtype=activation_dtype(precision)).element_size()
     total = 0
     for name, shape in internal_shapes(cfg).items():
         count = 1
@@ -75,7 +82,7 @@ def weight_bytes(cfg: ModelConfig, precision: str, group_size: int, head: str = 
             count *= d
         kind = (head if head != "same" else precision) if name == "output.weight" else precision
         if not is_linear(name):
-            total += count * act
+            total += count * 4  # fp32 until load.to_device
         elif kind in ("fp32",):
             total += count * 4
         elif kind in ("fp16", "bf16"):
@@ -172,7 +179,6 @@ class Convert(Stage):
         out: dict[str, Any] = {}
         errors: dict[str, float] = {}
         bytes_in = 0
-        act = activation_dtype(params.dtype)
         start = time.perf_counter()
 
         def convert(internal: str, parts: list[Tensor]) -> Any:
@@ -193,7 +199,7 @@ class Convert(Stage):
                 return done[0] if len(done) == 1 else concat_quantized(done)  # type: ignore[arg-type]
             whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
             if not is_linear(internal):
-                return whole.to(act)
+                return whole.to(torch.float32)
             return quantize_weight(whole.float(), precision, params.group_size)
 
         def on_tensor(name: str, tensor: Tensor) -> None:

@@ -94,8 +94,9 @@ class ToDevice(Stage):
                 weights.tensors,
                 linear_factory=factory,
                 device=ctx.device,
-                dtype=activation_dtype(weights.dtype),
+                dtype=activation_dtype(weights.dtype, torch.device(ctx.device).type),
                 max_seq_len=kv.max_tokens,
+                keep_linear_dtype=True,  # each linear weight in the precision load.convert gave it
             )
         except WeightError as bad:
             raise StageFailure(f"weights do not fit the config: {bad}") from None

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from llmplan.llm import native
 from llmplan.llm.beam_search import beam_search
-from llmplan.llm.fused_decode import FusedDecoder, decode_step
+from llmplan.llm.fused_decode import FusedDecoder, decode_step, prefill_step
 from llmplan.llm.generate import Pick, generate
 from llmplan.llm.kv_cache import KVCache
 from llmplan.llm.linear import make_linear
@@ -58,7 +58,9 @@ def _model(path, precision: str) -> Transformer:
         n: quantize_weight(w, precision) if n.endswith(LINEARS) or n == "output.weight" else w
         for n, w in weights.items()
     }
-    return Transformer.from_weights(cfg, quantized, linear_factory=functools.partial(make_linear, kernel="auto"))
+    factory = functools.partial(make_linear, kernel="auto")
+    # bf16/fp16 weights stay 16-bit under fp32 activations, as load.to_device builds them
+    return Transformer.from_weights(cfg, quantized, linear_factory=factory, keep_linear_dtype=True)
 
 
 class Counting:
@@ -84,7 +86,7 @@ def _generate(model: Transformer, prompts: list[list[int]], fused: bool, **cache
     return [g.tokens for g in gens]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("precision", ["fp32", "int8", "int4", "bf16", "fp16"])
 @pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["one", "padded-batch"])
 def test_fused_generates_the_torch_paths_tokens(tiny_dir, precision, prompts, monkeypatch) -> None:
     model = _model(tiny_dir, precision)
@@ -95,7 +97,7 @@ def test_fused_generates_the_torch_paths_tokens(tiny_dir, precision, prompts, mo
     assert counter.calls == 19  # every decode step after the prefill's first token
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("precision", ["fp32", "int8", "bf16"])
 def test_fused_logits_match_the_torch_path(tiny_dir, precision: str) -> None:
     model = _model(tiny_dir, precision)
     rows = []
@@ -113,6 +115,41 @@ def test_fused_logits_match_the_torch_path(tiny_dir, precision: str) -> None:
                 steps.append(model(torch.full((3, 1), token), cache.next_positions(), cache))
         rows.append(torch.cat(steps, 1))
     torch_path, fused_path = rows
+    assert (fused_path - torch_path).abs().max() <= 1e-5 * torch_path.abs().max()
+
+
+# The fused prefill: a left-padded batch, whole or in chunks of 4 columns (chunks that start after slot 0,
+# some all padding for the short rows), against the torch modules; then decode steps over the cache it wrote.
+@pytest.mark.parametrize("precision", ["fp32", "int8", "int4", "bf16"])
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_fused_prefill_matches_the_torch_prefill(tiny_dir, precision: str, chunk: int | None, monkeypatch) -> None:
+    model = _model(tiny_dir, precision)
+    calls: list[int] = []
+    original = FusedDecoder.run
+
+    def counted(decoder, tokens, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(len(tokens))
+        return original(decoder, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(FusedDecoder, "run", counted)
+    width = max(map(len, PROMPTS))
+    tokens = torch.tensor([[PAD] * (width - len(p)) + p for p in PROMPTS])
+    valid = tokens != PAD
+    positions = (valid.cumsum(1) - 1).clamp(min=0)
+    found = []
+    for fused in (False, True):
+        model.fused_decode = fused
+        cache = KVCache.for_model(model, 3, 40)
+        step = chunk or width
+        with torch.inference_mode():
+            for lo in range(0, width, step):
+                hi = min(lo + step, width)
+                last = prefill_step(model, tokens[:, lo:hi], positions[:, lo:hi], cache, valid[:, lo:hi], logits=hi == width)
+            after = [decode_step(model, torch.full((3, 1), t), cache.next_positions(), cache) for t in (7, 99, 3)]
+        assert last is not None and last.shape == (3, 1, model.cfg.vocab_size)
+        found.append(torch.cat([last, *after], 1))
+    torch_path, fused_path = found
+    assert sum(calls) == int(valid.sum())  # the real tokens only, padding never computed
     assert (fused_path - torch_path).abs().max() <= 1e-5 * torch_path.abs().max()
 
 

@@ -53,6 +53,37 @@ def test_f32_kernel_equals_the_exact_product(isa_path: native.NativeKernels, row
     _close(isa_path.linear_f32(x, w), x.double() @ w.double().T)
 
 
+# bf16 and fp16 weights are widened to fp32 exactly, so the kernel is the exact product of the 16-bit values
+# (same tolerance as fp32). rows 600: more than one chunk of activation rows at K = 1536 where L2 is small.
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 130, 600])
+@pytest.mark.parametrize(("n", "k"), [(70, 24), (9, 1536)])
+def test_half_kernels_equal_the_exact_product(
+    isa_path: native.NativeKernels, dtype: torch.dtype, rows: int, n: int, k: int
+) -> None:
+    gen = torch.Generator().manual_seed(rows * 7 + n)
+    w, x = torch.randn(n, k, generator=gen).to(dtype), torch.randn(rows, k, generator=gen)
+    _close(isa_path.linear_half(x, w), x.double() @ w.double().T)
+
+
+@needs_native
+def test_half_kernel_refuses_other_weights(isa_path: native.NativeKernels) -> None:
+    with pytest.raises(TypeError, match="bf16 or fp16"):
+        isa_path.linear_half(torch.randn(1, 8), torch.randn(4, 8))
+
+
+@needs_native
+def test_bf16_and_fp16_modules_take_the_native_path(isa_path: native.NativeKernels) -> None:
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+        w = torch.randn(48, 64).to(dtype)
+        module = make_linear(w, "auto")
+        module.prepack()
+        assert module.path == f"native-{isa_path.isa}-{name}"
+        x = torch.randn(3, 64)
+        _close(module(x), x.double() @ w.double().T)
+
+
 @needs_native
 def test_leading_dims_and_dtype_are_kept(isa_path: native.NativeKernels) -> None:
     w = torch.randn(12, 16)

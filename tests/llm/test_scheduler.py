@@ -120,6 +120,32 @@ def test_quantized_models_through_the_fused_step_equal_alone(tiny_dir, precision
         assert seq.generation.tokens == alone(model, prompt, new).tokens
 
 
+@pytest.mark.skipif(not NATIVE, reason="native kernels unavailable")
+def test_decode_rows_and_a_prompt_chunk_share_one_native_pass(fp32: Transformer, monkeypatch) -> None:
+    model = _model(fp32, "fused")
+    passes: list[tuple[int, int]] = []  # (inputs, logits rows) per native pass
+    original = FusedDecoder.run
+
+    def run(self, tokens, positions, rows, slots, outs):  # type: ignore[no-untyped-def]
+        passes.append((len(tokens), len(outs)))
+        return original(self, tokens, positions, rows, slots, outs)
+
+    monkeypatch.setattr(FusedDecoder, "run", run)
+    sched = Scheduler(model, SlotCache.for_model(model, 2, 64), max_step_tokens=8, prefix_reuse=False)
+    first = sched.submit(request(PROMPTS[0], 10))
+    while not first.generation.tokens:
+        sched.step()
+    long = sched.submit(request(PROMPTS[4], 6))  # 20 tokens: 7 per step beside the decode row
+    passes.clear()
+    sched.step()
+    assert passes == [(8, 1)]  # one decode token + a 7-token chunk, logits for the decode row only
+    sched.run()
+    assert passes[:3] == [(8, 1), (8, 1), (7, 2)]  # chunks of 7, 7, 6: the last one's final token gets logits
+    assert first.generation.tokens == alone(model, PROMPTS[0], 10).tokens
+    assert long.generation.tokens == alone(model, PROMPTS[4], 6).tokens
+    assert long.generation.logprobs == pytest.approx(alone(model, PROMPTS[4], 6).logprobs, abs=1e-5)
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_a_cancelled_request_frees_its_slot_and_leaves_the_others_unchanged(fp32: Transformer, path: str) -> None:
     model = _model(fp32, path)

@@ -181,7 +181,8 @@ def test_attention_choice_is_checked_against_the_model(tiny: tuple[Path, Any], t
 
 
 def test_layer_timings_keep_the_fused_step(tiny: tuple[Path, Any], tmp_path: Path, wired: dict[str, int]) -> None:
-    """Timings need no hooks: decode stays on the path it takes unobserved (the fused step where it applies)."""
+    """Timings need no hooks: prefill and decode stay on the path they take unobserved (the fused native pass
+    where it applies)."""
     from llmplan.llm import native
 
     run = run_plan(write_plan(tmp_path, tiny[0], observe={"layer_timings": True}), tmp_path / "run")
@@ -189,9 +190,10 @@ def test_layer_timings_keep_the_fused_step(tiny: tuple[Path, Any], tmp_path: Pat
     timings = json.loads((run / "layer_timings.json").read_text())
     expected = "fused" if native.kernels() is not None else "torch"
     assert timings["decode"]["paths"] == {expected: NEW_TOKENS - 1}
-    assert timings["prefill"]["paths"] == {"torch": 1}
-    for key in ("attention_ms", "mlp_ms"):  # the step's own clock marks: every layer's span is positive
-        assert all(s["min"] > 0 for s in timings["decode"][key])
+    assert timings["prefill"]["paths"] == {expected: 1}
+    for phase in ("prefill", "decode"):  # the pass's own clock marks: every layer's span is positive
+        for key in ("attention_ms", "mlp_ms"):
+            assert all(s["min"] > 0 for s in timings[phase][key])
     trace = json.loads((run / "trace.json").read_text())
     passes = [e for e in trace["traceEvents"] if e.get("cat") == "pass" and e["name"].startswith("decode")]
     assert len(passes) == NEW_TOKENS - 1 and all(f"({expected})" in e["name"] for e in passes)
