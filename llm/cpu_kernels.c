@@ -33,6 +33,7 @@ typedef __m512 vf;
 #define NR 6  // weight rows per register tile, several activation rows
 #define MR 4  // activation rows per register tile (4: batches of 16 and prompts of 128 fill whole tiles)
 static inline vf vzero(void) { return _mm512_setzero_ps(); }
+static inline vf vset1(float v) { return _mm512_set1_ps(v); }
 static inline vf vld(const float *p) { return _mm512_loadu_ps(p); }
 static inline vf vld8(const float *p) { return _mm512_maskz_loadu_ps(0x00FF, p); }  // 8 floats, rest 0
 static inline vf vld_i8(const int8_t *p) {
@@ -61,6 +62,7 @@ typedef __m256 vf;
 #define NR 3
 #define MR 4
 static inline vf vzero(void) { return _mm256_setzero_ps(); }
+static inline vf vset1(float v) { return _mm256_set1_ps(v); }
 static inline vf vld(const float *p) { return _mm256_loadu_ps(p); }
 static inline vf vld8(const float *p) { return _mm256_loadu_ps(p); }
 static inline vf vld_i8(const int8_t *p) {
@@ -695,11 +697,17 @@ static void rope(float *x, const float *c, const float *s, int64_t half) {
     }
 }
 
-static float dot(const float *a, const float *b, int64_t n) {
-    __m256 acc = _mm256_setzero_ps();
+// a . b over n floats: VW lanes, two accumulators (an 8-FMA dependency chain per dot left the attention
+// latency-bound: ~60 cycles a score in a 128-token prefill).
+static inline float dot(const float *a, const float *b, int64_t n) {
+    vf s0 = vzero(), s1 = vzero();
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float sum = hsum(acc);
+    for (; i + 2 * VW <= n; i += 2 * VW) {
+        s0 = vfma(vld(a + i), vld(b + i), s0);
+        s1 = vfma(vld(a + i + VW), vld(b + i + VW), s1);
+    }
+    for (; i + VW <= n; i += VW) s0 = vfma(vld(a + i), vld(b + i), s0);
+    float sum = vsum(vadd(s0, s1));
     for (; i < n; i++) sum += a[i] * b[i];
     return sum;
 }
@@ -743,24 +751,28 @@ static void swiglu(const float *gate, const float *up, float *out, int64_t n) {
 static void attend_chunk(const float *q, const float *kc, const float *vc, const uint8_t *ok, int64_t t0, int64_t t1,
                          int64_t hd, int64_t rep, float scale, float *p, float *top, float *total, float *out) {
     const int64_t n = t1 - t0;
-    for (int64_t j = 0; j < rep; j++) top[j] = -INFINITY, total[j] = 0.0f;
-    for (int64_t t = t0; t < t1; t++) {
-        for (int64_t j = 0; j < rep; j++) {
-            const float s = ok[t] ? dot(q + j * hd, kc + t * hd, hd) * scale : -INFINITY;
-            p[j * n + t - t0] = s;
-            if (s > top[j]) top[j] = s;
-        }
+    for (int64_t t = t0; t < t1; t++) {  // scores; the maxima in a second, branch-free pass
+        const float *kt = kc + t * hd;
+        for (int64_t j = 0; j < rep; j++) p[j * n + t - t0] = ok[t] ? dot(q + j * hd, kt, hd) * scale : -INFINITY;
     }
     for (int64_t j = 0; j < rep; j++) {
         float *pj = p + j * n;
-        if (top[j] == -INFINITY) {  // every slot of the chunk is padding
-            for (int64_t i = 0; i < n; i++) pj[i] = 0.0f;
+        __m256 m8 = _mm256_set1_ps(-INFINITY);
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(pj + i));
+        float lanes[8], best = -INFINITY;
+        _mm256_storeu_ps(lanes, m8);
+        for (int l = 0; l < 8; l++) best = lanes[l] > best ? lanes[l] : best;
+        for (; i < n; i++) best = pj[i] > best ? pj[i] : best;
+        top[j] = best;
+        total[j] = 0.0f;
+        if (best == -INFINITY) {  // every slot of the chunk is padding
+            for (i = 0; i < n; i++) pj[i] = 0.0f;
             continue;
         }
-        const __m256 t8 = _mm256_set1_ps(top[j]), ninf = _mm256_set1_ps(-INFINITY);
+        const __m256 t8 = _mm256_set1_ps(best), ninf = _mm256_set1_ps(-INFINITY);
         __m256 sum8 = _mm256_setzero_ps();
-        int64_t i = 0;
-        for (; i + 8 <= n; i += 8) {
+        for (i = 0; i + 8 <= n; i += 8) {
             const __m256 s = _mm256_loadu_ps(pj + i);
             const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(s, t8)), _mm256_cmp_ps(s, ninf, _CMP_NEQ_OQ));
             _mm256_storeu_ps(pj + i, e);
@@ -768,23 +780,51 @@ static void attend_chunk(const float *q, const float *kc, const float *vc, const
         }
         float sum = hsum(sum8);
         for (; i < n; i++) {
-            pj[i] = pj[i] == -INFINITY ? 0.0f : expf(pj[i] - top[j]);
+            pj[i] = pj[i] == -INFINITY ? 0.0f : expf(pj[i] - best);
             sum += pj[i];
         }
         total[j] = sum;
     }
+    // out[j] = sum_t p[j, t] v_t, four slots per pass over out (a quarter of its loads and stores) where all
+    // four are valid; a slot that is not is skipped, never multiplied by 0 (its V may be stale or NaN).
     for (int64_t j = 0; j < rep * hd; j++) out[j] = 0.0f;
-    for (int64_t t = t0; t < t1; t++) {
+    int64_t t = t0;
+    for (; t + 4 <= t1; t += 4) {
+        if (!(ok[t] && ok[t + 1] && ok[t + 2] && ok[t + 3])) {
+            for (int64_t u = t; u < t + 4; u++) {
+                if (!ok[u]) continue;
+                const float *vt = vc + u * hd;
+                for (int64_t j = 0; j < rep; j++) {
+                    const float w = p[j * n + u - t0];
+                    for (int64_t i = 0; i < hd; i++) out[j * hd + i] += w * vt[i];
+                }
+            }
+            continue;
+        }
+        const float *v0 = vc + t * hd, *v1 = v0 + hd, *v2 = v1 + hd, *v3 = v2 + hd;
+        for (int64_t j = 0; j < rep; j++) {
+            const float *pj = p + j * n + t - t0;
+            const vf w0 = vset1(pj[0]), w1 = vset1(pj[1]), w2 = vset1(pj[2]), w3 = vset1(pj[3]);
+            float *o = out + j * hd;
+            int64_t i = 0;
+            for (; i + VW <= hd; i += VW) {
+                vf acc = vfma(w0, vld(v0 + i), vld(o + i));
+                acc = vfma(w1, vld(v1 + i), acc);
+                acc = vfma(w2, vld(v2 + i), acc);
+                vst(o + i, vfma(w3, vld(v3 + i), acc));
+            }
+            for (; i < hd; i++) o[i] += pj[0] * v0[i] + pj[1] * v1[i] + pj[2] * v2[i] + pj[3] * v3[i];
+        }
+    }
+    for (; t < t1; t++) {
         if (!ok[t]) continue;
         const float *vt = vc + t * hd;
         for (int64_t j = 0; j < rep; j++) {
-            const float w = p[j * n + t - t0];
+            const vf w = vset1(p[j * n + t - t0]);
             float *o = out + j * hd;
             int64_t i = 0;
-            const __m256 w8 = _mm256_set1_ps(w);
-            for (; i + 8 <= hd; i += 8)
-                _mm256_storeu_ps(o + i, _mm256_fmadd_ps(w8, _mm256_loadu_ps(vt + i), _mm256_loadu_ps(o + i)));
-            for (; i < hd; i++) o[i] += w * vt[i];
+            for (; i + VW <= hd; i += VW) vst(o + i, vfma(w, vld(vt + i), vld(o + i)));
+            for (; i < hd; i++) o[i] += p[j * n + t - t0] * vt[i];
         }
     }
 }
