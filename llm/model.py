@@ -233,8 +233,14 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", freqs.sin(), persistent=False)
 
     def hooked(self) -> bool:
-        """Whether observers hook modules inside the layers (they need the torch modules to run)."""
-        return any(m._forward_hooks or m._forward_pre_hooks for m in self.layers.modules())
+        """Whether observers hook modules inside the layers (they need the torch modules to run).
+
+        Asked before every fused step: the layers' modules are listed once (walking the module tree took
+        0.7 ms, a tenth of an int8 decode step); a layer's submodule replaced later is not seen."""
+        modules = self.__dict__.get("_layer_modules")
+        if modules is None:
+            modules = self.__dict__["_layer_modules"] = list(self.layers.modules())
+        return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
     @property
     def device(self) -> torch.device:

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from .fused_decode import FusedDecoder
-from .generate import FinishReason, Generation, TokenPicker, is_oom, release_memory
+from .generate import FinishReason, Generation, TokenPicker, finite_rows, is_oom, release_memory
 from .model import Transformer
 from .slot_cache import SlotCache
 
@@ -249,7 +249,7 @@ class Scheduler:
                     if record is not None:
                         record.prefill.append((began, time.perf_counter(), seq.request.tag, n))
                     if logits is not None:
-                        picks.append((seq, logits, bool(torch.isfinite(logits).all())))
+                        picks.append((seq, logits, bool(finite_rows(logits))))
             for seq, logits, finite in picks:
                 self._pick(seq, logits, finite)
             if record is not None and self.timeline is not None:
@@ -359,7 +359,7 @@ class Scheduler:
             self.cache.unclaim(slots, starts)
             raise
         ended = time.perf_counter()
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        finite = finite_rows(logits).tolist()
         picks = []
         for i, seq in enumerate(ready):
             seq.generation.decode_steps += 1
@@ -397,7 +397,7 @@ class Scheduler:
         for seq in ready:
             seq.generation.decode_steps += 1
         self.stats.decode_tokens += len(ready)
-        finite = torch.isfinite(logits).all(dim=-1).tolist()  # one check for the whole pass
+        finite = finite_rows(logits).tolist()  # one check for the whole pass
         return [(seq, logits[i], finite[i]) for i, seq in enumerate(ready)]
 
     def _forward_rows(self, rows: list[Sequence]) -> Tensor:

@@ -192,3 +192,12 @@ def test_out_of_memory_ends_running_rows_not_the_run(tiny) -> None:
         assert len(gen.tokens) == 3
     prefill = run(_Faulty(ours, at=1), PROMPTS, 8)  # type: ignore[arg-type]
     assert all(g.finish_reason == "error" and g.tokens == [] for g in prefill)
+
+
+def test_finite_rows_flags_nan_and_both_infinities() -> None:
+    from llmplan.llm.generate import finite_rows
+
+    logits = torch.randn(5, 300)
+    logits[1, 7], logits[2, 299], logits[3, 0] = float("nan"), float("inf"), float("-inf")
+    assert finite_rows(logits).tolist() == [True, False, False, False, True]
+    assert bool(finite_rows(logits[0])) and not bool(finite_rows(logits[1]))
