@@ -381,11 +381,11 @@ static inline __m256 nibbles_hi8(__m128i codes) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)));
 }
 
-// 8 consecutive codes (4 bytes) in k order as floats: broadcast the 32 bits, shift lane i right by 4 i, mask.
-// No byte shuffles: on this CPU those were the int4 kernel's bottleneck (vpmovzxbd + vpsrldq per 8 codes).
-static inline __m256 codes8(const uint8_t *p, __m256i shifts, __m256i mask) {
-    const __m256i word = _mm256_set1_epi32(*(const int32_t *)p);
-    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(word, shifts), mask));
+// xs[16 c + i] = x[16 c + 2 i] and xs[16 c + 8 + i] = x[16 c + 2 i + 1], i < 8 (K % 16 == 0): byte i of a
+// run of 8 holds codes 2 i (low nibble) and 2 i + 1 (high), so each nibble plane meets a contiguous x.
+__attribute__((unused)) static void split_even_odd(const float *x, float *xs, int64_t K) {
+    for (int64_t c = 0; c < K; c += 16)
+        for (int i = 0; i < 8; i++) xs[c + i] = x[c + 2 * i], xs[c + 8 + i] = x[c + 2 * i + 1];
 }
 
 // zero[:] . xsum[:] for one weight row (fp16 zero points): the zero-point term of the int4 dot products.
@@ -399,11 +399,15 @@ static inline float zero_term(const uint16_t *ze, const float *xsum, int64_t gro
     return zsum;
 }
 
-// Four weight rows against one activation row: out[r] = sum_k x[k] * w_r[k]. Per group, the codes' dot
-// product with x is scaled once; the zero term is zero[r, :] . xsum[:].
-__attribute__((unused)) static void dot4_one_int4(const uint8_t *const p[4], const uint16_t *const sc[4], const uint16_t *const ze[4],
-                          const float *x, const float *xsum, int64_t K, int64_t G, float out[4]) {
-    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), mask = _mm256_set1_epi32(0x0F);
+// Four weight rows against one activation row (x split by split_even_odd): out[r] = sum_k x[k] * w_r[k].
+// Per 16 codes of a row: one zero-extending load of 8 bytes, a mask and a shift for the two nibble planes,
+// two conversions and two FMAs: 6 ALU operations where the broadcast-shift-mask form took 8 (on this
+// machine's AVX2 path the int4 kernel was bound by those, at int8's speed for 0.59x the bytes). Per group,
+// the codes' dot product is scaled once; the zero term is zero[r, :] . xsum[:].
+__attribute__((unused)) static void dot4_one_int4(const uint8_t *const p[4], const uint16_t *const sc[4],
+                                                  const uint16_t *const ze[4], const float *xs, const float *xsum,
+                                                  int64_t K, int64_t G, float out[4]) {
+    const __m256i low = _mm256_set1_epi32(0x0F);
     const int64_t groups = K / G;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
     const uint8_t *p0 = p[0], *p1 = p[1], *p2 = p[2], *p3 = p[3];
@@ -411,9 +415,25 @@ __attribute__((unused)) static void dot4_one_int4(const uint8_t *const p[4], con
         _mm_prefetch((const char *)(sc[r] + 4 * groups), _MM_HINT_T0);
         _mm_prefetch((const char *)(ze[r] + 4 * groups), _MM_HINT_T0);
     }
+#define INT4_PLANES(P, D)                                                                        \
+    {                                                                                            \
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((P) + at)));    \
+        D = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), xe, D);                \
+        D = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), xo, D);                 \
+    }
+    float sf[4][8];  // the fp16 scales of the next 8 groups as fp32: a broadcast load per group and row
     for (int64_t g = 0; g < groups; g++) {
+        if (g % 8 == 0) {
+            for (int r = 0; r < 4; r++) {
+                if (groups - g >= 8) {
+                    _mm256_storeu_ps(sf[r], _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc[r] + g))));
+                } else {
+                    for (int64_t i = 0; i < groups - g; i++) sf[r][i] = _cvtsh_ss(sc[r][g + i]);
+                }
+            }
+        }
         __m256 d0 = _mm256_setzero_ps(), d1 = d0, d2 = d0, d3 = d0;
-        for (int64_t k = g * G; k < (g + 1) * G; k += 8) {
+        for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
             const int64_t at = k / 2;
             if ((at & 63) == 0) {  // the next block's rows: the hardware prefetcher alone is too slow
                 _mm_prefetch((const char *)(p0 + at + 2 * K), _MM_HINT_T0);
@@ -421,17 +441,18 @@ __attribute__((unused)) static void dot4_one_int4(const uint8_t *const p[4], con
                 _mm_prefetch((const char *)(p2 + at + 2 * K), _MM_HINT_T0);
                 _mm_prefetch((const char *)(p3 + at + 2 * K), _MM_HINT_T0);
             }
-            const __m256 xv = _mm256_loadu_ps(x + k);
-            d0 = _mm256_fmadd_ps(codes8(p0 + at, shifts, mask), xv, d0);
-            d1 = _mm256_fmadd_ps(codes8(p1 + at, shifts, mask), xv, d1);
-            d2 = _mm256_fmadd_ps(codes8(p2 + at, shifts, mask), xv, d2);
-            d3 = _mm256_fmadd_ps(codes8(p3 + at, shifts, mask), xv, d3);
+            const __m256 xe = _mm256_loadu_ps(xs + k), xo = _mm256_loadu_ps(xs + k + 8);
+            INT4_PLANES(p0, d0)
+            INT4_PLANES(p1, d1)
+            INT4_PLANES(p2, d2)
+            INT4_PLANES(p3, d3)
         }
-        acc0 = _mm256_fmadd_ps(d0, _mm256_set1_ps(_cvtsh_ss(sc[0][g])), acc0);
-        acc1 = _mm256_fmadd_ps(d1, _mm256_set1_ps(_cvtsh_ss(sc[1][g])), acc1);
-        acc2 = _mm256_fmadd_ps(d2, _mm256_set1_ps(_cvtsh_ss(sc[2][g])), acc2);
-        acc3 = _mm256_fmadd_ps(d3, _mm256_set1_ps(_cvtsh_ss(sc[3][g])), acc3);
+        acc0 = _mm256_fmadd_ps(d0, _mm256_broadcast_ss(&sf[0][g % 8]), acc0);
+        acc1 = _mm256_fmadd_ps(d1, _mm256_broadcast_ss(&sf[1][g % 8]), acc1);
+        acc2 = _mm256_fmadd_ps(d2, _mm256_broadcast_ss(&sf[2][g % 8]), acc2);
+        acc3 = _mm256_fmadd_ps(d3, _mm256_broadcast_ss(&sf[3][g % 8]), acc3);
     }
+#undef INT4_PLANES
     const __m256 accs[4] = {acc0, acc1, acc2, acc3};
     for (int r = 0; r < 4; r++) {
         out[r] = hsum(accs[r]) + zero_term(ze[r], xsum, groups);
@@ -456,7 +477,7 @@ static void permute16(const float *x, float *xp, int64_t K) {
     for (int64_t k = 0; k < K; k += 16) _mm512_storeu_ps(xp + k, _mm512_permutexvar_ps(idx, _mm512_loadu_ps(x + k)));
 }
 
-// As dot4_one_int4 below, with x permuted by permute16 and 16 codes per vector.
+// As dot4_one_int4 above, with x permuted by permute16 and 16 codes per vector.
 static void dot4_one_int4_512(const uint8_t *const p[4], const uint16_t *const sc[4], const uint16_t *const ze[4],
                               const float *xp, const float *xsum, int64_t K, int64_t G, float out[4]) {
     const __m512i shifts = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
@@ -536,9 +557,11 @@ void gemm_int4(const float *x, const uint8_t *packed, const uint16_t *scale, con
             for (int64_t k = g * G; k < (g + 1) * G; k++) t += x[k];
             xsum[g] = t;
         }
+        float *xp = (float *)malloc(K * sizeof(float));  // x in the order the codes are read
 #ifdef __AVX512F__
-        float *xp = (float *)malloc(K * sizeof(float));
         permute16(x, xp, K);
+#else
+        split_even_odd(x, xp, K);
 #endif
 
         const int64_t blocks = (N + NB - 1) / NB;
@@ -555,14 +578,12 @@ void gemm_int4(const float *x, const uint8_t *packed, const uint16_t *scale, con
 #ifdef __AVX512F__
             dot4_one_int4_512(p, sc, ze, xp, xsum, K, G, out);
 #else
-            dot4_one_int4(p, sc, ze, x, xsum, K, G, out);
+            dot4_one_int4(p, sc, ze, xp, xsum, K, G, out);
 #endif
             for (int64_t r = 0; r < nb; r++) y[n0 + r] = out[r];
         }
         free(xsum);
-#ifdef __AVX512F__
         free(xp);
-#endif
         return;
     }
     const int64_t blocks = (N + NR - 1) / NR;
@@ -718,6 +739,33 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return sum;
 }
 
+// q . k_i for the 8 keys k_i = k + i hd (hd % VW == 0), as one vector: 8 independent accumulators and one
+// transposing reduction (3 levels of pairwise adds) instead of 8 horizontal sums, which were half the cost
+// of a score.
+static inline __m256 dot8(const float *q, const float *k, int64_t hd) {
+    vf a[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) a[i] = vzero();
+    for (int64_t d = 0; d < hd; d += VW) {
+        const vf qv = vld(q + d);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) a[i] = vfma(qv, vld(k + i * hd + d), a[i]);
+    }
+    __m256 b[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++)
+#ifdef __AVX512F__
+        b[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]), _mm512_extractf32x8_ps(a[i], 1));
+#else
+        b[i] = a[i];
+#endif
+    // hadd(x, y) = [x01 x23 y01 y23 | x45 x67 y45 y67]: twice gives each key's sums of lanes 0-3 in the low
+    // half and of lanes 4-7 in the high half, for keys 0-3 and 4-7; the halves' sum is the 8 dot products.
+    const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(b[0], b[1]), _mm256_hadd_ps(b[2], b[3]));
+    const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(b[4], b[5]), _mm256_hadd_ps(b[6], b[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
 // e^x for 8 lanes (Cephes' range reduction and degree-6 polynomial, ~2 ulp); x is clamped to [-87, 88], so
 // the result is finite and > 0 (the callers zero masked lanes themselves). libm's scalar expf was 1/6 of a
 // decode step at a few hundred tokens of context (softmax over every slot, SiLU over the MLP width).
@@ -757,7 +805,21 @@ static void swiglu(const float *gate, const float *up, float *out, int64_t n) {
 static void attend_chunk(const float *q, const float *kc, const float *vc, const uint8_t *ok, int64_t t0, int64_t t1,
                          int64_t hd, int64_t rep, float scale, float *p, float *top, float *total, float *out) {
     const int64_t n = t1 - t0;
-    for (int64_t t = t0; t < t1; t++) {  // scores; the maxima in a second, branch-free pass
+    // Scores (the maxima in a second, branch-free pass): 8 slots at a time where the head's width allows;
+    // a slot that is not valid gets -inf whatever its (possibly stale) key gave.
+    int64_t t = t0;
+    if (hd % VW == 0) {
+        const __m256 s8 = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);
+        for (; t + 8 <= t1; t += 8) {
+            const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ok + t))), _mm256_setzero_si256()));
+            for (int64_t j = 0; j < rep; j++) {
+                const __m256 d = _mm256_mul_ps(dot8(q + j * hd, kc + t * hd, hd), s8);
+                _mm256_storeu_ps(p + j * n + t - t0, _mm256_blendv_ps(ninf, d, live));
+            }
+        }
+    }
+    for (; t < t1; t++) {
         const float *kt = kc + t * hd;
         for (int64_t j = 0; j < rep; j++) p[j * n + t - t0] = ok[t] ? dot(q + j * hd, kt, hd) * scale : -INFINITY;
     }
@@ -794,8 +856,7 @@ static void attend_chunk(const float *q, const float *kc, const float *vc, const
     // out[j] = sum_t p[j, t] v_t, four slots per pass over out (a quarter of its loads and stores) where all
     // four are valid; a slot that is not is skipped, never multiplied by 0 (its V may be stale or NaN).
     for (int64_t j = 0; j < rep * hd; j++) out[j] = 0.0f;
-    int64_t t = t0;
-    for (; t + 4 <= t1; t += 4) {
+    for (t = t0; t + 4 <= t1; t += 4) {
         if (!(ok[t] && ok[t + 1] && ok[t + 2] && ok[t + 3])) {
             for (int64_t u = t; u < t + 4; u++) {
                 if (!ok[u]) continue;
