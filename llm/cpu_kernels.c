@@ -270,15 +270,18 @@ static void widen_i8(const int8_t *q, float *dst, int64_t K) {
     for (; k < K; k += 8) _mm256_storeu_ps(dst + k, load_i8(q + k));
 }
 
-// int8 codes with one fp32 scale per output row: y[m, n] = scale[n] * sum_k x[m, k] * q[n, k].
-// Requires K % 8 == 0 (checked by the caller).
-void gemm_int8(const float *x, const int8_t *q, const float *scale, float *y, int64_t M, int64_t N, int64_t K) {
-    if (M == 1) {
-        one_row_i8(q, scale, x, y, N, K);
-        return;
-    }
-    const int64_t blocks = (N + NR - 1) / NR;
-    const int64_t MC = chunk_rows(M, K);
+// Several rows of a weight not stored as fp32: each block's NR rows are widened (int8, bf16, fp16) or
+// dequantized (int4) by `widen` into this thread's fp32 scratch in L1, once per chunk of activation rows,
+// then `rows_tile`; the stored rows of the next block (row_bytes each) are prefetched meanwhile. y[m, n] is
+// scaled by scale[n] where scale is not NULL (int8's per-row scale).
+typedef struct WideRows {
+    const void *w, *scale, *zero;  // the stored rows; int4's fp16 scales and zero points [N, K / G]
+    int64_t K, G, row_bytes, f16;
+    void (*widen)(const struct WideRows *src, int64_t n, float *dst);  // row n as K floats
+} WideRows;
+
+static void gemm_widened(const WideRows *src, const float *x, float *y, int64_t M, int64_t N, const float *scale) {
+    const int64_t K = src->K, blocks = (N + NR - 1) / NR, MC = chunk_rows(M, K);
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
         const int64_t mc = M - m0 < MC ? M - m0 : MC;
 #pragma omp parallel
@@ -288,16 +291,32 @@ void gemm_int8(const float *x, const int8_t *q, const float *scale, float *y, in
             for (int64_t b = 0; b < blocks; b++) {
                 const int64_t n0 = b * NR;
                 const int nr = (int)(N - n0 < NR ? N - n0 : NR);
-                for (int r = 0; r < nr; r++) widen_i8(q + (n0 + r) * K, wide + r * K, K);
+                for (int r = 0; r < nr; r++) src->widen(src, n0 + r, wide + r * K);
                 const float *wr[NR];
                 const char *next[NR];
                 block_rows(wide, 0, nr, K, wr);
-                const int more = next_rows(q, n0, N, K, next);
-                rows_tile(wr, x + m0 * K, mc, K, y + m0 * N + n0, N, nr, scale + n0, more ? next : NULL, K);
+                const int more = next_rows(src->w, n0, N, src->row_bytes, next);
+                rows_tile(wr, x + m0 * K, mc, K, y + m0 * N + n0, N, nr, scale ? scale + n0 : NULL, more ? next : NULL,
+                          src->row_bytes);
             }
             _mm_free(wide);
         }
     }
+}
+
+static void widen_i8_row(const WideRows *src, int64_t n, float *dst) {
+    widen_i8((const int8_t *)src->w + n * src->K, dst, src->K);
+}
+
+// int8 codes with one fp32 scale per output row: y[m, n] = scale[n] * sum_k x[m, k] * q[n, k].
+// Requires K % 8 == 0 (checked by the caller).
+void gemm_int8(const float *x, const int8_t *q, const float *scale, float *y, int64_t M, int64_t N, int64_t K) {
+    if (M == 1) {
+        one_row_i8(q, scale, x, y, N, K);
+        return;
+    }
+    const WideRows src = {q, NULL, NULL, K, 0, K, 0, widen_i8_row};
+    gemm_widened(&src, x, y, M, N, scale);
 }
 
 // fp32 weights: y[m, n] = sum_k x[m, k] * w[n, k]. Requires K % 8 == 0.
@@ -336,7 +355,11 @@ static void widen_half(const uint16_t *w, float *dst, int64_t K, int f16) {
 
 // bf16 or fp16 weights (uint16 bit patterns; fp16 when `f16`): y[m, n] = sum_k x[m, k] * w[n, k], exactly the
 // fp32 product of the widened weights (every bf16 and fp16 value is an fp32 value). Half the bytes of fp32 at
-// decode; several rows widen NR rows into an L1 scratch, as int8 does.
+// decode.
+static void widen_half_row(const WideRows *src, int64_t n, float *dst) {
+    widen_half((const uint16_t *)src->w + n * src->K, dst, src->K, (int)src->f16);
+}
+
 void gemm_half(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K, int64_t f16) {
     if (M == 1) {
         if (f16)
@@ -345,26 +368,8 @@ void gemm_half(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N
             one_row_bf16(w, NULL, x, y, N, K);
         return;
     }
-    const int64_t blocks = (N + NR - 1) / NR, MC = chunk_rows(M, K);
-    for (int64_t m0 = 0; m0 < M; m0 += MC) {
-        const int64_t mc = M - m0 < MC ? M - m0 : MC;
-#pragma omp parallel
-        {
-            float *wide = (float *)_mm_malloc(NR * K * sizeof(float), 64);
-#pragma omp for schedule(static)
-            for (int64_t b = 0; b < blocks; b++) {
-                const int64_t n0 = b * NR;
-                const int nr = (int)(N - n0 < NR ? N - n0 : NR);
-                for (int r = 0; r < nr; r++) widen_half(w + (n0 + r) * K, wide + r * K, K, (int)f16);
-                const float *wr[NR];
-                const char *next[NR];
-                block_rows(wide, 0, nr, K, wr);
-                const int more = next_rows(w, n0, N, 2 * K, next);
-                rows_tile(wr, x + m0 * K, mc, K, y + m0 * N + n0, N, nr, 0, more ? next : NULL, 2 * K);
-            }
-            _mm_free(wide);
-        }
-    }
+    const WideRows src = {w, NULL, NULL, K, 0, 2 * K, f16, widen_half_row};
+    gemm_widened(&src, x, y, M, N, NULL);
 }
 
 // int4 groups (`Int4Weight`): w[n, k] = code[n, k] * scale[n, g] + zero[n, g] with g = k / G, codes two per
@@ -546,6 +551,12 @@ static void dequant_int4_row(const uint8_t *p, const uint16_t *sc, const uint16_
 
 
 
+static void dequant_int4_row_of(const WideRows *src, int64_t n, float *dst) {
+    const int64_t K = src->K, groups = K / src->G;
+    dequant_int4_row((const uint8_t *)src->w + n * (K / 2), (const uint16_t *)src->scale + n * groups,
+                     (const uint16_t *)src->zero + n * groups, K, src->G, dst);
+}
+
 // y[m, n] = sum_k x[m, k] * w[n, k] for int4 groups; packed uint8 [N, K/2], scale/zero fp16 [N, K/G].
 void gemm_int4(const float *x, const uint8_t *packed, const uint16_t *scale, const uint16_t *zero, float *y,
                int64_t M, int64_t N, int64_t K, int64_t G) {
@@ -586,29 +597,8 @@ void gemm_int4(const float *x, const uint8_t *packed, const uint16_t *scale, con
         free(xp);
         return;
     }
-    const int64_t blocks = (N + NR - 1) / NR;
-    const int64_t MC = chunk_rows(M, K);
-    for (int64_t m0 = 0; m0 < M; m0 += MC) {
-        const int64_t mc = M - m0 < MC ? M - m0 : MC;
-#pragma omp parallel
-        {
-            float *wide = (float *)_mm_malloc(NR * K * sizeof(float), 64);
-#pragma omp for schedule(static)
-            for (int64_t b = 0; b < blocks; b++) {
-                const int64_t n0 = b * NR;
-                const int nr = (int)(N - n0 < NR ? N - n0 : NR);
-                for (int r = 0; r < nr; r++)
-                    dequant_int4_row(packed + (n0 + r) * (K / 2), scale + (n0 + r) * groups, zero + (n0 + r) * groups,
-                                     K, G, wide + r * K);
-                const float *wr[NR];
-                const char *next[NR];
-                block_rows(wide, 0, nr, K, wr);
-                const int more = next_rows(packed, n0, N, K / 2, next);
-                rows_tile(wr, x + m0 * K, mc, K, y + m0 * N + n0, N, nr, 0, more ? next : NULL, K / 2);
-            }
-            _mm_free(wide);
-        }
-    }
+    const WideRows src = {packed, scale, zero, K, G, K / 2, 0, dequant_int4_row_of};
+    gemm_widened(&src, x, y, M, N, NULL);
 }
 
 // ---------------------------------------------------------------------------------------------------------
