@@ -1,3 +1,8 @@
 """llmplan: a declarative workflow engine for LLM inference."""
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("llmplan")  # stated once, in pyproject.toml
+except PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "unknown"
