@@ -2,7 +2,10 @@
 
 Our fp32 model equals transformers' (test_smollm2_oracle.py), so it is the reference here. One chat
 prompt of ~40 tokens; every position's logits are compared. Bounds are the measured values with
-headroom (measured on this machine: bf16 0.025 / 97.7%, int8 0.041 / 97.7%, int4 0.071 / 90.7%):
+headroom (measured on this machine: bf16 0.0057 / 100%, fp16 0.0008 / 100%, int8 0.042 / 97.7%, int4
+0.058 / 93.0%). bf16 and fp16 round only the weights: on the CPU the activations stay fp32 (they were bf16
+before, at 0.025 / 97.7%); the bounds leave room for the torch fallback without native kernels, whose
+fbgemm path also keeps fp32 activations.
 - relative logit error ||ours - fp32|| / ||fp32||,
 - top-1 agreement: the fraction of positions whose argmax equals fp32's.
 """
@@ -18,7 +21,7 @@ from llmplan.llm.tokenizer import Tokenizer
 
 from .conftest import PLANS, run_plan
 
-BOUNDS = {"bf16": (0.04, 0.95), "int8": (0.06, 0.95), "int4": (0.09, 0.88)}
+BOUNDS = {"bf16": (0.02, 0.97), "fp16": (0.005, 0.97), "int8": (0.06, 0.95), "int4": (0.09, 0.88)}
 
 
 @pytest.fixture(scope="module")
