@@ -898,8 +898,8 @@ static void attend_chunk(const float *q, const float *kc, const float *vc, const
 // The per-input loops (norms, RoPE, K/V stores, SwiGLU, residuals) run in parallel from MANY_INPUTS inputs;
 // below that (decode) a fork would cost more than the loop.
 #define MANY_INPUTS 16
-void decode_step(const DecodeModel *m, const int64_t *tokens, const int64_t *positions, const int64_t *rows,
-                 const int64_t *slots, int64_t M, float *work, float *logits, const int64_t *outs, int64_t n_out) {
+void forward_pass(const DecodeModel *m, const int64_t *tokens, const int64_t *positions, const int64_t *rows,
+                  const int64_t *slots, int64_t M, float *work, float *logits, const int64_t *outs, int64_t n_out) {
     const int64_t D = m->dim, H = m->n_heads, KV = m->n_kv_heads, hd = m->head_dim, half = hd / 2;
     const int64_t I = m->hidden, qkv_w = (H + 2 * KV) * hd, rep = H / KV, T = m->max_tokens;
     float *h = work, *xn = h + M * D, *qkv = xn + M * D, *att = qkv + M * qkv_w, *gu = att + M * H * hd,

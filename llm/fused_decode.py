@@ -1,16 +1,23 @@
-"""One decode step of the whole model in one native call (`decode_step` in cpu_kernels.c).
+"""A forward pass of the whole model in one native call (`forward_pass` in cpu_kernels.c): decode steps,
+prompt chunks, or both at once.
 
 At batch 1 on a small model, the torch decoder spends as long dispatching ~30 small ops per layer (norms,
 views, RoPE, SDPA, residuals) as multiplying: 36 ms per SmolLM2 token with the native GEMMs, of which the
-products are ~10. The fused step runs the same arithmetic with no per-op dispatch.
+products are ~10; a 128-token prefill spent a fifth of its time outside the products. The fused pass runs the
+same arithmetic with no per-op dispatch.
+
+A pass is a list of inputs, each a token at (cache row, slot, RoPE position). A decode row is one input
+(`step`, `step_rows`); a prompt chunk is one row's inputs at consecutive slots (`run`, `prefill_step`): every
+input's K/V is stored before any input attends, so the chunk attends causally to itself. `run` takes the
+inputs whose logits are wanted, so a prefill pays for the head once, and a scheduler step puts its decode
+rows and prompt chunks into one pass.
 
 `FusedDecoder.build(model, cache)` checks that the model fits, and returns None (the caller keeps the torch
-path) otherwise: CPU, fp32 activations and KV cache, every linear layer on the native fp32 or int8 kernels
-(int4 runs as its int8 re-quantization, as on the torch path), in-features a multiple of 8, no forward
-hooks inside the layers (observers need the torch modules to run; `Transformer` checks that per step).
-Per-layer timings need no hooks: the step writes its own clock marks into the model's `layer_clock`.
-The pointers it hands to C belong to tensors it keeps references to; `Transformer` rebuilds it when the
-cache or a weight tensor changes.
+path) otherwise: CPU, fp32 activations and KV cache, every linear layer on a native kernel (fp32, bf16, fp16,
+int8, int4), in-features a multiple of 8, no forward hooks inside the layers (observers need the torch
+modules to run; `Transformer` checks that per step). Per-layer timings need no hooks: the pass writes its own
+clock marks into the model's `layer_clock`. The pointers it hands to C belong to tensors it keeps references
+to; `Transformer` rebuilds it when the cache or a weight tensor changes.
 """
 
 from __future__ import annotations
@@ -292,7 +299,7 @@ class FusedDecoder:
         logits = torch.empty(m if outs is None else outs.shape[0], self.vocab)
         clock = self.clock
         self.model_struct.layer_ns = clock.buffer.data_ptr() if clock is not None else None
-        self._lib.decode_step(
+        self._lib.forward_pass(
             ctypes.byref(self.model_struct),
             tokens.data_ptr(),
             positions.data_ptr(),

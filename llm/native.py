@@ -64,10 +64,10 @@ class NativeKernels:
         lib.cpu_features.restype = i64
         self.isa: str = lib.kernel_isa().decode()  # "avx2" or "avx512": the vector path this build runs
         self.features: int = int(lib.cpu_features())  # this CPU's FEATURE_* bits
-        lib.decode_step.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64]  # see llm/fused_decode.py
+        lib.forward_pass.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64]  # see llm/fused_decode.py
         lib.decode_layout.argtypes = [ptr, i64]
         lib.decode_layout.restype = i64
-        lib.decode_step.restype = None
+        lib.forward_pass.restype = None
         self._quantize = lib.quantize_int8_rows
         self._quantize.argtypes = [ptr, ptr, ptr, i64, i64]
         self._quantize.restype = i64
