@@ -324,27 +324,43 @@ def decode_step(model: Transformer, tokens: Tensor, positions: Tensor, cache: KV
     return model(tokens, positions, cache, last_only=True)
 
 
+# Inputs per fused pass of a static prefill at most: the pass's work buffers (about 29 KB an input on SmolLM2)
+# are kept for the model's next pass, so a 16 x 2048-token batch in one pass would hold ~1 GB for good. 512
+# rows are past the point where the GEMMs gain from more (their activation chunks are L2-sized anyway).
+MAX_PASS_INPUTS = 512
+
+
 def prefill_step(
     model: Transformer, tokens: Tensor, positions: Tensor, cache: KVCache, valid: Tensor | None, *, logits: bool
 ) -> Tensor | None:
     """A prompt chunk [B, T] of a static batch (left padding marked False in `valid`) through the model, its
-    K/V appended to `cache`: one fused native call where it applies, else the torch modules. With `logits`,
+    K/V appended to `cache`: fused native passes where they apply, else the torch modules. With `logits`,
     those of the chunk's last column [B, 1, V] (every row's last token: left padding), else None.
 
-    The fused call takes only the real tokens (padding is never computed: its slots stay invalid, so no
-    query sees them) and runs the head on the last column alone."""
+    The fused passes take only the real tokens (padding is never computed: its slots stay invalid, so no
+    query sees them), at most MAX_PASS_INPUTS at a time (column by column: each piece sees the ones before
+    it in the cache), and run the head on the last column alone."""
     fused = FusedDecoder.bound(model, cache)
     if fused is None:
         out = model(tokens, positions, cache, valid=valid, last_only=True)
         return out if logits else None
     batch, width = tokens.shape
     keep = torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid
-    start = cache.append(positions, valid)
-    flat = keep.reshape(-1)
-    index = flat.nonzero().squeeze(1)  # the real tokens, row by row
-    rows, cols = index // width, index % width
-    outs = torch.empty(0, dtype=torch.long)
-    if logits:  # each row's last column, as an index into the real tokens
-        outs = flat.cumsum(0)[torch.arange(batch) * width + width - 1] - 1
-    found = fused.run(tokens.reshape(-1)[index], positions.reshape(-1)[index], rows, start + cols, outs)
-    return found.view(batch, 1, fused.vocab) if logits else None
+    step = max(1, MAX_PASS_INPUTS // batch)
+    found: Tensor | None = None
+    for lo in range(0, width, step):
+        hi = min(lo + step, width)
+        last = logits and hi == width
+        part = keep[:, lo:hi]
+        start = cache.append(positions[:, lo:hi], None if valid is None else part)
+        flat = part.reshape(-1)
+        index = flat.nonzero().squeeze(1)  # the real tokens, row by row
+        cols = hi - lo
+        rows, at = index // cols, index % cols
+        outs = torch.empty(0, dtype=torch.long)
+        if last:  # each row's last column, as an index into the real tokens
+            outs = flat.cumsum(0)[torch.arange(batch) * cols + cols - 1] - 1
+        ids, pos = tokens[:, lo:hi].reshape(-1)[index], positions[:, lo:hi].reshape(-1)[index]
+        if index.numel():
+            found = fused.run(ids, pos, rows, start + at, outs)
+    return found.view(batch, 1, fused.vocab) if logits and found is not None else None

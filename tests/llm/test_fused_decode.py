@@ -120,9 +120,16 @@ def test_fused_logits_match_the_torch_path(tiny_dir, precision: str) -> None:
 
 # The fused prefill: a left-padded batch, whole or in chunks of 4 columns (chunks that start after slot 0,
 # some all padding for the short rows), against the torch modules; then decode steps over the cache it wrote.
+# cap: at most 4 inputs a pass (MAX_PASS_INPUTS), so a chunk runs column by column over 3 rows.
 @pytest.mark.parametrize("precision", ["fp32", "int8", "int4", "bf16"])
-@pytest.mark.parametrize("chunk", [None, 4])
-def test_fused_prefill_matches_the_torch_prefill(tiny_dir, precision: str, chunk: int | None, monkeypatch) -> None:
+@pytest.mark.parametrize(("chunk", "cap"), [(None, None), (4, None), (None, 4)])
+def test_fused_prefill_matches_the_torch_prefill(
+    tiny_dir, precision: str, chunk: int | None, cap: int | None, monkeypatch
+) -> None:
+    from llmplan.llm import fused_decode
+
+    if cap is not None:
+        monkeypatch.setattr(fused_decode, "MAX_PASS_INPUTS", cap)
     model = _model(tiny_dir, precision)
     calls: list[int] = []
     original = FusedDecoder.run
