@@ -643,10 +643,12 @@ typedef struct {
     const float *norm;                   // [dim]
     Linear head;
     const Layer *layers;                 // [n_layers]
-    float *k_cache, *v_cache;
+    void *k_cache, *v_cache;             // KV_F32: float; KV_F16 / KV_BF16: uint16 bit patterns
     const uint8_t *valid;                // [max_batch, max_tokens]: slot holds a real token of that row
     int64_t *layer_ns;                   // NULL, or [2 n_layers + 2] CLOCK_MONOTONIC marks (see step_clock)
+    int64_t kv_format;                   // KV_F32, KV_F16 or KV_BF16
 } DecodeModel;
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
 
 // The structs' sizes and field offsets, so the ctypes mirror in llm/fused_decode.py can be checked against
 // what this compiler laid out before a single pointer is handed over (a mismatch would corrupt memory).
@@ -658,7 +660,7 @@ int64_t decode_layout(int64_t *out, int64_t cap) {
         offsetof(DecodeModel, max_batch), offsetof(DecodeModel, eps), offsetof(DecodeModel, embed),
         offsetof(DecodeModel, norm), offsetof(DecodeModel, head), offsetof(DecodeModel, layers),
         offsetof(DecodeModel, k_cache), offsetof(DecodeModel, v_cache), offsetof(DecodeModel, valid),
-        offsetof(DecodeModel, layer_ns),
+        offsetof(DecodeModel, layer_ns), offsetof(DecodeModel, kv_format),
     };
     const int64_t n = (int64_t)(sizeof(v) / sizeof(v[0]));
     for (int64_t i = 0; i < n && i < cap; i++) out[i] = v[i];
@@ -886,6 +888,34 @@ static void attend_chunk(const float *q, const float *kc, const float *vc, const
     }
 }
 
+// fp32 to bf16 with round-to-nearest-even, as torch casts (NaN stays a quiet NaN).
+static inline uint16_t to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof(bits));
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x0040u);
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// One token's K and V of one KV head (hd floats each) into the cache at element `at`, in the cache's format
+// (fp16 and bf16 rounded to nearest even, as torch casts, so both paths store the same bits).
+static void store_kv(const DecodeModel *m, int64_t at, const float *k, const float *v, int64_t hd) {
+    if (m->kv_format == KV_F32) {
+        memcpy((float *)m->k_cache + at, k, hd * sizeof(float));
+        memcpy((float *)m->v_cache + at, v, hd * sizeof(float));
+        return;
+    }
+    uint16_t *kc = (uint16_t *)m->k_cache + at, *vc = (uint16_t *)m->v_cache + at;
+    for (int64_t i = 0; i < hd; i++) {
+        if (m->kv_format == KV_F16) {
+            kc[i] = _cvtss_sh(k[i], _MM_FROUND_TO_NEAREST_INT);
+            vc[i] = _cvtss_sh(v[i], _MM_FROUND_TO_NEAREST_INT);
+        } else {
+            kc[i] = to_bf16(k[i]);
+            vc[i] = to_bf16(v[i]);
+        }
+    }
+}
+
 // Input r is cache row rows[r]: its K/V go to slot slots[r] and it attends over that row's valid slots
 // 0..slots[r]. Rows may sit at different lengths (a scheduler's slots), or all at one slot (a static batch).
 // A prompt chunk is inputs of one row at consecutive slots: every input's K/V is stored before any input
@@ -930,25 +960,38 @@ void forward_pass(const DecodeModel *m, const int64_t *tokens, const int64_t *po
             for (int64_t j = 0; j < H + KV; j++) rope(q + j * hd, c, s, half);  // q heads, then k heads
             for (int64_t g = 0; g < KV; g++) {
                 const int64_t at = (((l * m->max_batch + rows[r]) * KV + g) * T + slots[r]) * hd;
-                memcpy(m->k_cache + at, k + g * hd, hd * sizeof(float));
-                memcpy(m->v_cache + at, v + g * hd, hd * sizeof(float));
+                store_kv(m, at, k + g * hd, v + g * hd, hd);
             }
         }
 #pragma omp parallel
         {
             float *scores = (float *)malloc((size_t)rep * span * sizeof(float));  // this thread's
+            // a 16-bit cache: this thread's fp32 copies of an item's keys and values
+            float *wide = m->kv_format == KV_F32 ? NULL : (float *)malloc((size_t)2 * span * hd * sizeof(float));
             // Round-robin: a prompt chunk's later inputs attend over more slots than its first ones.
 #pragma omp for schedule(static, 1)
             for (int64_t item = 0; item < items; item++) {
                 const int64_t rg = item / chunks, c = item % chunks, r = rg / KV, g = rg % KV;
-                const int64_t t0 = c * span, t1 = t0 + span < slots[r] + 1 ? t0 + span : slots[r] + 1;
+                int64_t t0 = c * span, t1 = t0 + span < slots[r] + 1 ? t0 + span : slots[r] + 1;
+                t1 = t1 > t0 ? t1 : t0;
                 const int64_t base = ((l * m->max_batch + rows[r]) * KV + g) * T * hd;
                 float *part = parts + item * rep * (hd + 2);
-                attend_chunk(qkv + r * qkv_w + g * rep * hd, m->k_cache + base, m->v_cache + base,
-                             m->valid + rows[r] * T, t0, t1 > t0 ? t1 : t0, hd, rep, scale, scores, part, part + rep,
-                             part + 2 * rep);
+                const float *q = qkv + r * qkv_w + g * rep * hd;
+                if (wide) {  // widen slots t0..t1 (hd % 8 == 0), then attend over the copy
+                    const uint16_t *kc = (const uint16_t *)m->k_cache + base, *vc = (const uint16_t *)m->v_cache + base;
+                    const int f16 = m->kv_format == KV_F16;
+                    widen_half(kc + t0 * hd, wide, (t1 - t0) * hd, f16);
+                    widen_half(vc + t0 * hd, wide + span * hd, (t1 - t0) * hd, f16);
+                    attend_chunk(q, wide, wide + span * hd, m->valid + rows[r] * T + t0, 0, t1 - t0, hd, rep, scale,
+                                 scores, part, part + rep, part + 2 * rep);
+                } else {
+                    attend_chunk(q, (const float *)m->k_cache + base, (const float *)m->v_cache + base,
+                                 m->valid + rows[r] * T, t0, t1, hd, rep, scale, scores, part, part + rep,
+                                 part + 2 * rep);
+                }
             }
             free(scores);
+            free(wide);
         }
 #pragma omp parallel for schedule(static) if (many)
         for (int64_t r = 0; r < M; r++)  // merge the chunks: rescale each to the common max

@@ -13,11 +13,12 @@ inputs whose logits are wanted, so a prefill pays for the head once, and a sched
 rows and prompt chunks into one pass.
 
 `FusedDecoder.build(model, cache)` checks that the model fits, and returns None (the caller keeps the torch
-path) otherwise: CPU, fp32 activations and KV cache, every linear layer on a native kernel (fp32, bf16, fp16,
-int8, int4), in-features a multiple of 8, no forward hooks inside the layers (observers need the torch
-modules to run; `Transformer` checks that per step). Per-layer timings need no hooks: the pass writes its own
-clock marks into the model's `layer_clock`. The pointers it hands to C belong to tensors it keeps references
-to; `Transformer` rebuilds it when the cache or a weight tensor changes.
+path) otherwise: CPU, fp32 activations, an fp32, fp16 or bf16 KV cache (16-bit K/V are rounded as torch
+casts them and widened per attention chunk), every linear layer on a native kernel (fp32, bf16, fp16, int8,
+int4), in-features a multiple of 8, no forward hooks inside the layers (observers need the torch modules to
+run; `Transformer` checks that per step). Per-layer timings need no hooks: the pass writes its own clock
+marks into the model's `layer_clock`. The pointers it hands to C belong to tensors it keeps references to;
+`Transformer` rebuilds it when the cache or a weight tensor changes.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 
 _F32, _INT8, _INT4, _BF16, _F16 = 0, 1, 2, 3, 4
 _HALF_KINDS = {torch.bfloat16: _BF16, torch.float16: _F16}
+_KV_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # KV_F32, KV_F16, KV_BF16
 
 
 class _Linear(ctypes.Structure):
@@ -76,6 +78,7 @@ class _Model(ctypes.Structure):
         ("v_cache", ctypes.c_void_p),
         ("valid", ctypes.c_void_p),
         ("layer_ns", ctypes.c_void_p),  # a LayerClock's buffer while one observes, else NULL
+        ("kv_format", ctypes.c_int64),
     ]
 
 
@@ -88,7 +91,10 @@ def mirror_layout() -> list[int]:
     fields = {
         _Linear: ("w", "scale", "zero", "n", "k", "group"),
         _Layer: ("ffn_norm", "wqkv", "wo", "w13", "w2"),
-        _Model: ("max_batch", "eps", "embed", "norm", "head", "layers", "k_cache", "v_cache", "valid", "layer_ns"),
+        _Model: (
+            *("max_batch", "eps", "embed", "norm", "head", "layers"),
+            *("k_cache", "v_cache", "valid", "layer_ns", "kv_format"),
+        ),
     }
     out: list[int] = []
     for struct, names in fields.items():
@@ -160,10 +166,15 @@ class FusedDecoder:
         keep: list[Tensor] = []
         if model.device.type != "cpu" or model.dtype != torch.float32:
             raise NotFused(f"activations are {model.dtype} on {model.device}")
-        if cache.k.dtype != torch.float32 or not (cache.k.is_contiguous() and cache.v.is_contiguous()):
-            raise NotFused(f"the KV cache is {cache.k.dtype}")
+        kv_format = _KV_FORMATS.get(cache.k.dtype)
+        if kv_format is None or cache.v.dtype != cache.k.dtype or cache.k.device.type != "cpu":
+            raise NotFused(f"the KV cache is {cache.k.dtype} on {cache.k.device}")
+        if not (cache.k.is_contiguous() and cache.v.is_contiguous()):
+            raise NotFused("the KV cache is not contiguous")
         if cfg.head_dim % 2 or cfg.n_heads % cfg.n_kv_heads:
             raise NotFused("odd head_dim or heads not grouped evenly")
+        if kv_format and cfg.head_dim % 8:
+            raise NotFused(f"a 16-bit KV cache needs head_dim % 8 == 0, not {cfg.head_dim}")
         layers = (_Layer * cfg.n_layers)()
         for i, block in enumerate(model.layers):
             layers[i] = _Layer(
@@ -193,11 +204,13 @@ class FusedDecoder:
             _ptr(model.norm.weight, keep),
             _native_linear(model.output, keep),
             layers,
-            _ptr(cache.k, keep),
-            _ptr(cache.v, keep),
+            cache.k.data_ptr(),
+            cache.v.data_ptr(),
             valid.data_ptr(),
             None,
+            kv_format,
         )
+        keep += [cache.k, cache.v]
         self.clock: LayerClock | None = None  # set per step by `bound` from the model's own
         self._layers = layers
         self._keep = keep

@@ -198,8 +198,44 @@ def test_models_that_do_not_fit_are_refused(tiny_dir) -> None:
     reference = load_tiny(tiny_dir, linear_factory=lambda w: make_linear(quantize_weight(w, "int8"), "reference"))
     assert FusedDecoder.build(reference, KVCache.for_model(reference, 1, 16)) is None  # a reference kernel
     fp32 = _model(tiny_dir, "fp32")
-    half_cache = KVCache.for_model(fp32, 1, 16, dtype=torch.bfloat16)
-    assert FusedDecoder.build(fp32, half_cache) is None
+    double_cache = KVCache.for_model(fp32, 1, 16, dtype=torch.float64)
+    assert FusedDecoder.build(fp32, double_cache) is None
+
+
+# A 16-bit KV cache: both paths round K/V to the cache's dtype the same way (round to nearest even, as torch
+# casts) and attend over the widened values, and the fused pass (prefill included) keeps running instead of
+# falling back to the torch modules. Their fp32 K/V differ in summation order (~1e-7), which now and then
+# moves a value across a rounding boundary: that element then differs by one 16-bit step (2^-11 relative for
+# fp16, 2^-8 for bf16). Hence: almost every stored element identical, none off by more than one step (plus
+# the fp32 difference itself, 1e-5 of the scale, for elements far below it), and logits within 1e-3 relative
+# (measured: ~1e-5 for fp16).
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_pass_on_a_16_bit_kv_cache_matches_the_torch_path(tiny_dir, dtype: torch.dtype, monkeypatch) -> None:
+    model = _model(tiny_dir, "fp32")
+    counter = Counting(monkeypatch)
+    assert FusedDecoder.build(model, KVCache.for_model(model, 1, 16, dtype=dtype)) is not None
+    rows = []
+    for fused in (False, True):
+        model.fused_decode = fused
+        cache = KVCache.for_model(model, 3, 40, dtype=dtype)
+        width = max(map(len, PROMPTS))
+        tokens = torch.tensor([[PAD] * (width - len(p)) + p for p in PROMPTS])
+        valid = tokens != PAD
+        positions = (valid.cumsum(1) - 1).clamp(min=0)
+        with torch.inference_mode():
+            first = prefill_step(model, tokens, positions, cache, valid, logits=True)
+            steps = [decode_step(model, torch.full((3, 1), t), cache.next_positions(), cache) for t in (7, 99, 3)]
+        assert first is not None
+        rows.append((torch.cat([first, *steps], 1), cache.k.clone()))
+    (torch_path, torch_k), (fused_path, fused_k) = rows
+    assert counter.calls == 3  # the decode steps ran fused on the second pass only
+    assert (fused_path - torch_path).abs().max() <= 1e-3 * torch_path.abs().max()
+    stored = torch_k != 0
+    a, b = fused_k[stored].float(), torch_k[stored].float()
+    step = 2.0**-10 if dtype == torch.float16 else 2.0**-7
+    # one step, plus the paths' fp32 difference (1e-5 of the scale) for elements far below the scale
+    one_step = step * torch.maximum(a.abs(), b.abs()) + 1e-5 * b.abs().max()
+    assert stored.any() and (a == b).float().mean() > 0.99 and ((a - b).abs() <= one_step).all()
 
 
 def test_a_moved_cache_rebinds_the_step(tiny_dir) -> None:
