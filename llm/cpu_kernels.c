@@ -21,8 +21,13 @@
 // 1.06-1.36x the fixed 96-row chunks without the prefetch that this replaced (measured at that change).
 
 #include <immintrin.h>
+#include <math.h>
+#include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 // Runtime dispatch: llm/native.py builds this one source twice, for AVX2+FMA+F16C and for AVX-512
 // (F/BW/VL/DQ + VNNI + BF16), and loads the build the CPU supports (`cpu_features` below, from the AVX2 build,
@@ -91,7 +96,6 @@ static inline float vsum(vf v) { return hsum(v); }
 // Activation rows per chunk of a several-rows product: as many as half of this core's L2 holds at K columns
 // (each chunk re-reads every weight row, so fewer chunks means fewer weight passes: a 128-token prompt ran as
 // 96 + 32 rows, reading the weights twice, with the fixed 96 this replaced), in equal chunks, 32 at least.
-#include <unistd.h>
 static int64_t chunk_rows(int64_t M, int64_t K) {
     static int64_t l2 = 0;
     if (!l2) {
@@ -155,28 +159,19 @@ static void rows_tile(const float *const *wr, const float *x, int64_t M, int64_t
 #pragma GCC unroll 8
             for (int i = 0; i < MR; i++) acc[r][i] = vzero();
         int64_t k = 0;
-        for (; k + VW <= K; k += VW) {
-            vf w[NR];
-#pragma GCC unroll 8
-            for (int r = 0; r < NR; r++) w[r] = vld(wr[r] + k);
-#pragma GCC unroll 8
-            for (int i = 0; i < MR; i++) {
-                const vf xv = vld(xr[i] + k);
-#pragma GCC unroll 8
-                for (int r = 0; r < NR; r++) acc[r][i] = vfma(w[r], xv, acc[r][i]);
-            }
-        }
-        if (k < K) {  // AVX-512 only: the last 8 columns
-            vf w[NR];
-#pragma GCC unroll 8
-            for (int r = 0; r < NR; r++) w[r] = vld8(wr[r] + k);
-#pragma GCC unroll 8
-            for (int i = 0; i < MR; i++) {
-                const vf xv = vld8(xr[i] + k);
-#pragma GCC unroll 8
-                for (int r = 0; r < NR; r++) acc[r][i] = vfma(w[r], xv, acc[r][i]);
-            }
-        }
+        // One k step of the tile: NR weight vectors, each activation row's vector against all of them.
+#define TILE_STEP(LOAD)                                                                  \
+    {                                                                                    \
+        vf w[NR];                                                                        \
+        _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) w[r] = LOAD(wr[r] + k);    \
+        _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                           \
+            const vf xv = LOAD(xr[i] + k);                                               \
+            _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) acc[r][i] = vfma(w[r], xv, acc[r][i]); \
+        }                                                                                \
+    }
+        for (; k + VW <= K; k += VW) TILE_STEP(vld)
+        if (k < K) TILE_STEP(vld8)  // AVX-512 only: the last 8 columns
+#undef TILE_STEP
         for (int i = 0; i < mb; i++)
             for (int r = 0; r < nr; r++) y[(m + i) * ldy + r] = vsum(acc[r][i]) * (scale ? scale[r] : 1.0f);
     }
@@ -613,10 +608,6 @@ void gemm_int4(const float *x, const uint8_t *packed, const uint16_t *scale, con
 // included), output projection, residual, RMSNorm, fused gate|up, SiLU(gate) * up, down, residual; then
 // the final norm and the head. Python checks every shape and layout before calling (llm/fused_decode.py).
 
-#include <math.h>
-#include <stddef.h>
-#include <stdlib.h>
-#include <time.h>
 
 
 enum { LINEAR_F32 = 0, LINEAR_INT8 = 1, LINEAR_INT4 = 2, LINEAR_BF16 = 3, LINEAR_F16 = 4 };

@@ -287,9 +287,7 @@ class FusedDecoder:
         inputs in `outs` pay for the head."""
         self._check_ids(tokens)
         parts = (tokens, positions, rows, slots)
-        n_rows = int(torch.unique(rows).numel())
-        shape = (n_rows, len(tokens) // n_rows)
-        return self._run(*(t.contiguous() for t in parts), outs=outs.contiguous(), shape=shape)
+        return self._run(*(t.contiguous() for t in parts), outs=outs.contiguous())
 
     def _check_ids(self, token_ids: Tensor) -> None:
         if int(token_ids.min()) < 0 or int(token_ids.max()) >= self.vocab:
@@ -302,9 +300,8 @@ class FusedDecoder:
         rows: Tensor,
         slots: Tensor,
         outs: Tensor | None = None,
-        shape: tuple[int, int] | None = None,
     ) -> Tensor:
-        """shape: (rows, tokens per row) of the pass for the layer clock; default one token per input."""
+        """outs: the inputs whose logits are wanted (all, one per row, when None: a decode step)."""
         m = tokens.shape[0]
         need = m * self._per_row
         if self._work.numel() < need:
@@ -324,8 +321,9 @@ class FusedDecoder:
             None if outs is None else outs.data_ptr(),
             -1 if outs is None else outs.shape[0],  # -1: logits of every input
         )
-        if clock is not None:
-            clock.record_fused(*(shape or (m, 1)))
+        if clock is not None:  # the pass's rows and tokens per row, counted only while observing
+            n_rows = m if outs is None else int(torch.unique(rows).numel())
+            clock.record_fused(n_rows, m // n_rows)
         return logits
 
 

@@ -235,7 +235,9 @@ class Scheduler:
                 budget -= n
             record = StepRecord(time.perf_counter()) if self.timeline is not None else None
             picks: list[tuple[Sequence, Tensor, bool]] = []
-            fused = FusedDecoder.bound(self.model, self.cache) if decode and chunks else None
+            # One native pass for the step's prompt chunks and its decode rows; a step of decode rows alone
+            # is `_decode` (which also retries an out-of-memory pass in halves on the torch path).
+            fused = FusedDecoder.bound(self.model, self.cache) if chunks else None
             if fused is not None:
                 picks += self._mixed_pass(fused, decode, chunks, record)
             else:
@@ -293,23 +295,16 @@ class Scheduler:
         assert slot is not None
         ids = seq.request.prompt[seq.prefilled : seq.prefilled + n]
         [start] = self.cache.claim([slot], [ids])
-        done = seq.prefilled + n == len(seq.request.prompt)
+        device = self.model.device
+        tokens = torch.tensor([ids], device=device)
+        positions = torch.arange(start, start + n, device=device)[None]
         try:
-            fused = FusedDecoder.bound(self.model, self.cache)
-            if fused is not None:  # one native call; the head only for the prompt's last token
-                at = torch.arange(start, start + n)
-                outs = torch.tensor([n - 1] if done else [], dtype=torch.long)
-                logits = fused.run(torch.tensor(ids), at, torch.full((n,), slot), at, outs)[None]
-            else:
-                device = self.model.device
-                tokens = torch.tensor([ids], device=device)
-                positions = torch.arange(start, start + n, device=device)[None]
-                logits = self.model(tokens, positions, self.cache.rows([slot], [start]), last_only=True)
+            logits = self.model(tokens, positions, self.cache.rows([slot], [start]), last_only=True)
         except RuntimeError as err:
             if not is_oom(err):
                 raise
             self.cache.unclaim([slot], [start])
-            release_memory(self.model.device)
+            release_memory(device)
             self._finish(seq, "error", f"out of memory during prefill: {err}")
             return None
         seq.prefilled += n
@@ -332,8 +327,8 @@ class Scheduler:
     def _mixed_pass(
         self, fused: FusedDecoder, decode: list[Sequence], chunks: list[tuple[Sequence, int]], record: StepRecord | None
     ) -> list[tuple[Sequence, Tensor, bool]]:
-        """The decode rows and the prompt chunks in one native pass; logits for every decode row and for the
-        last token of each prompt this step completes."""
+        """The step's prompt chunks and its decode rows (if any) in one native pass; logits for every decode
+        row and for the last token of each prompt this step completes."""
         ready = self._with_room(decode)
         seqs = ready + [seq for seq, _ in chunks]
         parts = [[s.generation.tokens[-1]] for s in ready]
@@ -374,7 +369,8 @@ class Scheduler:
                 picks.append((seq, logits[at_out], finite[at_out]))
                 at_out += 1
         if record is not None:  # one pass: the decode rows and the chunks share its span
-            record.decode = (began, ended, len(ready))
+            if ready:
+                record.decode = (began, ended, len(ready))
             record.prefill += [(began, ended, seq.request.tag, n) for seq, n in chunks]
         return picks
 
