@@ -10,7 +10,9 @@
 #      converter writes the same tokenizer metadata (pre-tokenizer `smollm`, chat template) llama.cpp expects,
 #      so both servers run the same model with the same prompt tokens. Needs the `gguf` package's vendored
 #      copy (used by the converter), transformers, and sentencepiece (imported by the Llama vocab path even
-#      for BPE tokenizers); sentencepiece is installed into $PYTHON when missing.
+#      for BPE tokenizers); sentencepiece is installed when missing into $LLMPLAN_CACHE/.../pydeps, seen by
+#      the converter alone: installed into the project's .venv, its own libgomp was loaded beside torch's in
+#      the test process (transformers imports it when present) and failed the one-OpenMP-runtime test.
 #   2. (fallback, when the converter fails) `llama-quantize --allow-requantize <Q4_1> <out> Q8_0`: the same
 #      Q4_1 values re-quantized inside llama.cpp; the original GGUF's tokenizer metadata is kept.
 # The file `<out>.source` says which of the two produced the model. Idempotent: an existing model is reused.
@@ -56,9 +58,11 @@ EOF
 GGUF="${FOUND[0]}"
 HFDIR="${FOUND[1]}"
 
+DEPS="$ROOT/pydeps"  # the converter's own packages, kept out of the project's .venv
+export PYTHONPATH="$DEPS${PYTHONPATH:+:$PYTHONPATH}"
 if ! "$PYTHON" -c "import sentencepiece, transformers" 2>/dev/null; then
-  say "convert: installing sentencepiece into $PYTHON (a benchmark dependency of llama.cpp's converter)"
-  "$PYTHON" -m pip install -q "sentencepiece>=0.2" "transformers>=4.45" >&2 || say "convert: pip install failed"
+  say "convert: installing sentencepiece into $DEPS (a benchmark dependency of llama.cpp's converter)"
+  "$PYTHON" -m pip install -q --target "$DEPS" "sentencepiece>=0.2" >&2 || say "convert: pip install failed"
 fi
 
 say "convert: $LLAMA/convert_hf_to_gguf.py $HFDIR --outtype q8_0"
