@@ -8,6 +8,7 @@ from typing import Any
 
 from pydantic import Field
 
+from llmplan.engine import heap
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
 
@@ -19,28 +20,6 @@ PACKAGES = ("torch", "safetensors", "tokenizers", "gguf", "pydantic", "numpy")
 
 class EnvParams(Params):
     require_cuda: bool = Field(False, description="fail unless a CUDA device is present")
-
-
-M_MMAP_THRESHOLD = -3
-
-
-def tune_allocator() -> bool:
-    """Serve allocations of 1 MiB and more with mmap, so freed tensors go back to the OS at once.
-
-    glibc otherwise raises its mmap threshold as large blocks are freed, and the fp32 tensors the
-    loader converts and drops then fragment the heap: measured on the int8 plan, RSS after loading
-    was 796 MiB with the default and 513 MiB with this (weights 237 MiB, Python/torch 243 MiB).
-    """
-    import ctypes
-    import ctypes.util
-
-    if platform.system() != "Linux":
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 20))
-    except (OSError, AttributeError):
-        return False
 
 
 def resolve_device(requested: str) -> str:
@@ -87,7 +66,7 @@ class EnvCheck(Stage):
             raise StageFailure("env.check: require_cuda is set, but no CUDA device is present")
         if plan.threads:
             torch.set_num_threads(plan.threads)
-        ctx.metrics.set("allocator_tuned", tune_allocator())
+        ctx.metrics.set("allocator_tuned", heap.for_loading())  # load.to_device sets it for decoding
         torch.manual_seed(plan.seed)
         packages = {}
         for name in PACKAGES:

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
+from llmplan.engine import heap
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
 from llmplan.llm.kv_cache import KVCache
@@ -128,6 +129,8 @@ class ToDevice(Stage):
         ctx.metrics.set("linear_kernels", kernel_paths(model))
         ctx.metrics.set("activation_dtype", str(model.dtype).removeprefix("torch."))
         ctx.metrics.set("kv_cache_shape", list(cache.k.shape))
+        # The loader's tensors are gone: from here on every step's tensors are reused from the heap.
+        ctx.metrics.set("heap_for_decoding", heap.for_decoding())
 
     def check(self, params: Any, deep: DeepCheck) -> None:
         cfg = deep.facts.get("model_config")

@@ -12,13 +12,13 @@ It measures RSS and device memory before and after, so the claim is checked each
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import sys
 from typing import Any
 
 from pydantic import Field
 
+from llmplan.engine import heap
 from llmplan.engine.memory import device_bytes, mib, rss_bytes
 from llmplan.engine.stage import Params, Phase, Stage
 
@@ -58,7 +58,7 @@ class OutputRelease(Stage):
             ctx.ext.pop(key).release()  # e.g. the observer's hooks hold the whole model
             released.append(key)
         gc.collect()
-        _trim_heap()
+        heap.trim()
         _empty_device_cache()
         rss_after, device_after = rss_bytes(), device_bytes()
         report = {
@@ -89,17 +89,6 @@ def _close(value: Any) -> None:
             # Best effort: the memory is released either way.
             with contextlib.suppress(Exception):
                 close()
-
-
-def _trim_heap() -> None:
-    """Return freed heap pages to the OS (glibc keeps them, after its mmap threshold has grown)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):  # musl or another libc: nothing to trim with
-        pass
 
 
 def _empty_device_cache() -> None:
