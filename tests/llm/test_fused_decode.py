@@ -157,7 +157,10 @@ def test_fused_prefill_matches_the_torch_prefill(
         found.append(torch.cat([last, *after], 1))
     torch_path, fused_path = found
     assert sum(calls) == int(valid.sum())  # the real tokens only, padding never computed
-    assert (fused_path - torch_path).abs().max() <= 1e-5 * torch_path.abs().max()
+    # int4 where a pass holds a single input (column by column, a column with one real token): the one-row
+    # kernel rounds x to 16 bits per group, the torch path's 3-row product does not (measured 2.4e-4).
+    bound = 1e-3 if precision == "int4" and cap is not None else 1e-5
+    assert (fused_path - torch_path).abs().max() <= bound * torch_path.abs().max()
 
 
 def test_fused_slides_the_cache_like_the_torch_path(tiny_dir) -> None:

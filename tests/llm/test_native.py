@@ -3,7 +3,9 @@
 Tolerance: the kernels multiply and accumulate in fp32 like the reference, in another order (8 lanes,
 then a horizontal sum), so they differ from the float64 product by fp32 rounding over K terms:
 ~K * 2^-24 relative in the worst case, ~1e-7 typically. 1e-5 relative to the output's scale leaves room
-for K up to a few thousand without letting a wrong index (an O(1) error) pass.
+for K up to a few thousand without letting a wrong index (an O(1) error) pass. The one-row int4 kernel
+rounds x to 16 bits per group first: its reference rounds x the same way (`_round_x16`), and a test of its
+own bounds what the rounding costs against the unrounded product.
 """
 
 from __future__ import annotations
@@ -205,7 +207,55 @@ def test_int4_kernel_equals_the_exact_product(isa_path: native.NativeKernels, ro
     q = quantize_weight(torch.randn(n, k, generator=gen), "int4", group)
     assert isinstance(q, Int4Weight)
     x = torch.randn(rows, k, generator=gen)
-    _close(isa_path.linear_int4(x, q.packed, q.scale, q.zero), x.double() @ dequantize(q).double().T)
+    w = dequantize(q).double()
+    if rows > 1:  # several rows: the dequantized weights against x in fp32
+        _close(isa_path.linear_int4(x, q.packed, q.scale, q.zero), x.double() @ w.T)
+        return
+    # One row: the codes against x rounded to 16 bits per group; the zero term takes x unrounded
+    rounded = _round_x16(x, group)
+    zero = q.zero.double().repeat_interleave(group, dim=1)  # [n, k]
+    want = rounded @ w.T + (x.double() - rounded) @ zero.T
+    _close(isa_path.linear_int4(x, q.packed, q.scale, q.zero), want)
+
+
+def _round_x16(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x as the one-row int4 kernel rounds it: per group of columns to a multiple of absmax / 32767 (nearest,
+    ties to even: the CPU's default rounding), in float64."""
+    g = x.double().view(x.shape[0], -1, group)
+    step = (g.abs().amax(-1, keepdim=True).float() / 32767.0).double()  # the kernel's fp32 scale
+    inv = torch.where(step > 0, 32767.0 / g.abs().amax(-1, keepdim=True), torch.zeros_like(step)).float()
+    codes = torch.round((g.float() * inv).double())  # the kernel multiplies in fp32, then rounds
+    return (codes * step).view_as(x)
+
+
+@needs_native
+@pytest.mark.parametrize("group", [32, 64])
+def test_int4_one_row_rounding_of_x_moves_the_product_little(isa_path: native.NativeKernels, group: int) -> None:
+    """The 16-bit x costs at most one rounding step per element: |error| <= sum_k |code * scale| * step / 2."""
+    from llmplan.llm.weight_formats import dequantize
+
+    gen = torch.Generator().manual_seed(group)
+    q = quantize_weight(torch.randn(64, 1536, generator=gen), "int4", group)
+    x = torch.randn(1, 1536, generator=gen) * torch.logspace(-2, 1, 1536)  # spread magnitudes, as activations
+    exact = x.double() @ dequantize(q).double().T
+    got = isa_path.linear_int4(x, q.packed, q.scale, q.zero).double()
+    step = x.view(1, -1, group).abs().amax(-1).double().repeat_interleave(group, dim=1) / 32767.0
+    codes_scaled = (dequantize(q).double() - q.zero.double().repeat_interleave(group, dim=1)).abs()
+    bound = (codes_scaled * step / 2).sum(1) + 1e-5 * exact.abs().max()  # plus the fp32 arithmetic
+    assert bool(((got - exact).abs() <= bound).all())
+    assert (got - exact).abs().max().item() <= 1e-4 * exact.abs().max().item()  # measured: ~1e-5
+
+
+@needs_native
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_int4_one_row_passes_non_finite_x_on(isa_path: native.NativeKernels, bad: float) -> None:
+    """A NaN or infinity in x must not be rounded away: every output row it meets is non-finite (the NaN check
+    of the generation loop relies on it)."""
+    q = quantize_weight(torch.randn(12, 64), "int4", 32)
+    x = torch.randn(1, 64)
+    x[0, 37] = bad
+    got = isa_path.linear_int4(x, q.packed, q.scale, q.zero)
+    assert not bool(torch.isfinite(got).any())
 
 
 @needs_native
