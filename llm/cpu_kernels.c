@@ -137,14 +137,14 @@ static inline __m256 load_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
-// y[m, r] (row stride ldy) = scale[r] * sum_k w_r[k] x[m, k] for r < nr <= NR, m < M; scale may be NULL.
+// y[m, r cs] (row stride ldy) = scale[r cs] * sum_k w_r[k] x[m, k] for r < nr <= NR, m < M; scale may be NULL.
 // Rows past nr (or m past M in the last tile) repeat row 0 and are not stored. K % 8 == 0.
 // An NR x MR register tile (NR * MR accumulators, NR weight vectors, 1 activation vector live).
 // next[r] (or NULL): the stored rows of the block this thread runs next, next_bytes each. Their cache lines are
 // prefetched into L2 a few per tile: a block's weights come from memory once and are then reused by every
 // tile, so without it each block starts with a stall on its rows (in a prefill, 20-30 % of the GEMM).
-static void rows_tile(const float *const *wr, const float *x, int64_t M, int64_t K, float *y, int64_t ldy, int nr,
-                      const float *scale, const char *const *next, int64_t next_bytes) {
+static void rows_tile(const float *const *wr, const float *x, int64_t M, int64_t K, float *y, int64_t ldy, int64_t cs,
+                      int nr, const float *scale, const char *const *next, int64_t next_bytes) {
     const int64_t lines = next ? (next_bytes + 63) / 64 : 0, tiles = (M + MR - 1) / MR;
     const int64_t per_tile = (lines * NR + tiles - 1) / tiles;
     int64_t fetched = 0;
@@ -174,21 +174,43 @@ static void rows_tile(const float *const *wr, const float *x, int64_t M, int64_t
         if (k < K) TILE_STEP(vld8)  // AVX-512 only: the last 8 columns
 #undef TILE_STEP
         for (int i = 0; i < mb; i++)
-            for (int r = 0; r < nr; r++) y[(m + i) * ldy + r] = vsum(acc[r][i]) * (scale ? scale[r] : 1.0f);
+            for (int r = 0; r < nr; r++) y[(m + i) * ldy + r * cs] = vsum(acc[r][i]) * (scale ? scale[r * cs] : 1.0f);
     }
 }
 
-// The NR row pointers of the block starting at weight row n0 of a [N, K] matrix (rows past N repeat n0).
-static inline void block_rows(const float *w, int64_t n0, int nr, int64_t K, const float **wr) {
-    for (int r = 0; r < NR; r++) wr[r] = w + (n0 + (r < nr ? r : 0)) * K;
+// The blocks of a several-rows product over N weight rows: block b is rows base + r step (r < NR; the nr of
+// them below N are a prefix, the rest repeat the first and are not stored). With `streams` the rows are NR
+// streams, as the one-row kernels read them (ONE_ROW): step = L = ceil(N / NR), base = b. Otherwise a block
+// is NR adjacent rows: step 1, base = b NR. Streams pay where a block is short work on weights read straight
+// from memory: fp32 up to STREAM_ROWS activation rows (+6 % at batch 16 on AVX2). Not in prefills, whose
+// outputs, NR columns L apart, were 13-18 % slower to store (a tile's rows touch NR lines each, not one),
+// nor for widened weights (int8, 16-bit: no gain at batch 16, -3 % int8 on AVX-512).
+#define STREAM_ROWS 32
+typedef struct Blocks {
+    int64_t N, count, step;  // count blocks; step: between a block's rows, and between its output columns
+} Blocks;
+
+static inline Blocks blocks_of(int64_t N, int streams) {
+    const int64_t L = (N + NR - 1) / NR;
+    return (Blocks){N, L, streams ? L : 1};
 }
 
-// The stored rows of the block after the one at n0 (row_bytes each), for rows_tile's prefetch; false when
-// there is none.
-static inline int next_rows(const void *w, int64_t n0, int64_t N, int64_t row_bytes, const char **next) {
-    const int64_t at = n0 + NR;
-    if (at >= N) return 0;
-    for (int r = 0; r < NR; r++) next[r] = (const char *)w + (at + (at + r < N ? r : 0)) * row_bytes;
+static inline int64_t block_base(const Blocks *bl, int64_t b) { return bl->step == 1 ? b * NR : b; }
+
+// Block b's rows n[r]; returns nr.
+static inline int block_rows(const Blocks *bl, int64_t b, int64_t *n) {
+    const int64_t base = block_base(bl, b);
+    int nr = 0;
+    for (int r = 0; r < NR; r++) n[r] = base + r * bl->step < bl->N ? (nr++, base + r * bl->step) : base;
+    return nr;
+}
+
+// The stored rows of block b + 1 (row_bytes each), for rows_tile's prefetch; false when there is none.
+static inline int next_rows(const Blocks *bl, const void *w, int64_t b, int64_t row_bytes, const char **next) {
+    if (b + 1 >= bl->count) return 0;
+    int64_t n[NR];
+    block_rows(bl, b + 1, n);
+    for (int r = 0; r < NR; r++) next[r] = (const char *)w + n[r] * row_bytes;
     return 1;
 }
 
@@ -279,23 +301,27 @@ typedef struct WideRows {
 } WideRows;
 
 static void gemm_widened(const WideRows *src, const float *x, float *y, int64_t M, int64_t N, const float *scale) {
-    const int64_t K = src->K, blocks = (N + NR - 1) / NR, MC = chunk_rows(M, K);
+    const int64_t K = src->K, MC = chunk_rows(M, K);
+    const Blocks bl = blocks_of(N, 0);
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
         const int64_t mc = M - m0 < MC ? M - m0 : MC;
 #pragma omp parallel
         {
             float *wide = (float *)_mm_malloc(NR * K * sizeof(float), 64);  // this thread's widened rows
 #pragma omp for schedule(static)
-            for (int64_t b = 0; b < blocks; b++) {
-                const int64_t n0 = b * NR;
-                const int nr = (int)(N - n0 < NR ? N - n0 : NR);
-                for (int r = 0; r < nr; r++) src->widen(src, n0 + r, wide + r * K);
+            for (int64_t b = 0; b < bl.count; b++) {
+                int64_t n[NR];
+                const int nr = block_rows(&bl, b, n);
                 const float *wr[NR];
                 const char *next[NR];
-                block_rows(wide, 0, nr, K, wr);
-                const int more = next_rows(src->w, n0, N, src->row_bytes, next);
-                rows_tile(wr, x + m0 * K, mc, K, y + m0 * N + n0, N, nr, scale ? scale + n0 : NULL, more ? next : NULL,
-                          src->row_bytes);
+                for (int r = 0; r < NR; r++) {
+                    if (r < nr) src->widen(src, n[r], wide + r * K);
+                    wr[r] = wide + (r < nr ? r : 0) * K;
+                }
+                const int more = next_rows(&bl, src->w, b, src->row_bytes, next);
+                const int64_t at = block_base(&bl, b);
+                rows_tile(wr, x + m0 * K, mc, K, y + m0 * N + at, N, bl.step, nr, scale ? scale + at : NULL,
+                          more ? next : NULL, src->row_bytes);
             }
             _mm_free(wide);
         }
@@ -323,19 +349,20 @@ void gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, in
         one_row_f32(w, NULL, x, y, N, K);
         return;
     }
-    const int64_t blocks = (N + NR - 1) / NR;
-    const int64_t MC = chunk_rows(M, K);
+    const int64_t MC = chunk_rows(M, K), row_bytes = K * (int64_t)sizeof(float);
+    const Blocks bl = blocks_of(N, M <= STREAM_ROWS);
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
         const int64_t mc = M - m0 < MC ? M - m0 : MC;
 #pragma omp parallel for schedule(static)
-        for (int64_t b = 0; b < blocks; b++) {
-            const int64_t n0 = b * NR;
-            const int nr = (int)(N - n0 < NR ? N - n0 : NR);
+        for (int64_t b = 0; b < bl.count; b++) {
+            int64_t n[NR];
+            const int nr = block_rows(&bl, b, n);
             const float *wr[NR];
             const char *next[NR];
-            block_rows(w, n0, nr, K, wr);
-            const int more = next_rows(w, n0, N, K * (int64_t)sizeof(float), next);
-            rows_tile(wr, x + m0 * K, mc, K, y + m0 * N + n0, N, nr, 0, more ? next : NULL, K * (int64_t)sizeof(float));
+            for (int r = 0; r < NR; r++) wr[r] = w + n[r] * K;
+            const int more = next_rows(&bl, w, b, row_bytes, next);
+            const int64_t at = block_base(&bl, b);
+            rows_tile(wr, x + m0 * K, mc, K, y + m0 * N + at, N, bl.step, nr, NULL, more ? next : NULL, row_bytes);
         }
     }
 }
