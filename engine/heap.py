@@ -15,6 +15,7 @@ Elsewhere (musl, macOS) there is no mallopt and these are no-ops that say so.
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 
 M_TRIM_THRESHOLD = -1
@@ -27,6 +28,7 @@ DECODING_MMAP_THRESHOLD = 32 << 20
 DECODING_TRIM_THRESHOLD = 64 << 20
 
 
+@functools.cache  # looked up once a process
 def _libc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None

@@ -179,6 +179,13 @@ static void rows_tile(const float *const *wr, const float *x, int64_t M, int64_t
     }
 }
 
+// Row r of the block at `base` whose rows lie `step` apart, or `base` itself past the last of N rows (such a
+// row is computed again and not stored). The one-row kernels' 4 streams (step L = ceil(N / 4), base = the
+// block) and the several-rows blocks (Blocks below) both pick their rows with it.
+static inline int64_t strided_row(int64_t base, int64_t r, int64_t step, int64_t N) {
+    return base + r * step < N ? base + r * step : base;
+}
+
 // The blocks of a several-rows product over N weight rows: block b is rows base + r step (r < NR; the nr of
 // them below N are a prefix, the rest repeat the first and are not stored). With `streams` the rows are NR
 // streams, as the one-row kernels read them (ONE_ROW): step = L = ceil(N / NR), base = b. Otherwise a block
@@ -202,7 +209,10 @@ static inline int64_t block_base(const Blocks *bl, int64_t b) { return bl->step 
 static inline int block_rows(const Blocks *bl, int64_t b, int64_t *n) {
     const int64_t base = block_base(bl, b);
     int nr = 0;
-    for (int r = 0; r < NR; r++) n[r] = base + r * bl->step < bl->N ? (nr++, base + r * bl->step) : base;
+    for (int r = 0; r < NR; r++) {
+        n[r] = strided_row(base, r, bl->step, bl->N);
+        nr += base + r * bl->step < bl->N;
+    }
     return nr;
 }
 
@@ -233,7 +243,7 @@ static inline int next_rows(const Blocks *bl, const void *w, int64_t b, int64_t 
         const int64_t sz = (int64_t)sizeof(T);                                                   \
         int64_t k = 0;                                                                           \
         for (; k + 2 * VW <= K; k += 2 * VW) {                                                   \
-            PREFETCH4(p0, p1, p2, p3, k * sz, (k + 2 * VW) * sz, ahead)                     \
+            PREFETCH4(p0, p1, p2, p3, k * sz, (k + 2 * VW) * sz, ahead)                          \
             const vf x0 = vld(x + k), x1 = vld(x + k + VW);                                      \
             a0 = vfma(LOAD(p0 + k), x0, a0); b0 = vfma(LOAD(p0 + k + VW), x1, b0);               \
             a1 = vfma(LOAD(p1 + k), x0, a1); b1 = vfma(LOAD(p1 + k + VW), x1, b1);               \
@@ -241,7 +251,7 @@ static inline int next_rows(const Blocks *bl, const void *w, int64_t b, int64_t 
             a3 = vfma(LOAD(p3 + k), x0, a3); b3 = vfma(LOAD(p3 + k + VW), x1, b3);               \
         }                                                                                        \
         for (; k + VW <= K; k += VW) {                                                           \
-            PREFETCH4(p0, p1, p2, p3, k * sz, (k + VW) * sz, ahead)                         \
+            PREFETCH4(p0, p1, p2, p3, k * sz, (k + VW) * sz, ahead)                              \
             const vf x0 = vld(x + k);                                                            \
             a0 = vfma(LOAD(p0 + k), x0, a0); a1 = vfma(LOAD(p1 + k), x0, a1);                    \
             a2 = vfma(LOAD(p2 + k), x0, a2); a3 = vfma(LOAD(p3 + k), x0, a3);                    \
@@ -267,7 +277,7 @@ static inline int next_rows(const Blocks *bl, const void *w, int64_t b, int64_t 
         _Pragma("omp parallel for schedule(static)")                                               \
         for (int64_t b = 0; b < L; b++) {                                                          \
             const T *rows[NB];                                                                     \
-            for (int64_t r = 0; r < NB; r++) rows[r] = w + (b + r * L < N ? b + r * L : b) * K;    \
+            for (int64_t r = 0; r < NB; r++) rows[r] = w + strided_row(b, r, L, N) * K;           \
             float out[NB];                                                                         \
             dot4_one_##NAME(rows[0], rows[1], rows[2], rows[3], x, K, K * (int64_t)sizeof(T), out);   \
             for (int64_t r = 0; r < NB && b + r * L < N; r++)                                      \
@@ -567,7 +577,7 @@ void gemm_int4(const float *x, const uint8_t *packed, const uint16_t *scale, con
             const uint8_t *p[NB];
             const uint16_t *sc[NB], *ze[NB];
             for (int64_t r = 0; r < NB; r++) {
-                const int64_t n = b + r * L < N ? b + r * L : b;
+                const int64_t n = strided_row(b, r, L, N);
                 p[r] = packed + n * (K / 2), sc[r] = scale + n * groups, ze[r] = zero + n * groups;
             }
             float out[NB];
