@@ -12,31 +12,69 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 FINISH = {"eos": "stop", "stop_string": "stop", "length": "length", "cache_full": "length", "cancelled": "stop"}
 
 
+# Types are strict, as OpenAI's are: "5" is not an integer, true is not a number, "yes" is not a boolean, and
+# 1.0 is not an integer either (OpenAI: "expected an integer, but got a decimal number"). An int is a number.
+STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+INT64 = 1 << 63
+# Fields OpenAI documents as "or null" whose null means the default; any other null is refused.
+NULL_MEANS_DEFAULT = ("n", "stream", "logprobs", "echo")
+
+
+class StreamOptions(BaseModel):
+    model_config = STRICT
+    include_usage: bool | None = None
+
+
 class _Request(BaseModel):
-    # Unknown fields are ignored, as OpenAI's server does for fields it does not know (clients send many).
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are ignored (clients send many: vLLM's and llama.cpp's extras, tools, user metadata).
+    model_config = STRICT
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)  # OpenAI's seed is an int64
     n: int = Field(1, ge=1, le=16)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     user: str | None = None
     # extras (llama.cpp's server, vLLM)
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0, le=10)
     ignore_eos: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(data.get(name, 0) is None for name in NULL_MEANS_DEFAULT):
+            return {k: v for k, v in data.items() if not (v is None and k in NULL_MEANS_DEFAULT)}
+        return data
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_given(cls, value: Any) -> Any:
+        if value is None:  # absent means this server's model; an explicit null is not a model name
+            raise PydanticCustomError("string_type", "expected a string")
+        return value
+
+    def check_combination(self) -> None:
+        """Fields valid alone but not together (OpenAI refuses these too)."""
+        if self.stream_options is not None and not self.stream:
+            raise FieldError("stream_options", "only allowed when stream is true")
+
+    @property
+    def sampling_seed(self) -> int | None:
+        """The seed the sampler takes (0 .. 2^63-1): an int64 as OpenAI allows, negative ones folded in."""
+        return None if self.seed is None else self.seed % INT64
 
     @field_validator("stop")
     @classmethod
@@ -50,14 +88,16 @@ class _Request(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
 
     def generate_overrides(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for name in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p"):
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p"):
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
+        if self.seed is not None:
+            out["seed"] = self.sampling_seed
         if self.repetition_penalty is not None:
             out["repetition_penalty"] = self.repetition_penalty
         if self.ignore_eos is not None:
@@ -75,13 +115,13 @@ class _Request(BaseModel):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart]
 
@@ -101,6 +141,11 @@ class ChatRequest(_Request):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def check_combination(self) -> None:
+        super().check_combination()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise FieldError("top_logprobs", "only allowed when logprobs is true")
 
     @property
     def token_limit(self) -> int | None:

@@ -73,9 +73,7 @@ def build_host(
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from .server import ServerSettings, ThreadedServer, create_app
+    from .server import ServerSettings, ThreadedServer, create_app, uvicorn_config
 
     if args.max_queue < 1:
         raise CliError("--max-queue must be at least 1")
@@ -89,7 +87,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(api_key=args.api_key, max_queue=args.max_queue, keep_alive_s=args.keep_alive)
     app = create_app(host, settings)
     name = host.bound.plan.name
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    config = uvicorn_config(app, settings, args.host, args.port, timeout_graceful_shutdown=5)
     server = ThreadedServer(config)
     http = threading.Thread(target=server.run, name="llmplan-http", daemon=True)
     stop = threading.Event()

@@ -2,9 +2,12 @@
 
 Every request runs the plan's request stages in a worker thread of its own (they wait on the shared
 scheduler, which a single thread steps), so the event loop only moves bytes. Errors take OpenAI's shape
-and say which field: 400 for the request's own values, 401 without the key, 404 for another model, 413 for
-a body too large, 429 with Retry-After when the bounded queue is full, 500 for the server's own failures.
-A client that goes away cancels its request, which frees its slot at the next step.
+and say which field: 400 for the request's own values (and malformed JSON or HTTP), 401 without the key,
+404 for another model or path, 408 for a request that does not arrive in time, 413 for a body too large,
+415 for a body that is not JSON, 429 with Retry-After when the bounded queue is full, 500 only for the
+server's own failures. Every read is bounded before it reaches a route: the headers' time and size
+(http_protocol.py), the body's time and size and the API key (http_guard.py), the JSON itself
+(request_body.py). A client that goes away cancels its request, which frees its slot at the next step.
 """
 
 from __future__ import annotations
@@ -24,13 +27,16 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import ValidationError
+from starlette.exceptions import HTTPException
 
-from llmplan.engine.messages import describe
+from llmplan.engine.messages import shown
 from llmplan.engine.serving import RequestError, RequestRun
 
 from .host import ModelHost, RequestFailed
+from .http_guard import RequestGate
+from .http_protocol import protocol_kwargs
 from .openai_api import (
+    INT64,
     ChatRequest,
     CompletionRequest,
     FieldError,
@@ -41,6 +47,7 @@ from .openai_api import (
     new_id,
     now,
 )
+from .request_body import BodyError, parse_body, validate
 
 # Stage parameter names back to the request's own, for error messages.
 FIELD_NAMES = {"max_new_tokens": "max_tokens", "messages": "messages", "text": "prompt", "logprobs": "top_logprobs"}
@@ -51,6 +58,8 @@ class ServerSettings:
     api_key: str | None = None
     max_queue: int = 64  # requests in flight (running or waiting for a slot); more get 429
     max_body_bytes: int = 1 << 20
+    header_timeout_s: float = 10.0  # from a connection's idle start to its request's last header
+    body_timeout_s: float = 30.0  # from the last header to the body's last byte
     keep_alive_s: float | None = None
     keep_alive_check_s: float = 1.0
 
@@ -143,20 +152,21 @@ def create_app(host: ModelHost, settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="llmplan", lifespan=lifespan)
     app.state.host, app.state.metrics = host, metrics
+    app.add_middleware(
+        RequestGate,
+        api_key=settings.api_key,
+        max_body_bytes=settings.max_body_bytes,
+        body_timeout_s=settings.body_timeout_s,
+        count=lambda endpoint, status: metrics.requests.labels(endpoint, status).inc(),
+    )
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Callable[[Request], Any]) -> Response:
-        path = request.url.path
-        if settings.api_key is not None and path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
-                metrics.requests.labels(path, "401").inc()
-                return ApiError(401, "invalid or missing API key", "authentication_error").response()
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
-            metrics.requests.labels(path, "413").inc()
-            return ApiError(413, f"request body over {settings.max_body_bytes} bytes").response()
-        return await call_next(request)
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, bad: HTTPException) -> JSONResponse:
+        """Starlette's own 404 / 405 in OpenAI's shape (its default is `{"detail": ...}`)."""
+        what = {404: "no such endpoint", 405: "method not allowed"}.get(bad.status_code, str(bad.detail))
+        message = f"{request.method} {shown(request.url.path)}: {what}; see GET /v1/models and POST /v1/completions"
+        kind = "not_found_error" if bad.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(message, kind), status_code=bad.status_code, headers=bad.headers)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -204,11 +214,19 @@ class Answering:
             if body.model is not None and body.model != self.model_name:
                 raise ApiError(
                     404,
-                    f"model {body.model!r} not found (this server has {self.model_name!r})",
+                    f"model {shown(body.model)} not found (this server has {self.model_name!r})",
                     "not_found_error",
                     "model",
                 )
             jobs = self._jobs(body)
+            if len(jobs) > self.settings.max_queue:  # could never be admitted: the request's fault, not load
+                field = "n" if len(jobs) == body.n else "prompt"
+                raise ApiError(
+                    400,
+                    f"{field}: {len(jobs)} choices (prompts x n) are more than this server's queue of "
+                    f"{self.settings.max_queue}; send fewer",
+                    param=field,
+                )
             for _ in jobs:  # one queue place per choice; all or none
                 if not self.admitted.acquire(blocking=False):
                     raise ApiError(
@@ -237,21 +255,14 @@ class Answering:
                 self.admitted.release()
 
     async def _parse(self, request: Request, schema: type[Any]) -> Any:
-        raw = await request.body()
-        if len(raw) > self.settings.max_body_bytes:
-            raise ApiError(413, f"request body over {self.settings.max_body_bytes} bytes")
+        raw = await request.body()  # read (bounded in size and time) by the RequestGate already
         try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as bad:
-            raise ApiError(400, f"malformed JSON: {bad}") from None
-        if not isinstance(data, dict):
-            raise ApiError(400, "the body must be a JSON object")
-        try:
-            body = schema.model_validate(data)
-        except ValidationError as bad:
-            first = bad.errors()[0]
-            field = ".".join(str(p) for p in first["loc"])
-            raise ApiError(400, f"{field}: {describe(first)}", param=field) from None
+            body = validate(schema, parse_body(raw))
+            body.check_combination()
+        except BodyError as bad:
+            raise ApiError(400, str(bad), param=bad.param) from None
+        except FieldError as bad:
+            raise ApiError(400, str(bad), param=bad.field) from None
         if body.token_limit is not None and body.token_limit > self.plan_limit:
             field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
             raise ApiError(
@@ -275,11 +286,11 @@ class Answering:
         # Seeds: the request's own (choice j gets seed + j, so n choices differ yet repeat); else, when sampling,
         # a fresh one per request as OpenAI and vLLM do. Greedy needs none (and keeps its results-cache key).
         sampling = generate.get("temperature", self.host.generate_params.temperature) > 0
-        base = body.seed if body.seed is not None else (secrets.randbelow(1 << 31) if sampling else None)
+        base = body.sampling_seed if body.seed is not None else (secrets.randbelow(1 << 31) if sampling else None)
         jobs = []
         for prompt in prompts:
             for j in range(body.n):
-                seeded = generate if base is None else generate | {"seed": base + j}
+                seeded = generate if base is None else generate | {"seed": (base + j) % INT64}
                 jobs.append({self.host.tokenize_id: prompt, self.host.generate_id: seeded})
         return jobs
 
@@ -371,7 +382,7 @@ class Answering:
         return {
             "id": new_id("chatcmpl" if chat else "cmpl"),
             "object": "chat.completion" if chat else "text_completion",
-            "self.created": now(),
+            "created": now(),
             "model": self.model_name,
             "choices": choices,
             "usage": self._usage(runs, prompts),
@@ -393,7 +404,7 @@ class Answering:
             data: dict[str, Any] = {
                 "id": ident,
                 "object": kind,
-                "self.created": made,
+                "created": made,
                 "model": self.model_name,
                 "choices": choices,
             }
@@ -475,6 +486,13 @@ async def _keep_alive(host: ModelHost, settings: ServerSettings) -> None:
             await loop.run_in_executor(None, host.maybe_unload)
         except Exception as bad:  # a failed release must not kill the server; it says so in the log
             host.plan.log.error("keep_alive_unload_failed", error=f"{type(bad).__name__}: {bad}")
+
+
+def uvicorn_config(app: FastAPI, settings: ServerSettings, host: str, port: int, **options: Any) -> uvicorn.Config:
+    """uvicorn's settings for this app: the bounded HTTP protocol (header time and size), warnings only."""
+    return uvicorn.Config(
+        app, host=host, port=port, log_level="warning", **protocol_kwargs(settings.header_timeout_s), **options
+    )
 
 
 class ThreadedServer(uvicorn.Server):

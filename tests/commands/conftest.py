@@ -10,11 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 import yaml
 
 from llmplan.commands.serve import build_host
-from llmplan.commands.server import ServerSettings, ThreadedServer, create_app
+from llmplan.commands.server import ServerSettings, ThreadedServer, create_app, uvicorn_config
 from tests.stages.tiny_run import load_stages, make_tiny_model_dir
 
 MAX_NEW = 40
@@ -83,7 +82,7 @@ class LiveServer:
         self.host.load()
         self.app = create_app(self.host, settings)
         self.port = free_port()
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        config = uvicorn_config(self.app, settings, "127.0.0.1", self.port)
         self.server = ThreadedServer(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.stop_model = threading.Event()  # the model thread is a background one here (speed is not tested)
