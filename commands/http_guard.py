@@ -1,5 +1,6 @@
 """The door of the HTTP API: every request passes here before routing (a plain ASGI middleware).
 
+- The request line and headers together are at most 16 KiB (431), and HTTP/1.x only.
 - The API key, when one is set, guards every path but `/health` (the docs, the OpenAPI schema and `/metrics`
   too, and unknown paths, so that nothing can be probed without it), compared in constant time: both sides
   are hashed first, so not even the key's length shows in the timing.
@@ -24,6 +25,7 @@ import secrets
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from .http_protocol import HEADER_LIMIT_BYTES
 from .openai_api import error_body
 
 Scope = MutableMapping[str, Any]
@@ -80,6 +82,7 @@ class RequestGate:
             return
         path = scope["path"]
         try:
+            _check_request(scope)
             self._check_key(scope)
             if scope["method"] in BODY_METHODS:
                 self._check_headers(scope)
@@ -106,12 +109,16 @@ class RequestGate:
             )
 
     def _check_headers(self, scope: Scope) -> None:
-        kind, length = None, None
+        kind, length, chunked = None, None, False
         for name, value in scope["headers"]:
             if name == b"content-type":
                 kind = value.decode("latin-1")
             elif name == b"content-length":
                 length = value
+            elif name == b"transfer-encoding":
+                chunked = True
+        if length is not None and chunked:  # h11 would go by the chunks; a proxy in front may go by the length
+            raise Refusal(400, "Content-Length and Transfer-Encoding together are ambiguous; send one of them")
         if not _is_json(kind):
             shown = "none" if kind is None else repr(kind[:60])
             raise Refusal(
@@ -152,6 +159,21 @@ class RequestGate:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+
+def _check_request(scope: Scope) -> None:
+    """What h11 lets through but this server does not speak: another HTTP version, headers over the limit
+    (h11 bounds only headers still arriving; ones that came in a single read are parsed whatever their size)."""
+    if scope["http_version"] not in ("1.0", "1.1"):
+        version = scope["http_version"][:8]
+        raise Refusal(400, f"HTTP/{version} is not supported; send HTTP/1.1", code="malformed_request")
+    size = len(scope["raw_path"]) + len(scope["query_string"]) + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+    if size > HEADER_LIMIT_BYTES:
+        raise Refusal(
+            431,
+            f"the request line and headers are over {HEADER_LIMIT_BYTES // 1024} KiB; send fewer or shorter ones",
+            code="request_header_fields_too_large",
+        )
 
 
 def _is_json(content_type: str | None) -> bool:
