@@ -120,26 +120,36 @@ def parse_body(raw: bytes) -> dict[str, Any]:
 
 
 def _check(data: dict[str, Any]) -> None:
-    """Walk the parsed body (without recursion): depth, refused values, lone surrogates, each with its path."""
-    stack: list[tuple[Any, tuple[str, ...]]] = [(data, ())]
+    """Walk the parsed body (without recursion): depth, refused values, lone surrogates, each named by its path.
+
+    Only containers go on the stack, each with a link to its parent's (the path's text is built only for a
+    refusal), so a megabyte of small values costs a few megabytes to walk, not a tuple per value.
+    """
+    stack: list[tuple[Any, Any, int]] = [(data, None, 0)]
     while stack:
-        value, path = stack.pop()
-        param = ".".join(path) or None
-        if len(path) > MAX_DEPTH:
-            raise BodyError(f"{param}: the JSON nests deeper than {MAX_DEPTH} levels", param)
-        if isinstance(value, _Refused):
-            named = ".".join((*path, value.key)) if value.key is not None else param
-            raise BodyError(f"{named}: {value.why}", named)
-        if isinstance(value, str):
-            if _SURROGATE.search(value):
-                raise BodyError(f"{param}: a lone UTF-16 surrogate (\\ud800-\\udfff) is not text", param)
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                if _SURROGATE.search(key):
-                    raise BodyError(f"{param or 'the body'}: a key holds a lone UTF-16 surrogate", param)
-                stack.append((item, (*path, key)))
-        elif isinstance(value, list):
-            stack.extend((item, (*path, str(i))) for i, item in enumerate(value))
+        container, link, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            _refuse(link, f"the JSON nests deeper than {MAX_DEPTH} levels")
+        items = container.items() if isinstance(container, dict) else enumerate(container)
+        for key, value in items:
+            if isinstance(key, str) and _SURROGATE.search(key):
+                _refuse(link, "a key holds a lone UTF-16 surrogate (\\ud800-\\udfff)")
+            if isinstance(value, str):
+                if _SURROGATE.search(value):
+                    _refuse((link, key), "a lone UTF-16 surrogate (\\ud800-\\udfff) is not text")
+            elif isinstance(value, dict | list):
+                stack.append((value, (link, key), depth + 1))
+            elif isinstance(value, _Refused):
+                _refuse((link, key) if value.key is None else ((link, key), value.key), value.why)
+
+
+def _refuse(link: Any, why: str) -> None:
+    parts: list[str] = []
+    while link is not None:
+        link, key = link
+        parts.append(str(key))
+    param = ".".join(reversed(parts)) or None
+    raise BodyError(f"{param or 'the body'}: {why}", param)
 
 
 def validate(schema: type[BaseModel], data: dict[str, Any]) -> Any:

@@ -218,15 +218,16 @@ class Answering:
                     "not_found_error",
                     "model",
                 )
-            jobs = self._jobs(body)
-            if len(jobs) > self.settings.max_queue:  # could never be admitted: the request's fault, not load
-                field = "n" if len(jobs) == body.n else "prompt"
+            prompts = 1 if isinstance(body, ChatRequest) else len(body.prompt) if isinstance(body.prompt, list) else 1
+            if prompts * body.n > self.settings.max_queue:  # could never be admitted: the request's fault, not load
+                field = "n" if prompts == 1 else "prompt"
                 raise ApiError(
                     400,
-                    f"{field}: {len(jobs)} choices (prompts x n) are more than this server's queue of "
+                    f"{field}: {prompts * body.n} choices (prompts x n) are more than this server's queue of "
                     f"{self.settings.max_queue}; send fewer",
                     param=field,
                 )
+            jobs = self._jobs(body)
             for _ in jobs:  # one queue place per choice; all or none
                 if not self.admitted.acquire(blocking=False):
                     raise ApiError(
@@ -330,7 +331,8 @@ class Answering:
             ) from None
         except Exception as bug:
             self.host.plan.log.error("request_failed", error=f"{type(bug).__name__}: {bug}")
-            raise ApiError(500, f"internal error: {type(bug).__name__}: {bug}", "server_error") from None
+            message = "internal error; the run directory's events.jsonl has the details"
+            raise ApiError(500, message, "server_error") from None
         generation = run.context.generations[0]
         if generation.finish_reason == "error":
             raise ApiError(500, f"generation failed: {generation.error}", "server_error")

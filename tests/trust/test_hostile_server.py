@@ -452,28 +452,31 @@ def test_health_needs_no_key_and_the_rest_opens_with_it(served: Served) -> None:
         assert httpx.get(f"{served.live.base}/openapi.json", headers=AUTH, timeout=10).json()["info"]["title"]
 
 
-def test_the_key_is_compared_in_constant_time(served: Served) -> None:
-    """A wrong key of any length takes as long as a right one (both sides are hashed before comparing)."""
-    from llmplan.commands.http_guard import RequestGate
+def test_the_key_is_compared_in_constant_time(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every check compares two SHA-256 digests with `secrets.compare_digest`: constant time, and equal lengths
+    whatever the client sent (compare_digest returns at once on a length mismatch, which would time the key's
+    length)."""
+    from llmplan.commands import http_guard
 
-    gate = RequestGate(lambda *a: None, api_key=KEY, max_body_bytes=LIMIT, body_timeout_s=1, count=lambda *a: None)
+    compared: list[tuple[int, int, bool]] = []
+    real = http_guard.secrets.compare_digest
 
-    def checks(header: bytes) -> float:
-        scope = {"path": "/v1/models", "headers": [(b"authorization", header)]}
-        start = time.perf_counter()
-        for _ in range(2000):
-            with contextlib.suppress(Exception):
-                gate._check_key(scope)
-        return time.perf_counter() - start
+    def spy(a: bytes, b: bytes) -> bool:
+        same = real(a, b)
+        compared.append((len(a), len(b), same))
+        return same
 
+    monkeypatch.setattr(http_guard.secrets, "compare_digest", spy)
+    tries = [b"", b"B", b"Bearer " + KEY.encode()[:-1], b"Bearer " + KEY.encode() + b"x", b"B" * 8000]
     with hostile(served):
-        right = f"Bearer {KEY}".encode()
-        times = {
-            name: min(checks(h) for _ in range(3))
-            for name, h in [("right", right), ("empty", b""), ("long", b"B" * 8000)]
-        }
-        assert times["long"] < 20 * times["right"]  # hashing 8 kB costs a little; a naive compare would show length
-        gate._check_key({"path": "/v1/models", "headers": [(b"authorization", right)]})  # the right key passes
+        for given in tries:
+            answer = httpx.get(f"{served.live.base}/v1/models", headers={"authorization": given}, timeout=10)
+            assert answer.status_code == 401
+        right = httpx.get(f"{served.live.base}/v1/models", headers=AUTH, timeout=10)
+        assert right.status_code == 200
+    wrong, good = compared[: len(tries)], compared[len(tries) : len(tries) + 1]
+    assert all(a == b == 32 and not same for a, b, same in wrong), wrong
+    assert good == [(32, 32, True)]
 
 
 def test_metric_labels_stay_a_fixed_set(served: Served) -> None:
@@ -483,13 +486,16 @@ def test_metric_labels_stay_a_fixed_set(served: Served) -> None:
 
     with hostile(served, seconds=30):
         before = series()
+        big = {**JSON_TYPE, "content-length": str(LIMIT + 1)}
         with httpx.Client(timeout=10) as http:
-            for i in range(150):
-                http.get(f"{served.live.base}/random/{i}/{'x' * (i % 7)}", headers=AUTH)  # 404s
-                http.post(f"{served.live.base}/v1/../evil/{i}", content=b"{}")  # 401s
+            for i in range(100):
+                http.get(f"{served.live.base}/v1/random-{i}")  # 401 (no key)
+                http.get(f"{served.live.base}/v1/models/{i}", headers=AUTH)  # 404
+                with contextlib.suppress(httpx.TransportError):  # 413 before the body: the server closes
+                    http.post(f"{served.live.base}/v1/x{i}", headers=big, content=b"{}" + b" " * (LIMIT - 1))
         after = series()
         grown = after - before
-        assert len(grown) <= 2, grown  # at most endpoint="other" with 401 and with 404
+        assert len(grown) <= 3, grown  # at most endpoint="other" with 401, 404 and 413
         labels = {part.split('"')[1] for s in after for part in s.split(",") if part.lstrip("{").startswith("endpoint")}
         assert labels <= {*ENDPOINTS, "other"}, labels
 
@@ -572,6 +578,51 @@ def test_a_body_shorter_than_its_content_length_is_408(served: Served) -> None:
         assert got.closed and got.seconds < BODY_S + 3
         error = assert_refusal(got.status or 0, got.body, 408, None, ("did not arrive",))
         assert error["code"] == "request_timeout"
+
+
+def test_expect_100_continue_then_no_body_is_408(served: Served) -> None:
+    with hostile(served):
+        got = exchange(served, [request_head(len(GOOD_BODY), "Expect: 100-continue\r\n")])
+        assert got.closed and got.data.startswith(b"HTTP/1.1 100 ")  # asked for the body, then gave up on it
+        assert b"HTTP/1.1 408 " in got.data and got.seconds < BODY_S + 3
+
+
+def test_a_client_gone_mid_body_leaves_nothing_behind(served: Served) -> None:
+    with hostile(served):
+        with socket.create_connection(("127.0.0.1", served.port), timeout=5) as sock:
+            sock.sendall(request_head(len(GOOD_BODY)) + GOOD_BODY[:10])
+            time.sleep(0.1)
+        time.sleep(
+            BODY_S + 0.3
+        )  # past the body deadline: the gate has seen the disconnect, sent nothing, logged nothing
+
+
+def test_a_mib_of_small_values_is_parsed_in_bounded_time(served: Served) -> None:
+    body = b'{"model": "hostile", "prompt": "keys", "max_tokens": 2, "junk": [' + b"0," * 500_000 + b"0]}"
+    assert len(body) <= LIMIT
+    with hostile(served, seconds=8):
+        start = time.monotonic()
+        answer = post_raw(served, "/v1/completions", body)
+        assert answer.status_code == 200 and time.monotonic() - start < 5
+
+
+def test_two_hundred_thousand_prompts_are_refused_before_any_work(served: Served) -> None:
+    body = json.dumps({"model": MODEL, "prompt": ["a"] * 200_000, "max_tokens": 2}).encode()
+    assert len(body) <= LIMIT
+    with hostile(served, memory_mb=32):
+        answer = post_raw(served, "/v1/completions", body)
+        assert_refusal(answer.status_code, answer.content, 400, "prompt", ("200000 choices",))
+
+
+def test_a_prompt_of_a_mib_is_refused_for_its_length(served: Served) -> None:
+    """Refused by the tokenize stage after encoding (the tokenizer's own objects take ~110-160 MiB for 140k
+    tokens): bounded by the body limit, not by the context."""
+    body = json.dumps({"model": MODEL, "prompt": "layers " * 140_000, "max_tokens": 2}).encode()
+    assert len(body) <= LIMIT
+    with hostile(served, seconds=20, memory_mb=256):
+        answer = post_raw(served, "/v1/completions", body)
+        error = assert_refusal(answer.status_code, answer.content, 400, None, ("prompt has", "limit is"))
+        assert len(error["message"]) < 300
 
 
 def test_a_trickling_body_is_cut_at_the_deadline(served: Served) -> None:
