@@ -29,6 +29,7 @@ from llmplan.engine.serving import ServeError
 from .host import ModelHost
 
 DURATION = re.compile(r"^(-?\d+(?:\.\d+)?)([smh]?)$")
+API_KEY = re.compile(r"[\x21-\x7e]{1,256}")
 
 
 def register(subparsers: Any) -> None:
@@ -36,7 +37,7 @@ def register(subparsers: Any) -> None:
     serve.add_argument("plan")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=os.environ.get("LLMPLAN_API_KEY"), help="require this bearer key")
+    serve.add_argument("--api-key", default=os.environ.get("LLMPLAN_API_KEY") or None, help="require this bearer key")
     serve.add_argument("--keep-alive", type=duration, default=None, help="unload after this long idle (5m, 30s)")
     serve.add_argument("--max-queue", type=int, default=64, help="requests in flight before 429")
     serve.add_argument("--set", action="append", default=[], metavar="ID.PARAM=VALUE", help="override a parameter")
@@ -77,6 +78,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.max_queue < 1:
         raise CliError("--max-queue must be at least 1")
+    if args.api_key is not None and not API_KEY.fullmatch(args.api_key):
+        raise CliError(  # clients send it in an HTTP header: an empty key, a space or a non-ASCII one cannot work
+            "--api-key (or LLMPLAN_API_KEY) must be 1-256 printable ASCII characters without spaces"
+        )
     _check_port(args.host, args.port)
     host = build_host(args.plan, args.set, keep_alive_s=args.keep_alive, quiet=args.quiet)
     try:

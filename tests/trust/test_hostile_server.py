@@ -28,7 +28,7 @@ from llmplan.commands.http_guard import ENDPOINTS
 from llmplan.commands.server import ServerSettings
 from tests.commands.conftest import LiveServer, write_serve_plan
 from tests.stages.tiny_run import make_tiny_model_dir
-from tests.trust.hostile import assert_clean_message, memory_bound, time_bound
+from tests.trust.hostile import assert_clean_message, memory_bound, refused, time_bound
 
 KEY = "hostile-key-7f3a"
 MODEL = "hostile"
@@ -59,6 +59,7 @@ class Served:
     log: Recorder
     events: Path
     client: openai.OpenAI
+    plan: Path
     seen_events: int = 0
     cases: list[str] = field(default_factory=list)
 
@@ -80,7 +81,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     try:
         with LiveServer(plan, settings) as live:
             client = openai.OpenAI(base_url=live.url, api_key=KEY, max_retries=0, timeout=20)
-            one = Served(live, recorder, live.host.run_dir / "events.jsonl", client)
+            one = Served(live, recorder, live.host.run_dir / "events.jsonl", client, plan)
             still_answers(one)  # warm: the first request's allocations are not a case's
             still_answers(one)
             yield one
@@ -477,6 +478,25 @@ def test_the_key_is_compared_in_constant_time(served: Served, monkeypatch: pytes
     wrong, good = compared[: len(tries)], compared[len(tries) : len(tries) + 1]
     assert all(a == b == 32 and not same for a, b, same in wrong), wrong
     assert good == [(32, 32, True)]
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        pytest.param("", id="empty"),
+        pytest.param("two words", id="space"),
+        pytest.param("clé-secrète", id="non-ascii"),
+        pytest.param("key\n", id="newline"),
+        pytest.param("k" * 257, id="257-chars"),
+    ],
+)
+def test_a_key_no_client_can_send_is_refused_at_start(
+    served: Served, key: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    runs = tmp_path / "runs"
+    with hostile(served):
+        refused(["serve", str(served.plan), "--api-key", key, "--set", f"runs_dir={runs}"], capsys, names=["--api-key"])
+    assert not runs.exists()  # refused before the plan made a run directory
 
 
 def test_metric_labels_stay_a_fixed_set(served: Served) -> None:
