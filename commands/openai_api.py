@@ -113,6 +113,10 @@ class _Request(BaseModel):
     def token_limit(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def prompt_count(self) -> int:
+        return 1
+
 
 class ContentPart(BaseModel):
     model_config = STRICT
@@ -175,6 +179,10 @@ class CompletionRequest(_Request):
     prompt: str | list[str]
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
+
+    @property
+    def prompt_count(self) -> int:
+        return len(self.prompt) if isinstance(self.prompt, list) else 1
 
     def prompts(self) -> list[str]:
         prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt

@@ -218,12 +218,12 @@ class Answering:
                     "not_found_error",
                     "model",
                 )
-            prompts = 1 if isinstance(body, ChatRequest) else len(body.prompt) if isinstance(body.prompt, list) else 1
-            if prompts * body.n > self.settings.max_queue:  # could never be admitted: the request's fault, not load
-                field = "n" if prompts == 1 else "prompt"
+            choices = body.prompt_count * body.n
+            if choices > self.settings.max_queue:  # could never be admitted: the request's fault, not load
+                field = "n" if body.prompt_count == 1 else "prompt"
                 raise ApiError(
                     400,
-                    f"{field}: {prompts * body.n} choices (prompts x n) are more than this server's queue of "
+                    f"{field}: {choices} choices (prompts x n) are more than this server's queue of "
                     f"{self.settings.max_queue}; send fewer",
                     param=field,
                 )
