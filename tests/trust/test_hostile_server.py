@@ -76,10 +76,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     settings = ServerSettings(api_key=KEY, max_queue=MAX_QUEUE, header_timeout_s=HEADER_S, body_timeout_s=BODY_S)
     recorder = Recorder()
     watched = [logging.getLogger(name) for name in ("", "uvicorn", "uvicorn.error", "asyncio", "llmplan")]
-    for logger in watched:
-        logger.addHandler(recorder)
     try:
         with LiveServer(plan, settings) as live:
+            for logger in watched:  # after uvicorn's dictConfig, which drops the handlers its loggers had
+                logger.addHandler(recorder)
             client = openai.OpenAI(base_url=live.url, api_key=KEY, max_retries=0, timeout=20)
             one = Served(live, recorder, live.host.run_dir / "events.jsonl", client, plan)
             still_answers(one)  # warm: the first request's allocations are not a case's
@@ -711,6 +711,8 @@ def test_what_is_not_http_gets_a_400_and_a_close(served: Served, raw: bytes) -> 
         assert got.closed and got.seconds < HEADER_S + 2.5
         error = assert_refusal(got.status or 0, got.body, 400, None)
         assert error["code"] == "malformed_request"
+        if error["message"].startswith("malformed HTTP request"):  # h11's refusal: uvicorn's warning was seen
+            assert any("Invalid HTTP request" in r.getMessage() for r in served.log.records)
 
 
 HEAD = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n"
