@@ -344,9 +344,12 @@ class Answering:
         ctx = run.context
         generation = ctx.generations[0]
         if ctx.completions:
-            text = ctx.completions[0].text
-        else:  # a plan without output stages: the generated ids as text
-            text = ctx.tokenizer.decode(generation.tokens, skip_special_tokens=True)
+            # The completion, not the generation, for logprobs too: an output filter redacted its tokens and
+            # alternatives where they would spell what it withheld.
+            completion = ctx.completions[0]
+            return completion.text, finish_reason(generation.finish_reason), completion
+        # a plan without output stages: the generated ids as text
+        text = ctx.tokenizer.decode(generation.tokens, skip_special_tokens=True)
         return text, finish_reason(generation.finish_reason), generation
 
     def _usage(self, runs: list[RequestRun], prompts: int) -> dict[str, int]:

@@ -530,16 +530,20 @@ def begin_observing(ctx: InferenceContext, model: Transformer, kv_cache: KVCache
 
 
 def redact_flagged(ctx: InferenceContext, results: list[Result], records: list[dict[str, Any]]) -> None:
-    """A generation an output filter of the plan flags keeps no tokens, pieces or logprobs here either."""
-    from .output_filter import flags
+    """A generation an output filter of the plan flags keeps no tokens, pieces or logprobs here either; of
+    the others, the alternatives that filter would withhold are left out (`withheld_alternatives` counts them)."""
+    from .output_filter import screen_generation
 
-    tokenizer = ctx.tokenizer
-    if tokenizer is None:
-        return
     for result, record in zip(results, records, strict=True):
-        texts = [_text(tokenizer, result.tokens), *(_text(tokenizer, c.tokens) for c in result.candidates)]
-        if flags(ctx, *texts):
+        flagged, withheld = screen_generation(ctx, result)
+        if flagged:
             record.update(tokens=[], pieces=[], token_strings=[], logprobs=[], alternatives=[], text="", redacted=True)
+        elif any(withheld):
+            record["alternatives"] = [
+                [alt for alt in step if i >= len(withheld) or int(alt[0]) not in withheld[i]]
+                for i, step in enumerate(record["alternatives"])
+            ]
+            record["withheld_alternatives"] = sum(len(ids) for ids in withheld)
 
 
 def _text(tokenizer: Tokenizer, ids: list[int]) -> str:
@@ -561,7 +565,15 @@ def finish_observing(ctx: InferenceContext, results: list[Result], shared_model:
     _write_json(Path(ctx.run_dir) / GENERATIONS_FILE, records)
     observer = ctx.ext.get(OBSERVER_KEY)
     if isinstance(observer, Observer):
-        first = next((r for r in results if r.tokens and not r.from_cache), None)
+        # Not a generation a filter flags: the attention record names its tokens.
+        first = next(
+            (
+                r
+                for r, rec in zip(results, records, strict=True)
+                if r.tokens and not r.from_cache and not rec.get("redacted")
+            ),
+            None,
+        )
         request = next((q for q in ctx.requests or [] if first is not None and q.id == first.request_id), None)
         uncut = request is not None and first is not None and len(request.prompt_ids) == first.prompt_tokens
         # Not for a prompt cut to fit, nor on a model another thread is stepping (a served plan): the extra pass

@@ -24,7 +24,7 @@ A result object (one per request; one line each on stdout under `llmplan run --j
                   "decode_tokens_per_s": float|null, ...other timings of the generator},
       "error": str | null,
       "from_cache": bool,
-      "flagged": [str]              # blocklist entries the output filter matched
+      "flagged": [str]              # what the output filter withheld, and how much (never the entries matched)
     }
 
 A JSON file holds {"schema": "llmplan.result/v1", "plan", "model", "created", "results": [result objects]}.

@@ -28,7 +28,7 @@ def test_mask(ctx, blocklist):
     c, clean = _completion("A Class of classic grey and GRAY things 这是坏的"), _completion("nothing here")
     _run(ctx, [c, clean], blocklist)
     assert c.text == "A *** of classic *** and *** things 这是***的"  # whole words only for ASCII entries
-    assert c.flagged == ["class", "re:gr[ae]y", "坏"]
+    assert c.flagged == ["masked 4 blocklist matches"]  # how many, never which entries
     assert c.error is None and c.finish_reason == "eos"
     assert clean.text == "nothing here" and clean.flagged == []
     assert ctx.metrics.get("run", "flagged") == 1
@@ -38,13 +38,13 @@ def test_reject_keeps_finish_reason(ctx, blocklist):
     c = _completion("a grey day", candidates=[Candidate([1], -1.0, "eos")], candidate_texts=["grey"])
     _run(ctx, [c], blocklist, action="reject")
     assert c.text == "" and c.candidate_texts == [""]
-    assert c.error == "rejected by filter" and c.finish_reason == "eos" and c.flagged == ["re:gr[ae]y"]
+    assert c.error == "rejected by filter" and c.finish_reason == "eos" and c.flagged == ["rejected: 2 blocklist matches"]
 
 
 def test_candidates_are_masked(ctx, blocklist):
     c = _completion("fine", candidates=[Candidate([1], -1.0, "eos")], candidate_texts=["a class act"])
     _run(ctx, [c], blocklist)
-    assert c.text == "fine" and c.candidate_texts == ["a *** act"] and c.flagged == ["class"]
+    assert c.text == "fine" and c.candidate_texts == ["a *** act"] and c.flagged == ["masked 1 blocklist match"]
 
 
 def test_bad_regex_names_file_and_line(ctx, tmp_path):
