@@ -80,7 +80,9 @@ def ascii_lookalike(ch: str) -> str | None:
     whole = _pick(by_skeleton.get(key, ""), ch)
     if whole:
         return whole
-    pieces = [_pick(by_skeleton.get(part, ""), part) or part for part in key]
+    # Marks in a prototype (Cherokee `Ꮎ` → `O̵`) go: the filter strips them from Latin letters anyway.
+    key = "".join(part for part in key if unicodedata.category(part) not in ("Mn", "Me"))
+    pieces = [_pick(by_skeleton.get(part, ""), ch if len(key) == 1 else part) or part for part in key]
     mapped = "".join(pieces)
     return mapped if mapped.isascii() else None
 
