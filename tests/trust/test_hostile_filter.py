@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 import yaml
@@ -440,3 +441,87 @@ def test_the_stream_never_shows_a_blocked_word(case, action, tokenizer, blocklis
     text = "".join(shown)
     assert text.startswith("Here: ") and ("***" in text) == (action == "mask")
     assert_withheld(case, found_words(text), text)
+
+
+# --- 5. served: chat and legacy completions, whole and streamed, with logprobs and top_logprobs ------------
+
+
+@pytest.fixture(scope="module")
+def served(scripted, tokenizer, model_dir, blocklist, tmp_path_factory) -> Iterator[Any]:
+    from llmplan.commands.server import ServerSettings
+    from tests.commands.conftest import LiveServer
+
+    tmp = tmp_path_factory.mktemp("served")
+    for name, (_, spelling) in FAMILIES.items():
+        scripted.add(f"srv-{name}", ids(tokenizer, f"Here: {spelling}, then more."))
+        before, completing = completing_split(tokenizer, spelling)
+        lead, nice = ids(tokenizer, "Here: "), ids(tokenizer, " nice.")
+        scripted.add(f"srvalt-{name}", [*lead, *before, *nice], {len(lead) + len(before): [completing]})
+    path = tmp / "served.yaml"
+    path.write_text(yaml.safe_dump(plan_dict(model_dir, blocklist, None, tmp), allow_unicode=True, sort_keys=False))
+    with LiveServer(path, ServerSettings(max_queue=8), run_dir=tmp / "run") as live:
+        yield live
+
+
+def post(live: Any, endpoint: str, body: dict[str, Any]) -> str:
+    """The response as a reader gets it: every string of the JSON body (or of each server-sent event)."""
+    with time_bound(60):
+        reply = httpx.post(f"{live.url}/{endpoint}", json={"model": "hostile-filter", **body}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    if not body.get("stream"):
+        return "\n".join(strings_of(reply.json()))
+    events = [line[6:] for line in reply.text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+    assert events, reply.text
+    return "\n".join(s for event in events for s in strings_of(json.loads(event)))
+
+
+def streamed_text(live: Any, endpoint: str, body: dict[str, Any]) -> str:
+    """What a streaming client shows: the deltas (chat) or texts (completions), joined."""
+    with time_bound(60):
+        reply = httpx.post(
+            f"{live.url}/{endpoint}", json={"model": "hostile-filter", **body, "stream": True}, timeout=60
+        )
+    chunks = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
+    choices = [c for chunk in chunks for c in chunk.get("choices", [])]
+    return "".join((c.get("delta") or {}).get("content") or c.get("text") or "" for c in choices)
+
+
+@pytest.mark.parametrize("case", NAMES)
+def test_served_chat_masks_the_text_and_withholds_its_logprobs(case, served):
+    body = {"messages": [{"role": "user", "content": f"case srv-{case}"}], "max_tokens": 40}
+    reply = post(served, "chat/completions", {**body, "logprobs": True, "top_logprobs": 5})
+    assert "***" in reply
+    assert_withheld(case, found_words(reply), reply)
+
+
+@pytest.mark.parametrize("case", NAMES)
+def test_served_streams_never_show_a_blocked_word(case, served):
+    chat = {"messages": [{"role": "user", "content": f"case srv-{case}"}], "max_tokens": 40}
+    legacy = {"prompt": f"case srv-{case}", "max_tokens": 40}
+    for endpoint, body in (("chat/completions", chat), ("completions", legacy)):
+        shown = streamed_text(served, endpoint, body)
+        assert "***" in shown, shown
+        events = post(served, endpoint, {**body, "stream": True})
+        assert_withheld(case, found_words(shown) | found_words(events), shown, events)
+
+
+@pytest.mark.parametrize("case", NAMES)
+def test_served_top_logprobs_withhold_an_alternative_that_completes_a_blocked_word(case, served, tokenizer):
+    _, spelling = FAMILIES[case]
+    before, completing = completing_split(tokenizer, spelling)
+    prompt = {"prompt": f"case srvalt-{case}", "max_tokens": 40}
+    with time_bound(60):
+        reply = httpx.post(
+            f"{served.url}/completions", json={"model": "hostile-filter", **prompt, "logprobs": 5}, timeout=60
+        )
+    legacy = reply.json()
+    choice = legacy["choices"][0]
+    assert choice["text"] == "Here: " + tokenizer.decode(before) + " nice."  # the answer is clean and kept
+    at = len(ids(tokenizer, "Here: ")) + len(before)
+    assert tokenizer.decode([completing]) not in choice["logprobs"]["top_logprobs"][at]
+    chat = {"messages": [{"role": "user", "content": f"case srvalt-{case}"}], "max_tokens": 40}
+    replies = [
+        "\n".join(strings_of(legacy)),
+        post(served, "chat/completions", {**chat, "logprobs": True, "top_logprobs": 5}),
+    ]
+    assert_withheld(case, set().union(*map(found_words, replies)), *replies)
