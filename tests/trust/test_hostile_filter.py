@@ -15,6 +15,7 @@ import contextlib
 import html
 import io
 import json
+import os
 import re
 import sqlite3
 from collections.abc import Iterator
@@ -32,7 +33,7 @@ from llmplan.llm.tokenizer import Tokenizer
 from llmplan.stages.output_filter import load_blocklist
 from llmplan.stages.text_match import _LEET_I, _LEET_L, Matcher, literal_entry, normalize
 from tests.stages.tiny_run import load_stages, make_tiny_model_dir
-from tests.trust.hostile import memory_bound, time_bound
+from tests.trust.hostile import assert_untouched, memory_bound, refused, snapshot, time_bound
 
 # A lookalike family: how an attacker (or a model told to) writes a blocked word so that it reads the same.
 # Each family spells its own word, so that the cases of one run are told apart by the word they look for.
@@ -88,7 +89,8 @@ def found_words(text: str, words: list[str] = WORDS) -> set[str]:
 
 
 def strings_of(value: Any) -> Iterator[str]:
-    """Every string inside decoded JSON (keys too)."""
+    """Every string inside decoded JSON (keys too), and what a run of token strings spells when joined:
+    a list of strings (`pieces`, legacy `tokens`) and the `token`s of a list of logprob entries."""
     if isinstance(value, str):
         yield value
     elif isinstance(value, dict):
@@ -96,6 +98,10 @@ def strings_of(value: Any) -> Iterator[str]:
             yield str(key)
             yield from strings_of(item)
     elif isinstance(value, list | tuple):
+        if value and all(isinstance(item, str) for item in value):
+            yield "".join(value)
+        if value and all(isinstance(item, dict) and isinstance(item.get("token"), str) for item in value):
+            yield "".join(item["token"] for item in value)
         for item in value:
             yield from strings_of(item)
 
@@ -463,33 +469,25 @@ def served(scripted, tokenizer, model_dir, blocklist, tmp_path_factory) -> Itera
         yield live
 
 
-def post(live: Any, endpoint: str, body: dict[str, Any]) -> str:
-    """The response as a reader gets it: every string of the JSON body (or of each server-sent event)."""
+def post(live: Any, endpoint: str, body: dict[str, Any]) -> tuple[str, str]:
+    """The response as a reader gets it: every string of the JSON body (or of each server-sent event); and,
+    streamed, what a client shows (the deltas or texts joined)."""
     with time_bound(60):
         reply = httpx.post(f"{live.url}/{endpoint}", json={"model": "hostile-filter", **body}, timeout=60)
     assert reply.status_code == 200, reply.text
     if not body.get("stream"):
-        return "\n".join(strings_of(reply.json()))
-    events = [line[6:] for line in reply.text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+        return "\n".join(strings_of(reply.json())), ""
+    events = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
     assert events, reply.text
-    return "\n".join(s for event in events for s in strings_of(json.loads(event)))
-
-
-def streamed_text(live: Any, endpoint: str, body: dict[str, Any]) -> str:
-    """What a streaming client shows: the deltas (chat) or texts (completions), joined."""
-    with time_bound(60):
-        reply = httpx.post(
-            f"{live.url}/{endpoint}", json={"model": "hostile-filter", **body, "stream": True}, timeout=60
-        )
-    chunks = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
-    choices = [c for chunk in chunks for c in chunk.get("choices", [])]
-    return "".join((c.get("delta") or {}).get("content") or c.get("text") or "" for c in choices)
+    choices = [c for event in events for c in event.get("choices", [])]
+    shown = "".join((c.get("delta") or {}).get("content") or c.get("text") or "" for c in choices)
+    return "\n".join(s for event in events for s in strings_of(event)), shown
 
 
 @pytest.mark.parametrize("case", NAMES)
 def test_served_chat_masks_the_text_and_withholds_its_logprobs(case, served):
     body = {"messages": [{"role": "user", "content": f"case srv-{case}"}], "max_tokens": 40}
-    reply = post(served, "chat/completions", {**body, "logprobs": True, "top_logprobs": 5})
+    reply, _ = post(served, "chat/completions", {**body, "logprobs": True, "top_logprobs": 5})
     assert "***" in reply
     assert_withheld(case, found_words(reply), reply)
 
@@ -499,9 +497,8 @@ def test_served_streams_never_show_a_blocked_word(case, served):
     chat = {"messages": [{"role": "user", "content": f"case srv-{case}"}], "max_tokens": 40}
     legacy = {"prompt": f"case srv-{case}", "max_tokens": 40}
     for endpoint, body in (("chat/completions", chat), ("completions", legacy)):
-        shown = streamed_text(served, endpoint, body)
+        events, shown = post(served, endpoint, {**body, "stream": True})
         assert "***" in shown, shown
-        events = post(served, endpoint, {**body, "stream": True})
         assert_withheld(case, found_words(shown) | found_words(events), shown, events)
 
 
@@ -522,6 +519,68 @@ def test_served_top_logprobs_withhold_an_alternative_that_completes_a_blocked_wo
     chat = {"messages": [{"role": "user", "content": f"case srvalt-{case}"}], "max_tokens": 40}
     replies = [
         "\n".join(strings_of(legacy)),
-        post(served, "chat/completions", {**chat, "logprobs": True, "top_logprobs": 5}),
+        post(served, "chat/completions", {**chat, "logprobs": True, "top_logprobs": 5})[0],
     ]
     assert_withheld(case, set().union(*map(found_words, replies)), *replies)
+
+
+# --- 6. the blocklist file, read bounded ------------------------------------------------------------------
+
+
+def _fifo(path: Path) -> Path:
+    os.mkfifo(path)
+    return path
+
+
+def _huge(path: Path) -> Path:
+    with path.open("wb") as f:
+        f.truncate((4 << 20) + 1)  # sparse: one byte past the limit costs no disk
+    return path
+
+
+def _link_to_zero(path: Path) -> Path:
+    path.symlink_to("/dev/zero")
+    return path
+
+
+BAD_BLOCKLISTS = {
+    "dev-zero": lambda d: Path("/dev/zero"),
+    "symlink-to-dev-zero": lambda d: _link_to_zero(d / "words.txt"),
+    "fifo-without-writer": lambda d: _fifo(d / "words.fifo"),
+    "directory": lambda d: (d / "words").mkdir() or d / "words",
+    "over-4-MiB": lambda d: _huge(d / "words.txt"),
+    "not-utf-8": lambda d: (d / "words.txt").write_bytes(b"ban\xffana\n") and d / "words.txt",
+    "too-many-entries": lambda d: (
+        (d / "words.txt").write_text("".join(f"w{i}\n" for i in range(20_001))) and d / "words.txt"
+    ),
+    "an-entry-of-5000-characters": lambda d: (d / "words.txt").write_text("x" * 5000 + "\n") and d / "words.txt",
+    "missing": lambda d: d / "no-such-words.txt",
+}
+
+
+@pytest.mark.parametrize("command", ["validate", "run"])
+@pytest.mark.parametrize("kind", list(BAD_BLOCKLISTS))
+def test_a_hostile_blocklist_file_is_refused_naming_it(kind, command, model_dir, tmp_path, capsys):
+    user = tmp_path / "user"
+    user.mkdir()
+    path = BAD_BLOCKLISTS[kind](user)
+    plan = user / "plan.yaml"
+    plan.write_text(yaml.safe_dump(plan_dict(model_dir, path, None, user), allow_unicode=True, sort_keys=False))
+    before = snapshot(user)
+    argv = (
+        ["validate", "--deep", str(plan)] if command == "validate" else ["run", str(plan), "--out", str(tmp_path / "r")]
+    )
+    said = refused(argv, capsys, names=[str(path), "blocklist"], seconds=30, memory_mb=256)
+    assert len([line for line in said.splitlines() if str(path) in line]) == 1, said  # one line names it
+    assert_untouched(before, user)
+
+
+def test_a_blocklist_llmplan_reads_is_accepted_by_validate(model_dir, blocklist, tmp_path, capsys):
+    from llmplan.engine.cli import main
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(
+        yaml.safe_dump(plan_dict(model_dir, blocklist, None, tmp_path), allow_unicode=True, sort_keys=False)
+    )
+    with time_bound(30):
+        assert main(["validate", "--deep", str(plan)]) == 0, capsys.readouterr()
