@@ -46,6 +46,11 @@ def _prototypes() -> dict[str, str]:
     return table
 
 
+def load() -> None:
+    """Read the data now (ConfusablesMissing if it is not installed), not at the first non-ASCII character."""
+    _prototypes()
+
+
 def skeleton(text: str) -> str:
     """UTS #39's skeleton: NFD, each character to its prototype, NFD again."""
     table = _prototypes()

@@ -54,6 +54,7 @@ from llmplan.bounded_read import NotRegularFileError, TooLargeError, read_limite
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
 
+from . import confusables
 from .confusables import ConfusablesMissing
 from .slots import InferenceContext
 from .text_match import UNBOUNDED, Entry, Matcher, StreamGuard, literal_entry, regex_entry
@@ -106,6 +107,7 @@ def load_blocklist(path: str | Path) -> list[Entry]:
     lines = read_blocklist(path).splitlines()
     entries: list[Entry] = []
     try:
+        confusables.load()
         for number, raw in enumerate(lines, start=1):
             entry = _entry(path, number, raw.strip())
             if entry is None:
