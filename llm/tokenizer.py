@@ -2,50 +2,39 @@
 
 Three pieces, each small:
   * `Tokenizer`: encode/decode through the `tokenizers` library, special-token ids, BOS policy;
-  * `apply_chat_template`: the model's Jinja chat template, rendered in a sandbox, since a
-    template ships with downloaded weights and must not be able to run code or read files —
-    nor hang or eat memory: a time budget (checked on every line the compiled template runs),
-    a cap on the size of what it builds (`*`, `+`, `%`, `~`, filters, string methods, integers)
-    and on the rendered output;
+  * `apply_chat_template`: the model's Jinja chat template, rendered in the sandbox of
+    llm/chat_sandbox.py (no code, no files, bounded in time and size), since a template ships
+    with downloaded weights; a refusal is one line naming tokenizer_config.json;
   * `StreamDecoder`: incremental detokenization that never emits half a character.
 
 User text never becomes control tokens. `encode(text, special=False)` encodes `<|im_end|>` in
-the text as the characters it is made of. `encode_chat` gets the template's special tokens
-from the template alone: every special-token string (and the marker characters themselves)
-inside the messages is replaced by a private-use marker character before rendering, so after
-rendering the only special-token strings in the output are the ones the template wrote. The
-output is split at those (exactly where the `tokenizers` library splits at added tokens, so a
-normal chat gets the very ids of a plain encode), the markers between them are turned back into
-the user's text, and that text is encoded without special-token parsing.
+the text as the characters it is made of. `encode_chat` renders the messages as `UserText`
+(llm/user_text.py), so the rendered prompt knows which characters came from a message, however
+the template moved or rewrote them. Only special-token strings made entirely of the template's
+own characters become control tokens; the prompt is split at those (exactly where the
+`tokenizers` library splits at added tokens, so a normal chat gets the very ids of a plain
+encode) and everything between is encoded without special-token parsing.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import re
-import sys
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
-from jinja2.ext import loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+from jinja2.sandbox import SecurityError
+
+from .chat_sandbox import RENDER_SECONDS, ChatTemplate, RenderTimeout
+from .user_text import as_user_message, spans_of
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 _REPLACEMENT = "\ufffd"  # what a decoder yields for an incomplete UTF-8 sequence
-_MAX_REPEAT = 1 << 20  # longest string/list a template may build with `*` (guards memory)
-_MAX_BUILT = 16 << 20  # longest string/list any other template operation may build, and the output
-_MAX_INT_BITS = 1 << 14  # largest integer (in bits) template arithmetic may produce
-_RENDER_SECONDS = 2.0  # a chat template renders in milliseconds; this much means a loop bomb
-_MARK_BASE = 0x10F000  # private-use plane 16: markers for special-token strings inside messages
-_MARK_LIMIT = 0xFFE
 
 
 class TokenizerError(ValueError):
@@ -142,43 +131,38 @@ class Tokenizer:
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, add_bos: bool | None = False
     ) -> tuple[str, list[int]]:
         """(the rendered prompt, its ids): control tokens only where the template wrote them (module doc)."""
-        marks = self._special_pattern
-        escaper = re.compile((f"{marks.pattern}|" if marks is not None else "") + _MARK_CLASS)
-        table: dict[str, str] = {}
-
-        def escape(value: Any) -> Any:
-            if isinstance(value, str):
-                return escaper.sub(lambda m: _mark(table, m.group()), value)
-            if isinstance(value, dict):
-                return {k: escape(v) for k, v in value.items()}
-            if isinstance(value, list):
-                return [escape(v) for v in value]
-            return value
-
-        rendered = self.apply_chat_template([escape(m) for m in messages], add_generation_prompt)
-        back = {mark: text for text, mark in table.items()}
-        pieces = marks.split(rendered) if marks is not None else [rendered]
-        found = marks.findall(rendered) if marks is not None else []
+        rendered = self._render([as_user_message(m) for m in messages], add_generation_prompt)
+        text = str.__str__(rendered)
         ids: list[int] = []
-        shown: list[str] = []
+        position = 0
         strip_start = False
-        for index, piece in enumerate(pieces):
-            text = _MARK_RE.sub(lambda m: back.get(m.group(), m.group()), piece)
-            shown.append(text)
-            special = found[index] if index < len(found) else None
-            token = self._specials[special] if special is not None else None
+        for start, end, special in self._template_specials(text, spans_of(rendered)):
+            token = self._specials[special]
             # An added token's lstrip/rstrip eats the whitespace beside it, as the library does.
-            body = text.lstrip() if strip_start else text
-            body = body.rstrip() if token is not None and token.lstrip else body
+            body = text[position:start].lstrip() if strip_start else text[position:start]
+            body = body.rstrip() if token.lstrip else body
             if body:
                 ids += self.encode(body, add_bos=False, special=False)
-            if special is not None:
-                ids.append(int(self._backend.token_to_id(special)))
-                shown.append(special)
-                strip_start = bool(token.rstrip)
+            ids.append(int(self._backend.token_to_id(special)))
+            position, strip_start = end, bool(token.rstrip)
+        tail = text[position:].lstrip() if strip_start else text[position:]
+        if tail:
+            ids += self.encode(tail, add_bos=False, special=False)
         if (self.add_bos_token if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id, *ids]
-        return "".join(shown), ids
+        return text, ids
+
+    def _template_specials(self, text: str, user: tuple[tuple[int, int], ...]) -> Iterator[tuple[int, int, str]]:
+        """(start, end, text) of every special-token string made of the template's own characters only:
+        one that touches a character from a message (even if the template moved or rewrote it) is text."""
+        marks = self._special_pattern
+        if marks is None:
+            return
+        own_start = 0
+        for user_start, user_end in (*user, (len(text), len(text))):
+            for found in marks.finditer(text, own_start, user_start):
+                yield found.start(), found.end(), found.group()
+            own_start = user_end
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         ids = list(ids)
@@ -212,192 +196,52 @@ class Tokenizer:
         return self.chat_template is not None
 
     @cached_property
-    def _compiled_template(self) -> Any:
+    def _compiled_template(self) -> ChatTemplate:
         template = self.chat_template
         if template is None:
             raise TokenizerError(f"{self._source}: the tokenizer has no chat_template")
         try:
-            compiled = _chat_environment().from_string(template)
+            return ChatTemplate(template)
         except TemplateError as bad:
-            raise TokenizerError(f"{self._source}: chat_template does not compile ({_one_line(bad)})") from None
-        # `a ~ b` compiles to a call of the module's str_join/markup_join: give it the size check.
-        namespace = compiled.root_render_func.__globals__
-        for name in ("str_join", "markup_join"):
-            if name in namespace:
-                namespace[name] = _checked(namespace[name])
-        return compiled
+            raise TokenizerError(f"{self._template_file}: chat_template does not compile ({_one_line(bad)})") from None
+
+    @property
+    def _template_file(self) -> str:
+        return f"{self._source}/{TOKENIZER_CONFIG_FILE}" if self._source != "<memory>" else "chat_template"
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """Render `messages` the way HF's apply_chat_template(tokenize=False) does."""
+        return str.__str__(self._render(messages, add_generation_prompt))
+
+    def _render(self, messages: list[Any], add_generation_prompt: bool) -> str:
+        """The rendered prompt, spans of the messages' text kept (llm/user_text.py); refusals name the file."""
         specials = {key: self._token_text(key) for key in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        where = self._template_file
         try:
-            compiled = self._compiled_template
-            with _time_budget(_RENDER_SECONDS):
-                chunks = compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt, **specials)
-                out: list[str] = []
-                size = 0
-                for chunk in chunks:
-                    size += len(chunk)
-                    if size > _MAX_BUILT:
-                        raise SecurityError(f"the rendered prompt is over {_MAX_BUILT} characters")
-                    out.append(chunk)
-            return "".join(out)
-        except _OverBudget:
-            raise TokenizerError(f"chat template ran longer than {_RENDER_SECONDS:g} s (a runaway loop?)") from None
+            return self._compiled_template.render(messages, add_generation_prompt, **specials)
+        except RenderTimeout:
+            raise TokenizerError(
+                f"{where}: the chat template ran longer than {RENDER_SECONDS:g} s (a runaway loop?); "
+                "fix or remove its chat_template"
+            ) from None
         except SecurityError as bad:
-            raise TokenizerError(f"chat template tried an unsafe operation: {_one_line(bad)}") from None
+            raise TokenizerError(f"{where}: the chat template tried an unsafe operation: {_one_line(bad)}") from None
         except TokenizerError:
             raise
+        except RecursionError:
+            raise TokenizerError(f"{where}: the chat template nests too deeply") from None
+        except MemoryError:
+            raise TokenizerError(f"{where}: the chat template ran out of memory") from None
         except Exception as bad:  # TemplateError, raise_exception(), TypeError from bad data...
-            raise TokenizerError(f"chat template failed: {type(bad).__name__}: {_one_line(bad)}") from None
+            raise TokenizerError(f"{where}: the chat template failed: {_one_line(bad)}") from None
 
     def _token_text(self, key: str) -> str | None:
         value = self._config.get(key)
         return value.get("content") if isinstance(value, dict) else value
 
 
-class _ChatEnvironment(ImmutableSandboxedEnvironment):
-    """The sandbox, plus caps on what one operation may build: `*`, `**`, `+`, `%` on strings, lists
-    and integers are checked before they run (they could allocate gigabytes in one step, where the
-    time budget cannot interrupt), calls and filters after, and string methods whose integer
-    argument is a size (`center`, `ljust`, `zfill`…) before."""
-
-    intercepted_binops = frozenset({"*", "**", "+", "%", "//"})
-
-    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        if operator == "**" and isinstance(right, int) and abs(right) > 64:
-            raise SecurityError(f"exponent {right} is too large")
-        if operator == "**" and _is_int(left) and _is_int(right) and left.bit_length() * abs(right) > _MAX_INT_BITS:
-            raise SecurityError("the power is too large a number")
-        if operator == "*":
-            for seq, count in ((left, right), (right, left)):
-                sized = isinstance(seq, (str, list, tuple)) and isinstance(count, int)
-                if sized and len(seq) * count > _MAX_REPEAT:
-                    raise SecurityError(f"repetition to {len(seq) * count} items is too large")
-            if _is_int(left) and _is_int(right) and left.bit_length() + right.bit_length() > _MAX_INT_BITS:
-                raise SecurityError("the product is too large a number")
-        if operator == "%" and isinstance(left, str):
-            values = right if isinstance(right, tuple) else (right,)
-            widths = sum(int(w) for w in _PERCENT_WIDTH.findall(left))
-            if len(left) + widths + sum(len(v) for v in values if isinstance(v, str)) > _MAX_BUILT:
-                raise SecurityError("string formatting would build too large a string")
-        sequences = isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple))
-        if operator == "+" and sequences and len(left) + len(right) > _MAX_BUILT:
-            raise SecurityError(f"concatenation to {len(left) + len(right)} items is too large")
-        return _bounded(super().call_binop(context, operator, left, right))
-
-    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
-        if getattr(__obj, "__self__", None).__class__ is str:
-            sizes = [a for a in (*args, *kwargs.values()) if _is_int(a)]
-            if any(abs(a) > _MAX_BUILT for a in sizes):
-                raise SecurityError(f"str.{getattr(__obj, '__name__', '?')}: a size over {_MAX_BUILT}")
-            if getattr(__obj, "__name__", "") == "replace" and len(args) >= 2:
-                _check_replace(__obj.__self__, args[0], args[1])
-        return _bounded(super().call(__context, __obj, *args, **kwargs))
-
-
-_PERCENT_WIDTH = re.compile(r"%[-+ #0]*(\d+)")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _bounded(value: Any) -> Any:
-    if isinstance(value, (str, list, tuple, dict)) and len(value) > _MAX_BUILT:
-        raise SecurityError(f"a value of {len(value)} items is too large")
-    if _is_int(value) and value.bit_length() > _MAX_INT_BITS:
-        raise SecurityError("a number is too large")
-    return value
-
-
-def _check_replace(text: Any, old: Any, new: Any) -> None:
-    if isinstance(text, str) and isinstance(old, str) and isinstance(new, str):
-        count = text.count(old) if old else len(text) + 1
-        if len(text) + count * (len(new) - len(old)) > _MAX_BUILT:
-            raise SecurityError("replace would build too large a string")
-
-
-def _checked(function: Any) -> Any:
-    """A filter (or join helper) whose result is size-checked; `replace` is also checked before."""
-
-    @functools.wraps(function)  # keeps jinja's pass_context/pass_eval_context markers
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        plain = [a for a in args if not hasattr(a, "environment") and not hasattr(a, "autoescape")]
-        if getattr(function, "__name__", "") == "do_replace" and len(plain) >= 3:
-            _check_replace(str(plain[0]), plain[1], plain[2])
-        if any(_is_int(a) and abs(a) > _MAX_BUILT for a in (*plain[1:], *kwargs.values())):
-            raise SecurityError(f"filter {getattr(function, '__name__', '?')}: a size over {_MAX_BUILT}")
-        return _bounded(function(*args, **kwargs))
-
-    return wrapper
-
-
-class _OverBudget(Exception):
-    pass
-
-
-@contextmanager
-def _time_budget(seconds: float) -> Iterator[None]:
-    """Trace the compiled template's frames (file "<template>") and stop them past `seconds`.
-
-    A line event fires on every loop iteration, so even an empty nested loop is interrupted; other
-    frames are not traced (the global trace function returns None for them).
-    """
-    deadline = time.perf_counter() + seconds
-
-    def local(frame: Any, event: str, arg: Any) -> Any:
-        if time.perf_counter() > deadline:
-            raise _OverBudget
-        return local
-
-    def global_trace(frame: Any, event: str, arg: Any) -> Any:
-        return local if frame.f_code.co_filename == "<template>" else None
-
-    previous = sys.gettrace()
-    sys.settrace(global_trace)
-    try:
-        yield
-    finally:
-        sys.settrace(previous)
-
-
-_MARK_CLASS = f"[{chr(_MARK_BASE)}-{chr(_MARK_BASE + _MARK_LIMIT)}]"
-_MARK_RE = re.compile(_MARK_CLASS)
-
-
-def _mark(table: dict[str, str], text: str) -> str:
-    """The marker character standing for `text` (a special-token string or a marker the user typed)."""
-    if text not in table:
-        if len(table) > _MARK_LIMIT:
-            raise TokenizerError("too many distinct special-token strings in the messages")
-        table[text] = chr(_MARK_BASE + len(table))
-    return table[text]
-
-
-def _raise_exception(message: str) -> None:
-    # HF templates call this to reject e.g. a conversation that does not alternate roles.
-    raise TemplateError(message)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, sort_keys: bool = False) -> str:
-    # HF's override: Jinja's own tojson escapes HTML characters, which templates do not want.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, sort_keys=sort_keys)
-
-
-def _chat_environment() -> _ChatEnvironment:
-    # trim_blocks/lstrip_blocks: the settings HF renders with, so whitespace matches theirs.
-    env = _ChatEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = _tojson
-    for name, function in list(env.filters.items()):
-        env.filters[name] = _checked(function)
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
-
-
 def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split())
+    return " ".join(str(error).split())[:500]
 
 
 class StreamDecoder:
