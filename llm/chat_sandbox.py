@@ -283,7 +283,7 @@ def _checked_filter(name: str, function: Any) -> Any:
 
 
 def _join_filter(eval_ctx: Any, value: Any, d: str = "", attribute: Any = None) -> str:
-    """jinja's `join`, keeping the spans of what it joins (its own `str.join` would drop them)."""
+    """jinja's `join`, which sees the user's text even in a generator (its own `str.join` drops it)."""
     from jinja2.filters import make_attrgetter
 
     if attribute is not None:
@@ -297,7 +297,9 @@ def _join_filter(eval_ctx: Any, value: Any, d: str = "", attribute: Any = None) 
         if size > MAX_BUILT:
             raise TemplateRefused(f"join would build over {MAX_BUILT} characters")
         pieces += [separator, piece] if index else [piece]
-    return joined(pieces)
+    text = joined(pieces)
+    # Joining a message's pieces is rewriting it (`content.split(' ') | join('</s>')`): all user text.
+    return whole(text) if spans_of(text) else text
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, sort_keys: bool = False) -> str:
