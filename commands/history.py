@@ -85,7 +85,7 @@ def cmd_history(args: argparse.Namespace) -> int:
             "cache" if row.get("from_cache") else ("-" if speed is None else f"{float(speed):.1f}"),
             str(row.get("finish_reason") or ""),
         )
-    Console(highlight=False).print(table if rows else "no results yet")
+    Console(highlight=False, markup=False, emoji=False).print(table if rows else "no results yet")  # cells as written
     return 0
 
 

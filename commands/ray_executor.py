@@ -187,7 +187,7 @@ def deliver(bound: BoundPlan, run_dir: Path, order: list[str], model: str) -> No
                 chunks = output_format.json_document_chunks(results, plan=bound.plan.name, model=model)
                 output_write.atomic_write(path, chunks, "json")
         if left:
-            stderr.print(f"[dim]ray executor: not run for a distributed set: the {', '.join(left)} sink(s)[/dim]")
+            stderr.print(f"ray executor: not run for a distributed set: the {', '.join(left)} sink(s)", style="dim")
 
 
 def explain(error: BaseException) -> str:
@@ -304,8 +304,9 @@ def _generate(
     )
     if mismatched:
         stderr.print(
-            f"[yellow]warning: {mismatched} result(s) were keyed differently by the replicas than by this driver "
-            "(another device or model files?): a rerun will generate them again[/yellow]"
+            f"warning: {mismatched} result(s) were keyed differently by the replicas than by this driver "
+            "(another device or model files?): a rerun will generate them again",
+            style="yellow",
         )
 
 

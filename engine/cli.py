@@ -17,6 +17,8 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
+from llmplan.plain_errors import plain_error
+
 from .context import Context
 from .executors import Executor
 from .findings import Finding, PlanError
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None, *, on_ready: Callable[[], None] | None =
     except Exception as bug:
         if getattr(args, "debug", False):
             raise
-        _err(f"error: {type(bug).__name__}: {bug} (run with --debug for the traceback)")
+        _err(f"error: {plain_error(bug)}")
         return 1
 
 
@@ -209,10 +211,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         kinds = ", ".join(f"{n} {kind.replace('_', ' ')}" for kind, n in ctx.notice_summary()["by_kind"].items())
         _err(f"inputs dropped or changed: {kinds} (listed in metrics.json)")
     if not args.quiet:
-        stderr.print(f"[dim]run directory: {result.run_dir}[/dim]")
+        stderr.print(f"run directory: {result.run_dir}", style="dim")
     if args.report:
         page = write_report(result.run_dir)
-        stderr.print(f"report: {page}" if page else "[yellow]report: no reporter plugin is installed[/yellow]")
+        stderr.print(f"report: {page}" if page else "report: no reporter plugin is installed", style="yellow")
     if result.exit_code == EXIT_BROKEN_PIPE:  # a reader that stopped reading wants no message
         _silence_stdout()
     elif result.status == "interrupted":
@@ -247,9 +249,7 @@ def _run_elsewhere(
     """Hand the run to the executor plugin the plan names (`executor.kind`); it reports its own progress."""
     from .executors import ExecutorJob
 
-    job = ExecutorJob(
-        bound, registry, run_dir, overrides, json_mode=args.json, quiet=args.quiet, debug=args.debug
-    )
+    job = ExecutorJob(bound, registry, run_dir, overrides, json_mode=args.json, quiet=args.quiet, debug=args.debug)
     code = executor(job)
     if args.report:
         page = write_report(run_dir)
@@ -322,7 +322,7 @@ def deep_check(bound: BoundPlan) -> tuple[list[Finding], dict[str, int]]:
         try:
             stage.cls().check(stage.params, deep)
         except Exception as bad:
-            deep.problem(f"check failed: {type(bad).__name__}: {bad}")
+            deep.problem(f"check failed: {plain_error(bad)}")
     total = sum(deep.estimates.values())
     if deep.capacity is not None and total > deep.capacity[1]:
         what, available = deep.capacity
@@ -370,12 +370,13 @@ def cmd_stages(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2, default=str))
         return 0
     from rich.console import Console
+    from rich.text import Text
 
-    console = Console(highlight=False)
+    console = Console(highlight=False, markup=False, emoji=False)  # plugin names and docs are shown as written
     for name, why in registry.broken.items():
-        console.print(f"[red]{name}: failed to load: {why}[/red]")
+        console.print(f"{name}: failed to load: {why}", style="red")
     for row in rows:
-        console.print(f"[bold]{row['name']}[/bold]  [dim]({row['phase']})[/dim]  {row['doc']}")
+        console.print(Text.assemble((row["name"], "bold"), "  ", (f"({row['phase']})", "dim"), f"  {row['doc']}"))
         flow = f"reads {', '.join(row['reads']) or '-'}  →  writes {', '.join(row['writes']) or '-'}"
         if row["fills"]:
             flow += f"  (may fill {', '.join(row['fills'])})"

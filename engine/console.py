@@ -1,7 +1,9 @@
 """What a person sees on the terminal: progress bars and a line per stage, all on stderr.
 
 stdout is kept for results (streamed text, or JSON lines with --json), so piping `llmplan run`
-never mixes progress into the data.
+never mixes progress into the data. Nothing printed here is read as rich markup or emoji codes: a
+path, plan name or prompt holding `[/dim]` or `:smile:` is shown as written; styles are given as
+`style=` or `Text` spans, never inside the text.
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ from contextlib import contextmanager
 
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.text import Text
 
 from .context import Progress as ProgressHook
 from .memory import mib
 from .runner import StageRecord
 
-stderr = Console(stderr=True, highlight=False, soft_wrap=True)
+stderr = Console(stderr=True, highlight=False, soft_wrap=True, markup=False, emoji=False)
 
 
 class RichProgress(ProgressHook):
@@ -31,7 +34,7 @@ class RichProgress(ProgressHook):
         if not self.enabled:
             yield lambda _advance: None
             return
-        columns = [TextColumn("  {task.description}"), BarColumn()]
+        columns = [TextColumn("  {task.description}", markup=False), BarColumn()]
         if total and total > 1 << 20:
             columns.append(DownloadColumn())
         elif total:
@@ -42,16 +45,16 @@ class RichProgress(ProgressHook):
             yield lambda advance: bar.advance(task, advance)
 
 
-def stage_line(record: StageRecord) -> str:
+def stage_line(record: StageRecord) -> Text:
     if record.status == "skipped":
-        return f"[dim]- {record.id:<12} {record.uses:<22} skipped ({record.reason})[/dim]"
-    mark = "[green]✓[/green]" if record.status == "ok" else "[red]✗[/red]"
+        return Text(f"- {record.id:<12} {record.uses:<22} skipped ({record.reason})", style="dim")
+    mark = Text("✓", style="green") if record.status == "ok" else Text("✗", style="red")
     delta = record.rss_after - record.rss_before
     sign = "+" if delta >= 0 else "-"
-    text = f"{mark} {record.id:<12} {record.uses:<22} {record.wall_s:8.3f} s   RSS {sign}{mib(abs(delta))}"
+    text = f" {record.id:<12} {record.uses:<22} {record.wall_s:8.3f} s   RSS {sign}{mib(abs(delta))}"
     if record.device_after is not None and record.device_before is not None:
         text += f"   device {mib(record.device_after)}"
-    return text
+    return Text.assemble(mark, text)
 
 
 def print_stage(record: StageRecord, console: Console = stderr) -> None:

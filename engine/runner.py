@@ -26,6 +26,8 @@ from typing import Any
 import networkx as nx
 import structlog
 
+from llmplan.plain_errors import plain_error
+
 from .context import Context
 from .findings import StageFailure
 from .graph import DATA, FILL, build_graph, execution_order, upstream
@@ -181,8 +183,9 @@ class Runner:
             log.warning("stdout_closed")
         except Exception as bug:  # a stage's bug: one line for the user, the traceback in the run dir
             status, code = "failed", 1
-            message = f"{type(bug).__name__}: {bug}"
-            (self.run_dir / "traceback.txt").write_text(traceback.format_exc(), encoding="utf-8")
+            message = plain_error(bug)
+            with contextlib.suppress(OSError):  # a full disk must not replace the failure's own message
+                (self.run_dir / "traceback.txt").write_text(traceback.format_exc(), encoding="utf-8")
             if self.debug:
                 traceback.print_exc()
         finally:
@@ -224,26 +227,33 @@ class Runner:
                     "load_average": load,
                 }
             )
-            write_json(self.run_dir / "stages.json", [asdict(r) for r in self.records.values()])
-            write_json(self.run_dir / "metrics.json", ctx.metrics.by_stage)
-            write_json(self.run_dir / "memory.json", sampler.to_dict())
-            write_json(
-                self.run_dir / "run.json",
-                {
-                    "plan": self.bound.plan.name,
-                    "status": status,
-                    "message": message,
-                    "wall_s": total,
-                    "notices": len(ctx.notices),
-                    "load_average": load,
-                },
-            )
             ctx.trace.add(self.bound.plan.name, "run", started_ns, ended_ns, status=status)
-            trace = chrome_trace(
-                ctx.trace.spans, started_ns, f"llmplan run {self.bound.plan.name}", {"load_average": load}
-            )
-            write_json(self.run_dir / "trace.json", trace, indent=None)
-            events.close()
+            try:
+                write_json(self.run_dir / "stages.json", [asdict(r) for r in self.records.values()])
+                write_json(self.run_dir / "metrics.json", ctx.metrics.by_stage)
+                write_json(self.run_dir / "memory.json", sampler.to_dict())
+                write_json(
+                    self.run_dir / "run.json",
+                    {
+                        "plan": self.bound.plan.name,
+                        "status": status,
+                        "message": message,
+                        "wall_s": total,
+                        "notices": len(ctx.notices),
+                        "load_average": load,
+                    },
+                )
+                trace = chrome_trace(
+                    ctx.trace.spans, started_ns, f"llmplan run {self.bound.plan.name}", {"load_average": load}
+                )
+                write_json(self.run_dir / "trace.json", trace, indent=None)
+                events.close()
+            except OSError as unwritten:  # a full disk: said in one line, and never hiding the run's own failure
+                said = f"the run's records were not written: {plain_error(unwritten)}"
+                status, code = ("failed", 1) if status == "ok" else (status, code)
+                message = said if message == "ok" else f"{message}; {said}"
+                with contextlib.suppress(OSError):
+                    events.close()
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
         return RunResult(self.run_dir, status, code, message, list(self.records.values()), ctx)
@@ -279,7 +289,7 @@ class Runner:
                 raise StageFailure(f"stage {stage_id!r} ({bound.spec.uses}) did not write {', '.join(missing)}")
             record.status = "ok"
         except BaseException as error:
-            record.reason = f"{type(error).__name__}: {error}"
+            record.reason = failure_text(error)
             log.error("stage_failed", stage=stage_id, error=record.reason)
             raise
         finally:
@@ -326,7 +336,7 @@ class Runner:
             except KeyboardInterrupt:  # an interrupt, not a failure of the stage: said as such
                 interrupted = True
             except BaseException as bad:  # cleanup must not hide the original failure
-                error = error or f"stage {stage_id!r}: {type(bad).__name__}: {bad}"
+                error = error or f"stage {stage_id!r}: {failure_text(bad)}"
         return error, interrupted
 
     def _needed(self, stage_id: str, ran: set[str]) -> bool:
@@ -339,6 +349,13 @@ class Runner:
         self.records[stage_id] = record
         if status == "skipped":
             self.report(record)
+
+
+def failure_text(error: BaseException) -> str:
+    """What a stage's failure says: its own message when it made one, else a plain sentence."""
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted"
+    return str(error) if isinstance(error, StageFailure) else plain_error(error)
 
 
 def _load_average() -> list[float] | None:

@@ -134,6 +134,9 @@ class _Builder:
                 return self.scalars.construct_object(node, deep=True)
             except yaml.YAMLError as bad:
                 raise self.fail(node, path, f"bad scalar: {bad}") from None
+            except ValueError:  # int() past Python's digit limit: "Exceeds the limit (4300 digits)"
+                digits = sum(c.isdigit() for c in str(node.value))
+                raise self.fail(node, path, f"a number of {digits} digits is too long; use a shorter one") from None
         if isinstance(node, yaml.SequenceNode):
             return [self.build(item, (*path, i), depth + 1, inner) for i, item in enumerate(node.value)]
         assert isinstance(node, yaml.MappingNode)

@@ -27,6 +27,7 @@ from llmplan.llm.scheduler import GenerationRequest, Scheduler
 from llmplan.llm.slot_cache import SlotCache
 from llmplan.llm.stop_strings import StopStringStream, stop_checker
 from llmplan.llm.tokenizer import StreamDecoder
+from llmplan.plain_errors import plain_error
 
 from .compute_tokenize import truncate
 from .observe import finish_observing, record_steps
@@ -323,7 +324,7 @@ class Generate(Stage):
                 )
         except (torch.OutOfMemoryError, RuntimeError) as bad:
             ctx.log.warning("generation_error", request=request.id, error=str(bad))
-            return Result(request.id, len(prompt), [], "error", error=f"{type(bad).__name__}: {bad}")
+            return Result(request.id, len(prompt), [], "error", error=plain_error(bad))
         wall = time.perf_counter() - start
         best = candidates[0]
         return Result(

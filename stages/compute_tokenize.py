@@ -11,6 +11,7 @@ and skipped (or fatal, by `on_bad_line`); it never takes the good lines down wit
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -122,6 +123,8 @@ def read_prompt_file(
                 problem = f"{path}:{number}:{error.colno}: not valid JSON ({error.msg})"
             except RecursionError:
                 problem = f"{path}:{number}: JSON nested too deeply"
+            except ValueError:  # json.loads past Python's integer digit limit ("Exceeds the limit")
+                problem = f"{path}:{number}: a number too long to read (over {sys.get_int_max_str_digits()} digits)"
             except ValidationError as error:
                 first = error.errors()[0]
                 where = ".".join(str(p) for p in first["loc"]) or "line"
