@@ -116,7 +116,7 @@ REFUSED = [
         id="deeply-nested-value",
     ),
     pytest.param(
-        "{% set ns = namespace(l=[]) %}{% for i in range(100000) %}{% set ns.l = ns.l + ['x' * 1000 ~ i] %}"
+        "{% set ns = namespace(l=[]) %}{% for i in range(100000) %}{% set ns.l = ns.l + ['x' * 100000 ~ i] %}"
         "{% endfor %}",
         "in all",
         id="pile-up-of-small-strings",
