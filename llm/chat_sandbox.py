@@ -48,6 +48,7 @@ MAX_NODES = 100_000  # items in a value that is printed or serialised
 MAX_STRFTIME_FORMAT = 64  # characters of a strftime_now format ("%d %B %Y" is 8)
 MAX_JSON_INDENT = 16
 RENDER_SECONDS = 2.0  # a chat template renders in milliseconds; this much means a loop bomb
+MAX_TEMPLATE_CHARACTERS = 1 << 18  # the template's source (compiling is not under the time budget)
 
 
 class TemplateRefused(SecurityError):

@@ -29,7 +29,7 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.sandbox import SecurityError
 
-from .chat_sandbox import RENDER_SECONDS, ChatTemplate, RenderTimeout
+from .chat_sandbox import MAX_TEMPLATE_CHARACTERS, RENDER_SECONDS, ChatTemplate, RenderTimeout
 from .user_text import as_user_message, spans_of
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -77,7 +77,9 @@ class Tokenizer:
                 raise TokenizerError(f"{config_path}: not valid JSON ({_one_line(bad)})") from None
             if not isinstance(config, dict):
                 raise TokenizerError(f"{config_path}: expected a JSON object")
-        return cls(backend, config, source=str(model_dir))
+        tokenizer = cls(backend, config, source=str(model_dir))
+        tokenizer.chat_template  # noqa: B018 - a malformed chat_template is refused when the files are read
+        return tokenizer
 
     def _special_id(self, key: str) -> int | None:
         value = self._config.get(key)
@@ -185,15 +187,32 @@ class Tokenizer:
 
     @property
     def chat_template(self) -> str | None:
-        template = self._config.get("chat_template")
+        if "chat_template" not in self._config or self._config["chat_template"] is None:
+            return None
+        template = self._config["chat_template"]
         if isinstance(template, list):  # HF's named-template form: [{"name": "default", "template": ...}]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
-        return template if isinstance(template, str) else None
+            if template is None:
+                raise TokenizerError(f"{self._template_file}: chat_template lists no template named 'default'")
+        if not isinstance(template, str):
+            # Never silently no template: the prompt would go to the model without its chat markup.
+            raise TokenizerError(f"{self._template_file}: chat_template must be a string (a Jinja template)")
+        if len(template) > MAX_TEMPLATE_CHARACTERS:
+            raise TokenizerError(
+                f"{self._template_file}: chat_template is {len(template)} characters; "
+                f"the limit is {MAX_TEMPLATE_CHARACTERS} (a real one is a few thousand)"
+            )
+        return template
 
     @property
     def has_chat_template(self) -> bool:
         return self.chat_template is not None
+
+    def check_chat_template(self) -> None:
+        """Compile the chat template now (load time), so a broken or hostile one is refused before any work."""
+        if self.has_chat_template:
+            self._compiled_template  # noqa: B018 - compiling is the check
 
     @cached_property
     def _compiled_template(self) -> ChatTemplate:
@@ -204,6 +223,8 @@ class Tokenizer:
             return ChatTemplate(template)
         except TemplateError as bad:
             raise TokenizerError(f"{self._template_file}: chat_template does not compile ({_one_line(bad)})") from None
+        except RecursionError:
+            raise TokenizerError(f"{self._template_file}: chat_template nests too deeply to compile") from None
 
     @property
     def _template_file(self) -> str:

@@ -123,12 +123,12 @@ def read_prompt_file(
                 problem = f"{path}:{number}:{error.colno}: not valid JSON ({error.msg})"
             except RecursionError:
                 problem = f"{path}:{number}: JSON nested too deeply"
-            except ValueError:  # json.loads past Python's integer digit limit ("Exceeds the limit")
-                problem = f"{path}:{number}: a number too long to read (over {sys.get_int_max_str_digits()} digits)"
             except ValidationError as error:
                 first = error.errors()[0]
                 where = ".".join(str(p) for p in first["loc"]) or "line"
                 problem = f"{path}:{number}: {where}: {describe(first)}"
+            except ValueError:  # json.loads past Python's integer digit limit ("Exceeds the limit")
+                problem = f"{path}:{number}: a number too long to read (over {sys.get_int_max_str_digits()} digits)"
             if problem:
                 bad += 1
                 if on_bad_line == "fail":

@@ -23,6 +23,7 @@ class LoadTokenizer(Stage):
         assert ctx.model_source is not None
         try:
             ctx.tokenizer = Tokenizer.from_dir(ctx.model_source.model_dir)
+            ctx.tokenizer.check_chat_template()  # a template that does not compile is refused here, not per request
         except TokenizerError as bad:
             raise StageFailure(str(bad)) from None
         ctx.metrics.set("vocab_size", ctx.tokenizer.vocab_size)

@@ -149,12 +149,34 @@ def test_hostile_template_is_refused(tokenizer_dir: Path, template: str, said: s
     assert_clean_message(message, [said])
 
 
+# A chat_template that is not a template at all: refused when the tokenizer is read, never "no template".
+MALFORMED = [
+    pytest.param(42, "must be a string", id="a-number"),
+    pytest.param({"template": "{{ 1 }}"}, "must be a string", id="an-object"),
+    pytest.param([{"name": "tool_use", "template": "x"}], "no template named 'default'", id="no-default"),
+    pytest.param("x" * 300000, "the limit is", id="huge-source"),
+    pytest.param("{% if true %}" * 3000 + "x" + "{% endif %}" * 3000, "nests too deeply", id="deeply-nested-source"),
+]
+
+
+@pytest.mark.parametrize(("template", "said"), MALFORMED)
+def test_malformed_chat_template_is_refused_at_load(tokenizer_dir: Path, template: object, said: str) -> None:
+    config = tokenizer_dir / CONFIG
+    data = json.loads(config.read_text(encoding="utf-8"))
+    config.write_text(json.dumps(dict(data, chat_template=template)), encoding="utf-8")
+    with time_bound(10), memory_bound(200), pytest.raises(TokenizerError) as caught:
+        Tokenizer.from_dir(tokenizer_dir).check_chat_template()
+    assert str(caught.value).startswith(f"{config}: ")
+    assert_clean_message(str(caught.value), [said])
+
+
 # The same refusals through `llmplan run`: exit 1, one line naming the file, the checkpoint untouched.
 THROUGH_THE_CLI = [
     pytest.param("{{ strftime_now('%Y' * 100000) }}", id="cli-strftime-format-bomb"),
     pytest.param("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", id="cli-macro-recursion"),
     pytest.param("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", id="cli-loop"),
     pytest.param("{{ ['x' * 1000000] * 1000 }}", id="cli-print-shared-references"),
+    pytest.param("{% for %}", id="cli-does-not-compile"),  # refused by load.tokenizer, before any prompt
 ]
 
 
@@ -172,7 +194,7 @@ def test_hostile_template_refused_by_the_run(
         seconds=30,
         memory_mb=400,
     )
-    assert "chat template" in said
+    assert "chat" in said and "template" in said
     assert_untouched(before, model_dir, plan)
 
 
