@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from llmplan.plain_errors import error_detail
+
 from .hash_cache import HashCache
 from .manifest import MANIFEST_NAME, sha256_file, write_sha256sums
 
@@ -178,7 +180,7 @@ def _write_import(gguf_path: Path, out: Path, progress: ProgressFn | None, shard
     try:
         reader = gguf.GGUFReader(gguf_path)
     except Exception as bad:  # gguf-py raises ValueError, struct/numpy errors, IndexError...
-        raise _fail(gguf_path, f"not a readable GGUF file ({type(bad).__name__}: {bad})") from None
+        raise _fail(gguf_path, f"not a readable GGUF file ({error_detail(bad) or 'unreadable header'})") from None
     meta = _Metadata(reader, gguf_path)
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:

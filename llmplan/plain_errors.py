@@ -59,7 +59,7 @@ def plain_error(error: BaseException) -> str:
         return f"{prefix}out of memory; free memory, or use a smaller model, batch or KV cache"
     if isinstance(error, RecursionError):
         return f"{prefix}the input is nested too deeply to process; refused"
-    text = _shown(error)
+    text = error_detail(error)
     if isinstance(error, ValueError) and "digits" in text and "limit" in text.lower():
         return f"{prefix}a number with more than {_digit_limit()} digits is too long; use a shorter one"
     if isinstance(error, OverflowError):
@@ -89,8 +89,9 @@ def file_of(error: BaseException) -> str | None:
     return None
 
 
-def _shown(error: BaseException) -> str:
-    """The exception's own message on one line, shortened, with class names put into words."""
+def error_detail(error: BaseException) -> str:
+    """The exception's own message on one line, shortened, with class names put into words: for a
+    parenthesis after a sentence that already says what failed ("not a readable GGUF file (...)")."""
     text = " ".join(str(error).split())
     if isinstance(error, KeyError) and len(error.args) == 1:
         text = f"missing key {error.args[0]!r}"

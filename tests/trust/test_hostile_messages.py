@@ -364,3 +364,25 @@ def test_plain_error_sentences(error: BaseException, said: str) -> None:
     text = plain_error(error)
     assert said in text and "\n" not in text and len(text) < 500
     assert_clean_message(text)
+
+
+def test_markup_in_stored_results_is_shown_as_written(
+    pristine: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`llmplan history` prints a table of the user's prompts and plan names: cells are text, not markup."""
+    db = tmp_path / "[/dim]results[bold].db"
+    stages = [
+        {"id": "clean", "uses": "output.postprocess"},
+        {"id": "text", "uses": "output.detokenize"},
+        {"id": "store", "uses": "output.cache", "with": {"db": str(db)}},
+    ]
+    plan = plan_for(tmp_path, pristine, extra=stages)
+    run_ok(["run", str(plan), "--out", str(tmp_path / "run"), "--quiet", "--prompt", "[bold red]hi[/] :smile:"], capsys)
+    capsys.readouterr()
+    monkeypatch.setenv("COLUMNS", "400")  # wide enough that no cell wraps
+    with time_bound(30):
+        code = main(["history", "--db", str(db)])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "[bold red]hi[/] :smile:" in out.out and "😄" not in out.out
+    assert "".join(f"results in {db}".split()) in "".join(out.out.split())  # the title wraps to the table
