@@ -196,7 +196,7 @@ def explain(error: BaseException) -> str:
     for line in reversed(lines):
         if "ReplicaError: " in line:
             return line.split("ReplicaError: ", 1)[1]
-    return lines[-1] if lines else type(error).__name__
+    return lines[-1] if lines else "the Ray task failed without a message (run with --debug for the traceback)"
 
 
 def replica_overrides(bound: BoundPlan) -> list[str]:

@@ -10,6 +10,8 @@ from collections.abc import Callable
 from html import escape
 from pathlib import Path
 
+from llmplan.plain_errors import error_detail
+
 from .common import Figure
 from .figures_attention import draw_attention
 from .figures_flow import draw_flows
@@ -100,7 +102,8 @@ def _draw(run: RunData, out: Path, key: str, title: str, drawer: Drawer) -> list
         return drawer(run, out)
     except Exception as bad:  # one broken figure must not cost the others
         (out / f"{key}.error.txt").write_text(traceback.format_exc(), encoding="utf-8")
-        return [Figure(key, title, None, warnings=[f"could not draw: {type(bad).__name__}: {bad}"])]
+        said = f"could not draw: {error_detail(bad) or 'no details'} (see {key}.error.txt)"
+        return [Figure(key, title, None, warnings=[said])]
 
 
 def build_report(run_dir: Path, out_dir: Path | None = None) -> Path:
