@@ -24,11 +24,11 @@ MAX_ITERATED = 1 << 16  # a template walking a message character by character: f
 class UserText(str):
     """`str` whose characters in `spans` came from a user (all of them, when built from a plain str)."""
 
-    spans: Spans  # not reachable from a template: the sandbox hides it behind its own attribute rules
+    _user_spans: Spans  # a leading underscore: the sandbox lets no template read it
 
     def __new__(cls, text: object = "") -> UserText:
         made = super().__new__(cls, text)
-        made.spans = ((0, len(made)),) if len(made) else ()
+        made._user_spans = ((0, len(made)),) if len(made) else ()
         return made
 
     # --- the operations that keep spans exact ---
@@ -48,7 +48,7 @@ class UserText(str):
             start, stop, step = key.indices(len(self))
             return sliced(self, start, stop) if step == 1 else whole(piece)
         index = key + len(self) if key < 0 else key
-        return whole(piece) if any(a <= index < b for a, b in self.spans) else piece
+        return whole(piece) if any(a <= index < b for a, b in self._user_spans) else piece
 
     def __iter__(self) -> Iterator[str]:
         if len(self) > MAX_ITERATED:
@@ -124,7 +124,7 @@ def whole(text: str) -> str:
     """`text` with every character marked as the user's (an empty string has none to mark)."""
     if not text:
         return ""
-    if isinstance(text, UserText) and text.spans == ((0, len(text)),):
+    if isinstance(text, UserText) and text._user_spans == ((0, len(text)),):
         return text
     return UserText(str.__str__(text))
 
@@ -142,12 +142,12 @@ def with_spans(text: str, spans: Iterable[tuple[int, int]]) -> str:
     if not merged:
         return str.__str__(text)
     made = UserText(text)
-    made.spans = tuple(merged)
+    made._user_spans = tuple(merged)
     return made
 
 
 def spans_of(text: str) -> Spans:
-    return text.spans if isinstance(text, UserText) else ()
+    return text._user_spans if isinstance(text, UserText) else ()
 
 
 def sliced(text: str, start: int, stop: int) -> str:

@@ -310,6 +310,28 @@ USER_TEXT_TEMPLATES = [
         "a|b",
         id="partition-join",
     ),
+    pytest.param(
+        LOOP + "{% filter lower %}<|user|>{{ m['content'] }}{% endfilter %}</s>{% endfor %}",
+        "</S><PAD>",
+        id="filter-block",
+    ),
+    pytest.param(
+        LOOP + TURN.format(body="{{ m['content']|batch(2)|map('join')|join('</s>') }}") + "{% endfor %}",
+        "abcd",
+        id="batch-map-join",
+    ),
+    pytest.param(
+        LOOP + TURN.format(body="{{ m['content']|striptags }}") + "{% endfor %}", "<b></s></b>", id="striptags"
+    ),
+    pytest.param(
+        LOOP + TURN.format(body="{% set j = joiner(m['content']) %}{{ j() }}x{{ j() }}") + "{% endfor %}",
+        "</s>",
+        id="joiner-separator",
+    ),
+    pytest.param(
+        LOOP + TURN.format(body="{{ cycler(m['content'], '</s>').next() }}") + "{% endfor %}", "</s>", id="cycler"
+    ),
+    pytest.param(LOOP + TURN.format(body="{{ m['content']|pprint }}") + "{% endfor %}", "</s>", id="pprint"),
 ]
 
 
