@@ -57,7 +57,7 @@ from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
 from . import confusables
 from .confusables import ConfusablesMissing
 from .slots import InferenceContext
-from .text_match import UNBOUNDED, Entry, Matcher, StreamGuard, literal_entry, regex_entry
+from .text_match import UNBOUNDED, Entry, Matcher, StreamGuard, literal_entry, normalize, regex_entry
 from .types import Result
 
 MASK = "***"
@@ -160,11 +160,18 @@ def withheld_alternatives(
     """Per step, the alternative ids that, after the tokens before them, complete a match."""
     if not steps:
         return []
-    context = matcher.hold + 16 if matcher.hold < UNBOUNDED else len(tokens)  # tokens: each at least a byte
+    bounded = matcher.hold < UNBOUNDED
     withheld: list[set[int]] = []
     for i, step in enumerate(steps):
-        before_ids = list(tokens[max(0, i - context) : i])
+        # Enough tokens before the step for the longest entry: doubled while their normalized text is shorter
+        # (a byte-level token may be a fraction of a character, a cluster of marks many tokens).
+        take = matcher.hold + 8 if bounded else i
+        before_ids = list(tokens[max(0, i - take) : i])
         before = decode(before_ids)
+        while bounded and take < i and len(normalize(before)) <= matcher.hold:
+            take *= 2
+            before_ids = list(tokens[max(0, i - take) : i])
+            before = decode(before_ids)
         chosen = int(tokens[i]) if i < len(tokens) else None
         blocked: set[int] = set()
         for token, _ in step or []:
@@ -172,7 +179,7 @@ def withheld_alternatives(
                 continue  # the chosen token is in the text, which was checked whole
             text = decode([*before_ids, int(token)])
             common = _common_prefix(before, text)
-            if any(m.end > common for m in matcher.find(text)):
+            if any(m.end > common for m in matcher.find(text, ending_after=common)):
                 blocked.add(int(token))
         withheld.append(blocked)
     return withheld

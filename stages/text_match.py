@@ -268,18 +268,28 @@ class Matcher:
         widest = max((e.width for e in entries), default=0)
         self.hold = UNBOUNDED if widest >= UNBOUNDED else widest + 1  # +1: the whole-word look-ahead
 
-    def _search(self, text: str, literals_only: bool = False) -> list[tuple[int, int]]:
-        """Spans [start, end) of normalized `text` that an entry matches."""
-        found = [(m.start(1), m.end(1)) for m in self.literals.finditer(text) if m.end(1) > m.start(1)]
+    def _search(self, text: str, literals_only: bool = False, pos: int = 0) -> list[tuple[int, int]]:
+        """Spans [start, end) of normalized `text` that an entry matches, starting at `pos` or later (the
+        whole-word look-behind still sees the character before `pos`)."""
+        found = [(m.start(1), m.end(1)) for m in self.literals.finditer(text, pos) if m.end(1) > m.start(1)]
         if not literals_only:
             for entry in self.regexes:
-                found += [(m.start(), m.end()) for m in entry.folded.finditer(text) if m.end() > m.start()]
+                found += [(m.start(), m.end()) for m in entry.folded.finditer(text, pos) if m.end() > m.start()]
         return found
 
-    def find(self, text: str, offset: int = 0, folded: Folded | None = None) -> list[Match]:
-        """Every match, as spans of the original `text` (shifted by `offset`), sorted by start."""
+    def find(
+        self, text: str, offset: int = 0, folded: Folded | None = None, ending_after: int | None = None
+    ) -> list[Match]:
+        """Every match, as spans of the original `text` (shifted by `offset`), sorted by start.
+
+        `ending_after` (a position in `text`): only matches that end after it are needed, so the normalized
+        text is searched from where such a match can start (a text grown by a few characters is cheap)."""
         folded = folded if folded is not None else fold(text, offset)
-        found = [Match(folded.starts[s], folded.ends[e - 1]) for s, e in self._search(folded.text)]
+        pos = 0
+        if ending_after is not None and self.hold < UNBOUNDED:
+            first = next((k for k, end in enumerate(folded.ends) if end - offset > ending_after), len(folded.ends))
+            pos = max(0, first - self.hold)
+        found = [Match(folded.starts[s], folded.ends[e - 1]) for s, e in self._search(folded.text, pos=pos)]
         for entry in self.regexes:
             assert entry.raw is not None
             found += [
@@ -288,7 +298,7 @@ class Matcher:
         if any(ch in _LEET_CHARS for ch in folded.text):
             for table in (_LEET_L, _LEET_I):
                 leet = folded.text.translate(table)
-                for s, e in self._search(leet, literals_only=True):
+                for s, e in self._search(leet, literals_only=True, pos=pos):
                     swapped = sum(1 for k in range(s, e) if leet[k] != folded.text[k])
                     if 2 * swapped <= e - s:  # at least as many letters as digits or symbols read as letters
                         found.append(Match(folded.starts[s], folded.ends[e - 1]))

@@ -43,6 +43,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "combining-low-line": ("lemon", "l\u0332e\u0332m\u0332o\u0332n\u0332"),
     "stacked-marks": ("mango", "m\u0336\u0301a\u0353\u033dn\u0337g\u0334o\u0300"),
     "accents": ("papaya", "pap\u00e1y\u00e0"),
+    # six marks on every letter: a character is a dozen byte tokens, far more than the word's length
+    "zalgo": ("pecan", "".join(ch + "\u0300\u0301\u0316\u0317\u0336\u0353" for ch in "pecan")),
     "latin-alpha": ("guava", "gu\u0251v\u0251"),
     "cyrillic": ("peach", "\u0440\u0435\u0430\u0441h"),
     "cyrillic-soft-sign": ("bagel", "\u042c\u0430g\u0435l"),
@@ -219,7 +221,7 @@ def plan_dict(
             {
                 "id": "generate",
                 "uses": "compute.generate",
-                "with": {"max_new_tokens": 48, "temperature": 0, "stream": False, "logprobs": 5, **generate},
+                "with": {"max_new_tokens": 96, "temperature": 0, "stream": False, "logprobs": 5, **generate},
             },
             {"id": "clean", "uses": "output.postprocess"},
             {"id": "text", "uses": "output.detokenize"},
@@ -486,7 +488,7 @@ def post(live: Any, endpoint: str, body: dict[str, Any]) -> tuple[str, str]:
 
 @pytest.mark.parametrize("case", NAMES)
 def test_served_chat_masks_the_text_and_withholds_its_logprobs(case, served):
-    body = {"messages": [{"role": "user", "content": f"case srv-{case}"}], "max_tokens": 40}
+    body = {"messages": [{"role": "user", "content": f"case srv-{case}"}], "max_tokens": 96}
     reply, _ = post(served, "chat/completions", {**body, "logprobs": True, "top_logprobs": 5})
     assert "***" in reply
     assert_withheld(case, found_words(reply), reply)
@@ -494,8 +496,8 @@ def test_served_chat_masks_the_text_and_withholds_its_logprobs(case, served):
 
 @pytest.mark.parametrize("case", NAMES)
 def test_served_streams_never_show_a_blocked_word(case, served):
-    chat = {"messages": [{"role": "user", "content": f"case srv-{case}"}], "max_tokens": 40}
-    legacy = {"prompt": f"case srv-{case}", "max_tokens": 40}
+    chat = {"messages": [{"role": "user", "content": f"case srv-{case}"}], "max_tokens": 96}
+    legacy = {"prompt": f"case srv-{case}", "max_tokens": 96}
     for endpoint, body in (("chat/completions", chat), ("completions", legacy)):
         events, shown = post(served, endpoint, {**body, "stream": True})
         assert "***" in shown, shown
@@ -506,7 +508,7 @@ def test_served_streams_never_show_a_blocked_word(case, served):
 def test_served_top_logprobs_withhold_an_alternative_that_completes_a_blocked_word(case, served, tokenizer):
     _, spelling = FAMILIES[case]
     before, completing = completing_split(tokenizer, spelling)
-    prompt = {"prompt": f"case srvalt-{case}", "max_tokens": 40}
+    prompt = {"prompt": f"case srvalt-{case}", "max_tokens": 96}
     with time_bound(60):
         reply = httpx.post(
             f"{served.url}/completions", json={"model": "hostile-filter", **prompt, "logprobs": 5}, timeout=60
@@ -516,7 +518,7 @@ def test_served_top_logprobs_withhold_an_alternative_that_completes_a_blocked_wo
     assert choice["text"] == "Here: " + tokenizer.decode(before) + " nice."  # the answer is clean and kept
     at = len(ids(tokenizer, "Here: ")) + len(before)
     assert tokenizer.decode([completing]) not in choice["logprobs"]["top_logprobs"][at]
-    chat = {"messages": [{"role": "user", "content": f"case srvalt-{case}"}], "max_tokens": 40}
+    chat = {"messages": [{"role": "user", "content": f"case srvalt-{case}"}], "max_tokens": 96}
     replies = [
         "\n".join(strings_of(legacy)),
         post(served, "chat/completions", {**chat, "logprobs": True, "top_logprobs": 5})[0],
