@@ -1,7 +1,10 @@
 """CLI commands over the results database: `llmplan history` and `llmplan show ID`.
 
 Registered through the `llmplan.commands` entry point group; both only read the database and
-never create it (a missing file is one line and exit status 1).
+never create it (a missing file is one line and exit status 1). A file that is not an llmplan results
+database is refused in one line and left as it was. A stored row that does not decode is listed as
+damaged (one line on stderr says which), and `show` of one says so in one line; stored text is shown as
+text, never read as console markup.
 """
 
 from __future__ import annotations
@@ -10,13 +13,15 @@ import argparse
 import json
 import re
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from llmplan.commands.arguments import positive
 from llmplan.engine.cli import CliError
 from llmplan.stages.cache_stages import DEFAULT_DB
 from llmplan.stages.results_store import ResultsStore, StoreError
 
+T = TypeVar("T")
 _MARKERS = re.compile(r"<\|[^|<>]{1,40}\|>|</?s>")  # chat-template markers, hidden in the listing
 
 
@@ -42,18 +47,38 @@ def _open(path: str) -> ResultsStore:
         raise CliError(f"{bad}{hint}") from None
 
 
+def _read(args: argparse.Namespace, action: Callable[[ResultsStore], T]) -> T:
+    try:
+        with _open(args.db) as store:
+            return action(store)
+    except StoreError as bad:
+        raise CliError(str(bad)) from None
+
+
+def _damaged_note(db: str, rows: list[dict[str, Any]]) -> None:
+    damaged = [r for r in rows if "damaged" in r]
+    if damaged:
+        ids = ", ".join(str(r["id"]) for r in damaged[:5]) + (", …" if len(damaged) > 5 else "")
+        print(
+            f"{db}: result {ids} {'is' if len(damaged) == 1 else 'are'} damaged ({damaged[0]['damaged']}); "
+            "listed as damaged, never replayed",
+            file=sys.stderr,
+        )
+
+
 def cmd_history(args: argparse.Namespace) -> int:
-    with _open(args.db) as store:
-        rows = store.history(args.limit)
+    rows = _read(args, lambda store: store.history(args.limit))
+    _damaged_note(args.db, rows)
     if args.json:
         for row in rows:
-            print(json.dumps(_public(row), ensure_ascii=False))
+            print(json.dumps(_public(row), ensure_ascii=False, default=str))
         return 0
     from rich import box
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
-    table = Table(title=f"results in {args.db}", box=box.SIMPLE_HEAD)
+    table = Table(title=Text(f"results in {args.db}"), box=box.SIMPLE_HEAD)
     for column, justify in (
         ("id", "right"),
         ("time", "left"),
@@ -73,43 +98,58 @@ def cmd_history(args: argparse.Namespace) -> int:
             max_width=40 if wide else None,
         )  # type: ignore[arg-type]
     for row in rows:
-        usage = row.get("usage") or {}
-        speed = (row.get("timings") or {}).get("decode_tokens_per_s")
-        table.add_row(
-            str(row["id"]),
-            _short_time(str(row.get("run_time") or row.get("created") or "")),
-            str(row.get("plan") or ""),
-            (row.get("model_fingerprint") or "-")[:8],
-            _excerpt(row.get("prompt_excerpt") or ""),
-            f"{usage.get('prompt_tokens', 0)}+{usage.get('completion_tokens', 0)}",
-            "cache" if row.get("from_cache") else ("-" if speed is None else f"{float(speed):.1f}"),
-            str(row.get("finish_reason") or ""),
-        )
+        cells = _damaged_cells(row) if "damaged" in row else _cells(row)
+        table.add_row(*(Text(cell) for cell in cells))  # Text: stored text is never read as markup
     Console(highlight=False, markup=False, emoji=False).print(table if rows else "no results yet")  # cells as written
     return 0
 
 
+def _cells(row: dict[str, Any]) -> list[str]:
+    usage = row["usage"]
+    speed = row["timings"].get("decode_tokens_per_s")
+    return [
+        str(row["id"]),
+        _short_time(str(row.get("run_time") or row.get("created") or "")),
+        str(row.get("plan") or ""),
+        str(row.get("model_fingerprint") or "-")[:8],
+        _excerpt(row["prompt_excerpt"]),
+        f"{usage['prompt_tokens']}+{usage['completion_tokens']}",
+        "cache" if row.get("from_cache") else _speed(speed),
+        row["finish_reason"],
+    ]
+
+
+def _damaged_cells(row: dict[str, Any]) -> list[str]:
+    time_text = _short_time(str(row.get("run_time") or row.get("created") or ""))
+    return [str(row.get("id")), time_text, str(row.get("plan") or ""), "-", "(damaged)", "-", "-", "damaged"]
+
+
+def _speed(value: Any) -> str:
+    return f"{float(value):.1f}" if isinstance(value, int | float) and not isinstance(value, bool) else "-"
+
+
 def cmd_show(args: argparse.Namespace) -> int:
-    with _open(args.db) as store:
-        row = store.get(args.id)
+    row = _read(args, lambda store: store.get(args.id))
     if row is None:
         raise CliError(f"no result with id {args.id} in {args.db}")
+    if "damaged" in row:
+        raise CliError(f"{args.db}: result {args.id} is damaged ({row['damaged']}); it is never replayed")
     if args.json:
-        print(json.dumps(_public(row), ensure_ascii=False))
+        print(json.dumps(_public(row), ensure_ascii=False, default=str))
         return 0
-    usage = row.get("usage") or {}
+    usage = row["usage"]
     out = sys.stdout
     out.write(f"result {row['id']}  ·  run {row['run_id']} ({row.get('run_time')})  ·  plan {row.get('plan')}\n")
     out.write(f"model {row.get('model_fingerprint') or '-'}  ·  device {row.get('device') or '-'}\n")
     out.write(f"request {row['request_id']}  ·  finish {row['finish_reason']}")
     out.write(f"  ·  {usage.get('prompt_tokens', 0)} prompt + {usage.get('completion_tokens', 0)} generated tokens\n")
-    timings = {k: v for k, v in (row.get("timings") or {}).items() if v is not None}
+    timings = {k: v for k, v in row["timings"].items() if v is not None}
     if timings:
         out.write("timings " + ", ".join(f"{k}={_number(v)}" for k, v in timings.items()) + "\n")
     if row.get("error"):
         out.write(f"error: {row['error']}\n")
     out.write("\nprompt:\n" + (row.get("prompt_excerpt") or "") + "\n\nanswer:\n" + (row.get("text") or "") + "\n")
-    for rank, cand in enumerate(row.get("candidates") or [], start=1):
+    for rank, cand in enumerate(row["candidates"], start=1):
         out.write(f"\ncandidate {rank} (score {_number(cand.get('score'))}):\n{cand.get('text', '')}\n")
     return 0
 

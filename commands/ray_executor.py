@@ -36,6 +36,7 @@ from llmplan.stages.cache_stages import (
     DEFAULT_DB,
     generation_params,
     key_context,
+    report_damaged,
     request_key,
     result_row,
     stored_result,
@@ -230,6 +231,8 @@ def lookup(db: str, keys: dict[str, str]) -> dict[str, dict[str, Any]]:
         return {}
     with store:
         found = {rid: store.lookup(key) for rid, key in keys.items()}
+    if store.damaged:  # each a miss: generated again
+        report_damaged(db, store.damaged)
     return {rid: row for rid, row in found.items() if row is not None}
 
 

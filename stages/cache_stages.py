@@ -17,7 +17,10 @@ stage's metrics (metrics.json of the run).
 then skips the generate stage and everything only it needs (weights, model, KV cache). A partial
 hit fills nothing and the whole batch is generated again — mixing replayed and fresh rows would
 need a second, smaller batch for no real gain, and keeps the two paths simple. `refresh` and
-`off` never fill. A missing database is a miss; the lookup never creates one.
+`off` never fill. A missing database is a miss; the lookup never creates one. A stored row that
+does not decode to a whole answer (result_rows.py) is a miss too, said once on stderr, never an answer.
+`db` must be a regular file path (checked when the plan is read), and a file there that is not an
+llmplan results database is refused before any stage runs, left exactly as it was (results_file.py).
 
 `output.cache` stores every completion of the run (replayed ones marked `from_cache`, failed ones
 without a key so they are never replayed) with the run's metadata, in one transaction.
@@ -29,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sqlite3
 import stat
 import sys
 import time
@@ -40,10 +44,21 @@ from pydantic import Field, field_validator
 
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.graph import FILL, build_graph
-from llmplan.engine.stage import Params, Phase, Stage
+from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
 from llmplan.llm.manifest import MANIFEST_NAME, ManifestError, read_sha256sums
 
-from .results_store import ResultRow, ResultsStore, RunRow, StoreError, cache_key, open_existing
+from .result_rows import DamagedRow, check_replay
+from .results_file import path_problem
+from .results_store import (
+    ResultRow,
+    ResultsStore,
+    RunRow,
+    StoreError,
+    cache_key,
+    damage_note,
+    identify,
+    open_existing,
+)
 from .slots import InferenceContext
 from .types import Candidate, Request, Result, candidate_records
 
@@ -54,8 +69,22 @@ NOT_REPLAYED = frozenset({"cancelled", "error"})
 
 
 class StoreParams(Params):
-    db: str = Field(DEFAULT_DB, description="the SQLite results database (relative to the current directory)")
+    db: str = Field(
+        DEFAULT_DB,
+        validate_default=True,
+        description="the SQLite results database: a regular file path, relative to the current directory",
+    )
     generate_stage: str = Field("generate", description="id of the plan's generation stage (its params are keyed)")
+
+    @field_validator("db")
+    @classmethod
+    def _regular_file(cls, value: str) -> str:
+        # Refused at `validate`: an empty path, /dev/null, a directory or a FIFO can never hold the database
+        # (SQLite would open a temporary one, or another file, and replay from it).
+        problem = path_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
 
 
 class LookupParams(StoreParams):
@@ -173,6 +202,35 @@ def _store_error(error: StoreError) -> StageFailure:
     return StageFailure(str(error))
 
 
+def check_database(db: str) -> None:
+    """StageFailure unless `db` is absent or our results database: before any stage runs, nothing written."""
+    try:
+        if not db.strip():
+            raise StoreError("db is empty; give the results database's file path")
+        identify(Path(db).expanduser())
+    except StoreError as bad:
+        raise _store_error(bad) from None
+
+
+def deep_check_database(params: Any, deep: DeepCheck) -> None:
+    try:
+        check_database(params.db)
+    except StageFailure as bad:
+        deep.problem(str(bad), "db")
+
+
+# Damaged rows already reported by this process: a server meets the same row once per request, says it once.
+_REPORTED: set[tuple[str, int]] = set()
+
+
+def report_damaged(db: str, damaged: list[tuple[int, str]]) -> None:
+    """One line on stderr for the damaged rows a lookup treated as misses (each row once per process)."""
+    fresh = [(i, why) for i, why in damaged if (db, i) not in _REPORTED]
+    if fresh:
+        _REPORTED.update((db, i) for i, _ in fresh)
+        print(damage_note(db, fresh), file=sys.stderr)
+
+
 class CacheLookup(Stage):
     """Replay stored generations when every request's key is in the results database."""
 
@@ -181,6 +239,14 @@ class CacheLookup(Stage):
     Params = LookupParams
     reads = ("requests", "model_source")
     fills = ("generations",)
+
+    def prepare(self, ctx: InferenceContext, params: Any) -> None:
+        if params.mode == "reuse":
+            check_database(params.db)
+
+    def check(self, params: Any, deep: DeepCheck) -> None:
+        if params.mode == "reuse":
+            deep_check_database(params, deep)
 
     def run(self, ctx: InferenceContext, params: Any) -> None:
         assert ctx.requests is not None
@@ -200,9 +266,17 @@ class CacheLookup(Stage):
             return
         found: list[Result] = []
         sources: list[dict[str, Any]] = []
+        vocab = ctx.tokenizer.vocab_size if ctx.tokenizer is not None else None
         with store:
             for request in ctx.requests:
                 row = store.lookup(request_key(ctx, request, gen_params, seed, context))
+                if row is not None:
+                    limit = request.overrides.get("max_new_tokens", gen_params.get("max_new_tokens"))
+                    try:
+                        check_replay(row, vocab_size=vocab, max_new_tokens=limit if isinstance(limit, int) else None)
+                    except DamagedRow as bad:
+                        store.damaged.append((int(row["id"]), str(bad)))
+                        row = None
                 if row is None:
                     break
                 found.append(_replay(request, row, gen_params))
@@ -215,6 +289,10 @@ class CacheLookup(Stage):
                         "run_dir": row.get("run_dir"),  # the report shows that run's pictures
                     }
                 )
+        if store.damaged:
+            report_damaged(params.db, store.damaged)
+            ctx.metrics.set("damaged", [i for i, _ in store.damaged])
+            ctx.log.info("cache_damaged_rows", rows=[{"result_id": i, "why": why} for i, why in store.damaged])
         hits = len(found)
         ctx.metrics.set("hits", hits)
         ctx.metrics.set("misses", len(ctx.requests) - hits)
@@ -275,6 +353,12 @@ class OutputCache(Stage):
     optional_reads = ("model_source", "requests")
     writes = ("cache_record",)
 
+    def prepare(self, ctx: InferenceContext, params: Any) -> None:
+        check_database(params.db)
+
+    def check(self, params: Any, deep: DeepCheck) -> None:
+        deep_check_database(params, deep)
+
     def run(self, ctx: InferenceContext, params: Any) -> None:
         assert ctx.completions is not None
         fingerprint = ctx.model_source.fingerprint if ctx.model_source is not None else None
@@ -292,8 +376,9 @@ class OutputCache(Stage):
                 run_id = store.record_run(run, rows)
         except StoreError as bad:
             raise _store_error(bad) from None
-        except OSError as bad:
-            raise StageFailure(f"{params.db}: cannot write the results database ({bad})") from None
+        except (OSError, sqlite3.DatabaseError) as bad:
+            reason = bad.strerror if isinstance(bad, OSError) and bad.strerror else str(bad)
+            raise StageFailure(f"{params.db}: cannot write the results database ({reason})") from None
         ctx.cache_record = {
             "db": params.db,
             "run_id": run_id,

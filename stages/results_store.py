@@ -3,8 +3,13 @@
 Safe for several processes at once: WAL journaling (readers never block the writer), a busy
 timeout, and a retry loop on SQLITE_BUSY for the moments SQLite reports "locked" without waiting
 (switching to WAL, upgrading a read transaction). A run and its results go in one transaction, so
-a crash leaves either all of them or none. The schema carries its version in `schema_version`;
-a database written by a newer llmplan is refused rather than misread.
+a crash leaves either all of them or none. The schema carries its version in `schema_version` and
+in the file's `user_version`; a database written by a newer llmplan is refused rather than misread.
+
+Safe for files that are not ours: nothing is written to a file until it is known to be an llmplan
+results database (results_file.py: the header, then the tables, read by a connection that writes
+nothing), and a new database appears whole or not at all. Safe for rows that are damaged: every row
+is decoded and typed (result_rows.py); one that does not decode to a whole answer is never replayed.
 
 The cache key lives here too, so the stage that looks results up and the stage that stores them
 cannot disagree on it.
@@ -12,19 +17,30 @@ cannot disagree on it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import random
 import sqlite3
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-SCHEMA_VERSION = 1
+from .result_rows import DamagedRow, decode_answer, decode_row
+from .results_file import (
+    APPLICATION_ID,
+    StoreError,
+    create_whole,
+    immutable_connection,
+    read_header,
+    refusal,
+)
+
+SCHEMA_VERSION = 1  # also the file's PRAGMA user_version
 # v2: the key covers every stage upstream of generation, the model files' content identity, the
 # device and the precision. Rows stored under v1 keys (generation params only) can never match a v2
 # key, so an old database is never misread: its rows stay as history and are simply not replayed.
@@ -32,6 +48,7 @@ CACHE_KEY_VERSION = "llmplan.cache/v2"
 EXCERPT_CHARS = 200
 BUSY_TIMEOUT_MS = 30_000
 _RETRIES = 50
+_MAX_TABLES = 64  # a file with more tables is not ours: listed no further
 T = TypeVar("T")
 
 _SCHEMA = """
@@ -65,10 +82,6 @@ CREATE TABLE IF NOT EXISTS results (
 CREATE INDEX IF NOT EXISTS results_cache_key ON results(cache_key);
 CREATE INDEX IF NOT EXISTS results_run ON results(run_id);
 """
-
-
-class StoreError(Exception):
-    """The database cannot be used: not SQLite, a newer schema, or locked for too long. One line."""
 
 
 def cache_key(
@@ -139,32 +152,155 @@ def _retry(action: Callable[[], T]) -> T:
     raise AssertionError("unreachable")
 
 
+def _statements() -> list[str]:
+    # Statement by statement: executescript() would COMMIT an open transaction first.
+    return [s.strip() for s in _SCHEMA.split(";") if s.strip()]
+
+
+@functools.cache
+def _our_shape() -> dict[str, list[tuple[Any, ...]]]:
+    """Our tables and their columns, as PRAGMA table_info reports them: what another file is compared with."""
+    conn = sqlite3.connect(":memory:")
+    try:
+        for statement in _statements():
+            conn.execute(statement)
+        return _shape(conn)
+    finally:
+        conn.close()
+
+
+def _shape(conn: sqlite3.Connection) -> dict[str, list[tuple[Any, ...]]]:
+    names = [
+        r[0]
+        for r in conn.execute(
+            f"SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite\\_%' ESCAPE '\\'"
+            f" LIMIT {_MAX_TABLES + 1}"
+        )
+    ]
+    return {str(n): [tuple(c[1:]) for c in conn.execute("SELECT * FROM pragma_table_info(?)", (n,))] for n in names}
+
+
+def _build(conn: sqlite3.Connection) -> None:
+    """A new database, whole: stamped as ours, in WAL mode, every table, its schema version."""
+    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+    conn.execute("PRAGMA journal_mode = WAL").fetchone()
+    conn.execute("BEGIN IMMEDIATE")
+    for statement in _statements():
+        conn.execute(statement)
+    conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
+    conn.execute("COMMIT")
+
+
+def _newer(path: Path, version: int) -> StoreError:
+    return StoreError(f"{path}: schema version {version} is newer than this llmplan supports ({SCHEMA_VERSION})")
+
+
+def identify(path: Path) -> str:
+    """What is at `path`: "absent", "ours" (stamped) or "legacy" (written before the stamp); StoreError for
+    anything else. Reads only: the header, then (unstamped files) the tables through an immutable connection."""
+    header = read_header(path)
+    if header is None:
+        return "absent"
+    if header.application_id == APPLICATION_ID:
+        if header.user_version > SCHEMA_VERSION:
+            raise _newer(path, header.user_version)
+        return "ours"
+    if header.application_id != 0 or header.user_version != 0:
+        raise refusal(
+            path,
+            f"it is another program's SQLite database (application_id {header.application_id}, "
+            f"user_version {header.user_version}); choose another path",
+        )
+    for attempt in range(3):  # a checkpoint of another process may be rewriting pages as we read them
+        try:
+            with immutable_connection(path) as conn:
+                check_contents(conn, path)
+            return "legacy"
+        except sqlite3.DatabaseError as bad:
+            if attempt == 2:
+                raise refusal(path, f"it is damaged ({bad}); choose another path") from None
+            time.sleep(0.05)
+    raise AssertionError("unreachable")
+
+
+def check_contents(conn: sqlite3.Connection, path: Path) -> None:
+    """Our tables with our columns, and a schema version this llmplan reads."""
+    shape = _shape(conn)
+    ours = _our_shape()
+    if shape != ours:
+        if not shape:
+            reason = "it is an SQLite database without tables, which llmplan did not write"
+        elif set(shape) == set(ours):
+            reason = "its tables are not shaped as llmplan's (another program's database, or altered)"
+        elif set(shape) & set(ours):
+            reason = "its tables are not llmplan's (another program's database, or altered)"
+        else:
+            names = ", ".join(sorted(shape)[:4]) + (", …" if len(shape) > 4 else "")
+            reason = f"it is another program's SQLite database (tables {names})"
+        raise refusal(path, f"{reason}; choose another path")
+    version = conn.execute("SELECT MAX(version) FROM schema_version").fetchone()[0]
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise refusal(path, "its schema_version table holds no version; choose another path")
+    if version > SCHEMA_VERSION:
+        raise _newer(path, version)
+    stamped = conn.execute("PRAGMA user_version").fetchone()[0]
+    if stamped > SCHEMA_VERSION:
+        raise _newer(path, stamped)
+
+
 class ResultsStore:
-    """One database file. Opening creates it (and its folder) unless `create=False`."""
+    """One database file. Opening creates it (and its folder) unless `create=False`.
+
+    Nothing is written to an existing file before it is known to be ours (results_file.py): its header, then
+    its tables and schema version, read through a connection that writes nothing. `damaged` lists the rows
+    a lookup met that do not decode to a whole answer (result id, why): each was a miss, not an answer.
+    """
 
     def __init__(self, path: str | Path, *, create: bool = True) -> None:
-        self.path = Path(path)
-        if not create and not self.path.is_file():
-            raise StoreError(f"{self.path}: no results database here")
-        if create:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not str(path).strip():  # Path("") is the current directory
+            raise StoreError("the results database's path is empty; give a file path")
+        self.path = Path(path).expanduser()
+        self._conn: sqlite3.Connection | None = None
+        self.damaged: list[tuple[int, str]] = []
+        kind = identify(self.path)
+        if kind == "absent":
+            if not create:
+                raise StoreError(f"{self.path}: no results database here")
+            try:
+                create_whole(self.path, _build)
+            except (sqlite3.Error, OSError) as bad:
+                reason = bad.strerror if isinstance(bad, OSError) and bad.strerror else str(bad)
+                raise StoreError(f"{self.path}: cannot create the results database ({reason})") from None
+            kind = identify(self.path)  # ours, or the one another process linked first (checked all the same)
         try:
             self._conn = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
             self._conn.row_factory = sqlite3.Row
             self._conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-            _retry(lambda: self._conn.execute("PRAGMA journal_mode = WAL").fetchone())
-            self._conn.execute("PRAGMA synchronous = NORMAL")
-            self._conn.execute("PRAGMA foreign_keys = ON")
-            self._init_schema(create)
+            # Read again through this connection (it sees the write-ahead log too) before its first write.
+            _retry(lambda: check_contents(self._live, self.path))
+            _retry(lambda: self._live.execute("PRAGMA journal_mode = WAL").fetchone())
+            self._live.execute("PRAGMA synchronous = NORMAL")
+            self._live.execute("PRAGMA foreign_keys = ON")
+            if kind == "legacy":
+                self._stamp()
+        except StoreError:
+            self.close()
+            raise
         except sqlite3.DatabaseError as bad:
             self.close()
-            raise StoreError(f"{self.path}: cannot use the results database ({bad})") from None
+            raise refusal(self.path, f"it is damaged ({bad}); choose another path") from None
+
+    @property
+    def _live(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise StoreError(f"{self.path}: the results database is closed")
+        return self._conn
 
     def close(self) -> None:
-        conn = getattr(self, "_conn", None)
-        if conn is not None:
-            conn.close()
-            self._conn = None  # type: ignore[assignment]
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
     def __enter__(self) -> ResultsStore:
         return self
@@ -172,36 +308,33 @@ class ResultsStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _stamp(self) -> None:
+        """A database written before llmplan stamped its files gets the stamp, so the header alone tells next time."""
+        with self._write() as conn:
+            if conn.execute("PRAGMA application_id").fetchone()[0] == 0:
+                conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
     @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
         """One IMMEDIATE transaction: the write lock is taken up front, so it cannot deadlock later."""
-        _retry(lambda: self._conn.execute("BEGIN IMMEDIATE"))
+        conn = self._live
+        _retry(lambda: conn.execute("BEGIN IMMEDIATE"))
         try:
-            yield self._conn
+            yield conn
         except BaseException:
-            self._conn.execute("ROLLBACK")
+            with suppress(sqlite3.Error):  # SQLite may have rolled back already (disk full, damage)
+                conn.execute("ROLLBACK")
             raise
-        _retry(lambda: self._conn.execute("COMMIT"))
+        _retry(lambda: conn.execute("COMMIT"))
 
-    def _init_schema(self, create: bool) -> None:
-        tables = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        if "schema_version" not in tables:
-            if not create:
-                raise StoreError(f"{self.path}: not an llmplan results database (no schema_version table)")
-            with self._write() as conn:
-                # Statement by statement: executescript() would COMMIT our transaction first.
-                for statement in filter(None, (s.strip() for s in _SCHEMA.split(";"))):
-                    conn.execute(statement)
-                if conn.execute("SELECT COUNT(*) FROM schema_version").fetchone()[0] == 0:
-                    conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
-        row = self._conn.execute("SELECT MAX(version) FROM schema_version").fetchone()
-        version = row[0] if row else None
-        if version is None:
-            raise StoreError(f"{self.path}: schema_version table is empty")
-        if version > SCHEMA_VERSION:
-            raise StoreError(
-                f"{self.path}: schema version {version} is newer than this llmplan supports ({SCHEMA_VERSION})"
-            )
+    def _read(self, action: Callable[[sqlite3.Connection], T]) -> T:
+        """A read, retried while busy; a damaged page or an I/O error is one line naming the file."""
+        conn = self._live
+        try:
+            return _retry(lambda: action(conn))
+        except sqlite3.DatabaseError as bad:
+            raise StoreError(f"{self.path}: cannot read the results database ({bad}); it may be damaged") from None
 
     # --- writing ---------------------------------------------------------------------------------
 
@@ -265,9 +398,10 @@ class ResultsStore:
     # --- reading ---------------------------------------------------------------------------------
 
     def lookup(self, key: str) -> dict[str, Any] | None:
-        """The newest freshly generated (not itself replayed) result stored under `key`."""
-        row = _retry(
-            lambda: self._conn.execute(
+        """The newest freshly generated (not itself replayed) result stored under `key`, if it decodes to a
+        whole answer; a row that does not is a miss, listed in `damaged`."""
+        row = self._read(
+            lambda conn: conn.execute(
                 "SELECT results.*, runs.time AS run_time, runs.plan AS run_plan, runs.run_dir AS run_dir FROM results"
                 " JOIN runs ON runs.id = results.run_id"
                 " WHERE cache_key = ? AND from_cache = 0 AND error IS NULL"
@@ -275,34 +409,42 @@ class ResultsStore:
                 (key,),
             ).fetchone()
         )
-        return None if row is None else _result_dict(row)
+        if row is None:
+            return None
+        try:
+            return decode_answer(row)
+        except DamagedRow as bad:
+            self.damaged.append((int(row["id"]), str(bad)))
+            return None
 
     def history(self, limit: int = 20) -> list[dict[str, Any]]:
-        rows = _retry(
-            lambda: self._conn.execute(
+        """The newest results; one that does not decode is {id, run_id, run_time, plan, damaged: why}."""
+        rows = self._read(
+            lambda conn: conn.execute(
                 "SELECT results.*, runs.time AS run_time, runs.plan, runs.model_fingerprint, runs.device,"
                 " runs.status FROM results JOIN runs ON runs.id = results.run_id"
                 " ORDER BY results.id DESC LIMIT ?",
                 (int(limit),),
             ).fetchall()
         )
-        return [_result_dict(r) for r in rows]
+        return [_shown(r) for r in rows]
 
     def get(self, result_id: int) -> dict[str, Any] | None:
-        row = _retry(
-            lambda: self._conn.execute(
+        """One result by id (None: no such id); damaged as in `history`."""
+        row = self._read(
+            lambda conn: conn.execute(
                 "SELECT results.*, runs.time AS run_time, runs.plan, runs.model_fingerprint, runs.device,"
                 " runs.status, runs.run_dir FROM results JOIN runs ON runs.id = results.run_id"
                 " WHERE results.id = ?",
                 (int(result_id),),
             ).fetchone()
         )
-        return None if row is None else _result_dict(row)
+        return None if row is None else _shown(row)
 
     def count(self, table: str = "results") -> int:
         if table not in ("results", "runs"):
             raise ValueError(table)
-        return int(self._conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0])
+        return int(self._read(lambda conn: conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]))
 
 
 def _now() -> str:
@@ -318,21 +460,30 @@ def excerpt(prompt: str, limit: int = EXCERPT_CHARS) -> str:
 
 
 def open_existing(path: str | Path) -> ResultsStore | None:
-    """The store at `path` if the file exists (lookups must not create databases), else None."""
-    return ResultsStore(path, create=False) if Path(path).is_file() else None
+    """The store at `path` if there is a file (lookups must not create databases), else None; a file that
+    is not our database is StoreError, never a silent miss."""
+    if not str(path).strip():
+        raise StoreError("the results database's path is empty; give a file path")
+    return None if read_header(Path(path).expanduser()) is None else ResultsStore(path, create=False)
 
 
-_JSON_COLUMNS = ("tokens", "usage", "timings", "logprobs", "candidates")
+def damage_note(db: str | Path, damaged: Sequence[tuple[int, str]]) -> str:
+    """One line for the rows a lookup could not replay: which, why (the first), and what happened instead."""
+    ids = ", ".join(str(i) for i, _ in damaged[:5]) + (", …" if len(damaged) > 5 else "")
+    return (
+        f"{db}: stored result {ids} {'is' if len(damaged) == 1 else 'are'} damaged ({damaged[0][1]}) "
+        "and not replayed; generating again"
+    )
 
 
 def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
 
 
-def _result_dict(row: sqlite3.Row) -> dict[str, Any]:
-    data = dict(row)
-    for column in _JSON_COLUMNS:
-        if data.get(column) is not None:
-            data[column] = json.loads(data[column])
-    data["from_cache"] = bool(data.get("from_cache"))
-    return data
+def _shown(row: sqlite3.Row) -> dict[str, Any]:
+    try:
+        return decode_row(row)
+    except DamagedRow as bad:
+        data = dict(row)
+        keep = ("id", "run_id", "run_time", "plan", "model_fingerprint", "created")
+        return {**{k: data[k] for k in keep if k in data}, "damaged": str(bad)}
