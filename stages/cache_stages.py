@@ -72,7 +72,7 @@ class StoreParams(Params):
     db: str = Field(
         DEFAULT_DB,
         validate_default=True,
-        description="the SQLite results database: a regular file path, relative to the current directory",
+        description="the SQLite results database (relative to the current directory)",
     )
     generate_stage: str = Field("generate", description="id of the plan's generation stage (its params are keyed)")
 

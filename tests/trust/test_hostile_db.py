@@ -20,10 +20,10 @@ import pytest
 
 from llmplan.engine.cli import main
 from llmplan.stages.results_file import APPLICATION_ID
-from llmplan.stages.results_store import _SCHEMA, ResultsStore, RunRow
+from llmplan.stages.results_store import _SCHEMA, ResultRow, ResultsStore, RunRow
 
 from .checkpoints import make_checkpoint, plan_for
-from .hostile import assert_untouched, memory_bound, refused, snapshot, time_bound
+from .hostile import assert_clean_message, assert_untouched, memory_bound, refused, snapshot, time_bound
 
 # --- fixtures: one tiny checkpoint, one database our run wrote ------------------------------------------------
 
@@ -362,3 +362,266 @@ def test_run_with_an_unusable_db_replays_nothing(db, model_dir, golden, tmp_path
     said = refused(["run", str(plan), "--quiet", "--out", str(tmp_path / "user" / "run")], capsys, names=["db"])
     assert "replayed" not in said
     assert snapshot(tmp_path / "results.sqlite") == {k: v for k, v in before.items() if k.endswith("results.sqlite")}
+
+
+# --- damaged rows: a miss, said once, never an answer ----------------------------------------------------------
+
+
+def _copy_of(golden_db: Path, folder: Path, *statements: str) -> Path:
+    """The golden database (our own, one fresh answer) with `statements` applied as a careless editor would."""
+    db = folder / "results.sqlite"
+    shutil.copy(golden_db, db)
+    conn = sqlite3.connect(db, isolation_level=None)
+    for statement in statements:
+        conn.execute(statement)
+    conn.close()
+    return db
+
+
+DAMAGED_ROWS = [
+    pytest.param("UPDATE results SET tokens = '[]'", "tokens where its usage says", id="tokens-emptied"),
+    pytest.param(
+        "UPDATE results SET tokens = '[]', usage = '{\"prompt_tokens\":9,\"completion_tokens\":0}'",
+        "no tokens",
+        id="tokens-and-usage-emptied",
+    ),
+    pytest.param("UPDATE results SET tokens = '{}'", "not a list of token ids", id="tokens-an-object"),
+    pytest.param("UPDATE results SET tokens = 'not json'", "not valid JSON", id="tokens-not-json"),
+    pytest.param("UPDATE results SET tokens = '[1, \"2\"]'", "not a list of token ids", id="tokens-a-string-id"),
+    pytest.param("UPDATE results SET tokens = '[1.5, 2]'", "not a list of token ids", id="tokens-a-float-id"),
+    pytest.param("UPDATE results SET tokens = '[true, 2]'", "not a list of token ids", id="tokens-a-bool-id"),
+    pytest.param("UPDATE results SET tokens = '[-1, 2]'", "not a list of token ids", id="tokens-negative"),
+    pytest.param("UPDATE results SET tokens = X'5b315d'", "column is not text", id="tokens-a-blob"),
+    pytest.param(
+        "UPDATE results SET tokens = '[' || printf('%.*c', 5000, '1') || ']'", "not valid JSON", id="tokens-huge-int"
+    ),
+    pytest.param(
+        "UPDATE results SET tokens = printf('%.*c', 100000, '[') || printf('%.*c', 100000, ']')",
+        "not valid JSON",
+        id="tokens-nested-deep",
+    ),
+    pytest.param(
+        "UPDATE results SET tokens = json_remove(tokens, '$[#-1]')", "tokens where its usage says", id="token-dropped"
+    ),
+    pytest.param(
+        "UPDATE results SET tokens = json_set(tokens, '$[0]', 999999)", "outside the vocabulary", id="token-id-huge"
+    ),
+    pytest.param(
+        "UPDATE results SET tokens = (SELECT json_group_array(value) FROM (SELECT value FROM json_each(tokens)"
+        " UNION ALL SELECT value FROM json_each(tokens))),"
+        " usage = json_set(usage, '$.completion_tokens', json_extract(usage, '$.completion_tokens') * 2),"
+        " logprobs = NULL",
+        "more than max_new_tokens",
+        id="more-tokens-than-allowed",
+    ),
+    pytest.param("UPDATE results SET usage = '{}'", "usage is not two token counts", id="usage-emptied"),
+    pytest.param("UPDATE results SET usage = 'null'", "usage is not two token counts", id="usage-null"),
+    pytest.param("UPDATE results SET usage = json_set(usage, '$.completion_tokens', -6)", "usage", id="usage-negative"),
+    pytest.param("UPDATE results SET finish_reason = 'cancelled'", "finish reason", id="finish-cancelled"),
+    pytest.param("UPDATE results SET finish_reason = ''", "finish reason", id="finish-empty"),
+    pytest.param("UPDATE results SET finish_reason = X'656f73'", "finish_reason is not text", id="finish-eos-a-blob"),
+    pytest.param("UPDATE results SET text = X'00ff'", "text is not text", id="text-a-blob"),
+    pytest.param("UPDATE results SET logprobs = '[-0.5]'", "logprobs for", id="logprobs-misaligned"),
+    pytest.param("UPDATE results SET logprobs = '[NaN, 1, 2, 3, 4, 5]'", "log-probabilities", id="logprobs-nan"),
+    pytest.param("UPDATE results SET logprobs = '\"-0.5\"'", "log-probabilities", id="logprobs-a-string"),
+    pytest.param("UPDATE results SET candidates = '{\"a\": 1}'", "candidates are not a list", id="candidates-object"),
+    pytest.param("UPDATE results SET candidates = '[1]'", "candidate is not a table", id="candidates-not-tables"),
+    pytest.param(
+        'UPDATE results SET candidates = \'[{"tokens": "abc", "text": "x"}]\'',
+        "candidate tokens",
+        id="candidate-tokens-text",
+    ),
+    pytest.param("UPDATE results SET timings = '[]'", "timings", id="timings-a-list"),
+    pytest.param("UPDATE results SET request_id = X'01'", "request_id is not text", id="request-id-a-blob"),
+]
+
+
+@pytest.mark.parametrize(("damage", "why"), DAMAGED_ROWS)
+def test_a_damaged_row_is_a_miss_said_once_never_an_answer(damage, why, model_dir, golden, tmp_path, capsys) -> None:
+    golden_db, fresh = golden
+    db = _copy_of(golden_db, tmp_path, damage)
+    plan = cached_plan(tmp_path, model_dir, str(db))
+    answer, err, stages = run_plan(plan, tmp_path / "run", capsys)
+    assert stages["generate"] == "ok" and answer["from_cache"] is False  # generated again, not replayed
+    assert answer["text"] == fresh["text"] and answer["tokens"] == fresh["tokens"] and answer["text"]
+    notes = [line for line in err.splitlines() if "is damaged" in line]
+    assert len(notes) == 1 and str(db) in notes[0] and why in notes[0] and "not replayed" in notes[0], err
+    assert_clean_message(notes[0])
+    assert "replayed from the results cache" not in err
+
+
+def test_after_a_damaged_row_the_fresh_answer_is_replayed(model_dir, golden, tmp_path, capsys) -> None:
+    """Benign twin: the damaged row's miss stored a fresh answer, which the next run replays, silently."""
+    golden_db, fresh = golden
+    db = _copy_of(golden_db, tmp_path, "UPDATE results SET tokens = '[]'")
+    plan = cached_plan(tmp_path, model_dir, str(db))
+    run_plan(plan, tmp_path / "run1", capsys)
+    again, err, stages = run_plan(plan, tmp_path / "run2", capsys)
+    assert stages["generate"] == "skipped" and again["from_cache"] is True
+    assert again["text"] == fresh["text"] and again["tokens"] == fresh["tokens"]
+    assert "is damaged" not in err and "replayed from the results cache" in err
+
+
+def test_our_own_database_replays(model_dir, golden, tmp_path, capsys) -> None:
+    """Benign twin: the very database our run wrote, untouched, replays its answer."""
+    golden_db, fresh = golden
+    db = _copy_of(golden_db, tmp_path)
+    answer, err, stages = run_plan(cached_plan(tmp_path, model_dir, str(db)), tmp_path / "run", capsys)
+    assert stages["generate"] == "skipped" and answer["from_cache"] is True and answer["text"] == fresh["text"]
+    assert "is damaged" not in err
+
+
+# --- history and show on damaged rows and damaged databases ---------------------------------------------------
+
+SHOWN_DAMAGE = [p for p in DAMAGED_ROWS if p.id in {
+    "tokens-an-object", "tokens-not-json", "tokens-a-blob", "tokens-huge-int", "tokens-nested-deep", "usage-null",
+    "finish-eos-a-blob", "text-a-blob", "logprobs-nan", "candidates-not-tables", "timings-a-list",
+}]  # fmt: skip
+
+
+@pytest.mark.parametrize(("damage", "why"), SHOWN_DAMAGE)
+def test_show_of_a_damaged_row_is_one_line(damage, why, golden, tmp_path, capsys) -> None:
+    db = _copy_of(golden[0], tmp_path, damage)
+    for extra in ([], ["--json"]):
+        said = refused(["show", "1", "--db", str(db), *extra], capsys, names=[str(db), "result 1 is damaged", why])
+        assert len(said.strip().splitlines()) == 1, said
+
+
+@pytest.mark.parametrize(("damage", "why"), SHOWN_DAMAGE[:4])
+def test_history_lists_a_damaged_row_as_damaged(damage, why, golden, tmp_path, capsys) -> None:
+    db = _copy_of(golden[0], tmp_path, damage)
+    with ResultsStore(db) as store:  # a second, sound result beside the damaged one
+        store.record_run(RunRow("second", "fp", "cpu", "ok"), [_sound_row("fine answer")])
+    capsys.readouterr()
+    assert main(["history", "--db", str(db)]) == 0
+    said = capsys.readouterr()
+    notes = said.err.strip().splitlines()
+    assert len(notes) == 1 and "result 1 is damaged" in notes[0] and why in notes[0], said.err
+    assert_clean_message(said.err)
+    assert "(damaged)" in said.out and "second" in said.out and not EXCEPTION_IN(said.out)
+    assert main(["history", "--db", str(db), "--json"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["id"] for line in lines] == [2, 1] and "damaged" in lines[1] and lines[0]["text"] == "fine answer"
+
+
+def _sound_row(text: str, prompt: str = "a prompt") -> ResultRow:
+    return ResultRow("r", prompt, text, [1, 2], "eos", {"prompt_tokens": 3, "completion_tokens": 2}, {}, [])
+
+
+def EXCEPTION_IN(text: str) -> bool:
+    from .hostile import EXCEPTION_NAME
+
+    return bool(EXCEPTION_NAME.search(text))
+
+
+def test_history_on_a_database_damaged_inside_is_one_line(tmp_path, capsys) -> None:
+    db = tmp_path / "results.sqlite"
+    with ResultsStore(db) as store:
+        store.record_run(RunRow("p", "fp", "cpu", "ok"), [_sound_row("x" * 3000, "p" * 150) for _ in range(60)])
+    data = bytearray(db.read_bytes())
+    data[4 * 4096 : 12 * 4096] = os.urandom(8 * 4096)  # the results table's pages, not the schema's
+    db.write_bytes(bytes(data))
+    before = snapshot(tmp_path)
+    said = refused(["history", "--db", str(db), "--limit", "100"], capsys, names=[str(db), "damaged"])
+    assert len(said.strip().splitlines()) == 1, said
+    assert_untouched(before, tmp_path)
+
+
+def test_stored_text_is_never_read_as_markup(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("COLUMNS", "300")  # one line per row: the cells are not wrapped
+    db = tmp_path / "results.sqlite"
+    with ResultsStore(db) as store:
+        store.record_run(RunRow("[/dim]plan[bold]", "fp", "cpu", "ok"), [_sound_row("a", "[/red] prompt [link=x]")])
+    capsys.readouterr()
+    assert main(["history", "--db", str(db)]) == 0
+    out = capsys.readouterr().out
+    assert "[/dim]plan[bold]" in out and "[/red] prompt [link=x]" in out
+
+
+# --- benign twins: our own database, as it is and as it was before the stamp -------------------------------
+
+
+def test_a_database_written_before_the_stamp_keeps_working(model_dir, golden, tmp_path, capsys) -> None:
+    """Unstamped (application_id 0), as every llmplan before this one wrote it: read, replayed, then stamped."""
+    golden_db, fresh = golden
+    db = _copy_of(golden_db, tmp_path, "PRAGMA application_id = 0", "PRAGMA user_version = 0")
+    assert db.read_bytes()[68:72] == bytes(4)
+    capsys.readouterr()
+    assert main(["show", "1", "--db", str(db)]) == 0 and fresh["text"] in capsys.readouterr().out
+    answer, _, stages = run_plan(cached_plan(tmp_path, model_dir, str(db)), tmp_path / "run", capsys)
+    assert stages["generate"] == "skipped" and answer["from_cache"] is True and answer["text"] == fresh["text"]
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID
+        assert conn.execute("SELECT COUNT(*) FROM results").fetchone()[0] == 2
+
+
+def test_a_new_path_is_created_whole_and_alone(model_dir, tmp_path, capsys) -> None:
+    db = tmp_path / "new" / "deeper" / "results.sqlite"
+    answer, _, stages = run_plan(cached_plan(tmp_path, model_dir, str(db)), tmp_path / "run", capsys)
+    assert stages["generate"] == "ok" and stages["store"] == "ok" and answer["from_cache"] is False
+    assert sorted(p.name for p in db.parent.iterdir()) == ["results.sqlite"]  # no hidden temp file left
+    header = db.read_bytes()[:100]
+    assert header[68:72] == APPLICATION_ID.to_bytes(4, "big") and header[18:20] == b"\x02\x02"  # stamped, WAL
+
+
+def test_a_link_to_our_database_works(model_dir, golden, tmp_path, capsys) -> None:
+    db = _copy_of(golden[0], tmp_path)
+    link = tmp_path / "link.sqlite"
+    link.symlink_to(db)
+    capsys.readouterr()
+    assert main(["validate", str(cached_plan(tmp_path, model_dir, str(link)))]) == 0
+    answer, _, stages = run_plan(cached_plan(tmp_path, model_dir, str(link)), tmp_path / "run", capsys)
+    assert stages["generate"] == "skipped" and answer["text"] == golden[1]["text"]
+
+
+def test_many_creators_at_once_make_one_whole_database(tmp_path) -> None:
+    """Concurrency: every thread creates the same new database at the same moment; none is refused."""
+    import threading
+
+    db = tmp_path / "results.sqlite"
+    start = threading.Barrier(8)
+    failures: list[BaseException] = []
+
+    def create(i: int) -> None:
+        try:
+            start.wait()
+            with ResultsStore(db) as store:
+                store.record_run(RunRow(f"t{i}", None, "cpu", "ok"), [_sound_row(f"answer {i}")])
+        except BaseException as bad:
+            failures.append(bad)
+
+    threads = [threading.Thread(target=create, args=(i,)) for i in range(8)]
+    with time_bound(60):
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert not failures, failures
+    with ResultsStore(db, create=False) as store:
+        assert store.count("runs") == 8 and store.count("results") == 8
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.sqlite"]
+
+
+def test_a_damaged_row_is_never_served(model_dir, tmp_path) -> None:
+    """The issue's case, served: after the stored answer is damaged, the server generates it again (never an
+    empty string from the cache), stores the fresh one, and replays that."""
+    import httpx
+
+    from llmplan.commands.server import ServerSettings
+    from tests.commands.conftest import LiveServer, write_serve_plan
+
+    db = tmp_path / "results.sqlite"
+    plan = write_serve_plan(tmp_path, model_dir, name="served", cache_db=db, max_new_tokens=6)
+    body = {"prompt": "Hello world", "max_tokens": 6}
+    with time_bound(120), LiveServer(plan, ServerSettings()) as live:
+        url = f"{live.url}/completions"
+        first = httpx.post(url, json=body, timeout=30)
+        assert first.status_code == 200 and first.headers["x-llmplan-replayed"] == "false"
+        text = first.json()["choices"][0]["text"]
+        with sqlite3.connect(db) as conn:
+            conn.execute("UPDATE results SET tokens = '[]'")
+        damaged = httpx.post(url, json=body, timeout=30)
+        assert damaged.status_code == 200 and damaged.headers["x-llmplan-replayed"] == "false"
+        assert damaged.json()["choices"][0]["text"] == text and damaged.json()["usage"]["completion_tokens"] == 6
+        again = httpx.post(url, json=body, timeout=30)
+        assert again.headers["x-llmplan-replayed"] == "true" and again.json()["choices"][0]["text"] == text
