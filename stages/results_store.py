@@ -259,7 +259,7 @@ class ResultsStore:
 
     def __init__(self, path: str | Path, *, create: bool = True) -> None:
         if not str(path).strip():  # Path("") is the current directory
-            raise StoreError("the results database's path is empty; give a file path")
+            raise StoreError("db is empty; give the results database's file path")
         self.path = Path(path).expanduser()
         self._conn: sqlite3.Connection | None = None
         self.damaged: list[tuple[int, str]] = []
@@ -463,7 +463,7 @@ def open_existing(path: str | Path) -> ResultsStore | None:
     """The store at `path` if there is a file (lookups must not create databases), else None; a file that
     is not our database is StoreError, never a silent miss."""
     if not str(path).strip():
-        raise StoreError("the results database's path is empty; give a file path")
+        raise StoreError("db is empty; give the results database's file path")
     return None if read_header(Path(path).expanduser()) is None else ResultsStore(path, create=False)
 
 

@@ -23,7 +23,7 @@ from llmplan.stages.results_file import APPLICATION_ID
 from llmplan.stages.results_store import _SCHEMA, ResultRow, ResultsStore, RunRow
 
 from .checkpoints import make_checkpoint, plan_for
-from .hostile import assert_clean_message, assert_untouched, memory_bound, refused, snapshot, time_bound
+from .hostile import EXCEPTION_NAME, assert_clean_message, assert_untouched, memory_bound, refused, snapshot, time_bound
 
 # --- fixtures: one tiny checkpoint, one database our run wrote ------------------------------------------------
 
@@ -103,13 +103,7 @@ def _truncated(keep: Callable[[int, int], int]) -> Callable[[Path], Path]:
     def make(folder: Path) -> Path:
         path = folder / "results.sqlite"
         with ResultsStore(path) as store:  # a real one, with rows spread over several pages
-            store.record_run(RunRow("p", "fp", "cpu", "ok"), [])
-            store._live.execute("BEGIN")
-            for i in range(200):
-                store._live.execute(
-                    "INSERT INTO runs (time, plan, status) VALUES (?, ?, 'ok')", ("t", "plan-" + "x" * 100 + str(i))
-                )
-            store._live.execute("COMMIT")
+            store.record_run(RunRow("p", "fp", "cpu", "ok"), [_sound_row("x" * 300) for _ in range(100)])
         data = path.read_bytes()
         page = int.from_bytes(data[16:18], "big")
         path.write_bytes(data[: keep(len(data), page)])
@@ -498,7 +492,7 @@ def test_history_lists_a_damaged_row_as_damaged(damage, why, golden, tmp_path, c
     notes = said.err.strip().splitlines()
     assert len(notes) == 1 and "result 1 is damaged" in notes[0] and why in notes[0], said.err
     assert_clean_message(said.err)
-    assert "(damaged)" in said.out and "second" in said.out and not EXCEPTION_IN(said.out)
+    assert "(damaged)" in said.out and "second" in said.out and not EXCEPTION_NAME.search(said.out)
     assert main(["history", "--db", str(db), "--json"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [line["id"] for line in lines] == [2, 1] and "damaged" in lines[1] and lines[0]["text"] == "fine answer"
@@ -625,3 +619,15 @@ def test_a_damaged_row_is_never_served(model_dir, tmp_path) -> None:
         assert damaged.json()["choices"][0]["text"] == text and damaged.json()["usage"]["completion_tokens"] == 6
         again = httpx.post(url, json=body, timeout=30)
         assert again.headers["x-llmplan-replayed"] == "true" and again.json()["choices"][0]["text"] == text
+
+
+@pytest.mark.parametrize(("target", "reason"), NOT_A_FILE)
+def test_history_refuses_a_db_that_is_not_a_regular_file_path(target, reason, tmp_path, capsys) -> None:
+    folder = _user_folder(tmp_path)
+    db = target(folder)
+    before = snapshot(folder)
+    if "\x00" in db:
+        reason = "NUL"
+    said = refused(["history", "--db", db], capsys, names=[reason], seconds=20, memory_mb=256)
+    assert len(said.strip().splitlines()) == 1, said
+    assert_untouched(before, folder)
