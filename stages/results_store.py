@@ -289,7 +289,9 @@ class ResultsStore:
             raise
         except sqlite3.DatabaseError as bad:
             self.close()
-            raise refusal(self.path, f"it is damaged ({bad}); choose another path") from None
+            busy = isinstance(bad, sqlite3.OperationalError) and _is_busy(bad)
+            reason = "another process has held it locked for too long; try again" if busy else f"it is damaged ({bad})"
+            raise refusal(self.path, reason if busy else f"{reason}; choose another path") from None
 
     @property
     def _live(self) -> sqlite3.Connection:
