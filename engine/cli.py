@@ -17,6 +17,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
+from llmplan.ownership import NotOurs, check_writable, write_file
 from llmplan.plain_errors import plain_error
 
 from .context import Context
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None, *, on_ready: Callable[[], None] | None =
         for finding in bad.findings:
             _err(str(finding))
         return 1
-    except CliError as bad:
+    except (CliError, NotOurs) as bad:
         _err(str(bad))
         return 1
     except Exception as bug:
@@ -178,7 +179,7 @@ EXECUTOR_FLAGS = {
 
 def cmd_run(args: argparse.Namespace) -> int:
     from .console import RichProgress, print_stage, stderr
-    from .runner import Runner, make_run_dir
+    from .runner import Runner
 
     registry = _registry()
     source = load_file(args.plan)
@@ -190,15 +191,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.until is not None and args.until not in {b.id for b in bound.stages}:
         raise CliError(f"--until: no stage with id {args.until!r} in {args.plan}")
     executor = _executor(bound.plan.executor.kind)  # before the run directory: a missing package makes none
-    run_dir = Path(args.out) if args.out else make_run_dir(bound.plan.runs_dir, bound.plan.name)
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise CliError(f"--out {run_dir}: exists and is not a directory") from None
-    except OSError as bad:
-        raise CliError(f"--out {run_dir}: cannot create the run directory ({bad.strerror or bad})") from None
-    if not run_dir.is_dir():
-        raise CliError(f"--out {run_dir}: exists and is not a directory")
+    run_dir = _run_dir(args.out, bound)
     if executor is not None:
         return _run_elsewhere(executor, args, bound, registry, run_dir, overrides)
     ctx = new_context(registry, bound, json_mode=args.json)
@@ -222,6 +215,30 @@ def cmd_run(args: argparse.Namespace) -> int:
     elif result.exit_code:
         _err(f"error: {result.message}")
     return result.exit_code
+
+
+def _run_dir(out: str | None, bound: BoundPlan) -> Path:
+    """--out DIR: new, empty, or a run directory holding only files llmplan wrote (checked before anything is
+    written or loaded: a run never replaces a file of the user's); without --out a fresh one under runs_dir."""
+    from .runner import check_run_dir, make_run_dir
+
+    if not out:
+        try:
+            return make_run_dir(bound.plan.runs_dir, bound.plan.name)
+        except OSError as bad:
+            where = bound.plan.runs_dir
+            raise CliError(f"runs_dir {where}: cannot create a run directory there ({bad.strerror or bad})") from None
+    run_dir = Path(out)
+    if run_dir.is_dir():
+        check_run_dir(run_dir, "--out")
+        return run_dir
+    try:
+        run_dir.mkdir(parents=True)
+    except FileExistsError:
+        raise CliError(f"--out {run_dir}: exists and is not a directory; choose another path") from None
+    except OSError as bad:
+        raise CliError(f"--out {run_dir}: cannot create the run directory ({bad.strerror or bad})") from None
+    return run_dir
 
 
 def _executor(kind: str) -> Executor | None:
@@ -351,14 +368,18 @@ def cmd_graph(args: argparse.Namespace) -> int:
     graph = build_graph(bound.stages)
     out = Path(args.output)
     suffix = out.suffix.lower()
-    if suffix == ".dot":
-        out.write_text(to_dot(graph), encoding="utf-8")
-    elif suffix in (".mmd", ".mermaid"):
-        out.write_text(to_mermaid(graph), encoding="utf-8")
-    elif suffix in (".png", ".svg"):
-        draw_graph(graph, out, title=f"plan {bound.plan.name}")
-    else:
+    if suffix not in (".dot", ".mmd", ".mermaid", ".png", ".svg"):
         raise CliError(f"-o {out}: unknown format {suffix!r} (use .png, .svg, .dot or .mmd)")
+    check_writable(out, "file", "-o")  # before drawing: a file of the user's is never replaced
+    try:
+        if suffix == ".dot":
+            write_file(out, to_dot(graph), "-o")
+        elif suffix in (".mmd", ".mermaid"):
+            write_file(out, to_mermaid(graph), "-o")
+        else:
+            draw_graph(graph, out, title=f"plan {bound.plan.name}")
+    except OSError as bad:
+        raise CliError(f"-o {out}: cannot write ({bad.strerror or bad})") from None
     print(out)
     return 0
 

@@ -3,9 +3,12 @@ matplotlib; no Graphviz needed. PHASE_COLORS is stated once, in graph_layout, an
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import networkx as nx
+
+from llmplan.ownership import write_file
 
 from .graph import DATA, phase_of
 from .graph_layout import (
@@ -27,8 +30,7 @@ def draw_graph(graph: nx.DiGraph, out: Path, labels: dict[str, str] | None = Non
     """SVG (text as text) or PNG (the same layout, rasterized by matplotlib at 2x) of the plan graph."""
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix.lower() == ".svg":
-        out.write_text(graph_svg(graph, labels, title or "stage graph"), encoding="utf-8")
-        return out
+        return write_file(out, graph_svg(graph, labels, title or "stage graph"), "-o")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -125,6 +127,7 @@ def draw_graph(graph: nx.DiGraph, out: Path, labels: dict[str, str] | None = Non
                 fontsize=TITLE_PX if i == 0 else TEXT_PX,
                 weight="bold" if i == 0 else "normal",
             )
-    fig.savefig(out, dpi=144)
+    picture = io.BytesIO()  # drawn in memory, written atomically and only onto a path llmplan owns
+    fig.savefig(picture, format="png", dpi=144)
     plt.close(fig)
-    return out
+    return write_file(out, picture.getvalue(), "-o")

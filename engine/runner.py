@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import signal
-import tempfile
 import threading
 import time
 import traceback
@@ -26,6 +25,7 @@ from typing import Any
 import networkx as nx
 import structlog
 
+from llmplan.ownership import NotOurs, check_directory_ours, check_writable, claim, write_file
 from llmplan.plain_errors import plain_error
 
 from .context import Context
@@ -79,24 +79,24 @@ def make_run_dir(root: str | Path, plan_name: str) -> Path:
 
 
 def write_text_atomic(path: Path, text: str) -> Path:
-    """A temp file in the same folder renamed into place, so a crash never leaves half a file. The temp name
-    (`.NAME.<random>.tmp`, the documented leftover of a killed process) is unique, so concurrent writers of
-    one file (a server's requests) never rename each other's temp away."""
-    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
-    return path
+    """A temp file in the same folder renamed into place, so a crash never leaves half a file; only onto a path
+    that is free or that llmplan wrote (llmplan/ownership.py: NotOurs otherwise), and claimed with a marker so
+    the next run into the same directory may replace it."""
+    return write_file(path, text)
 
 
 def write_json(path: Path, data: Any, *, indent: int | None = 2) -> Path:
     """Atomic (see write_text_atomic)."""
     return write_text_atomic(path, json.dumps(data, indent=indent, default=str, ensure_ascii=False))
+
+
+EVENTS_FILE = "events.jsonl"
+
+
+def check_run_dir(run_dir: Path, what: str = "run directory") -> None:
+    """Before anything is written or loaded: an existing run directory holds only files llmplan wrote (it may
+    replace them), so a run never replaces or appends to a file of the user's (NotOurs names the first)."""
+    check_directory_ours(run_dir, what)
 
 
 def event_logger(events: Any, plan_name: str) -> Any:
@@ -147,8 +147,11 @@ class Runner:
         ctx = self.ctx
         ctx.plan = self.bound
         ctx.run_dir = self.run_dir
+        events_path = self.run_dir / EVENTS_FILE
+        check_writable(events_path, "log")  # appended to: only a log llmplan wrote, or a new one
         write_text_atomic(self.run_dir / "plan.resolved.yaml", self.bound.resolved_yaml())
-        events = (self.run_dir / "events.jsonl").open("a", encoding="utf-8")
+        events = events_path.open("a", encoding="utf-8")
+        claim(events_path, "log")  # a run killed before its end still leaves a log the next run may append to
         log = event_logger(events, self.bound.plan.name)
         ctx.log = log
         sampler = MemorySampler(self.bound.plan.observe.memory_interval_ms).start()
@@ -184,8 +187,8 @@ class Runner:
         except Exception as bug:  # a stage's bug: one line for the user, the traceback in the run dir
             status, code = "failed", 1
             message = plain_error(bug)
-            with contextlib.suppress(OSError):  # a full disk must not replace the failure's own message
-                (self.run_dir / "traceback.txt").write_text(traceback.format_exc(), encoding="utf-8")
+            with contextlib.suppress(OSError, NotOurs):  # a full disk must not replace the failure's own message
+                write_text_atomic(self.run_dir / "traceback.txt", traceback.format_exc())
             if self.debug:
                 traceback.print_exc()
         finally:
@@ -248,6 +251,7 @@ class Runner:
                 )
                 write_json(self.run_dir / "trace.json", trace, indent=None)
                 events.close()
+                claim(events_path, "log")
             except OSError as unwritten:  # a full disk: said in one line, and never hiding the run's own failure
                 said = f"the run's records were not written: {plain_error(unwritten)}"
                 status, code = ("failed", 1) if status == "ok" else (status, code)

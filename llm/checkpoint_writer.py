@@ -1,7 +1,9 @@
 """Write tensors as a sharded safetensors checkpoint with an HF-style index and a `SHA256SUMS`, atomically.
 
 Everything is written into a temporary directory beside `out_dir` and renamed into place at the end, so a
-crash or exception midway leaves no half-written checkpoint at `out_dir` for a later run to trust.
+crash or exception midway leaves no half-written checkpoint at `out_dir` for a later run to trust. Only a
+new path or a checkpoint directory llmplan wrote (and can prove it: llmplan/ownership.py) is written; a
+folder or file of the user's there is refused (NotOurs) before a byte is written, and left as it was.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from pathlib import Path, PurePosixPath
 
 from safetensors.torch import save_file
 from torch import Tensor
+
+from llmplan.ownership import check_writable, claim
 
 from .checkpoint import SAFETENSORS_INDEX
 from .manifest import MANIFEST_NAME, write_sha256sums
@@ -50,13 +54,15 @@ def write_checkpoint(
     """Write `model-0000i-of-0000n.safetensors`, the index, `extra_files` and a `SHA256SUMS` over them all.
 
     `metadata` goes into every shard header (with `format: pt`, which HF loaders expect) and the index.
-    An existing `out_dir` is an error unless `overwrite`, which swaps it only once the new one is complete.
+    An existing `out_dir` is an error unless `overwrite`, which swaps it only once the new one is complete, and
+    only if llmplan wrote it (NotOurs otherwise: a directory or file of the user's is never replaced).
     """
     out_dir = Path(out_dir)
     if not tensors:
         raise ValueError("write_checkpoint: no tensors to write")
-    if out_dir.exists() and not overwrite:
+    if os.path.lexists(out_dir) and not overwrite:
         raise FileExistsError(f"{out_dir}: already exists (pass overwrite=True to replace it)")
+    check_checkpoint_target(out_dir)
     header_meta = {"format": "pt", **(metadata or {})}
     for key, value in header_meta.items():
         if not isinstance(key, str) or not isinstance(value, str):
@@ -89,11 +95,18 @@ def write_checkpoint(
                 target.write_bytes(content)
         write_sha256sums(temp, [*names, SAFETENSORS_INDEX, *extras])
         _fsync_tree(temp)
+        check_checkpoint_target(out_dir)  # again: the path may have been taken while we wrote
         _move_into_place(temp, out_dir)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
+    claim(out_dir, "directory")  # so the next save to this path may replace it
     return out_dir
+
+
+def check_checkpoint_target(out_dir: Path) -> None:
+    """NotOurs unless `out_dir` is free or a checkpoint directory llmplan saved, unchanged since."""
+    check_writable(Path(out_dir), "directory")
 
 
 def _own_storage(group: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
-from llmplan.llm.checkpoint_writer import write_checkpoint
+from llmplan.llm.checkpoint_writer import check_checkpoint_target, write_checkpoint
 from llmplan.llm.config import ModelConfig
 from llmplan.llm.weight_formats import (
     FLOAT_DTYPES,
@@ -32,6 +32,7 @@ from llmplan.llm.weight_formats import (
     to_tensors,
 )
 from llmplan.llm.weights import fusion_table, internal_shapes
+from llmplan.ownership import NotOurs
 
 from .load_shard_stream import CONVERTED_MARKER
 from .slots import InferenceContext
@@ -126,9 +127,14 @@ def save_converted(weights: dict[str, Any], params: ConvertParams, source: Any) 
             path = source.model_dir / name
             if path.is_file():
                 extras[name] = path.read_bytes()
+    target = Path(params.save_to or "").expanduser()
     try:
-        return write_checkpoint(tensors, Path(params.save_to or ""), 200 << 20, {"llmplan": "converted"}, extras, True)
-    except (OSError, ValueError) as bad:
+        return write_checkpoint(tensors, target, 200 << 20, {"llmplan": "converted"}, extras, True)
+    except NotOurs as bad:
+        raise StageFailure(f"save_to {bad}") from None
+    except OSError as bad:
+        raise StageFailure(f"save_to {params.save_to}: cannot write the checkpoint ({bad.strerror or bad})") from None
+    except ValueError as bad:
         raise StageFailure(f"save_to {params.save_to}: {bad}") from None
 
 
@@ -156,6 +162,14 @@ class Convert(Stage):
     reads = ("host_weights", "model_config")
     optional_reads = ("model_source",)
     writes = ("weights",)
+
+    def prepare(self, ctx: InferenceContext, params: Any) -> None:
+        """`save_to` is refused before any weight is read unless it is free or a checkpoint llmplan saved."""
+        if params.save_to:
+            try:
+                check_checkpoint_target(Path(params.save_to).expanduser())
+            except NotOurs as bad:
+                raise StageFailure(f"save_to {bad}") from None
 
     def run(self, ctx: InferenceContext, params: Any) -> None:
         cfg, host = ctx.model_config, ctx.host_weights
@@ -262,6 +276,11 @@ class Convert(Stage):
         ctx.metrics.set("preconverted", True)
 
     def check(self, params: Any, deep: DeepCheck) -> None:
+        if params.save_to:
+            try:
+                check_checkpoint_target(Path(params.save_to).expanduser())
+            except NotOurs as bad:
+                deep.problem(str(bad), "save_to")
         cfg = deep.facts.get("model_config")
         if cfg is None:
             return

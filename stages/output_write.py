@@ -9,14 +9,12 @@ Sinks (`to:`, a list):
     current directory. Every file is written atomically (a temp file in the same folder, renamed
     into place), so an interrupted write leaves the old file or none — never half a file.
 
-A sink never destroys data. It writes a new file, or replaces a regular file that llmplan wrote:
-  * a JSON sink replaces a file that is an llmplan result document (a JSON object whose `schema`
-    is "llmplan.result/v1") — the file says who wrote it;
-  * a text or Markdown sink replaces a file whose content is exactly what llmplan last wrote
-    there: beside it a marker `.NAME.llmplan` holds the SHA-256 of that content. A file edited
-    since is the user's now, and is kept.
-Anything else is refused with one line — a directory, a symbolic link (replacing it would cut the
-link, and writing through it would write elsewhere), a FIFO, a device, a socket, an SQLite
+A sink never destroys data. It writes a new file, or replaces a regular file that llmplan wrote and can
+prove it (llmplan/ownership.py): beside it a marker `.NAME.llmplan` records the file's identity and the
+SHA-256 of what was written, sealed with this user's llmplan key. A file edited since, a JSON document
+that merely looks like a result, and a marker written by hand prove nothing: the file is the user's,
+and is kept. Anything else is refused with one line — a directory, a symbolic link (replacing it would
+cut the link, and writing through it would write elsewhere), a FIFO, a device, a socket, an SQLite
 database, any other file — by `prepare`, before the model is loaded or a token generated (and by
 `validate --deep`), and checked again just before the rename.
 Temp files are named `.NAME.llmplan-PID-RANDOM.tmp`; one whose process is gone (a killed run) is
@@ -30,15 +28,9 @@ summary goes to stderr. Result objects follow the "llmplan.result/v1" schema (ou
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
 import os
-import re
-import secrets
-import stat
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -46,6 +38,7 @@ from pydantic import Field, RootModel, field_validator
 
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
+from llmplan.ownership import NotOurs, check_writable, marker_of, remove_stale_temps, write_file
 
 from . import output_format as fmt
 from .slots import InferenceContext
@@ -173,162 +166,29 @@ def file_sinks(params: Any) -> list[tuple[str, Path]]:
     return sinks
 
 
-SIDECAR_SUFFIX = ".llmplan"
-TEMP_TAG = ".llmplan-"
-_MAX_OWNED_BYTES = 256 << 20  # an output bigger than this is not read back to prove it is ours
-_SQLITE_MAGIC = b"SQLite format 3\x00"
-_KINDS = {
-    stat.S_IFIFO: "a FIFO (named pipe)",
-    stat.S_IFCHR: "a character device",
-    stat.S_IFBLK: "a block device",
-    stat.S_IFSOCK: "a socket",
-}
-
-
 def sidecar(path: Path) -> Path:
-    return path.with_name(f".{path.name}{SIDECAR_SUFFIX}")
+    """The marker beside a file sink that proves llmplan wrote it (llmplan/ownership.py)."""
+    return marker_of(path)
 
 
 def check_target(path: Path, kind: str) -> None:
-    """Raise StageFailure unless `path` is absent or a regular file llmplan wrote (module doc)."""
+    """Raise StageFailure unless `path` is absent or a file llmplan wrote and can prove it (module doc)."""
     try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return
-    except OSError as bad:
-        raise StageFailure(f"{path}: cannot check the target ({bad.strerror or bad})") from None
-    mode = info.st_mode
-    if stat.S_ISLNK(mode):
-        raise StageFailure(f"{path}: is a symbolic link; llmplan writes only regular files it owns")
-    if stat.S_ISDIR(mode):
-        raise StageFailure(f"{path}: is a directory, not a file")
-    if not stat.S_ISREG(mode):
-        what = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
-        raise StageFailure(f"{path}: is {what}; llmplan writes only regular files it owns")
-    if info.st_size > _MAX_OWNED_BYTES:
-        raise StageFailure(f"{path}: exists and is too large to be an output llmplan wrote; choose another path")
-    try:
-        with path.open("rb") as handle:
-            content = handle.read(_MAX_OWNED_BYTES + 1)
-    except OSError as bad:
-        raise StageFailure(f"{path}: cannot check the target ({bad.strerror or bad})") from None
-    if content.startswith(_SQLITE_MAGIC):
-        raise StageFailure(f"{path}: is an SQLite database; llmplan does not overwrite it with {kind}")
-    if not _owned(path, kind, content):
-        raise StageFailure(
-            f"{path}: exists and is not a {kind} output llmplan wrote (or was changed since); "
-            "move it away or choose another path"
-        )
-
-
-def _owned(path: Path, kind: str, content: bytes) -> bool:
-    if kind == "json":
-        try:
-            document = json.loads(content.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError):
-            return False
-        return isinstance(document, dict) and document.get("schema") == fmt.SCHEMA
-    return _marker_hash(path) == hashlib.sha256(content).hexdigest()
-
-
-def _marker_hash(path: Path) -> str | None:
-    marker = sidecar(path)
-    try:
-        if not stat.S_ISREG(os.lstat(marker).st_mode):
-            return None
-        value = json.loads(marker.read_text(encoding="utf-8")).get("sha256")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return value if isinstance(value, str) else None
-
-
-_TEMP_PID = re.compile(r"\.llmplan-(\d+)-[0-9a-f]+\.tmp$")
-
-
-def remove_stale_temps(path: Path) -> None:
-    """Remove `.NAME.llmplan-PID-*.tmp` files (and the marker's) left by a run whose process is gone."""
-    try:
-        entries = list(os.scandir(path.parent))
-    except OSError:
-        return  # no folder yet: nothing left over
-    prefixes = tuple(f".{name}{TEMP_TAG}" for name in (path.name, sidecar(path).name))
-    for entry in entries:
-        if not entry.name.startswith(prefixes):
-            continue
-        match = _TEMP_PID.search(entry.name)
-        if match and entry.is_file(follow_symlinks=False) and not _alive(int(match.group(1))):
-            with contextlib.suppress(OSError):  # not ours to remove after all: leave it
-                os.unlink(entry.path)
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True
-    return True
+        check_writable(path, "file")
+    except NotOurs as bad:
+        raise StageFailure(str(bad)) from None
 
 
 def atomic_write(path: Path, chunks: Iterable[str], kind: str = "text") -> None:
-    """Write `chunks` to a temp file next to `path`, fsync, rename into place; on any error remove it.
-
-    The target is checked (check_target) first and again right before the rename. A text or
-    Markdown file gets its marker (the SHA-256 of what was written), so the next run may replace it.
-    """
+    """Write `chunks` to a temp file next to `path`, fsync, rename into place, and leave the marker that lets
+    the next run replace it; the target is checked first and again right before the rename."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        write_file(path, chunks)
+    except NotOurs as bad:
+        raise StageFailure(str(bad)) from None
     except OSError as bad:
         raise StageFailure(f"{path}: cannot write ({bad.strerror or bad})") from None
-    remove_stale_temps(path)
-    check_target(path, kind)
-    digest = hashlib.sha256()
-
-    def hashed() -> Iterator[str]:
-        for chunk in chunks:
-            digest.update(chunk.encode("utf-8"))
-            yield chunk
-
-    _replace_with(path, hashed(), lambda: check_target(path, kind))
-    if kind != "json":
-        marker = json.dumps({"sha256": digest.hexdigest(), "written_by": "llmplan"}) + "\n"
-        _replace_with(sidecar(path), iter([marker]), lambda: _check_marker(sidecar(path)))
-
-
-def _check_marker(marker: Path) -> None:
-    try:
-        mode = os.lstat(marker).st_mode
-    except FileNotFoundError:
-        return
-    except OSError as bad:
-        raise StageFailure(f"{marker}: cannot check ({bad.strerror or bad})") from None
-    if not stat.S_ISREG(mode):
-        raise StageFailure(f"{marker}: llmplan's marker path is not a regular file")
-
-
-def _replace_with(path: Path, chunks: Iterable[str], recheck: Callable[[], None]) -> None:
-    temp = path.with_name(f".{path.name}{TEMP_TAG}{os.getpid()}-{secrets.token_hex(4)}.tmp")
-    try:
-        # 0o666 through the umask, like any new file; O_EXCL: never follow or reuse a planted name.
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
-    except OSError as bad:
-        raise StageFailure(f"{path}: cannot write ({bad.strerror or bad})") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            for chunk in chunks:
-                handle.write(chunk)
-            handle.flush()
-            os.fsync(handle.fileno())
-        recheck()  # the target may have changed while we wrote
-        os.replace(temp, path)
-    except BaseException as bad:
-        temp.unlink(missing_ok=True)
-        if isinstance(bad, OSError):
-            raise StageFailure(f"{path}: cannot write ({bad.strerror or bad})") from None
-        raise
 
 
 def plan_name(ctx: InferenceContext) -> str | None:

@@ -25,6 +25,7 @@ from typing import Any
 from llmplan.commands.arguments import positive
 from llmplan.engine.cli import CliError
 from llmplan.engine.memory import rss_bytes
+from llmplan.ownership import check_writable, write_file
 
 from .measure import bench_overrides, drop_page_cache, load, random_prompts, run_once
 from .report import FIGURES, machine, render
@@ -95,9 +96,27 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def check_out(prefix: Path) -> None:
+    """--out PREFIX: PREFIX.json and PREFIX.md must be free or files llmplan wrote, checked before measuring."""
+    for path in (prefix.with_suffix(".json"), prefix.with_suffix(".md")):
+        check_writable(path, "file", "--out")
+
+
+def write_pair(prefix: Path, json_text: str, markdown: str) -> None:
+    """PREFIX.json and PREFIX.md, each atomically and only onto a path llmplan owns (llmplan/ownership.py)."""
+    try:
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        write_file(prefix.with_suffix(".json"), json_text, "--out")
+        write_file(prefix.with_suffix(".md"), markdown, "--out")
+    except OSError as bad:
+        raise CliError(f"--out {prefix}: cannot write ({bad.strerror or bad})") from None
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if not Path(args.plan).is_file():
         raise CliError(f"{args.plan}: no such plan file")
+    if args.out:
+        check_out(Path(args.out))
     if args.serve:
         return _bench_serve(args)
     if args.vs == "llama-server":
@@ -107,10 +126,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         def write(partial: dict[str, Any]) -> None:
             if args.out:
-                prefix = Path(args.out)
-                prefix.parent.mkdir(parents=True, exist_ok=True)
-                prefix.with_suffix(".json").write_text(json.dumps(partial, indent=2), encoding="utf-8")
-                prefix.with_suffix(".md").write_text(vs_markdown(partial), encoding="utf-8")
+                write_pair(Path(args.out), json.dumps(partial, indent=2), vs_markdown(partial))
 
         vs = bench_vs_llama_cpp(args, _say, write)
         _emit(args, vs, vs_markdown(vs))
@@ -142,9 +158,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from .report import to_markdown
 
         prefix = Path(args.out)
-        prefix.parent.mkdir(parents=True, exist_ok=True)
-        prefix.with_suffix(".json").write_text(render(result, "json"), encoding="utf-8")
-        prefix.with_suffix(".md").write_text(to_markdown(result), encoding="utf-8")
+        write_pair(prefix, render(result, "json"), to_markdown(result))
         _say(f"wrote {prefix.with_suffix('.json')} and {prefix.with_suffix('.md')}")
     return 0
 
@@ -156,9 +170,7 @@ def _emit(args: argparse.Namespace, result: dict[str, Any], markdown: str) -> No
     sys.stdout.write(json.dumps(result, indent=2) + "\n" if args.format == "json" else markdown)
     if args.out:
         prefix = Path(args.out)
-        prefix.parent.mkdir(parents=True, exist_ok=True)
-        prefix.with_suffix(".json").write_text(json.dumps(result, indent=2), encoding="utf-8")
-        prefix.with_suffix(".md").write_text(markdown, encoding="utf-8")
+        write_pair(prefix, json.dumps(result, indent=2), markdown)
         _say(f"wrote {prefix.with_suffix('.json')} and {prefix.with_suffix('.md')}")
 
 

@@ -5,11 +5,13 @@ the run that generated them, and shows that run's pictures of the generation (dr
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 from collections.abc import Callable
 from html import escape
 from pathlib import Path
 
+from llmplan.ownership import NotOurs, check_directory_ours, remove_owned, write_file
 from llmplan.plain_errors import error_detail
 
 from .common import Figure
@@ -101,7 +103,8 @@ def _draw(run: RunData, out: Path, key: str, title: str, drawer: Drawer) -> list
     try:
         return drawer(run, out)
     except Exception as bad:  # one broken figure must not cost the others
-        (out / f"{key}.error.txt").write_text(traceback.format_exc(), encoding="utf-8")
+        with contextlib.suppress(OSError, NotOurs):  # the figure is listed with its error either way
+            write_file(out / f"{key}.error.txt", traceback.format_exc())
         said = f"could not draw: {error_detail(bad) or 'no details'} (see {key}.error.txt)"
         return [Figure(key, title, None, warnings=[said])]
 
@@ -114,9 +117,10 @@ def build_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     """
     run = RunData.load(Path(run_dir))
     out = Path(out_dir) if out_dir is not None else run.run_dir / REPORT_DIR
+    check_directory_ours(out, "report directory")  # before drawing: a file of the user's is never replaced
     out.mkdir(parents=True, exist_ok=True)
     for stale in [*out.glob("*.error.txt"), *out.glob("*.png"), *out.glob("*.svg")]:  # an earlier build's
-        stale.unlink()
+        remove_owned(stale)
     banner, sources = _replay_banner(run)
     figures: list[Figure] = []
     for key, title, drawer in DRAWERS:
@@ -129,7 +133,5 @@ def build_report(run_dir: Path, out_dir: Path | None = None) -> Path:
         else:
             figures += _draw(run, out, key, title, drawer)
     page = out / PAGE
-    page.write_text(
-        render_page(f"llmplan run: {run.name}", _summary(run), figures, [], _warnings(run), banner), encoding="utf-8"
-    )
+    write_file(page, render_page(f"llmplan run: {run.name}", _summary(run), figures, [], _warnings(run), banner))
     return page

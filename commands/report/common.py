@@ -6,6 +6,7 @@ the byte formatting are the engine's (one definition for the graph command, the 
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import matplotlib.pyplot as plt
 
 from llmplan.engine import memory
 from llmplan.engine.graph_layout import PHASE_COLORS
+from llmplan.ownership import write_file
 
 MISSING = "not recorded"
 plt.rcParams["svg.fonttype"] = "none"  # text stays text: selectable, measurable, sharp
@@ -63,6 +65,7 @@ def save(fig: Any, path: Path) -> Path:
     """Write `fig` as SVG (whatever suffix `path` has); returns the .svg path."""
     path = path.with_suffix(".svg")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="svg", bbox_inches="tight")
+    picture = io.BytesIO()  # drawn in memory, written atomically and only onto a path llmplan owns
+    fig.savefig(picture, format="svg", bbox_inches="tight")
     plt.close(fig)
-    return path
+    return write_file(path, picture.getvalue())

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from llmplan.ownership import write_file
+
 from .common import Figure, mib
 from .run_data import RunData
 
@@ -47,7 +49,7 @@ def draw_plan_graph(run: RunData, out_dir: Path) -> list[Figure]:
     graph = build_graph(bound.stages)
     labels = {node: stage_label(run.record(node), run.replayed is not None) for node in graph.nodes}
     svg = graph_svg(graph, labels, title=f"plan {bound.plan.name}")
-    (out_dir / "plan_graph.svg").write_text(svg, encoding="utf-8")  # the same picture as a file of its own
+    write_file(out_dir / "plan_graph.svg", svg)  # the same picture as a file of its own
     caption = (
         "Stages top to bottom in dependency order, coloured by phase, each with its wall time and the change of "
         "host memory (RSS) while it ran. Solid arrows carry the named slots; dashed ones only order stages or "

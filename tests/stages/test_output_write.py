@@ -127,8 +127,8 @@ def test_terminal_markdown_and_json_formats(ctx, capsys):
 def test_interrupted_write_leaves_no_partial_file(ctx, tmp_path, monkeypatch, existing):
     target = tmp_path / "results.json"
     old = json.dumps({"schema": SCHEMA, "results": [], "old": True}) + "\n"  # an earlier run's output
-    if existing:
-        target.write_text(old, encoding="utf-8")
+    if existing:  # written by llmplan (with its marker): since #33 a hand-written look-alike would be refused
+        output_write.atomic_write(target, iter([old]), "json")
     real = output_format.json_document_chunks
 
     def broken(*args, **kwargs):
@@ -144,7 +144,7 @@ def test_interrupted_write_leaves_no_partial_file(ctx, tmp_path, monkeypatch, ex
         assert target.read_text(encoding="utf-8") == old
     else:
         assert not target.exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == (["results.json"] if existing else [])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ([".results.json.llmplan", "results.json"] if existing else [])
 
 
 def test_unwritable_target_is_one_line(ctx, tmp_path):

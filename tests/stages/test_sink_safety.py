@@ -97,12 +97,11 @@ def test_own_outputs_are_replaced_but_an_edited_one_is_kept(tmp_path):
         atomic_write(target, iter(chunks), kind)
         atomic_write(target, iter(chunks), kind)  # the second run replaces the first one's file
         if kind == "json":
-            target.write_text(json.dumps({"schema": SCHEMA, "edited": True}))  # still llmplan's document
-            atomic_write(target, iter(chunks), kind)
-            target.write_text('{"some": "other json"}')
+            # Shaped like a result document, but edited by hand: the user's now (was replaced before #33).
+            target.write_text(json.dumps({"schema": SCHEMA, "edited": True}))
         else:
             target.write_text("first\nand the user's edit\n")
-        with pytest.raises(StageFailure, match=r"not a \w+ output llmplan wrote"):
+        with pytest.raises(StageFailure, match=r"not a file llmplan wrote \(or was changed since\)"):
             atomic_write(target, iter(chunks), kind)
 
 
@@ -116,7 +115,7 @@ def test_killed_writes_leave_no_temp_files_behind(tmp_path):
     live.write_text("in progress")
     atomic_write(target, iter(['{"schema": "', SCHEMA, '"}']), "json")
     assert not stale.exists() and live.exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, live.name])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, f".{target.name}.llmplan", live.name])
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
@@ -138,6 +137,7 @@ def test_validate_deep_names_the_bad_target(tmp_path):
         (
             "write",
             "to.0.json",
-            f"{tmp_path / 'pipe.json'}: is a FIFO (named pipe); llmplan writes only regular files it owns",
+            f"{tmp_path / 'pipe.json'}: is a FIFO (named pipe); llmplan writes only regular files it owns; "
+            "choose another path",
         )
     ]
