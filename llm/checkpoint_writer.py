@@ -17,7 +17,7 @@ from pathlib import Path, PurePosixPath
 from safetensors.torch import save_file
 from torch import Tensor
 
-from llmplan.ownership import check_writable, claim
+from llmplan.ownership import check_writable, identity_of, vouch
 
 from .checkpoint import SAFETENSORS_INDEX
 from .manifest import MANIFEST_NAME, write_sha256sums
@@ -96,11 +96,13 @@ def write_checkpoint(
         write_sha256sums(temp, [*names, SAFETENSORS_INDEX, *extras])
         _fsync_tree(temp)
         check_checkpoint_target(out_dir)  # again: the path may have been taken while we wrote
+        # The marker first (the rename keeps the directory's inode and its files' mtimes), so the next save to
+        # this path may replace it even if this process is killed between the two.
+        vouch(out_dir, "directory", identity_of(temp, "directory"))
         _move_into_place(temp, out_dir)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
-    claim(out_dir, "directory")  # so the next save to this path may replace it
     return out_dir
 
 

@@ -8,7 +8,8 @@ is sealed with an HMAC under a key only this user's llmplan holds (`$LLMPLAN_CAC
 prove nothing. Anything else is refused with one line naming the path (`NotOurs`), before any work starts.
 
 Writes are atomic: a temp file `.NAME.llmplan-PID-RANDOM.tmp` in the same folder, flushed, checked once
-more and renamed into place, then the marker (written the same way). A temp file whose process is gone
+more, vouched for by the marker (written the same way; it also vouches for what it replaces, so a kill at
+any moment leaves a path llmplan can still prove), and renamed into place. A temp file whose process is gone
 (a killed run) is removed by the next write of that NAME. It lives in the top-level package because the
 engine (run directories, graphs), the stages (sinks), the library (checkpoints) and the commands (report,
 bench) all write, and may not import one another.
@@ -199,40 +200,63 @@ def _read_marker(marker: Path) -> dict[str, object] | None:
     return record if hmac.compare_digest(mac, _seal(record, key)) else None
 
 
+def _matching(path: Path, kind: Kind) -> dict[str, object] | None:
+    """The identity in the marker that matches what is at `path` now (None: nothing llmplan can prove).
+
+    A marker vouches for what llmplan is about to rename into place and for what was there before, so a run
+    killed between the marker and the rename leaves a path that is still provably llmplan's either way."""
+    record = _read_marker(marker_of(path))
+    if record is None or record.get("vouches_for") != path.name:
+        return None
+    for identity in (record.get("current"), record.get("previous")):
+        if not isinstance(identity, dict) or identity.get("kind") != kind:
+            continue
+        prefix = identity.get("size") if kind == "log" else None
+        if prefix is not None and not isinstance(prefix, int):
+            continue
+        now = _identity(path, kind, prefix)
+        if now is not None and all(identity.get(k) == v for k, v in now.items()):
+            return identity
+    return None
+
+
 def owned(path: Path, kind: Kind) -> bool:
     """Whether llmplan wrote `path` as it is now (the marker's record matches what is there)."""
-    path = Path(path)
-    record = _read_marker(marker_of(path))
-    if record is None or record.get("vouches_for") != path.name or record.get("kind") != kind:
-        return False
-    prefix = record.get("size") if kind == "log" else None
-    if prefix is not None and not isinstance(prefix, int):
-        return False
-    now = _identity(path, kind, prefix)
-    return now is not None and all(record.get(k) == v for k, v in now.items())
+    return _matching(Path(path), kind) is not None
 
 
-def claim(path: Path, kind: Kind, identity: dict[str, object] | None = None) -> None:
-    """Write the marker vouching for `path` as it is now (a log: for all it holds now)."""
+def identity_of(path: Path, kind: Kind) -> dict[str, object] | None:
+    """What a marker would record for `path` now (for `vouch` before a rename: the rename keeps it)."""
+    return _identity(Path(path), kind)
+
+
+def vouch(path: Path, kind: Kind, identity: dict[str, object] | None) -> None:
+    """Write the marker vouching for `identity` (what is, or is about to be renamed, at `path`), and for what
+    is at `path` now if llmplan wrote it."""
     path = Path(path)
     key = _key()
-    identity = identity or _identity(path, kind)
     if key is None or identity is None:
         return  # nothing can be proved: the next run will find the path taken and say so
-    record = {"written_by": "llmplan", "vouches_for": path.name, **identity}
+    previous = _matching(path, kind)
+    record = {"written_by": "llmplan", "vouches_for": path.name, "current": identity, "previous": previous}
     text = json.dumps({**record, "mac": _seal(record, key)}) + "\n"
     marker = marker_of(path)
     _check_marker_slot(marker)
-    temp = _open_temp(marker)
+    temp, fd = _open_temp(marker)
     try:
-        with os.fdopen(temp[1], "w", encoding="utf-8") as handle:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(temp[0], marker)
+        os.replace(temp, marker)
     except BaseException:
-        temp[0].unlink(missing_ok=True)
+        temp.unlink(missing_ok=True)
         raise
+
+
+def claim(path: Path, kind: Kind) -> None:
+    """Write the marker vouching for `path` as it is now (a log: for all it holds now)."""
+    vouch(Path(path), kind, _identity(Path(path), kind))
 
 
 # --- the checks -----------------------------------------------------------------------------------
@@ -371,12 +395,18 @@ def write_file(path: Path, content: str | bytes | Iterable[str] | Iterable[bytes
                 os.fsync(handle.fileno())
                 info = os.fstat(handle.fileno())
             check_writable(path, "file", what)  # the target may have changed while we wrote
+            identity = {
+                "kind": "file",
+                "dev": info.st_dev,
+                "ino": info.st_ino,
+                "size": size,
+                "sha256": digest.hexdigest(),
+            }
+            vouch(path, "file", identity)  # before the rename (which keeps the inode): no unvouched moment
             os.replace(temp, path)
         except BaseException:
             temp.unlink(missing_ok=True)
             raise
-        identity = {"kind": "file", "dev": info.st_dev, "ino": info.st_ino, "size": size, "sha256": digest.hexdigest()}
-        claim(path, "file", identity)
     return path
 
 

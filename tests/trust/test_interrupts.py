@@ -109,7 +109,7 @@ def _check_outputs(*folders: Path) -> list[str]:
             seen.append(path.name)
             if path.name.startswith(".") and path.name.endswith(".tmp"):
                 continue
-            if path.suffix == ".json":
+            if path.suffix in (".json", ".llmplan"):  # .NAME.llmplan: the marker that proves llmplan wrote NAME
                 json.loads(path.read_text(encoding="utf-8"))
             elif path.suffix == ".jsonl":
                 for line in path.read_text(encoding="utf-8").splitlines():
