@@ -31,6 +31,7 @@ from llmplan.engine.console import RichProgress, print_stage, stderr
 from llmplan.engine.executors import ExecutorJob, ExecutorMissing
 from llmplan.engine.plan import BoundPlan, bind
 from llmplan.engine.runner import Runner, write_json
+from llmplan.ownership import check_writable, claim
 from llmplan.stages import output_format
 from llmplan.stages.cache_stages import (
     DEFAULT_DB,
@@ -131,8 +132,12 @@ def execute(job: ExecutorJob, on_batch: OnBatch | None = None) -> int:
             # Ray's driver prints its notices (a task retried after a replica died) on stdout, which is for
             # results: they go to the run directory's ray.log instead.
             results_out = sys.stdout
-            with (job.run_dir / "ray.log").open("a", encoding="utf-8") as ray_log, redirect_stdout(ray_log):
+            log_path = job.run_dir / "ray.log"
+            check_writable(log_path, "log")  # appended to: only llmplan's own log (the run dir was checked)
+            with log_path.open("a", encoding="utf-8") as ray_log, redirect_stdout(ray_log):
+                claim(log_path, "log")
                 _generate(job, bound, pending, keys, shards, ctx, metrics, on_batch, results_out)
+            claim(log_path, "log")
         status = "errors" if shards.errors else "ok"
     except KeyboardInterrupt:
         status = "interrupted"

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from llmplan.ownership import check_writable, claim
 from llmplan.stages.results_store import ResultRow, ResultsStore, RunRow
 
 SHARD_ROWS = 10_000
@@ -55,16 +56,24 @@ class ResultShards:
     def _shard(self) -> IO[str]:
         if self._handle is None or self._in_shard >= self.shard_rows:
             if self._handle is not None:
-                self._handle.close()
-            self._handle = (self.folder / f"part-{self._shards:05d}.jsonl").open("a", encoding="utf-8")
+                self._close_shard()
+            part = self.folder / f"part-{self._shards:05d}.jsonl"
+            check_writable(part, "log")  # appended to: a shard of an earlier run llmplan wrote, or a new one
+            self._handle = part.open("a", encoding="utf-8")
+            claim(part, "log")
             self._shards += 1
             self._in_shard = 0
         return self._handle
 
+    def _close_shard(self) -> None:
+        assert self._handle is not None
+        self._handle.close()
+        claim(Path(self._handle.name), "log")  # so the next run into this directory may append to it
+
     def close(self, status: str) -> None:
         try:
             if self._handle is not None:
-                self._handle.close()
+                self._close_shard()
             self.store.set_status(self.run_id, status)
         finally:
             self.store.close()

@@ -235,7 +235,7 @@ def _run_dir(out: str | None, bound: BoundPlan) -> Path:
     try:
         run_dir.mkdir(parents=True)
     except FileExistsError:
-        raise CliError(f"--out {run_dir}: exists and is not a directory; choose another path") from None
+        raise CliError(f"--out {run_dir}: exists and is not a directory") from None
     except OSError as bad:
         raise CliError(f"--out {run_dir}: cannot create the run directory ({bad.strerror or bad})") from None
     return run_dir

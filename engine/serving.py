@@ -21,12 +21,14 @@ from typing import Any
 import networkx as nx
 from pydantic import ValidationError
 
+from llmplan.ownership import check_writable, claim
+
 from .context import Context, Metrics
 from .findings import StageFailure
 from .graph import build_graph, execution_order
 from .messages import describe
 from .plan import BoundPlan
-from .runner import Runner, RunResult, _needed, event_logger
+from .runner import EVENTS_FILE, Runner, RunResult, _needed, event_logger
 
 
 class ServeError(Exception):
@@ -68,11 +70,16 @@ class ResidentPlan:
         self._lock = threading.Lock()
         # Requests log to the run directory's events.jsonl for the plan's whole life (a load's Runner closes
         # its own handle when it ends); appends from two handles interleave whole lines.
-        self._events = (run_dir / "events.jsonl").open("a", encoding="utf-8", buffering=1)
+        # Only a log llmplan wrote is appended to (llmplan/ownership.py); claimed so the Runner's check passes.
+        events = run_dir / EVENTS_FILE
+        check_writable(events, "log")
+        self._events = events.open("a", encoding="utf-8", buffering=1)
+        claim(events, "log")
         self.log = event_logger(self._events, bound.plan.name)
 
     def close(self) -> None:
         self._events.close()
+        claim(Path(self._events.name), "log")
 
     def _always(self, stage_id: str) -> bool:
         return bool(self.graph.nodes[stage_id]["stage"].cls.always)
