@@ -25,7 +25,7 @@ from typing import Any
 import networkx as nx
 import structlog
 
-from llmplan.ownership import NotOurs, check_directory_ours, check_writable, claim, write_file
+from llmplan.ownership import NotOurs, check_directory_ours, claim, write_file
 from llmplan.plain_errors import plain_error
 
 from .context import Context
@@ -147,8 +147,11 @@ class Runner:
         ctx = self.ctx
         ctx.plan = self.bound
         ctx.run_dir = self.run_dir
+        try:  # `llmplan run` checked already; a Runner made elsewhere (a plugin, a server) is checked here
+            check_run_dir(self.run_dir)
+        except NotOurs as bad:
+            return RunResult(self.run_dir, "failed", 1, str(bad), [], ctx)
         events_path = self.run_dir / EVENTS_FILE
-        check_writable(events_path, "log")  # appended to: only a log llmplan wrote, or a new one
         write_text_atomic(self.run_dir / "plan.resolved.yaml", self.bound.resolved_yaml())
         events = events_path.open("a", encoding="utf-8")
         claim(events_path, "log")  # a run killed before its end still leaves a log the next run may append to

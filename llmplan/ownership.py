@@ -309,7 +309,7 @@ def _check_marker_slot(marker: Path, what: str = "") -> None:
 
 def check_directory_ours(folder: Path, what: str = "") -> None:
     """An existing folder llmplan writes into (a run directory, a report) holds nothing but llmplan's files:
-    every entry is a file or folder llmplan can prove it wrote, a marker it sealed, or a dead run's temp file."""
+    every entry is a file or folder llmplan can prove it wrote, a marker it sealed, or a write's temp file."""
     folder = Path(folder)
     label = f"{what} {folder}" if what else str(folder)
     try:
@@ -326,8 +326,8 @@ def check_directory_ours(folder: Path, what: str = "") -> None:
         raise NotOurs(f"{label}: cannot list it ({bad.strerror or bad})") from None
     for entry in entries[:_MAX_TREE_ENTRIES]:
         path = Path(entry.path)
-        if _is_dead_temp(entry.name):
-            continue
+        if entry.name.startswith(".") and _TEMP_PID.search(entry.name):
+            continue  # a temp file of an llmplan write (a dead run's, removed by the next write of its NAME)
         if entry.name.startswith(".") and entry.name.endswith(MARKER_SUFFIX):
             if _read_marker(path) is not None:
                 continue

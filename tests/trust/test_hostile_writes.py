@@ -159,6 +159,25 @@ def test_out_into_a_directory_of_the_users_is_refused(
     assert_untouched(before, tmp_path)
 
 
+def test_a_runner_made_elsewhere_refuses_a_directory_of_the_users(plan: Path, tmp_path: Path) -> None:
+    """A plugin or a server driving the Runner itself gets the same refusal, as a failed run, with nothing written."""
+    from llmplan.engine.cli import new_context
+    from llmplan.engine.plan import load_plan
+    from llmplan.engine.registry import discover
+    from llmplan.engine.runner import Runner
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "stages.json").write_text('["my stages"]\n')
+    before = snapshot(tmp_path)
+    registry = discover()
+    bound = load_plan(str(plan), registry)
+    result = Runner(bound, new_context(registry, bound), folder).run()
+    assert result.exit_code == 1 and result.status == "failed"
+    assert_clean_message(result.message, [str(folder), "stages.json"])
+    assert_untouched(before, tmp_path)
+
+
 def test_out_onto_a_file_of_the_users_is_refused(plan: Path, tmp_path: Path, capsys) -> None:
     target = tmp_path / "important.db"
     target.write_bytes(b"SQLite format 3\x00" + b"\x01" * 100)
