@@ -16,6 +16,7 @@ Two llama.cpp conventions are undone on the way:
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -27,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from llmplan.plain_errors import error_detail
-
+from .config import MAX_POSITIONS, ConfigError, ModelConfig
+from .gguf_file import GGUFFile, GGUFFileError, TensorInfo, open_gguf
 from .hash_cache import HashCache
 from .manifest import MANIFEST_NAME, sha256_file, write_sha256sums
 
@@ -95,6 +96,7 @@ class _Planned:
     gguf_name: str
     hf_name: str
     hf_shape: tuple[int, ...]
+    type_name: str
     unpermute_heads: int | None  # q/k: the head count whose RoPE row permutation to undo
 
     @property
@@ -175,19 +177,23 @@ def _fail(path: Path, reason: object) -> GGUFImportError:
 
 
 def _write_import(gguf_path: Path, out: Path, progress: ProgressFn | None, shard_bytes: int) -> None:
-    import gguf  # heavy-ish; only needed when actually importing
-
     try:
-        reader = gguf.GGUFReader(gguf_path)
-    except Exception as bad:  # gguf-py raises ValueError, struct/numpy errors, IndexError...
-        raise _fail(gguf_path, f"not a readable GGUF file ({error_detail(bad) or 'unreadable header'})") from None
-    meta = _Metadata(reader, gguf_path)
+        with open_gguf(gguf_path) as gguf_file:
+            _write_from(gguf_file, out, progress, shard_bytes)
+    except GGUFFileError as bad:
+        detail = str(bad).removeprefix(f"{gguf_path}: ")
+        raise GGUFImportError(f"{gguf_path}: not a readable GGUF file: {detail}") from None
+
+
+def _write_from(gguf_file: GGUFFile, out: Path, progress: ProgressFn | None, shard_bytes: int) -> None:
+    gguf_path = gguf_file.path
+    meta = _Metadata(gguf_file)
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         supported = ", ".join(SUPPORTED_ARCHITECTURES)
-        raise _fail(gguf_path, f"unsupported architecture {arch!r} (supported: {supported})")
+        raise _fail(gguf_path, f"unsupported architecture {_shown(arch)} (supported: {supported})")
 
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = gguf_file.tensors
     config = _hf_config(meta, tensors, gguf_path)
     plan = _plan_tensors(tensors, config, gguf_path)
 
@@ -197,38 +203,83 @@ def _write_import(gguf_path: Path, out: Path, progress: ProgressFn | None, shard
     (out / "tokenizer_config.json").write_text(
         json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
     )
-    weight_files = _write_shards(tensors, plan, out, gguf_path, progress, shard_bytes)
+    weight_files = _write_shards(gguf_file, plan, out, progress, shard_bytes)
     # The manifest is written last: its presence marks a complete directory.
     write_sha256sums(out, ["config.json", "tokenizer.json", "tokenizer_config.json", *weight_files])
 
 
-class _Metadata:
-    """Typed access to GGUF key/values, turning absent or ill-typed keys into GGUFImportError."""
+_MISSING: Any = object()
 
-    def __init__(self, reader: Any, path: Path) -> None:
-        self._fields = reader.fields
-        self._path = path
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class _Metadata:
+    """Typed access to GGUF key/values: an absent, ill-typed or out-of-range value is a GGUFImportError
+    naming the key (the values themselves were read with bounds by gguf_file.py)."""
+
+    def __init__(self, gguf_file: GGUFFile) -> None:
+        self._values = gguf_file.metadata
+        self._types = gguf_file.types
+        self._path = gguf_file.path
 
     def get(self, key: str, default: Any = None) -> Any:
-        field = self._fields.get(key)
-        if field is None:
-            return default
-        try:
-            return field.contents()
-        except Exception as bad:
-            raise _fail(self._path, f"metadata {key} is unreadable ({bad})") from None
+        return self._values.get(key, default)
 
-    def require(self, key: str, kind: type) -> Any:
-        value = self.get(key)
-        if value is None:
-            raise _fail(self._path, f"metadata {key} is missing")
-        if kind is int and isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-            return int(value)
-        if kind is float and isinstance(value, (int, float, np.number)):
-            return float(value)
-        if not isinstance(value, kind):
-            raise _fail(self._path, f"metadata {key} should be {kind.__name__}, got {type(value).__name__}")
+    def _wrong(self, key: str, wanted: str) -> GGUFImportError:
+        value = self._values[key]
+        return _fail(self._path, f"metadata {key}: expected {wanted}, got {self._types[key]} {_shown(value)}")
+
+    def integer(self, key: str, default: Any = _MISSING, low: int = 0, high: int = 1 << 62) -> Any:
+        if key not in self._values:
+            if default is _MISSING:
+                raise _fail(self._path, f"metadata {key} is missing")
+            return default
+        value = self._values[key]
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise self._wrong(key, f"an integer from {low} to {high}")
         return value
+
+    def number(self, key: str, default: Any = _MISSING) -> Any:
+        if key not in self._values:
+            if default is _MISSING:
+                raise _fail(self._path, f"metadata {key} is missing")
+            return default
+        value = self._values[key]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise self._wrong(key, "a finite number")
+        return float(value)
+
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self._values.get(key, default)
+        if not isinstance(value, bool):
+            raise self._wrong(key, "a bool")
+        return value
+
+    def text(self, key: str, default: Any = None) -> Any:
+        value = self._values.get(key, default)
+        if value is not default and not isinstance(value, str):
+            raise self._wrong(key, "a string")
+        return value
+
+    def strings(self, key: str) -> list[str]:
+        if key not in self._values:
+            raise _fail(self._path, f"metadata {key} is missing")
+        if self._types[key] != "array[string]":
+            raise self._wrong(key, "an array of strings")
+        return list(self._values[key])
+
+    def integers(self, key: str) -> list[int] | None:
+        if key not in self._values:
+            return None
+        value = self._values[key]
+        if not self._types[key].startswith("array[") or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        ):
+            raise self._wrong(key, "an array of integers")
+        return list(value)
 
 
 def _f32(value: float) -> float:
@@ -237,61 +288,101 @@ def _f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _hf_config(meta: _Metadata, tensors: dict[str, Any], path: Path) -> dict[str, Any]:
+# Sane upper bounds for a Llama's hyperparameters, checked before anything is sized by them; the tensors'
+# shapes (bounded by the file's size) are then checked against every one.
+_MAX_LAYERS = 4096
+_MAX_WIDTH = 1 << 20
+_MAX_HEADS = 1 << 12
+_MAX_VOCAB = 1 << 24
+_TENSORS_PER_LAYER = len(_LAYER_TENSORS)
+# ggml types that hold float weights gguf-py dequantizes (integer tensors are no Llama weight)
+_WEIGHT_TYPES = frozenset(
+    {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+    | {"IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0"}
+)
+# config.json field -> the GGUF key it came from, so a value config.py refuses is reported by its key
+_CONFIG_KEYS = {
+    "num_hidden_layers": "block_count",
+    "hidden_size": "embedding_length",
+    "num_attention_heads": "attention.head_count",
+    "num_key_value_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length",
+    "intermediate_size": "feed_forward_length",
+    "vocab_size": "vocab_size",
+    "rope_theta": "rope.freq_base",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "max_position_embeddings": "context_length",
+}
+
+
+def _hf_config(meta: _Metadata, tensors: dict[str, TensorInfo], path: Path) -> dict[str, Any]:
     a = meta.get("general.architecture")
-    hidden = meta.require(f"{a}.embedding_length", int)
-    n_heads = meta.require(f"{a}.attention.head_count", int)
-    n_kv = meta.get(f"{a}.attention.head_count_kv", n_heads)
-    if isinstance(n_kv, list):  # per-layer head counts (some hybrids); a plain Llama has one
+    hidden = meta.integer(f"{a}.embedding_length", low=1, high=_MAX_WIDTH)
+    n_heads = meta.integer(f"{a}.attention.head_count", low=1, high=_MAX_HEADS)
+    if isinstance(meta.get(f"{a}.attention.head_count_kv"), list):  # per-layer counts (some hybrids)
         raise _fail(path, "per-layer attention.head_count_kv is not supported")
-    head_dim = meta.get(f"{a}.attention.key_length")
+    n_kv = meta.integer(f"{a}.attention.head_count_kv", n_heads, low=1, high=n_heads)
+    n_layers = meta.integer(f"{a}.block_count", low=1, high=_MAX_LAYERS)
+    # Each layer is 9 tensors: a block_count the tensor table cannot hold is refused before anything is
+    # sized by it (a huge one once built a set of 9 x block_count names and ran out of memory).
+    if n_layers * _TENSORS_PER_LAYER > len(tensors):
+        raise _fail(
+            path,
+            f"metadata {a}.block_count {n_layers} needs {n_layers * _TENSORS_PER_LAYER} layer tensors, "
+            f"but the file holds {len(tensors)} tensors",
+        )
+    head_dim = meta.integer(f"{a}.attention.key_length", None, low=1, high=_MAX_WIDTH)
     if head_dim is None:
-        if n_heads <= 0 or hidden % n_heads:
+        if hidden % n_heads:
             raise _fail(path, f"embedding_length {hidden} is not divisible by head_count {n_heads}")
         head_dim = hidden // n_heads
-    rope_dim = meta.get(f"{a}.rope.dimension_count") or head_dim
+    rope_dim = meta.integer(f"{a}.rope.dimension_count", None, low=1, high=_MAX_WIDTH) or head_dim
     if rope_dim != head_dim:
         raise _fail(path, f"partial RoPE (rope.dimension_count {rope_dim} != head_dim {head_dim}) is unsupported")
-    scaling = meta.get(f"{a}.rope.scaling.type")
+    scaling = meta.text(f"{a}.rope.scaling.type")
     if "rope_freqs.weight" in tensors or scaling not in (None, "none"):
-        raise _fail(path, f"RoPE scaling ({scaling or 'rope_freqs tensor'}) is not supported yet")
+        raise _fail(path, f"RoPE scaling ({_shown(scaling) if scaling else 'rope_freqs tensor'}) is not supported yet")
     embd = tensors.get("token_embd.weight")
     if embd is None:
         raise _fail(path, "tensor token_embd.weight is missing")
-    vocab = int(meta.get(f"{a}.vocab_size") or embd.shape[-1])  # ggml order: shape[-1] is the row count
+    # ggml order: dims[-1] is the row count
+    vocab = meta.integer(f"{a}.vocab_size", None, low=1, high=_MAX_VOCAB) or embd.dims[-1]
     # Generation stops at EOS, and at end-of-turn/-message tokens where the file names distinct ones.
-    eos = [meta.get(f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id", "eom_token_id")]
-    eos_ids = list(dict.fromkeys(int(i) for i in eos if i is not None))
+    eos = [meta.integer(f"tokenizer.ggml.{key}", None) for key in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    eos_ids = list(dict.fromkeys(i for i in eos if i is not None))
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": hidden,
-        "num_hidden_layers": meta.require(f"{a}.block_count", int),
+        "num_hidden_layers": n_layers,
         "num_attention_heads": n_heads,
-        "num_key_value_heads": int(n_kv),
-        "head_dim": int(head_dim),
-        "intermediate_size": meta.require(f"{a}.feed_forward_length", int),
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "intermediate_size": meta.integer(f"{a}.feed_forward_length", low=1, high=_MAX_WIDTH * 8),
         "vocab_size": vocab,
-        "rope_theta": _f32(meta.get(f"{a}.rope.freq_base", 10000.0)),
-        "rms_norm_eps": _f32(meta.require(f"{a}.attention.layer_norm_rms_epsilon", float)),
-        "max_position_embeddings": int(meta.get(f"{a}.context_length", 2048)),
+        "rope_theta": _f32(meta.number(f"{a}.rope.freq_base", 10000.0)),
+        "rms_norm_eps": _f32(meta.number(f"{a}.attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": meta.integer(f"{a}.context_length", 2048, low=1, high=MAX_POSITIONS),
         "tie_word_embeddings": "output.weight" not in tensors,
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
-        "bos_token_id": _optional_int(meta.get("tokenizer.ggml.bos_token_id")),
+        "bos_token_id": meta.integer("tokenizer.ggml.bos_token_id", None),
         "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
-        "pad_token_id": _optional_int(meta.get("tokenizer.ggml.padding_token_id")),
+        "pad_token_id": meta.integer("tokenizer.ggml.padding_token_id", None),
         "torch_dtype": "float32",
     }
+    # The same rules config.json is read by (ranges, finiteness, divisibility), reported by the GGUF key.
+    try:
+        ModelConfig.from_hf_dict(config)
+    except ConfigError as bad:
+        key = _CONFIG_KEYS.get(bad.field or "")
+        where = f"metadata {a}.{key}" if key else "metadata"
+        raise _fail(path, f"{where}: {bad}") from None
     return config
 
 
-def _optional_int(value: Any) -> int | None:
-    return None if value is None else int(value)
-
-
-def _plan_tensors(tensors: dict[str, Any], config: dict[str, Any], path: Path) -> list[_Planned]:
+def _plan_tensors(tensors: dict[str, TensorInfo], config: dict[str, Any], path: Path) -> list[_Planned]:
     """Map every GGUF tensor to its HF name and shape; refuse unknown or missing ones."""
     n_layers = config["num_hidden_layers"]
     planned: list[_Planned] = []
@@ -310,9 +401,7 @@ def _plan_tensors(tensors: dict[str, Any], config: dict[str, Any], path: Path) -
                 unpermute = config["num_key_value_heads"]
         else:
             raise _fail(path, f"unexpected tensor {name} for a Llama model")
-        # ggml lists dimensions fastest-first; torch/numpy want them slowest-first.
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        planned.append(_Planned(name, hf_name, shape, unpermute))
+        planned.append(_Planned(name, hf_name, tensor.shape, tensor.type_name, unpermute))  # numpy order: slowest-first
     have = {p.hf_name for p in planned}
     wanted = {"model.embed_tokens.weight", "model.norm.weight"} | {
         f"model.layers.{i}.{part}.weight" for i in range(n_layers) for part in _LAYER_TENSORS.values()
@@ -351,6 +440,8 @@ def _check_shapes(planned: list[_Planned], c: dict[str, Any], path: Path) -> Non
         want = expect[p.hf_name.split(".")[-2]]
         if p.hf_shape != want:
             raise _fail(path, f"tensor {p.gguf_name} has shape {p.hf_shape}, expected {want}")
+        if p.type_name not in _WEIGHT_TYPES:
+            raise _fail(path, f"tensor {p.gguf_name}: type {p.type_name} is not a weight type this importer reads")
 
 
 def unpermute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
@@ -361,28 +452,32 @@ def unpermute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
     return weight.reshape(n_heads, head_dim // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _dequantized(tensor: Any, planned: _Planned, path: Path) -> np.ndarray:
-    from gguf import quants
+def _dequantized(gguf_file: GGUFFile, planned: _Planned) -> np.ndarray:
+    """The tensor as float32 in HF layout; NaN or infinity (a damaged block scale) is refused here, at import,
+    not found at the first token."""
+    from gguf import GGMLQuantizationType, quants
 
-    if int(tensor.data.nbytes) != int(tensor.n_bytes):
-        raise _fail(path, f"tensor {tensor.name} is truncated ({tensor.data.nbytes}/{tensor.n_bytes} bytes)")
+    tensor = gguf_file.tensors[planned.gguf_name]
+    path = gguf_file.path
     try:
-        values = quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+        values = quants.dequantize(gguf_file.read(tensor), GGMLQuantizationType(tensor.ggml_type))
         values = np.ascontiguousarray(values, dtype=np.float32).reshape(planned.hf_shape)
     except NotImplementedError:
-        raise _fail(path, f"tensor {tensor.name}: type {tensor.tensor_type.name} is not supported") from None
+        raise _fail(path, f"tensor {tensor.name}: type {tensor.type_name} is not supported") from None
     except ValueError as bad:
         raise _fail(path, f"tensor {tensor.name} is corrupt ({bad})") from None
+    # max and min propagate NaN and show an infinity: two passes, no temporary the size of the tensor
+    if not (np.isfinite(values.max()) and np.isfinite(values.min())):
+        raise _fail(path, f"tensor {tensor.name} holds NaN or infinite values (damaged data); refused")
     if planned.unpermute_heads is not None:
         values = np.ascontiguousarray(unpermute_rope_rows(values, planned.unpermute_heads))
     return values
 
 
 def _write_shards(
-    tensors: dict[str, Any],
+    gguf_file: GGUFFile,
     plan: list[_Planned],
     out: Path,
-    path: Path,
     progress: ProgressFn | None,
     shard_bytes: int,
 ) -> list[str]:
@@ -404,7 +499,7 @@ def _write_shards(
     for shard, name in zip(shards, names, strict=True):
         arrays = {}
         for p in shard:  # one shard in memory at a time
-            arrays[p.hf_name] = _dequantized(tensors[p.gguf_name], p, path)
+            arrays[p.hf_name] = _dequantized(gguf_file, p)
             weight_map[p.hf_name] = name
             written += 1
             if progress is not None:
@@ -421,16 +516,17 @@ def _hf_tokenizer(meta: _Metadata, path: Path) -> tuple[str, dict[str, Any]]:
     """Rebuild a `tokenizers` byte-level BPE from tokenizer.ggml.* metadata; also tokenizer_config.json."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-    kind = meta.get("tokenizer.ggml.model")
+    kind = meta.text("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise _fail(path, f"tokenizer.ggml.model {kind!r} is not supported (only byte-level BPE 'gpt2')")
-    pre = meta.get("tokenizer.ggml.pre", "gpt2")  # files older than the key were GPT-2 style
+        raise _fail(path, f"tokenizer.ggml.model {_shown(kind)} is not supported (only byte-level BPE 'gpt2')")
+    pre = meta.text("tokenizer.ggml.pre", "gpt2")  # files older than the key were GPT-2 style
     style = _PRE_TOKENIZERS.get(pre)
     if style is None:
-        raise _fail(path, f"tokenizer.ggml.pre {pre!r} is unsupported (supported: {', '.join(_PRE_TOKENIZERS)})")
-    tokens: list[str] = meta.require("tokenizer.ggml.tokens", list)
-    types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges_raw: list[str] = meta.require("tokenizer.ggml.merges", list)
+        supported = ", ".join(_PRE_TOKENIZERS)
+        raise _fail(path, f"tokenizer.ggml.pre {_shown(pre)} is unsupported (supported: {supported})")
+    tokens = meta.strings("tokenizer.ggml.tokens")
+    types = meta.integers("tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges_raw = meta.strings("tokenizer.ggml.merges")
     if len(types) != len(tokens):
         raise _fail(path, f"token_type has {len(types)} entries for {len(tokens)} tokens")
     vocab = {token: i for i, token in enumerate(tokens)}
@@ -440,7 +536,7 @@ def _hf_tokenizer(meta: _Metadata, path: Path) -> tuple[str, dict[str, Any]]:
     for merge in merges_raw:
         left, sep, right = merge.partition(" ")
         if not sep or not left or not right:
-            raise _fail(path, f"malformed merge {merge!r}")
+            raise _fail(path, f"tokenizer.ggml.merges: malformed merge {_shown(merge)}")
         merges.append((left, right))
 
     bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=style in _IGNORE_MERGES)
@@ -466,15 +562,15 @@ def _hf_tokenizer(meta: _Metadata, path: Path) -> tuple[str, dict[str, Any]]:
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in typed if k == _USER_DEFINED])
 
     def token(key: str) -> str | None:
-        index = meta.get(f"tokenizer.ggml.{key}")
+        index = meta.integer(f"tokenizer.ggml.{key}", None)
         if index is None:
             return None
-        if not 0 <= int(index) < len(tokens):
+        if not 0 <= index < len(tokens):
             raise _fail(path, f"tokenizer.ggml.{key} {index} is outside the vocabulary")
-        return tokens[int(index)]
+        return tokens[index]
 
     bos = token("bos_token_id")
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+    add_bos = meta.boolean("tokenizer.ggml.add_bos_token", False)
     if add_bos and bos is not None:
         bos_id = vocab[bos]
         tok.post_processor = processors.TemplateProcessing(
@@ -490,11 +586,13 @@ def _hf_tokenizer(meta: _Metadata, path: Path) -> tuple[str, dict[str, Any]]:
         "unk_token": token("unknown_token_id"),
         "pad_token": token("padding_token_id"),
         "add_bos_token": add_bos,
-        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "add_eos_token": meta.boolean("tokenizer.ggml.add_eos_token", False),
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(meta.get(f"{meta.get('general.architecture')}.context_length", 2048)),
+        "model_max_length": meta.integer(
+            f"{meta.get('general.architecture')}.context_length", 2048, low=1, high=MAX_POSITIONS
+        ),
     }
-    template = meta.get("tokenizer.chat_template")
+    template = meta.text("tokenizer.chat_template")
     if template is not None:
         config["chat_template"] = template
     return tok.to_str(pretty=False), config
