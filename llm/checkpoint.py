@@ -35,6 +35,7 @@ TORCH_SINGLE = "pytorch_model.bin"
 
 # safetensors itself refuses headers above 100 MB; a bigger length means the first 8 bytes are garbage.
 _MAX_HEADER = 100 << 20
+_MAX_DIMS = 8
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _DTYPE_BYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
@@ -121,7 +122,12 @@ def open_regular(path: Path) -> int:
 
 
 def read_safetensors_header(path: Path) -> SafetensorsHeader:
-    """Parse and sanity-check a safetensors header without touching tensor data."""
+    """Parse and check a safetensors header, and the file's size against it, without touching tensor data.
+
+    Nothing in the header is trusted: its length against the file, its JSON (bounded, no duplicate names),
+    every entry's dtype (known), shape (non-negative integers) and byte span (dtype x shape), and the spans
+    together: they must tile the data exactly, from 0 to the end of the file, with no overlap and no gap.
+    """
     fd = open_regular(path)
     actual = os.fstat(fd).st_size
     with open(fd, "rb") as handle:
@@ -134,24 +140,72 @@ def read_safetensors_header(path: Path) -> SafetensorsHeader:
         if 8 + length > actual:
             raise IntegrityError(f"{path}: truncated: {actual} bytes, expected at least {8 + length}")
         raw = handle.read(length)
+    header = _parse_header(path, raw)
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise IntegrityError(f"{path}: corrupt safetensors header: __metadata__ is not an object of strings")
+    spans = []
+    for name, entry in header.items():
+        problem = _entry_problem(entry)
+        if problem:
+            raise IntegrityError(f"{path}: corrupt safetensors header: tensor {_shown(name)}: {problem}")
+        spans.append((*entry["data_offsets"], name))
+    end = _check_tiling(path, spans)
+    expected = 8 + length + end
+    if actual < expected:
+        raise IntegrityError(f"{path}: truncated: {actual} bytes, expected {expected}")
+    if actual > expected:
+        raise IntegrityError(f"{path}: wrong size: {actual} bytes, expected {expected} (trailing data)")
+    return SafetensorsHeader(tensors=header, metadata=metadata, expected_size=expected)
+
+
+def _parse_header(path: Path, raw: bytes) -> dict[str, Any]:
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:  # json.loads would keep the last silently; the Rust reader need not agree
+                raise IntegrityError(f"{path}: corrupt safetensors header: {_shown(key)} appears twice")
+            out[key] = value
+        return out
+
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=unique)
     except UnicodeDecodeError:
         raise IntegrityError(f"{path}: corrupt safetensors header: not UTF-8") from None
     except json.JSONDecodeError as exc:
         raise IntegrityError(
             f"{path}: corrupt safetensors header: not valid JSON ({exc.msg} at byte {exc.pos})"
         ) from None
+    except RecursionError:
+        raise IntegrityError(f"{path}: corrupt safetensors header: JSON nested too deeply") from None
+    except ValueError:  # Python's own limit: an integer of more than 4300 digits
+        raise IntegrityError(f"{path}: corrupt safetensors header: a number with too many digits") from None
     if not isinstance(header, dict):
         raise IntegrityError(f"{path}: corrupt safetensors header: not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    end = 0
-    for name, entry in header.items():
-        problem = _entry_problem(entry)
-        if problem:
-            raise IntegrityError(f"{path}: corrupt safetensors header: tensor {name!r}: {problem}")
-        end = max(end, entry["data_offsets"][1])
-    return SafetensorsHeader(tensors=header, metadata=metadata, expected_size=8 + length + end)
+    return header
+
+
+def _check_tiling(path: Path, spans: list[tuple[int, int, str]]) -> int:
+    """The byte spans cover [0, end) exactly once (what the format requires); returns `end`."""
+    at, last = 0, ""
+    for begin, finish, name in sorted(spans):
+        if begin < at:
+            raise IntegrityError(
+                f"{path}: corrupt safetensors header: tensor {_shown(name)} overlaps tensor {_shown(last)} "
+                f"(bytes {begin} to {min(at, finish)} belong to both)"
+            )
+        if begin > at:
+            raise IntegrityError(
+                f"{path}: corrupt safetensors header: tensor {_shown(name)} starts at byte {begin}, leaving "
+                f"bytes {at} to {begin} unused"
+            )
+        at, last = finish, name
+    return at
+
+
+def _shown(name: Any) -> str:
+    text = repr(name)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _entry_problem(entry: Any) -> str | None:
@@ -160,23 +214,28 @@ def _entry_problem(entry: Any) -> str | None:
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if not isinstance(dtype, str):
         return "missing dtype"
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        return "bad shape"
+    itemsize = _DTYPE_BYTES.get(dtype)
+    if itemsize is None:
+        return f"unknown dtype {_shown(dtype)} (known: {', '.join(_DTYPE_BYTES)})"
+    if (
+        not isinstance(shape, list)
+        or len(shape) > _MAX_DIMS
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
+        return f"bad shape {_shown(shape)} (up to {_MAX_DIMS} non-negative integers)"
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
-        or not all(isinstance(o, int) for o in offsets)
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
         or not 0 <= offsets[0] <= offsets[1]
     ):
-        return "bad data_offsets"
-    itemsize = _DTYPE_BYTES.get(dtype)
-    if itemsize is not None:  # unknown (future) dtypes: offsets are still checked, sizes are not
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        if offsets[1] - offsets[0] != numel * itemsize:
-            span = offsets[1] - offsets[0]
-            return f"data_offsets span {span} bytes, {dtype}{shape} needs {numel * itemsize}"
+        return f"bad data_offsets {_shown(offsets)}"
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    if offsets[1] - offsets[0] != numel * itemsize:
+        span = offsets[1] - offsets[0]
+        return f"data_offsets span {span} bytes, {dtype}{shape} needs {numel * itemsize}"
     return None
 
 
@@ -428,14 +487,7 @@ def _hash(path: Path, progress: ProgressFn | None) -> str:
 
 
 def _check_safetensors(manifest: ShardManifest, shard: ShardInfo, indexed: list[str]) -> None:
-    header = read_safetensors_header(shard.path)
-    actual = shard.path.stat().st_size  # a regular file: read_safetensors_header checked it
-    if actual < header.expected_size:
-        raise IntegrityError(f"{shard.path}: truncated: {actual} bytes, expected {header.expected_size}")
-    if actual > header.expected_size:
-        raise IntegrityError(
-            f"{shard.path}: wrong size: {actual} bytes, expected {header.expected_size} (trailing data)"
-        )
+    header = read_safetensors_header(shard.path)  # checks the file's size against the header too
     if manifest.index is not None:
         for tensor in indexed:
             if tensor not in header.tensors:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,9 +11,32 @@ from .files import FileProblem, read_json_limited
 
 SUPPORTED_MODEL_TYPES = ("llama",)
 
+# Ranges a value must lie in to describe a model this library can run. Sizes have no fixed upper bound
+# here: `load.config` refuses a model whose weights cannot fit in memory, which is the real limit.
+# rope_theta: real models use 1e4 to ~4e9; 1e300 (or inf) rotates nothing but the first pair of dims.
+ROPE_THETA_RANGE = (1.0, 1e12)
+# rms_norm_eps: real models use 1e-6 to 1e-5; 1e10 (or inf) swamps every activation.
+NORM_EPS_RANGE = (0.0, 0.1)
+MAX_POSITIONS = 1 << 24
+
+# The HF field behind each of ModelConfig's names, so every message names what the user can fix.
+HF_FIELDS = {
+    "n_layers": "num_hidden_layers",
+    "dim": "hidden_size",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "intermediate_size": "intermediate_size",
+    "vocab_size": "vocab_size",
+}
+
 
 class ConfigError(ValueError):
-    """`config.json` is unreadable, of an unsupported model type, or inconsistent."""
+    """`config.json` is unreadable, of an unsupported model type, or inconsistent; `field` names the field."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -23,6 +47,22 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+    def check(self) -> None:
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            _in_range(f"rope_scaling.{name}", getattr(self, name), 0.0, 1e6, low_open=True)
+        if self.high_freq_factor <= self.low_freq_factor:  # the llama3 formula divides by their difference
+            raise ConfigError(
+                f"rope_scaling.high_freq_factor ({self.high_freq_factor}) must be above low_freq_factor "
+                f"({self.low_freq_factor})",
+                "rope_scaling.high_freq_factor",
+            )
+        if not 1 <= self.original_max_position_embeddings <= MAX_POSITIONS:
+            raise ConfigError(
+                f"rope_scaling.original_max_position_embeddings must be from 1 to {MAX_POSITIONS} "
+                f"(got {_shown(self.original_max_position_embeddings)})",
+                "rope_scaling.original_max_position_embeddings",
+            )
 
 
 @dataclass(frozen=True)
@@ -45,16 +85,31 @@ class ModelConfig:
     model_type: str = "llama"
 
     def __post_init__(self) -> None:
-        positive = ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "intermediate_size", "vocab_size")
-        for name in positive:
+        for name, hf in HF_FIELDS.items():
             if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0 (got {getattr(self, name)})")
+                raise ConfigError(f"{hf} must be > 0 (got {getattr(self, name)})", hf)
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
-                f"num_attention_heads ({self.n_heads}) must be divisible by num_key_value_heads ({self.n_kv_heads})"
+                f"num_attention_heads ({self.n_heads}) must be divisible by num_key_value_heads ({self.n_kv_heads})",
+                "num_key_value_heads",
             )
         if self.head_dim % 2:
-            raise ConfigError(f"head_dim must be even for RoPE (got {self.head_dim})")
+            raise ConfigError(f"head_dim must be even for RoPE (got {self.head_dim})", "head_dim")
+        _in_range("rope_theta", self.rope_theta, *ROPE_THETA_RANGE, low_open=True)
+        _in_range("rms_norm_eps", self.norm_eps, *NORM_EPS_RANGE, low_open=True)
+        if not 1 <= self.max_position_embeddings <= MAX_POSITIONS:
+            got = _shown(self.max_position_embeddings)
+            raise ConfigError(
+                f"max_position_embeddings must be from 1 to {MAX_POSITIONS} (got {got})", "max_position_embeddings"
+            )
+        for name, ids in (("bos_token_id", (self.bos_token_id,)), ("eos_token_id", self.eos_token_ids)):
+            for token in ids:
+                if token is not None and not 0 <= token < self.vocab_size:
+                    raise ConfigError(
+                        f"{name} {_shown(token)} is outside the vocabulary (vocab_size {self.vocab_size})", name
+                    )
+        if self.rope_scaling is not None:
+            self.rope_scaling.check()
 
     @property
     def n_rep(self) -> int:
@@ -75,11 +130,13 @@ class ModelConfig:
         intermediate = _int(raw, "intermediate_size")
         vocab = _int(raw, "vocab_size")
         if n_heads <= 0:
-            raise ConfigError(f"num_attention_heads must be > 0 (got {n_heads})")
+            raise ConfigError(f"num_attention_heads must be > 0 (got {n_heads})", "num_attention_heads")
         head_dim = _int(raw, "head_dim", None)
         if head_dim is None:
             if dim % n_heads:
-                raise ConfigError(f"hidden_size ({dim}) must be divisible by num_attention_heads ({n_heads})")
+                raise ConfigError(
+                    f"hidden_size ({dim}) must be divisible by num_attention_heads ({n_heads})", "hidden_size"
+                )
             head_dim = dim // n_heads
         # transformers >= 5 writes `rope_parameters` (theta and scaling together) instead of the two fields.
         rope = raw.get("rope_parameters") or {}
@@ -130,13 +187,23 @@ class ModelConfig:
         try:
             return cls.from_hf_dict(raw)
         except ConfigError as bad:
-            raise ConfigError(f"{path}: {bad}") from None
+            raise ConfigError(f"{path}: {bad}", bad.field) from None
 
 
 _MISSING: Any = object()
 
 
+def _in_range(name: str, value: float, low: float, high: float, *, low_open: bool = False) -> None:
+    """A finite number in [low, high] (or (low, high] when `low_open`), else a message naming the field."""
+    above = value > low if low_open else value >= low
+    if not (math.isfinite(value) and above and value <= high):
+        bound = f"above {low:g}" if low_open else f"at least {low:g}"
+        raise ConfigError(f"{name} must be a finite number {bound} and at most {high:g} (got {_shown(value)})", name)
+
+
 def _shown(value: Any) -> str:
+    if isinstance(value, int) and value.bit_length() > 128:  # repr of a 5000-digit integer raises
+        return f"an integer of {value.bit_length()} bits"
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
@@ -146,10 +213,10 @@ def _int(raw: dict[str, Any], key: str, default: Any = _MISSING) -> Any:
     value = raw.get(key, _MISSING)
     if value is _MISSING or (value is None and default is not _MISSING):
         if default is _MISSING:
-            raise ConfigError(f"{key}: required field is missing")
+            raise ConfigError(f"{key}: required field is missing", key)
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{key}: expected an integer, got {_shown(value)}")
+        raise ConfigError(f"{key}: expected an integer, got {_shown(value)}", key)
     return value
 
 
@@ -157,11 +224,17 @@ def _number(raw: dict[str, Any], key: str, default: Any, prefix: str = "") -> An
     value = raw.get(key)
     if value is None:
         if default is _MISSING:
-            raise ConfigError(f"{prefix}{key}: required field is missing")
+            raise ConfigError(f"{prefix}{key}: required field is missing", prefix + key)
         return default
     if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
-        raise ConfigError(f"{prefix}{key}: expected a number, got {_shown(value)}")
-    return float(value)
+        raise ConfigError(f"{prefix}{key}: expected a number, got {_shown(value)}", prefix + key)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer too large for a float (e.g. 10**400)
+        raise ConfigError(f"{prefix}{key}: {_shown(value)} is out of range", prefix + key) from None
+    if not math.isfinite(number):
+        raise ConfigError(f"{prefix}{key}: expected a finite number, got {_shown(value)}", prefix + key)
+    return number
 
 
 def _bool(raw: dict[str, Any], key: str, default: bool) -> bool:
@@ -169,7 +242,7 @@ def _bool(raw: dict[str, Any], key: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise ConfigError(f"{key}: expected true or false, got {_shown(value)}")
+        raise ConfigError(f"{key}: expected true or false, got {_shown(value)}", key)
     return value
 
 

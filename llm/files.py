@@ -61,3 +61,6 @@ def read_json_limited(path: str | Path, limit: int = SMALL_FILE_LIMIT) -> Any:
         raise FileProblem(f"{path}: not valid JSON ({bad.msg} at line {bad.lineno} column {bad.colno})") from None
     except RecursionError:
         raise FileProblem(f"{path}: JSON nested too deeply; refused") from None
+    except ValueError as bad:  # Python's own limit: an integer of more than 4300 digits
+        what = "a number with too many digits" if "digits" in str(bad) else "a value Python cannot read"
+        raise FileProblem(f"{path}: holds {what}; refused") from None

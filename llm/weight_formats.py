@@ -76,6 +76,33 @@ QuantizedWeight = Tensor | Int8Weight | Int4Weight
 
 
 # ---------------------------------------------------------------------------------------------------------
+# the values a weight may hold
+
+# The largest magnitude each stored form can hold: fp16 directly, int4 in its fp16 scale and minimum.
+_RANGE_LIMITS = {"fp16": _FP16_MAX, "int4": _FP16_MAX}
+
+
+def value_range(t: Tensor) -> tuple[float, float]:
+    """(min, max) of a float tensor in one pass; NaN propagates to both, an infinity shows at its end.
+    (0, 0) for integer codes and empty tensors, which hold no NaN."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return 0.0, 0.0
+    low, high = torch.aminmax(t)
+    return float(low), float(high)
+
+
+def value_problem(low: float, high: float, dtype: str) -> str | None:
+    """Why values spanning [low, high] cannot become `dtype`: NaN or infinity (a damaged checkpoint, found
+    here at load instead of as NaN logits at the first token), or beyond what fp16 or int4 can store."""
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return "holds NaN or infinite values (the weights are damaged)"
+    limit = _RANGE_LIMITS.get(dtype)
+    if limit is not None and max(-low, high) > limit:
+        return f"holds values up to {max(-low, high):.4g}, beyond what {dtype} stores (±{limit:g}); use bf16 or fp32"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
 # quantize / dequantize
 
 

@@ -30,6 +30,8 @@ from llmplan.llm.weight_formats import (
     quantize_weight,
     relative_from_terms,
     to_tensors,
+    value_problem,
+    value_range,
 )
 from llmplan.llm.weights import fusion_table, internal_shapes
 from llmplan.ownership import NotOurs
@@ -153,6 +155,14 @@ def converted_bytes(weights: dict[str, Any]) -> int:
     return total
 
 
+def _where(ctx: InferenceContext) -> Any:
+    """The file a tensor came from (the model directory when the reader cannot say), for messages."""
+    host, source = ctx.host_weights, ctx.model_source
+    if host is not None and host.file_of is not None:
+        return host.file_of
+    return lambda name: source.model_dir if source is not None else "checkpoint"
+
+
 class Convert(Stage):
     """Fuse q/k/v and gate/up, convert to the plan's precision; report bytes and quantization error."""
 
@@ -175,6 +185,7 @@ class Convert(Stage):
         cfg, host = ctx.model_config, ctx.host_weights
         assert cfg is not None and host is not None
         table = fusion_table(cfg)
+        where = _where(ctx)
         problem = group_size_problem(cfg, params.group_size) if params.dtype == "int4" else None
         if problem:
             raise StageFailure(problem)
@@ -190,6 +201,7 @@ class Convert(Stage):
             for part in parts:
                 waiting.setdefault(part, []).append(internal)
         pending: dict[str, Tensor] = {}
+        ranges: dict[str, tuple[float, float]] = {}  # each HF tensor's (min, max), from its one check
         out: dict[str, Any] = {}
         errors: dict[str, float] = {}
         bytes_in = 0
@@ -202,8 +214,16 @@ class Convert(Stage):
             finally:  # a load sub-step in the run's trace.json
                 ctx.trace.add(f"convert {internal}", "load", began, time.perf_counter_ns(), tensors=len(parts))
 
+        # What a tensor becomes decides which values it can hold: fp16 and int4 store at most ±65504.
+        act = activation_dtype(params.dtype, torch.device(ctx.device or "cpu").type)
+        kept_as = "fp16" if act == torch.float16 else "fp32"  # embeddings and norms: the activation dtype
+
         def convert_group(internal: str, parts: list[Tensor]) -> Any:
             precision = params.head if internal == "output.weight" and params.head != "same" else params.dtype
+            for part in table[internal]:
+                problem = value_problem(*ranges[part], precision if is_linear(internal) else kept_as)
+                if problem:
+                    raise StageFailure(f"{where(part)}: tensor {part!r} {problem}")
             if is_linear(internal) and precision in ("int8", "int4"):
                 # Rows quantize independently: quantize each part (q, k, v; gate, up) and join the codes,
                 # not the fp32 parts (a 4x larger copy). The error terms of the parts add up.
@@ -219,6 +239,12 @@ class Convert(Stage):
         def on_tensor(name: str, tensor: Tensor) -> None:
             nonlocal bytes_in
             bytes_in += tensor.nbytes
+            # Every tensor, whatever its precision path: one min/max pass, so weights that would give NaN
+            # are refused here, naming the tensor, and never reach the first token.
+            ranges[name] = value_range(tensor)
+            problem = value_problem(*ranges[name], "fp32")
+            if problem:
+                raise StageFailure(f"{where(name)}: tensor {name!r} {problem}")
             pending[name] = tensor
             for internal in waiting.get(name, []):
                 parts = table[internal]
@@ -262,7 +288,15 @@ class Convert(Stage):
                 f"this plan asks for {params.dtype} (group {params.group_size})"
             )
         tensors: dict[str, Tensor] = {}
-        host.stream(tensors.__setitem__)
+        where = _where(ctx)
+
+        def keep(name: str, tensor: Tensor) -> None:  # codes are integers; scales, zeros and weights are checked
+            problem = value_problem(*value_range(tensor), "fp32")
+            if problem:
+                raise StageFailure(f"{where(name)}: tensor {name!r} {problem}")
+            tensors[name] = tensor
+
+        host.stream(keep)
         try:
             out = {name: from_tensors(tensors, name.removesuffix("weight")) for name in internal_shapes(cfg)}
         except (KeyError, ValueError) as bad:

@@ -9,7 +9,7 @@ timed and counted (bytes, seconds, peak buffer), in the draining stage: its metr
 
 from __future__ import annotations
 
-import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import Params, Phase, Stage
 from llmplan.llm.checkpoint import IntegrityError, ShardManifest, read_safetensors_header
 from llmplan.llm.config import ModelConfig
+from llmplan.llm.files import FileProblem, read_json_limited
 from llmplan.llm.shard_reader import ReadResult, read_shards
 from llmplan.llm.weights import expected_hf_names, layout_problems
 
@@ -67,12 +68,12 @@ def checked_stream(
 
 def read_converted_marker(model_dir: Path) -> dict[str, Any] | None:
     path = model_dir / CONVERTED_MARKER
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
-    try:
-        marker = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as bad:
-        raise StageFailure(f"{path}: unreadable ({bad})") from None
+    try:  # bounded, regular files only: a FIFO or /dev/zero in its place is refused, not read
+        marker = read_json_limited(path, 1 << 20)
+    except FileProblem as bad:
+        raise StageFailure(str(bad)) from None
     if not isinstance(marker, dict) or marker.get("format") != "llmplan.converted/v1":
         raise StageFailure(f"{path}: not a llmplan.converted/v1 marker")
     return marker
@@ -125,8 +126,16 @@ class ShardStream(Stage):
                 ctx.log.info("tensors_skipped", stage=stage_id, count=len(result.skipped), names=result.skipped[:20])
             return result
 
+        def file_of(name: str) -> Path:
+            shard = manifest.tensor_to_shard.get(name)
+            return manifest.model_dir / shard if shard else manifest.shards[0].path
+
         ctx.host_weights = HostWeights(
-            stream=stream, wanted=sorted(wanted), buffer_shards=params.buffer_shards, converted=converted
+            stream=stream,
+            wanted=sorted(wanted),
+            buffer_shards=params.buffer_shards,
+            converted=converted,
+            file_of=file_of,
         )
         ctx.metrics.set("tensors_wanted", len(wanted))
         ctx.metrics.set("buffer_shards", params.buffer_shards)

@@ -43,6 +43,7 @@ class HostWeights:
     wanted: list[str]
     buffer_shards: int
     converted: dict[str, Any] | None = None  # a checkpoint saved by load.convert: its dtype and settings
+    file_of: Callable[[str], Path] | None = None  # the file a tensor is read from, for messages
 
 
 @dataclass

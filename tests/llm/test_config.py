@@ -59,7 +59,7 @@ def test_llama3_rope_scaling(tmp_path: Path) -> None:
         ({"model_type": "mistral"}, "model_type: unsupported 'mistral' (supported: llama)"),
         ({"hidden_size": 577}, "hidden_size (577) must be divisible by num_attention_heads (9)"),
         ({"num_key_value_heads": 4}, "num_attention_heads (9) must be divisible by num_key_value_heads (4)"),
-        ({"num_hidden_layers": 0}, "n_layers must be > 0 (got 0)"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers must be > 0 (got 0)"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_scaling.rope_type: unsupported 'yarn'"),
     ],
 )
