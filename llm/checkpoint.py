@@ -170,6 +170,8 @@ def _parse_header(path: Path, raw: bytes) -> dict[str, Any]:
 
     try:
         header = json.loads(raw, object_pairs_hook=unique)
+    except IntegrityError:
+        raise
     except UnicodeDecodeError:
         raise IntegrityError(f"{path}: corrupt safetensors header: not UTF-8") from None
     except json.JSONDecodeError as exc:

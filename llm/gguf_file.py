@@ -209,7 +209,7 @@ def _parse(path: Path, fd: int) -> GGUFFile:
 
     infos: list[tuple[str, int, tuple[int, ...], int]] = []
     for i in range(n_tensors):
-        name = cur.string(f"tensor #{i} name", MAX_TENSOR_NAME_BYTES)
+        name = cur.string(f"tensor #{i} name", MAX_TENSOR_NAME_BYTES) or f"#{i} (no name)"
         n_dims = cur.unpack("<I", 4, f"tensor {name}: dimension count")
         if not 1 <= n_dims <= MAX_DIMS:
             raise GGUFFileError(f"{path}: tensor {name}: {n_dims} dimensions (1 to {MAX_DIMS} allowed)")

@@ -20,6 +20,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -112,9 +113,14 @@ def import_gguf(
 ) -> Path:
     """Import `gguf_path` into `cache_root/<sha256[:16]>-<stem>` (once) and return that directory."""
     gguf_path, cache_root = Path(gguf_path), Path(cache_root)
-    if not gguf_path.is_file():
-        raise GGUFImportError(f"{gguf_path}: file not found")
-    total = gguf_path.stat().st_size
+    try:
+        info = gguf_path.stat()
+    except OSError as bad:
+        reason = "file not found" if isinstance(bad, FileNotFoundError) else f"cannot read ({bad.strerror or bad})"
+        raise GGUFImportError(f"{gguf_path}: {reason}") from None
+    if not stat.S_ISREG(info.st_mode):  # a FIFO would hang the hashing, /dev/zero would never end it
+        raise GGUFImportError(f"{gguf_path}: not a regular file (a directory, FIFO, socket or device); refused")
+    total = info.st_size
     done = 0
 
     def on_hashed(n: int) -> None:
@@ -302,16 +308,18 @@ _WEIGHT_TYPES = frozenset(
 )
 # config.json field -> the GGUF key it came from, so a value config.py refuses is reported by its key
 _CONFIG_KEYS = {
-    "num_hidden_layers": "block_count",
-    "hidden_size": "embedding_length",
-    "num_attention_heads": "attention.head_count",
-    "num_key_value_heads": "attention.head_count_kv",
-    "head_dim": "attention.key_length",
-    "intermediate_size": "feed_forward_length",
-    "vocab_size": "vocab_size",
-    "rope_theta": "rope.freq_base",
-    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
-    "max_position_embeddings": "context_length",
+    "num_hidden_layers": "{a}.block_count",
+    "hidden_size": "{a}.embedding_length",
+    "num_attention_heads": "{a}.attention.head_count",
+    "num_key_value_heads": "{a}.attention.head_count_kv",
+    "head_dim": "{a}.attention.key_length",
+    "intermediate_size": "{a}.feed_forward_length",
+    "vocab_size": "{a}.vocab_size",
+    "rope_theta": "{a}.rope.freq_base",
+    "rms_norm_eps": "{a}.attention.layer_norm_rms_epsilon",
+    "max_position_embeddings": "{a}.context_length",
+    "bos_token_id": "tokenizer.ggml.bos_token_id",
+    "eos_token_id": "tokenizer.ggml.eos_token_id",
 }
 
 
@@ -360,8 +368,8 @@ def _hf_config(meta: _Metadata, tensors: dict[str, TensorInfo], path: Path) -> d
         "head_dim": head_dim,
         "intermediate_size": meta.integer(f"{a}.feed_forward_length", low=1, high=_MAX_WIDTH * 8),
         "vocab_size": vocab,
-        "rope_theta": _f32(meta.number(f"{a}.rope.freq_base", 10000.0)),
-        "rms_norm_eps": _f32(meta.number(f"{a}.attention.layer_norm_rms_epsilon")),
+        "rope_theta": meta.number(f"{a}.rope.freq_base", 10000.0),
+        "rms_norm_eps": meta.number(f"{a}.attention.layer_norm_rms_epsilon"),
         "max_position_embeddings": meta.integer(f"{a}.context_length", 2048, low=1, high=MAX_POSITIONS),
         "tie_word_embeddings": "output.weight" not in tensors,
         "hidden_act": "silu",
@@ -377,8 +385,10 @@ def _hf_config(meta: _Metadata, tensors: dict[str, TensorInfo], path: Path) -> d
         ModelConfig.from_hf_dict(config)
     except ConfigError as bad:
         key = _CONFIG_KEYS.get(bad.field or "")
-        where = f"metadata {a}.{key}" if key else "metadata"
+        where = f"metadata {key.format(a=a)}" if key else "metadata"
         raise _fail(path, f"{where}: {bad}") from None
+    # float32 in the file: written as its shortest repr, once the value is known to be in range
+    config["rope_theta"], config["rms_norm_eps"] = _f32(config["rope_theta"]), _f32(config["rms_norm_eps"])
     return config
 
 

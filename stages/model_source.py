@@ -125,7 +125,7 @@ def resolve_source(params: SourceParams, ctx: InferenceContext | None) -> ModelS
 
     path = locate(params)
     origin = "package" if params.package else "hf-dir"
-    if path.is_file() and path.suffix == ".gguf":
+    if path.suffix == ".gguf" and not path.is_dir():  # the importer refuses a FIFO or device by name
         cache = Path(params.cache_dir).expanduser() if params.cache_dir else default_cache_dir()
         try:
             with ExitStack() as bars:
