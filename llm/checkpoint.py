@@ -20,8 +20,8 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, Literal
 
 from .files import FileProblem, describe_os_error, read_json_limited
-from .hash_cache import HashCache
-from .manifest import MANIFEST_NAME, ManifestError, read_sha256sums, sha256_file
+from .hash_cache import HashCache, identity_of
+from .manifest import MANIFEST_NAME, ManifestError, read_sha256sums, sha256_fd
 
 Format = Literal["safetensors", "torch"]
 HashSource = Literal["SHA256SUMS", "hf-cache-blob", "plan"]
@@ -70,6 +70,10 @@ class ShardManifest:
     index: Path | None = None
     listed: list[ShardInfo] = field(default_factory=list)
     """Every other file SHA256SUMS lists (config, tokenizer, index…): verified like the shards."""
+    sums: Path | None = None
+    """The SHA256SUMS file, when the directory has one: then every file the load reads must be in it."""
+    also_read: tuple[str, ...] = ()
+    """Other files the load reads when present (config, tokenizer files): with `sums`, each must be listed."""
 
     @property
     def total_bytes(self) -> int:
@@ -89,9 +93,11 @@ class VerifyReport:
     bytes_hashed: int = 0
     seconds: float = 0.0
     unhashed: list[str] = field(default_factory=list)
-    cached: list[str] = field(default_factory=list)
-    """Shards whose hash was taken from the hash cache (same size, mtime, inode as when hashed)."""
     """Shards that passed without a hash check (policy 'if_present' with no known hash, or 'off')."""
+    cached: list[str] = field(default_factory=list)
+    """Shards whose hash was taken from the hash cache (an authenticated entry for this very identity)."""
+    cache_note: str | None = None
+    """Why verified hashes could not be recorded (a read-only folder...), for the caller to show once."""
 
 
 @dataclass(frozen=True)
@@ -244,8 +250,14 @@ def _entry_problem(entry: Any) -> str | None:
 # --------------------------------------------------------------------------------------------- build
 
 
-def build_manifest(model_dir: str | Path, plan_hashes: dict[str, str] | None = None) -> ShardManifest:
-    """Find the shards of `model_dir` and every SHA-256 that is known for them (no file data is hashed)."""
+def build_manifest(
+    model_dir: str | Path, plan_hashes: dict[str, str] | None = None, also_read: tuple[str, ...] = ()
+) -> ShardManifest:
+    """Find the shards of `model_dir` and every SHA-256 that is known for them (no file data is hashed).
+
+    `also_read`: the other files the load reads when they are there; with a SHA256SUMS, verify() refuses
+    any of them that it does not list (a file left out of the manifest is not checked at all otherwise).
+    """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise IntegrityError(f"{model_dir}: not a directory")
@@ -282,8 +294,16 @@ def build_manifest(model_dir: str | Path, plan_hashes: dict[str, str] | None = N
         _check_entry(model_dir / MANIFEST_NAME if name in sums else None, None, name, root, blobs)
         sha, source = _known_hash(model_dir / name, name, plan, sums, None)
         listed.append(ShardInfo(name=name, path=model_dir / name, size=None, sha256=sha, hash_source=source))
+    sums_path = model_dir / MANIFEST_NAME
     return ShardManifest(
-        model_dir=model_dir, format=fmt, shards=shards, tensor_to_shard=tensor_to_shard, index=index, listed=listed
+        model_dir=model_dir,
+        format=fmt,
+        shards=shards,
+        tensor_to_shard=tensor_to_shard,
+        index=index,
+        listed=listed,
+        sums=sums_path if os.path.lexists(sums_path) else None,
+        also_read=also_read,
     )
 
 
@@ -442,25 +462,25 @@ def verify(
         for other in manifest.listed:
             _check_present(other, f"listed in {MANIFEST_NAME} but missing")
     # Hashing last: it is the only slow check, and everything cheap has already passed. Small files first.
+    if policy != "off" and manifest.sums is not None:
+        _check_all_listed(manifest)
     files = ([*manifest.listed, *manifest.shards]) if policy != "off" else list(manifest.shards)
     for shard in files:
         report.files_checked += 1
         if policy == "off" or shard.sha256 is None:
             report.unhashed.append(shard.name)
             continue
-        actual = hash_cache.get(shard.path) if hash_cache is not None else None
-        fresh = actual is None
-        if actual is None:
-            actual = _hash(shard.path, progress if shard in manifest.shards else None)
-            report.bytes_hashed += shard.path.stat().st_size
-        else:
+        progress_of = progress if shard in manifest.shards else None
+        actual, cached, size = _digest(shard, progress_of, hash_cache)
+        if cached:
             report.cached.append(shard.name)
+        else:
+            report.bytes_hashed += size
         if actual != shard.sha256:
             raise IntegrityError(f"{shard.path}: SHA-256 mismatch: expected {shard.sha256[:16]}…, got {actual[:16]}…")
-        if fresh and hash_cache is not None:
-            hash_cache.put(shard.path, actual)  # only a hash that matched is remembered
     if hash_cache is not None:
         hash_cache.save()
+        report.cache_note = hash_cache.note
     report.seconds = time.perf_counter() - start
     return report
 
@@ -479,13 +499,42 @@ def _check_present(info: ShardInfo, missing: str) -> None:
         raise IntegrityError(f"{info.path}: not a regular file (a FIFO, socket or device); refused")
 
 
-def _hash(path: Path, progress: ProgressFn | None) -> str:
-    fd = open_regular(path)
-    os.close(fd)
+def _digest(shard: ShardInfo, progress: ProgressFn | None, cache: HashCache | None) -> tuple[str, bool, int]:
+    """(SHA-256, taken from the cache?, size) of the shard's bytes, read from one descriptor.
+
+    The cache may answer only for the identity `fstat` gives on that descriptor; a digest is recorded
+    only when it is the expected one and the identity did not change while the bytes were read.
+    """
+    fd = open_regular(shard.path)
     try:
-        return sha256_file(path, progress)
-    except OSError as error:
-        raise IntegrityError(describe_os_error(path, error)) from None
+        before = identity_of(os.fstat(fd))
+        known = cache.lookup(shard.name, before) if cache is not None else None
+        if known is not None:
+            return known, True, before[0]
+        try:
+            actual = sha256_fd(fd, progress)
+        except OSError as error:
+            raise IntegrityError(describe_os_error(shard.path, error)) from None
+        if cache is not None and actual == shard.sha256 and identity_of(os.fstat(fd)) == before:
+            cache.record(shard.name, before, actual)
+        return actual, False, before[0]
+    finally:
+        os.close(fd)
+
+
+def _check_all_listed(manifest: ShardManifest) -> None:
+    """With a SHA256SUMS present, every file the load reads has a hash: one left out is refused, not skipped."""
+    hashed = {info.name for info in [*manifest.shards, *manifest.listed] if info.sha256 is not None}
+    names = [info.name for info in manifest.shards]
+    if manifest.index is not None:
+        names.append(manifest.index.name)
+    names += [name for name in manifest.also_read if os.path.lexists(manifest.model_dir / name)]
+    for name in names:
+        if name not in hashed:
+            raise IntegrityError(
+                f"{manifest.model_dir / name}: read by the load but not listed in {manifest.sums} "
+                f"(add its line there, or remove the file)"
+            )
 
 
 def _check_safetensors(manifest: ShardManifest, shard: ShardInfo, indexed: list[str]) -> None:

@@ -20,8 +20,6 @@ import math
 import os
 import re
 import shutil
-import stat
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,17 +27,21 @@ from typing import Any
 
 import numpy as np
 
+from llmplan.bounded_read import NotRegularFileError
+
 from .config import MAX_POSITIONS, ConfigError, ModelConfig
+from .files import describe_os_error
 from .gguf_file import GGUFFile, GGUFFileError, TensorInfo, open_gguf
-from .hash_cache import HashCache
-from .manifest import MANIFEST_NAME, sha256_file, write_sha256sums
+from .hash_cache import HashCache, identity_of
+from .import_dirs import TEMP_MARK, finish_import_dir, make_import_dir, remove_stale_imports
+from .manifest import MANIFEST_NAME, open_regular_fd, sha256_fd, write_sha256sums
 
 ProgressFn = Callable[[str, int, int], None]
 """Called as progress(stage, done, total); stages: "hash" (bytes), "tensors" (tensors written)."""
 
 DEFAULT_SHARD_BYTES = 200 * 1000 * 1000
 SUPPORTED_ARCHITECTURES = ("llama",)
-_TEMP_MARK = ".importing-"  # temp dirs are ".<name>.importing-<id>": hidden, never a finished import
+_TEMP_MARK = TEMP_MARK  # temp dirs are ".<name>.importing-<pid>-<nonce>": hidden, never a finished import
 
 # llama.cpp's token types (llama_token_type / gguf TokenType)
 _CONTROL, _USER_DEFINED = 3, 4
@@ -110,48 +112,44 @@ def import_gguf(
     cache_root: Path,
     progress: ProgressFn | None = None,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
+    note: Callable[[str], None] | None = None,
 ) -> Path:
-    """Import `gguf_path` into `cache_root/<sha256[:16]>-<stem>` (once) and return that directory."""
+    """Import `gguf_path` into `cache_root/<sha256[:16]>-<stem>` (once) and return that directory.
+
+    A finished import is only read, so a read-only cache works once it holds the import; recording the
+    GGUF's hash for the next warm start is an optimisation, skipped (and `note` told why) where it cannot be.
+    """
     gguf_path, cache_root = Path(gguf_path), Path(cache_root)
     try:
-        info = gguf_path.stat()
+        fd = open_regular_fd(gguf_path)
+    except NotRegularFileError as bad:
+        raise GGUFImportError(str(bad)) from None
     except OSError as bad:
-        reason = "file not found" if isinstance(bad, FileNotFoundError) else f"cannot read ({bad.strerror or bad})"
-        raise GGUFImportError(f"{gguf_path}: {reason}") from None
-    if not stat.S_ISREG(info.st_mode):  # a FIFO would hang the hashing, /dev/zero would never end it
-        raise GGUFImportError(f"{gguf_path}: not a regular file (a directory, FIFO, socket or device); refused")
-    total = info.st_size
-    done = 0
-
-    def on_hashed(n: int) -> None:
-        nonlocal done
-        done += n
-        if progress is not None:
-            progress("hash", done, total)
-
-    # A warm start finds the import by the file's identity (size, mtime, inode) instead of re-hashing it:
-    # 0.15 s for SmolLM2's 98 MB, seconds for a multi-GB GGUF. Same trust as `load.verify`'s hash cache.
+        raise GGUFImportError(describe_os_error(gguf_path, bad)) from None
     known = HashCache(cache_root)
-    digest = known.get(gguf_path)
-    if digest is None:
-        try:
-            digest = sha256_file(gguf_path, progress=on_hashed)
-        except OSError as bad:
-            raise _fail(gguf_path, f"cannot read ({bad.strerror or bad})") from None
-        known.put(gguf_path, digest)
+    try:
+        digest = _gguf_digest(fd, gguf_path, known, progress)
+    finally:
+        os.close(fd)
     target = cache_root / f"{digest[:16]}-{gguf_path.stem}"
     # The rename below is the commit point, so an existing target is a finished import.
     if (target / MANIFEST_NAME).is_file():
-        known.save()
+        _save_hashes(known, note)
         return target
-    if target.exists():  # only something outside this module can leave the target half-made
+    if target.exists() or target.is_symlink():  # only something outside this module can leave it half-made
         raise GGUFImportError(f"{target}: exists but has no {MANIFEST_NAME}, so it is not a finished import")
-
-    cache_root.mkdir(parents=True, exist_ok=True)
-    temp = cache_root / f".{target.name}{_TEMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    temp.mkdir()
+    try:
+        cache_root.mkdir(parents=True, exist_ok=True)
+        remove_stale_imports(cache_root)
+        temp = make_import_dir(target)
+    except OSError as bad:
+        raise GGUFImportError(
+            f"{cache_root}: cannot import {gguf_path.name} there ({bad.strerror or bad}); "
+            "set LLMPLAN_CACHE or model.source's cache_dir to a writable folder"
+        ) from None
     try:
         _write_import(gguf_path, temp, progress, shard_bytes)
+        finish_import_dir(temp)
         for item in [*temp.iterdir(), temp]:  # durable before the rename publishes it as finished
             _fsync(item)
         try:
@@ -163,11 +161,47 @@ def import_gguf(
             shutil.rmtree(temp, ignore_errors=True)
         else:
             _fsync(cache_root)
+    except OSError as bad:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise GGUFImportError(f"{temp}: cannot write the import ({bad.strerror or bad})") from None
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
-    known.save()
+    _save_hashes(known, note)  # only once the import is done: an interrupted one leaves nothing behind
     return target
+
+
+def _save_hashes(known: HashCache, note: Callable[[str], None] | None) -> None:
+    if not known.save() and note is not None and known.note:
+        note(known.note)
+
+
+def _gguf_digest(fd: int, path: Path, known: HashCache, progress: ProgressFn | None) -> str:
+    """The GGUF's SHA-256: from the cache root's hash cache for this very file identity, else hashed.
+
+    A warm start finds the import by the file's identity instead of re-hashing it: 0.15 s for SmolLM2's
+    98 MB, seconds for a multi-GB GGUF. Same trust as `load.verify`'s hash cache (authenticated entries).
+    """
+    name = str(path.absolute())
+    before = identity_of(os.fstat(fd))
+    digest = known.lookup(name, before)
+    if digest is not None:
+        return digest
+    done = 0
+
+    def on_hashed(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress("hash", done, before[0])
+
+    try:
+        digest = sha256_fd(fd, on_hashed)
+    except OSError as bad:
+        raise _fail(path, f"cannot read ({bad.strerror or bad})") from None
+    if identity_of(os.fstat(fd)) == before:
+        known.record(name, before, digest)
+    return digest
 
 
 def _fsync(path: Path) -> None:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
+import stat
 from collections.abc import Callable, Iterable
 from pathlib import Path
+
+from llmplan.bounded_read import NotRegularFileError
 
 MANIFEST_NAME = "SHA256SUMS"
 _CHUNK = 8 << 20
@@ -20,14 +24,42 @@ class ManifestError(ValueError):
     """A `SHA256SUMS` file that cannot be parsed."""
 
 
-def sha256_file(path: str | Path, progress: ProgressFn | None = None) -> str:
+def open_regular_fd(path: str | Path) -> int:
+    """A blocking read-only descriptor of a regular file; NotRegularFileError (an OSError) for anything else.
+
+    Opened non-blocking, so a FIFO in the file's place cannot hang the open, and checked with `fstat` on
+    the descriptor, so what is checked is what is read.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "is a directory, not a file", str(path))
+        raise NotRegularFileError(f"{path}: not a regular file (a FIFO, socket or device); refused")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def sha256_fd(fd: int, progress: ProgressFn | None = None) -> str:
+    """The SHA-256 of everything from the descriptor's start, streamed in 8 MiB chunks."""
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-            if progress is not None:
-                progress(len(chunk))
+    offset = 0
+    while chunk := os.pread(fd, _CHUNK, offset):
+        digest.update(chunk)
+        offset += len(chunk)
+        if progress is not None:
+            progress(len(chunk))
     return digest.hexdigest()
+
+
+def sha256_file(path: str | Path, progress: ProgressFn | None = None) -> str:
+    fd = open_regular_fd(path)
+    try:
+        return sha256_fd(fd, progress)
+    finally:
+        os.close(fd)
 
 
 def read_sha256sums(path: str | Path) -> dict[str, str]:

@@ -18,7 +18,6 @@ encode) and everything between is encoded without special-token parsing.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -30,6 +29,7 @@ from jinja2 import TemplateError
 from jinja2.sandbox import SecurityError
 
 from .chat_sandbox import MAX_TEMPLATE_CHARACTERS, RENDER_SECONDS, ChatTemplate, RenderTimeout
+from .files import FileProblem, read_json_limited, read_text_limited
 from .user_text import as_user_message, spans_of
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -62,21 +62,23 @@ class Tokenizer:
 
         model_dir = Path(model_dir)
         path = model_dir / TOKENIZER_FILE
-        if not path.is_file():
-            raise TokenizerError(f"{path}: file not found")
+        try:  # bounded and regular files only: a FIFO, a device or a huge file is refused, never read
+            text = read_text_limited(path)
+        except FileProblem as bad:
+            raise TokenizerError(str(bad)) from None
         try:
-            backend = Backend.from_file(str(path))
+            backend = Backend.from_str(text)
         except Exception as bad:  # tokenizers raises a bare Exception on malformed JSON
             raise TokenizerError(f"{path}: not a valid tokenizers file ({_one_line(bad)})") from None
+        # Not optional: without it there is no chat template and no BOS/EOS, and a chat would be sent
+        # as raw text with nothing to stop generation: answers that look fine and are not.
         config_path = model_dir / TOKENIZER_CONFIG_FILE
-        config: dict[str, Any] = {}
-        if config_path.is_file():
-            try:
-                config = json.loads(config_path.read_text(encoding="utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError) as bad:
-                raise TokenizerError(f"{config_path}: not valid JSON ({_one_line(bad)})") from None
-            if not isinstance(config, dict):
-                raise TokenizerError(f"{config_path}: expected a JSON object")
+        try:
+            config = read_json_limited(config_path)
+        except FileProblem as bad:
+            raise TokenizerError(f"{bad} (the tokenizer needs it for its special tokens and chat template)") from None
+        if not isinstance(config, dict):
+            raise TokenizerError(f"{config_path}: expected a JSON object")
         tokenizer = cls(backend, config, source=str(model_dir))
         tokenizer.chat_template  # noqa: B018 - a malformed chat_template is refused when the files are read
         return tokenizer

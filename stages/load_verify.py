@@ -11,8 +11,14 @@ from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
 from llmplan.llm.checkpoint import IntegrityError, build_manifest, verify
 from llmplan.llm.hash_cache import HashCache
+from llmplan.llm.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
+from .load_shard_stream import CONVERTED_MARKER
+from .model_source import note_cache_skipped
 from .slots import InferenceContext
+
+READ_BY_LOAD = ("config.json", TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, CONVERTED_MARKER)
+"""Files besides the shards and the index that load stages read when present: with a SHA256SUMS, each is in it."""
 
 
 class VerifyParams(Params):
@@ -49,12 +55,14 @@ class LoadVerify(Stage):
     def run(self, ctx: InferenceContext, params: Any) -> None:
         assert ctx.model_source is not None
         try:
-            manifest = build_manifest(ctx.model_source.model_dir, params.sha256 or None)
+            manifest = build_manifest(ctx.model_source.model_dir, params.sha256 or None, READ_BY_LOAD)
             with ctx.progress.task("verify shards", manifest.total_bytes) as advance:
-                cache = None if params.rehash else HashCache(manifest.model_dir)
+                cache = None if params.rehash or params.hashes == "off" else HashCache(manifest.model_dir)
                 report = verify(manifest, params.hashes, advance, cache)
         except IntegrityError as bad:
             raise StageFailure(str(bad)) from None
+        if report.cache_note:
+            note_cache_skipped(ctx, report.cache_note)
         ctx.shard_manifest = manifest
         ctx.metrics.set("shards", len(manifest.shards))
         ctx.metrics.set("bytes", manifest.total_bytes)
@@ -68,7 +76,7 @@ class LoadVerify(Stage):
         if model_dir is None:
             return
         try:
-            manifest = build_manifest(model_dir, params.sha256 or None)
+            manifest = build_manifest(model_dir, params.sha256 or None, READ_BY_LOAD)
             verify(manifest, params.hashes)
         except IntegrityError as bad:
             deep.problem(str(bad))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
+from llmplan.cache_home import cache_home
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
 from llmplan.llm.manifest import MANIFEST_NAME, ManifestError, manifest_fingerprint
@@ -25,8 +25,16 @@ from .types import ModelSource
 
 
 def default_cache_dir() -> Path:
-    root = os.environ.get("LLMPLAN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "llmplan")
-    return Path(root) / "models"
+    return cache_home() / "models"
+
+
+CACHE_NOT_WRITTEN = "cache_not_written"
+
+
+def note_cache_skipped(ctx: InferenceContext | None, message: str) -> None:
+    """A cache write that is only an optimisation was skipped (a read-only cache): said once a run, never fatal."""
+    if ctx is not None and not any(n["kind"] == CACHE_NOT_WRITTEN for n in ctx.notices):
+        ctx.notice(CACHE_NOT_WRITTEN, message)
 
 
 class SourceParams(Params):
@@ -129,12 +137,20 @@ def resolve_source(params: SourceParams, ctx: InferenceContext | None) -> ModelS
         cache = Path(params.cache_dir).expanduser() if params.cache_dir else default_cache_dir()
         try:
             with ExitStack() as bars:
-                model_dir = import_gguf(path, cache, _bars(ctx, bars, path.name), shard_bytes=params.shard_mb << 20)
+                model_dir = import_gguf(
+                    path,
+                    cache,
+                    _bars(ctx, bars, path.name),
+                    shard_bytes=params.shard_mb << 20,
+                    note=lambda message: note_cache_skipped(ctx, message),
+                )
         except GGUFImportError as bad:
             raise StageFailure(str(bad)) from None
         return ModelSource(model_dir, "gguf" if origin == "hf-dir" else origin, fingerprint(model_dir), path)
     if path.is_file():
         raise StageFailure(f"{path}: not a model directory or a .gguf file")
+    if not path.is_dir():
+        raise StageFailure(f"{path}: not a regular file or a directory (a FIFO, socket or device); refused")
     if not (path / "config.json").is_file():
         raise StageFailure(f"{path}: no config.json (not an HF-format model directory)")
     return ModelSource(path, origin, fingerprint(path))

@@ -18,7 +18,8 @@ INDEX = "model.safetensors.index.json"
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 14-shard random Llama saved by transformers, with a SHA256SUMS over its shards."""
+    """A 14-shard random Llama saved by transformers, with a SHA256SUMS over its shards, index and config
+    (with a SHA256SUMS, every file the load reads must be in it)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -32,7 +33,7 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     out = tmp_path_factory.mktemp("llama") / "model"
     LlamaForCausalLM(config).save_pretrained(out, max_shard_size="20KB")
-    write_sha256sums(out, [p.name for p in out.glob("*.safetensors")])
+    write_sha256sums(out, [*(p.name for p in out.glob("*.safetensors")), INDEX, "config.json"])
     return out
 
 
@@ -68,8 +69,9 @@ def test_verify_required_passes_and_reports(ckpt: Path) -> None:
     seen: list[int] = []
     report = verify(manifest, "required", progress=seen.append)
     total = sum(s.path.stat().st_size for s in manifest.shards)
-    assert report.files_checked == len(manifest.shards)
-    assert report.bytes_hashed == total == sum(seen) == manifest.total_bytes
+    listed = sum(s.path.stat().st_size for s in manifest.listed)  # the index and config, hashed too
+    assert report.files_checked == len(manifest.shards) + len(manifest.listed) == len(manifest.shards) + 2
+    assert report.bytes_hashed == total + listed and total == sum(seen) == manifest.total_bytes
     assert report.unhashed == [] and report.seconds >= 0
 
 
