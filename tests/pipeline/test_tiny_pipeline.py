@@ -34,7 +34,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-d
     )
     make_tokenizer(model_dir)
     assert len(list(model_dir.glob("*.safetensors"))) > 2, "several shards"
-    write_sha256sums(model_dir, [p.name for p in model_dir.glob("*.safetensors")])
+    # Every file the load reads: with a SHA256SUMS, one it leaves out is refused.
+    read = ["config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json"]
+    write_sha256sums(model_dir, [*(p.name for p in model_dir.glob("*.safetensors")), *read])
     return model_dir, hf.eval()
 
 
