@@ -134,6 +134,7 @@ def import_gguf(
     target = cache_root / f"{digest[:16]}-{gguf_path.stem}"
     # The rename below is the commit point, so an existing target is a finished import.
     if (target / MANIFEST_NAME).is_file():
+        remove_stale_imports(cache_root)  # what a killed import left, even when another one finished since
         _save_hashes(known, note)
         return target
     if target.exists() or target.is_symlink():  # only something outside this module can leave it half-made
@@ -163,7 +164,9 @@ def import_gguf(
             _fsync(cache_root)
     except OSError as bad:
         shutil.rmtree(temp, ignore_errors=True)
-        raise GGUFImportError(f"{temp}: cannot write the import ({bad.strerror or bad})") from None
+        raise GGUFImportError(
+            f"{cache_root}: cannot write the import of {gguf_path.name} ({bad.strerror or bad}); nothing was kept"
+        ) from None
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise

@@ -569,6 +569,10 @@ def test_an_import_killed_midway_is_cleaned_up_by_the_next(tiny_gguf: Path, tmp_
     assert not left[0].exists()
     assert (out / MANIFEST_NAME).is_file()
     assert_untouched(before, user, tiny_gguf)
+    # One left while another process finished the same import: the next (warm) run removes it too.
+    again = _leftover(cache, _dead_pid())
+    assert import_gguf(tiny_gguf, cache) == out and not again.exists()
+    assert_untouched(before, user, tiny_gguf)
 
 
 def _fifo_owner(temp: Path) -> None:
