@@ -248,9 +248,10 @@ def test_a_request_that_ends_in_error_fails_the_run(tmp_path: Path, model_dir: P
     plan.write_text(yaml.safe_dump(document), encoding="utf-8")
     code = main(["run", str(plan), "--out", str(tmp_path / "run"), "--quiet", "--json"])
     out, err = capsys.readouterr()
-    assert json.loads(out.splitlines()[0])["finish_reason"] == "error"
-    assert code == 3 and "1 request(s) ended in error" in err
-    assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "errors"
+    # NaN weights are now refused while they are converted (#33), before any request runs: the run fails
+    # at load naming the tensor, instead of every request ending in error at its first token.
+    assert code == 1 and "model.norm.weight" in err and not out
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "failed"
 
 
 def test_run_prompt_flags_reach_the_tokenize_stage_whatever_its_id(tmp_path: Path, model_dir: Path) -> None:
