@@ -7,7 +7,8 @@
 - A request with a body must say `Content-Type: application/json` (a `charset` other than UTF-8 is refused):
   415 otherwise. Beyond matching what the server parses, this closes a hole: a web page may POST `text/plain`
   or a form to a loopback address without a CORS preflight, so a server that took those as JSON would run the
-  model for any page its user opens.
+  model for any page its user opens. A `Content-Encoding` other than identity is refused too (415): nothing
+  is inflated, so a compressed bomb stays the size it was sent.
 - The body is read here, bounded in size (a declared `Content-Length` over the limit is refused before a
   byte is read; a chunked body at the first chunk past it, so memory stays at the limit) and in time (a body
   shorter than its `Content-Length`, or one trickling in, gets a 408 when the time is up). The route then
@@ -117,6 +118,13 @@ class RequestGate:
                 length = value
             elif name == b"transfer-encoding":
                 chunked = True
+            elif name == b"content-encoding" and value.strip().lower() != b"identity":
+                shown = value.decode("latin-1")[:40]
+                raise Refusal(  # never inflated here: a gzip bomb stays 1 MiB
+                    415,
+                    f"Content-Encoding {shown!r} is not supported; send the body uncompressed",
+                    code="unsupported_media_type",
+                )
         if length is not None and chunked:  # h11 would go by the chunks; a proxy in front may go by the length
             raise Refusal(400, "Content-Length and Transfer-Encoding together are ambiguous; send one of them")
         if not _is_json(kind):

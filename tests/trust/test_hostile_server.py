@@ -413,6 +413,17 @@ def test_a_body_that_is_not_declared_json_is_415(served: Served, kind: str | Non
         assert error["code"] == "unsupported_media_type" and answer.headers["connection"] == "close"
 
 
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "br", "gzip, gzip"])
+def test_a_compressed_body_is_415_never_inflated(served: Served, encoding: str) -> None:
+    import gzip
+
+    bomb = gzip.compress(b"{" + b" " * (64 << 20) + b"}")  # 64 MiB of JSON whitespace in ~64 kB
+    headers = {**JSON_TYPE, "content-encoding": encoding}
+    with hostile(served, memory_mb=16):
+        answer = post_raw(served, "/v1/completions", bomb, headers)
+        assert_refusal(answer.status_code, answer.content, 415, None, ("Content-Encoding", "uncompressed"))
+
+
 def test_json_with_its_charset_in_any_case_is_answered(served: Served) -> None:
     headers = {**AUTH, "content-type": 'Application/JSON ; Charset="UTF-8"'}
     with hostile(served):
@@ -673,6 +684,18 @@ def test_a_request_that_never_completes_its_headers_gets_a_bounded_close(served:
         assert got.closed, "the connection was held open"
         assert got.seconds < HEADER_S + 2.5
         assert_refusal(got.status or 0, got.body, 408, None, ("headers",))
+
+
+def test_a_get_with_an_endless_body_is_answered_then_closed(served: Served) -> None:
+    """The body of a GET is never read; the connection is closed at the header deadline of the next request
+    (uvicorn alone would read and discard it for as long as it came)."""
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000\r\n\r\n"
+    parts: list[bytes | float] = [head]
+    for _ in range(8):
+        parts += [b"x" * 65536, 0.2]
+    with hostile(served):
+        got = exchange(served, parts)
+        assert got.status == 200 and got.closed and got.seconds < HEADER_S + 4
 
 
 def test_an_idle_connection_is_closed(served: Served) -> None:
