@@ -60,9 +60,9 @@ def interleaved(plan: str, tokens: int, prompt_tokens: int = 128) -> dict[str, A
     from llmplan.engine.plan import load_plan
     from llmplan.engine.registry import discover
     from llmplan.engine.runner import Runner
+    from llmplan.llm.engine_loop import EngineLoop, GenerationRequest
     from llmplan.llm.layer_clock import LayerClock
     from llmplan.llm.sampling import SamplingParams, build_picker
-    from llmplan.llm.scheduler import GenerationRequest, Scheduler
     from llmplan.llm.slot_cache import SlotCache
     from llmplan.stages.slots import InferenceContext
 
@@ -74,7 +74,7 @@ def interleaved(plan: str, tokens: int, prompt_tokens: int = 128) -> dict[str, A
             raise SystemExit(f"loading {plan}: {result.message}")
     model, cache = ctx.model, ctx.kv_cache
     assert model is not None and cache is not None
-    scheduler = Scheduler(model, SlotCache.over(cache))
+    scheduler = EngineLoop(ctx.model_runner, SlotCache.over(cache))
     scheduler.timeline = []
     prompt = [1 + (i * 7919) % 1000 for i in range(prompt_tokens)]
     picker = build_picker(SamplingParams(temperature=0.0), len(prompt))
@@ -82,9 +82,9 @@ def interleaved(plan: str, tokens: int, prompt_tokens: int = 128) -> dict[str, A
     clock = LayerClock(len(model.layers))
     clocked: list[bool] = []
     while scheduler.step():
-        clocked.append(model.layer_clock is not None)
-        model.layer_clock = None if model.layer_clock is not None else clock  # flip for the next step
-    model.layer_clock = None
+        clocked.append(scheduler.runner.clock is not None)
+        scheduler.runner.clock = None if scheduler.runner.clock is not None else clock  # flip for the next step
+    scheduler.runner.clock = None
     steps = [(s, on) for s, on in zip(scheduler.timeline, clocked, strict=True) if s.decode is not None]
     times = [(s.decode[1] - s.decode[0], c) for s, c in steps]
     on = [t for t, c in times if c]

@@ -1,16 +1,17 @@
-"""A model kept loaded for requests as they come: the resident part of a plan, its scheduler, and its life.
+"""A model kept loaded for requests as they come: the resident part of a plan, its engine loop, and its life.
 
 `ModelHost` runs a plan's resident stages once (`ResidentPlan.load`), hands the KV cache's slots to one
-scheduler, and runs each request's stages on a context of its own (every request's generate stage submits to
-that scheduler, so requests in flight share the decode steps). After `keep_alive` seconds without a request
+engine loop, which it puts into the resident context (`engine_loop`), and runs each request's stages on a
+context of its own (every request's generate stage submits to that loop, so requests in flight share the
+decode steps). After `keep_alive` seconds without a request
 it runs the release stage (the weights and cache are freed); the next request loads them again.
 
-One thread owns the model: it loads, steps the scheduler and unloads (`serve_forever`, or `pump` one round at
+One thread owns the model: it loads, steps the engine loop and unloads (`serve_forever`, or `pump` one round at
 a time); other threads ask it to. That thread should be the main thread. Measured here, the native decode
 step is 2.5x slower from any other thread: a second thread running OpenMP regions gets a thread pool of its
 own, libgomp then counts more pool threads than CPUs and throttles its spin-waits to almost nothing, so
 each of the ~150 fork/joins of a token pays a futex wake-up. `llmplan serve` therefore runs the HTTP server
-in a thread and the model in the main one; `llmplan chat` steps the scheduler from its main thread while
+in a thread and the model in the main one; `llmplan chat` steps the loop from its main thread while
 the answer's stages run in a worker.
 """
 
@@ -29,8 +30,9 @@ from llmplan.engine.findings import InputRefused, StageFailure
 from llmplan.engine.plan import BoundPlan
 from llmplan.engine.runner import make_run_dir
 from llmplan.engine.serving import RequestRun, ResidentPlan, ServeError
+from llmplan.llm.engine_loop import EngineLoop
 from llmplan.llm.scheduler import Scheduler
-from llmplan.stages.compute_generate import serve_scheduler, unserve
+from llmplan.stages.compute_generate import serving_loop
 
 GENERATE, TOKENIZE, WRITE = "compute.generate", "compute.tokenize", "output.write"
 
@@ -80,7 +82,7 @@ class ModelHost:
         self.write_id = self.plan.stage_by_use(WRITE)
         self.keep_alive_s = keep_alive_s
         self.report = report
-        self.scheduler: Scheduler | None = None
+        self.loop: EngineLoop | None = None
         self._lock = threading.RLock()
         self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
         self._wake = threading.Event()  # set by a submit, a cancel or a call: the model thread has work
@@ -100,6 +102,11 @@ class ModelHost:
         return self._in_flight
 
     @property
+    def scheduler(self) -> Scheduler | None:
+        """The served loop's scheduler (its submissions, stats and load), while loaded."""
+        return self.loop.scheduler if self.loop is not None else None
+
+    @property
     def generate_params(self) -> Any:
         return self.plan.params(self.generate_id)  # type: ignore[arg-type]
 
@@ -110,12 +117,12 @@ class ModelHost:
     # --- the model thread ---------------------------------------------------------------------------
 
     def serve_forever(self, stop: threading.Event) -> None:
-        """Be the model thread until `stop` is set: run what other threads ask, step the scheduler."""
+        """Be the model thread until `stop` is set: run what other threads ask, step the engine loop."""
         while not stop.is_set():
             self.pump()
 
     def pump(self, wait_s: float = 0.05) -> None:
-        """One round of the model thread: pending calls, then one scheduler step (or a short wait for work)."""
+        """One round of the model thread: pending calls, then one loop step (or a short wait for work)."""
         self._owner = threading.get_ident()
         self._wake.clear()
         while True:
@@ -128,8 +135,8 @@ class ModelHost:
                     done.set_result(call())
                 except BaseException as bad:
                     done.set_exception(bad)
-        scheduler = self.scheduler
-        if scheduler is None or not scheduler.step():
+        loop = self.loop
+        if loop is None or not loop.step():
             self._wake.wait(wait_s)
 
     def release_thread(self) -> None:
@@ -146,7 +153,7 @@ class ModelHost:
         return done.result()
 
     def load(self) -> None:
-        """Load the resident stages and serve the scheduler (no-op when loaded); on the model thread."""
+        """Load the resident stages and serve the engine loop (no-op when loaded); on the model thread."""
         self._on_model_thread(self._load)
 
     def _load(self) -> None:
@@ -157,8 +164,9 @@ class ModelHost:
             if result.exit_code:
                 raise StageFailure(result.message)
             ctx = self.plan.context
-            self.scheduler = serve_scheduler(ctx.model, ctx.kv_cache, self.generate_params)
-            self.scheduler.on_work = self._wake.set
+            self.loop = serving_loop(ctx, self.generate_params)
+            self.loop.scheduler.on_work = self._wake.set
+            ctx.engine_loop = self.loop  # every request's context is made from this one
             self.loads += 1
             self.last_request = time.monotonic()
 
@@ -170,14 +178,14 @@ class ModelHost:
         with self._lock:
             if self.plan.state != "ready":
                 return None
-            scheduler, ctx = self.scheduler, self.plan.context
-            if scheduler is not None:
-                scheduler.cancel_all()
-                while scheduler.pending:  # this is the model thread: end them here
-                    scheduler.step()
-            if ctx is not None and ctx.kv_cache is not None:
-                unserve(ctx.kv_cache)
-            self.scheduler = None
+            loop, ctx = self.loop, self.plan.context
+            if loop is not None:
+                loop.cancel_all()
+                while loop.pending:  # this is the model thread: end them here
+                    loop.step()
+            if ctx is not None:
+                ctx.engine_loop = None
+            self.loop = None
             result = self.plan.unload()
             report = ctx.get("release_report") if ctx is not None and ctx.is_slot("release_report") else None
             if result is not None and result.exit_code:

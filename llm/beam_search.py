@@ -16,11 +16,12 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
-from .fused_decode import decode_step
-from .generate import FinishReason
+from .ending import FinishReason, end_after_token
 from .kv_cache import KVCache
 from .model import Transformer
+from .model_runner import ModelRunner
 
 _NEG = -1.0e9  # transformers' "impossible" score; the same constant keeps tie-breaking identical
 
@@ -43,12 +44,17 @@ def beam_search(
     length_penalty: float = 1.0,
     num_return_sequences: int = 1,
     early_stopping: bool | Literal["never"] = False,
+    runner: ModelRunner | None = None,
 ) -> list[Candidate]:
     """The best `num_return_sequences` finished beams, best first. The cache needs num_beams rows.
 
     early_stopping: True stops once num_beams beams are finished; False stops when the best running beam,
     at its current length, cannot beat the worst finished one; "never" assumes (for length_penalty > 0)
     the running beam could still grow to max_new_tokens, i.e. searches on longer.
+    runner: the model runner bound to `cache`'s memory; default: one built here.
+
+    Kept apart from the engine loop: the beams are one request's rows, reordered in place after each step
+    (`KVCache.reorder`), where the loop's slots each belong to a request of their own.
     """
     if not 1 <= num_return_sequences <= num_beams:
         raise ValueError(f"num_return_sequences ({num_return_sequences}) must be in 1..num_beams ({num_beams})")
@@ -58,76 +64,102 @@ def beam_search(
         raise ValueError(f"the cache has {cache.max_batch} rows, beam search needs num_beams={num_beams}")
     if cache.max_tokens < len(prompt) + max_new_tokens - 1:
         raise ValueError(f"the cache ({cache.max_tokens} tokens) cannot hold prompt + max_new_tokens")
+    runner = runner or ModelRunner(model, cache)
     device = model.device
-    nb, keep_k = num_beams, max(2, 1 + len(eos_ids)) * num_beams
-    eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
-    top_mask = torch.arange(keep_k, device=device) < nb  # only these may become finished beams
-
-    running = torch.zeros(nb, max_new_tokens, dtype=torch.long, device=device)
-    running_scores = torch.full((nb,), _NEG, device=device)
-    running_scores[0] = 0.0  # all beams start equal: only beam 0 may expand at first
-    finished = torch.zeros(nb, max_new_tokens, dtype=torch.long, device=device)
-    finished_len = torch.zeros(nb, dtype=torch.long, device=device)
-    finished_scores = torch.full((nb,), _NEG, device=device)
-    is_finished = torch.zeros(nb, dtype=torch.bool, device=device)
-    improvable = True
-
+    beams = _Beams(num_beams, max_new_tokens, eos_ids, length_penalty, early_stopping, device)
     with torch.inference_mode():
         cache.reset(1)
         tokens = torch.tensor([prompt], device=device)
         positions = torch.arange(len(prompt), device=device).unsqueeze(0)
-        logits = model(tokens, positions, cache, last_only=True)[:, -1]
-        cache.reorder(torch.zeros(nb, dtype=torch.long, device=device))  # copy the prompt to every beam
-        logits = logits.expand(nb, -1)
-        vocab = logits.shape[-1]
+        logits = runner.torch_forward(tokens, positions, cache)[:, -1]
+        cache.reorder(torch.zeros(num_beams, dtype=torch.long, device=device))  # copy the prompt to every beam
+        logits = logits.expand(num_beams, -1)
         for step in range(max_new_tokens):
-            log_probs = F.log_softmax(logits.float(), dim=-1) + running_scores[:, None]
-            topk_scores, topk_index = log_probs.view(-1).topk(keep_k)
-            source_beam, token = topk_index // vocab, topk_index % vocab
-            topk_seqs = running[source_beam]
-            topk_seqs[:, step] = token
-            hits = torch.isin(token, eos) | (step + 1 >= max_new_tokens)
-
-            # The best num_beams continuations that did not finish keep running.
-            running_candidates = topk_scores + hits.float() * _NEG
-            chosen = running_candidates.topk(nb).indices
-            running, running_scores = topk_seqs[chosen], running_candidates[chosen]
-            beam_index = source_beam[chosen]
-
-            # Merge the newly finished (top num_beams only) into the best num_beams finished so far.
-            just_finished = hits & top_mask
-            scores = topk_scores / ((step + 1) ** length_penalty)
-            if early_stopping is True and bool(is_finished.all()):
-                scores = scores + _NEG
-            if not improvable:
-                scores = scores + _NEG
-            scores = scores + (~just_finished).float() * _NEG
-            merged = torch.cat((finished_scores, scores)).topk(nb).indices
-            finished = torch.cat((finished, topk_seqs))[merged]
-            finished_len = torch.cat((finished_len, torch.full((keep_k,), step + 1, device=device)))[merged]
-            finished_scores = torch.cat((finished_scores, scores))[merged]
-            is_finished = torch.cat((is_finished, just_finished))[merged]
-
-            # Can a running beam still beat the worst finished one?
-            generated = step + 1
-            # "never" with a positive penalty: assume a running beam may still grow to the maximum length.
-            best_len = max_new_tokens if early_stopping == "never" and length_penalty > 0.0 else generated
-            best_running = running_scores[0] / (best_len**length_penalty)
-            worst_finished = torch.where(is_finished, finished_scores.min(), _NEG)
-            improvable = improvable and bool((best_running > worst_finished).any())
-            all_done = early_stopping is True and bool(is_finished.all())
-            if not improvable or all_done or bool(hits.all()) or generated == max_new_tokens:
+            beam_index = beams.advance(step, logits)
+            if beam_index is None:
                 break
-
             cache.reorder(beam_index)
             if not cache.make_room(1):
                 break
-            logits = decode_step(model, running[:, step : step + 1], cache.next_positions(), cache)[:, -1]
+            logits = runner.static_decode(beams.running[:, step : step + 1], cache.next_positions(), cache)[:, -1]
+    return beams.best(num_return_sequences, eos_ids, max_new_tokens)
 
-    out = []
-    for i in range(num_return_sequences):
-        length = int(finished_len[i])
-        seq = finished[i, :length].tolist()
-        reason: FinishReason = "eos" if seq and seq[-1] in eos_ids else "length"
-        out.append(Candidate(tokens=seq, score=float(finished_scores[i]), finish_reason=reason))
-    return out
+
+class _Beams:
+    """The running and the finished beams of one search, as transformers keeps them (tensors [beams, …])."""
+
+    def __init__(
+        self,
+        nb: int,
+        max_new_tokens: int,
+        eos_ids: set[int],
+        length_penalty: float,
+        early_stopping: bool | Literal["never"],
+        device: torch.device,
+    ) -> None:
+        self.nb, self.keep_k, self.max_new = nb, max(2, 1 + len(eos_ids)) * nb, max_new_tokens
+        self.length_penalty, self.early_stopping, self.device = length_penalty, early_stopping, device
+        self.eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
+        self.top_mask = torch.arange(self.keep_k, device=device) < nb  # only these may become finished beams
+        self.running = torch.zeros(nb, max_new_tokens, dtype=torch.long, device=device)
+        self.running_scores = torch.full((nb,), _NEG, device=device)
+        self.running_scores[0] = 0.0  # all beams start equal: only beam 0 may expand at first
+        self.finished = torch.zeros(nb, max_new_tokens, dtype=torch.long, device=device)
+        self.finished_len = torch.zeros(nb, dtype=torch.long, device=device)
+        self.finished_scores = torch.full((nb,), _NEG, device=device)
+        self.is_finished = torch.zeros(nb, dtype=torch.bool, device=device)
+        self.improvable = True
+
+    def advance(self, step: int, logits: Tensor) -> Tensor | None:
+        """Extend the beams by one token from their logits [beams, V]; the rows the cache must take next
+        (row i becomes old row index[i]), or None when the search is over."""
+        nb, keep_k = self.nb, self.keep_k
+        vocab = logits.shape[-1]
+        log_probs = F.log_softmax(logits.float(), dim=-1) + self.running_scores[:, None]
+        topk_scores, topk_index = log_probs.view(-1).topk(keep_k)
+        source_beam, token = topk_index // vocab, topk_index % vocab
+        topk_seqs = self.running[source_beam]
+        topk_seqs[:, step] = token
+        hits = torch.isin(token, self.eos) | (step + 1 >= self.max_new)
+
+        # The best num_beams continuations that did not finish keep running.
+        running_candidates = topk_scores + hits.float() * _NEG
+        chosen = running_candidates.topk(nb).indices
+        self.running, self.running_scores = topk_seqs[chosen], running_candidates[chosen]
+        self._merge_finished(step, topk_seqs, topk_scores, hits & self.top_mask)
+
+        # Can a running beam still beat the worst finished one?
+        generated = step + 1
+        # "never" with a positive penalty: assume a running beam may still grow to the maximum length.
+        never = self.early_stopping == "never" and self.length_penalty > 0.0
+        best_running = self.running_scores[0] / ((self.max_new if never else generated) ** self.length_penalty)
+        worst_finished = torch.where(self.is_finished, self.finished_scores.min(), _NEG)
+        self.improvable = self.improvable and bool((best_running > worst_finished).any())
+        all_done = self.early_stopping is True and bool(self.is_finished.all())
+        if not self.improvable or all_done or bool(hits.all()) or generated == self.max_new:
+            return None
+        return source_beam[chosen]
+
+    def _merge_finished(self, step: int, seqs: Tensor, topk_scores: Tensor, just_finished: Tensor) -> None:
+        """The newly finished (top num_beams only) merged into the best num_beams finished so far."""
+        scores = topk_scores / ((step + 1) ** self.length_penalty)
+        if self.early_stopping is True and bool(self.is_finished.all()):
+            scores = scores + _NEG
+        if not self.improvable:
+            scores = scores + _NEG
+        scores = scores + (~just_finished).float() * _NEG
+        merged = torch.cat((self.finished_scores, scores)).topk(self.nb).indices
+        self.finished = torch.cat((self.finished, seqs))[merged]
+        lengths = torch.full((self.keep_k,), step + 1, device=self.device)
+        self.finished_len = torch.cat((self.finished_len, lengths))[merged]
+        self.finished_scores = torch.cat((self.finished_scores, scores))[merged]
+        self.is_finished = torch.cat((self.is_finished, just_finished))[merged]
+
+    def best(self, n: int, eos_ids: set[int], max_new_tokens: int) -> list[Candidate]:
+        out = []
+        for i in range(n):
+            seq = self.finished[i, : int(self.finished_len[i])].tolist()
+            # A finished beam ended with EOS or at the length limit: the rules every loop ends rows by.
+            reason = (end_after_token(seq[-1], seq, eos_ids, None, max_new_tokens) if seq else None) or "length"
+            out.append(Candidate(tokens=seq, score=float(self.finished_scores[i]), finish_reason=reason))
+        return out

@@ -7,24 +7,23 @@ products are ~10; a 128-token prefill spent a fifth of its time outside the prod
 same arithmetic with no per-op dispatch.
 
 A pass is a list of inputs, each a token at (cache row, slot, RoPE position). A decode row is one input
-(`step`, `step_rows`); a prompt chunk is one row's inputs at consecutive slots (`run`, `prefill_step`): every
+(`step`, `step_rows`); a prompt chunk is one row's inputs at consecutive slots (`run`, `native_static_prefill`): every
 input's K/V is stored before any input attends, so the chunk attends causally to itself. `run` takes the
 inputs whose logits are wanted, so a prefill pays for the head once, and a scheduler step puts its decode
 rows and prompt chunks into one pass.
 
-`FusedDecoder.build(model, cache)` checks that the model fits, and returns None (the caller keeps the torch
-path) otherwise: CPU, fp32 activations, an fp32, fp16 or bf16 KV cache (16-bit K/V are rounded as torch
-casts them and widened per attention chunk), every linear layer on a native kernel (fp32, bf16, fp16, int8,
-int4), in-features a multiple of 8, no forward hooks inside the layers (observers need the torch modules to
-run; `Transformer` checks that per step). Per-layer timings need no hooks: the pass writes its own clock
-marks into the model's `layer_clock`. The pointers it hands to C belong to tensors it keeps references to;
-`Transformer` rebuilds it when the cache or a weight tensor changes.
+`FusedDecoder.build(model, cache)` checks that the model fits, and returns None (the model runner keeps the
+torch modules, llm/model_runner.py) otherwise: CPU, fp32 activations, an fp32, fp16 or bf16 KV cache
+(16-bit K/V are rounded as torch casts them and widened per attention chunk), every linear layer on a
+native kernel (fp32, bf16, fp16, int8, int4), in-features a multiple of 8. Observers that hook the torch
+modules ask the runner for those instead. Per-layer timings need no hooks: the pass writes its own clock
+marks into the runner's `LayerClock`. The pointers it hands to C belong to tensors it keeps references
+to: a model moved or cast, or another cache, needs a new runner.
 """
 
 from __future__ import annotations
 
 import ctypes
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -211,7 +210,7 @@ class FusedDecoder:
             kv_format,
         )
         keep += [cache.k, cache.v]
-        self.clock: LayerClock | None = None  # set per step by `bound` from the model's own
+        self.clock: LayerClock | None = None  # set by the model runner before each pass
         self._layers = layers
         self._keep = keep
         self._lib = lib
@@ -219,37 +218,6 @@ class FusedDecoder:
         self._per_row = per_row + 3 * cfg.intermediate_size
         self._work = torch.empty(0)
         self.vocab = cfg.vocab_size
-
-    @staticmethod
-    def key_of(model: Transformer, cache: KVCache) -> tuple[Any, ...]:
-        """What the bound pointers depend on. The cache is held weakly: a new cache at a recycled address
-        (same id, same data pointers) is still a new cache."""
-        return (
-            weakref.ref(cache),
-            cache.k.data_ptr(),
-            cache.v.data_ptr(),
-            cache.valid.data_ptr(),
-            model.tok_embeddings.weight.data_ptr(),
-            id(model.output),
-            native.kernels(),  # the build (ISA path) the step calls into: tests switch it
-        )
-
-    @classmethod
-    def bound(cls, model: Transformer, cache: Any) -> FusedDecoder | None:
-        """The native step for `model` and `cache` when it applies now, else None (run the torch modules).
-
-        Built on first use and rebuilt whenever a bound tensor moved; never while observers hook the layers.
-        """
-        if not model.fused_decode or model.hooked():
-            return None
-        key = cls.key_of(model, cache)
-        binding = model.native_binding
-        if binding is None or binding[0] != key:
-            binding = model.native_binding = (key, cls.build(model, cache))
-        fused = binding[1]
-        if fused is not None:
-            fused.clock = model.layer_clock
-        return fused
 
     @classmethod
     def build(cls, model: Transformer, cache: KVCache) -> FusedDecoder | None:
@@ -327,34 +295,22 @@ class FusedDecoder:
         return logits
 
 
-def decode_step(model: Transformer, tokens: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
-    """Logits [B, 1, V] of one token per row of a static batch: the fused step where it applies, else torch."""
-    fused = FusedDecoder.bound(model, cache)
-    if fused is not None:
-        return fused.step(tokens, positions, cache)
-    return model(tokens, positions, cache, last_only=True)
-
-
 # Inputs per fused pass of a static prefill at most: the pass's work buffers (about 29 KB an input on SmolLM2)
 # are kept for the model's next pass, so a 16 x 2048-token batch in one pass would hold ~1 GB for good. 512
 # rows are past the point where the GEMMs gain from more (their activation chunks are L2-sized anyway).
 MAX_PASS_INPUTS = 512
 
 
-def prefill_step(
-    model: Transformer, tokens: Tensor, positions: Tensor, cache: KVCache, valid: Tensor | None, *, logits: bool
+def native_static_prefill(
+    fused: FusedDecoder, tokens: Tensor, positions: Tensor, cache: KVCache, valid: Tensor | None, *, logits: bool
 ) -> Tensor | None:
-    """A prompt chunk [B, T] of a static batch (left padding marked False in `valid`) through the model, its
-    K/V appended to `cache`: fused native passes where they apply, else the torch modules. With `logits`,
-    those of the chunk's last column [B, 1, V] (every row's last token: left padding), else None.
+    """A prompt chunk [B, T] of a static batch (left padding marked False in `valid`) through the native
+    pass, its K/V appended to `cache`. With `logits`, those of the chunk's last column [B, 1, V] (every row's
+    last token: left padding), else None.
 
-    The fused passes take only the real tokens (padding is never computed: its slots stay invalid, so no
-    query sees them), at most MAX_PASS_INPUTS at a time (column by column: each piece sees the ones before
-    it in the cache), and run the head on the last column alone."""
-    fused = FusedDecoder.bound(model, cache)
-    if fused is None:
-        out = model(tokens, positions, cache, valid=valid, last_only=True)
-        return out if logits else None
+    The passes take only the real tokens (padding is never computed: its slots stay invalid, so no query
+    sees them), at most MAX_PASS_INPUTS at a time (column by column: each piece sees the ones before it in
+    the cache), and run the head on the last column alone."""
     batch, width = tokens.shape
     keep = torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid
     step = max(1, MAX_PASS_INPUTS // batch)

@@ -7,64 +7,20 @@ done: removing it would mean compacting the cache, which costs more than the was
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Literal, Protocol
 
 import torch
 from torch import Tensor
 
-from .fused_decode import decode_step, prefill_step
+from .ending import FinishReason, end_after_token, non_finite, out_of_memory
+from .generation import Generation, Pick, TokenPicker, finite_rows, is_oom, release_memory
 from .kv_cache import KVCache
 from .model import Transformer
+from .model_runner import ModelRunner
 
-
-@dataclass
-class Pick:
-    """One chosen token. `logprob` is log-softmax of the raw model logits at that token."""
-
-    token: int
-    logprob: float
-    top: list[tuple[int, float]] | None = None
-
-
-class TokenPicker(Protocol):
-    """Chooses the next token of one row from its fp32 logits [V] and the ids seen so far."""
-
-    def __call__(self, logits_row: Tensor, seen: list[int]) -> Pick: ...
-
-
-FinishReason = Literal["eos", "length", "stop_string", "cache_full", "error", "cancelled"]
-
-
-@dataclass
-class Generation:
-    """One row's output. `tokens` are the generated ids only, ending with the EOS id when reason is "eos"."""
-
-    prompt_tokens: int
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-    prefill_s: float = 0.0  # the whole batch's prefill (scheduler: this request's own, admission to logits)
-    ttft_s: float | None = None  # generate() start (scheduler: submission) -> this row's first token picked
-    queued_s: float = 0.0  # scheduler: submission -> admission into a slot
-    decode_s: float = 0.0  # first token -> this row's last token
-    decode_steps: int = 0  # decode forward passes this row took part in
-    token_times: list[float] = field(default_factory=list)  # scheduler: perf_counter when each token was picked
-
-
-def is_oom(err: BaseException) -> bool:
-    # torch.OutOfMemoryError (CUDA, and other backends) subclasses RuntimeError; some backends raise a
-    # plain RuntimeError whose message says so.
-    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err)
-
-
-def release_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+__all__ = ["FinishReason", "Generation", "Pick", "TokenPicker", "finite_rows", "generate", "is_oom", "release_memory"]
 
 
 def generate(
@@ -79,6 +35,7 @@ def generate(
     stop_fn: Callable[[int, list[int]], bool] | None = None,
     on_token: Callable[[int, int], None] | None = None,
     prefill_chunk: int | None = None,
+    runner: ModelRunner | None = None,
 ) -> list[Generation]:
     """Generate for every prompt at once; one `Generation` per prompt, in order.
 
@@ -86,6 +43,7 @@ def generate(
     stop_fn(row, generated_ids) -> True ends the row with "stop_string" (checked after EOS, before length).
     on_token(row, token_id) is called for every generated token, EOS included, as soon as it is picked.
     prefill_chunk: prefill at most this many columns per forward pass (bounds activation memory).
+    runner: the model runner bound to `cache`'s memory (a plan's, chosen at load); default: one built here.
     A row whose logits are not finite ends with "error"; an out-of-memory error in a forward pass ends
     every row still running with "error" rather than raising.
     """
@@ -98,24 +56,23 @@ def generate(
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     run = _StaticBatch(prompts, pickers, limits, eos_ids, pad_id, stop_fn, on_token)
+    runner = runner or ModelRunner(model, cache)
     with torch.inference_mode():
         cache.reset(batch)
-        last = run.prefill(model, cache, prefill_chunk)
+        last = run.prefill(runner, cache, prefill_chunk)
         if last is not None and any(run.live):
             run.pick_all(last)
-        run.decode(model, cache)
+        run.decode(runner, cache)
     return run.gens
 
 
-def finite_rows(logits: Tensor) -> Tensor:
-    """Per row of [..., V] logits: all finite. NaN propagates through max and min, +inf shows in the max and
-    -inf in the min, so this is exact; it is 13x faster than isfinite().all() at [16, 49152] (0.08 vs 1 ms a
-    decode step), which torch runs without vectorizing."""
-    return torch.isfinite(logits.amax(-1)) & torch.isfinite(logits.amin(-1))
-
-
 class _StaticBatch:
-    """The rows of one `generate` call: left-padded prefill together, then one decode step for all per token."""
+    """The rows of one `generate` call: left-padded prefill together, then one decode step for all per token.
+
+    Kept apart from the engine loop (llm/engine_loop.py), whose slots each have a write pointer of their
+    own: the "slide" policy evicts over one shared write pointer (StreamingLLM: every row's keys re-rotated
+    at once), and beam search reorders whole rows after each step (`KVCache.reorder`). The ending rules are
+    the loop's (llm/ending.py)."""
 
     def __init__(
         self,
@@ -161,12 +118,10 @@ class _StaticBatch:
                 continue
             gen = self.gens[row]
             if not finite[row]:
-                self.finish(row, "error", f"non-finite logits (NaN/inf) at generated token {len(gen.tokens)}")
+                self.finish(row, "error", non_finite(len(gen.tokens)))
                 continue
             pick = self.pickers[row](logits[row], self.seen[row])
-            gen.tokens.append(pick.token)
-            gen.logprobs.append(pick.logprob)
-            gen.top_logprobs.append(pick.top)
+            gen.add(pick)
             self.seen[row].append(pick.token)
             if gen.ttft_s is None:
                 self.first_token_at[row] = time.perf_counter()
@@ -174,17 +129,15 @@ class _StaticBatch:
             self.next_ids[row] = pick.token
             if self.on_token is not None:
                 self.on_token(row, pick.token)
-            if pick.token in self.eos_ids:
-                self.finish(row, "eos")
-            elif self.stop_fn is not None and self.stop_fn(row, gen.tokens):
-                self.finish(row, "stop_string")
-            elif len(gen.tokens) >= self.limits[row]:
-                self.finish(row, "length")
+            stop = None if self.stop_fn is None else functools.partial(self.stop_fn, row)
+            reason = end_after_token(pick.token, gen.tokens, self.eos_ids, stop, self.limits[row])
+            if reason is not None:
+                self.finish(row, reason)
 
-    def prefill(self, model: Transformer, cache: KVCache, prefill_chunk: int | None) -> Tensor | None:
+    def prefill(self, runner: ModelRunner, cache: KVCache, prefill_chunk: int | None) -> Tensor | None:
         """Every prompt through the model, left-padded so each row's last token is in the last column; the
         fp32 logits of those last tokens, or None when the prefill could not finish."""
-        device, pad_id, prompts = model.device, self.pad_id, self.prompts
+        device, pad_id, prompts = runner.model.device, self.pad_id, self.prompts
         width = max(len(p) for p in prompts)
         tokens = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
         valid = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts], device=device)
@@ -200,15 +153,15 @@ class _StaticBatch:
                     self.finish_live("cache_full")
                     logits = None
                     break
-                logits = prefill_step(
-                    model, tokens[:, lo:hi], positions[:, lo:hi], cache, valid[:, lo:hi], logits=hi == width
+                logits = runner.static_prefill(
+                    tokens[:, lo:hi], positions[:, lo:hi], cache, valid[:, lo:hi], logits=hi == width
                 )
         except RuntimeError as err:
             if not is_oom(err):
                 raise
             logits = None
             release_memory(device)
-            self.finish_live("error", f"out of memory during prefill: {err}")
+            self.finish_live("error", out_of_memory("prefill", err))
         last = None
         if logits is not None:
             last = logits[:, -1].float()
@@ -218,21 +171,22 @@ class _StaticBatch:
             gen.prefill_s = prefill_s
         return last
 
-    def decode(self, model: Transformer, cache: KVCache) -> None:
+    def decode(self, runner: ModelRunner, cache: KVCache) -> None:
         """One token per live row per step until every row has ended."""
-        step_tokens = torch.full((self.batch, 1), self.pad_id, dtype=torch.long, device=model.device)
+        device = runner.model.device
+        step_tokens = torch.full((self.batch, 1), self.pad_id, dtype=torch.long, device=device)
         while any(self.live):
             if not cache.make_room(1):
                 self.finish_live("cache_full")
                 break
             step_tokens.copy_(torch.tensor(self.next_ids).view(self.batch, 1))
             try:
-                logits = decode_step(model, step_tokens, cache.next_positions(), cache)
+                logits = runner.static_decode(step_tokens, cache.next_positions(), cache)
             except RuntimeError as err:
                 if not is_oom(err):
                     raise
-                release_memory(model.device)
-                self.finish_live("error", f"out of memory during decode: {err}")
+                release_memory(device)
+                self.finish_live("error", out_of_memory("decode", err))
                 break
             for row in range(self.batch):
                 self.gens[row].decode_steps += self.live[row]

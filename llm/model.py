@@ -212,16 +212,6 @@ class Transformer(nn.Module):
         self.rope_inv_freq: Tensor
         if self.tok_embeddings.weight.device.type != "meta":  # from_weights builds them on the real device
             self.setup_rope(self.tok_embeddings.weight.device)
-        # Whether decode loops may run this model through the native fused step (llm/fused_decode.py), which
-        # binds itself here; the model itself always computes with the torch modules below (the reference).
-        self.fused_decode = True
-        self.native_binding: Any = None
-        # Set by an observer that asks for per-layer timings (llm/layer_clock.py); both paths record into it.
-        self.layer_clock: LayerClock | None = None
-
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        self.native_binding = None  # a move or cast frees the tensors a native step points at
-        return super()._apply(fn, recurse)
 
     def setup_rope(self, device: torch.device | str) -> None:
         """(Re)build the fp32 cos/sin tables [max_seq_len, head_dim/2] on `device`."""
@@ -231,16 +221,6 @@ class Transformer(nn.Module):
         self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
         self.register_buffer("rope_cos", freqs.cos(), persistent=False)
         self.register_buffer("rope_sin", freqs.sin(), persistent=False)
-
-    def hooked(self) -> bool:
-        """Whether observers hook modules inside the layers (they need the torch modules to run).
-
-        Asked before every fused step: the layers' modules are listed once (walking the module tree took
-        0.7 ms, a tenth of an int8 decode step); a layer's submodule replaced later is not seen."""
-        modules = self.__dict__.get("_layer_modules")
-        if modules is None:
-            modules = self.__dict__["_layer_modules"] = list(self.layers.modules())
-        return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
     @property
     def device(self) -> torch.device:
@@ -258,6 +238,7 @@ class Transformer(nn.Module):
         *,
         valid: Tensor | None = None,
         last_only: bool = False,
+        clock: LayerClock | None = None,
     ) -> Tensor:
         """Logits [B, T, V] (or [B, 1, V] with `last_only`) in the model's dtype.
 
@@ -267,9 +248,9 @@ class Transformer(nn.Module):
             covers everything cached; without it attention is causal over `tokens` alone.
         last_only: apply the head to the last position only; prefill needs no more (the [B,T,V] head
             is the costliest matmul of a prefill over a large vocabulary).
+        clock: per-layer timings of this pass are recorded into it (llm/layer_clock.py).
         """
         seqlen = tokens.shape[1]
-        clock = self.layer_clock
         marks = [now_ns(tokens.device)] if clock is not None else None
         h = self.tok_embeddings(tokens)
         # Gather cos/sin before `cache.append`: `positions` may be a view of the cache's next positions.

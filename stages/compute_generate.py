@@ -1,18 +1,22 @@
 """`compute.generate`: prefill + KV-cached decode, the sampler chain or beam search, stopping, streaming.
 
-Requests run through the continuous-batching scheduler (llm/scheduler.py) on slots of the plan's KV cache:
-each request joins as soon as a slot is free and leaves the moment it ends, with its own sampler, seed and
-limits; prompts sharing a prefix (a chat template's system prompt) reuse its K/V. Each sequence ends with a
-finish reason: eos | length | stop_string | cache_full | error. Out-of-memory and NaN/inf logits end the
-affected requests with reason `error` instead of killing the run. Beam search, and a cache with the
+Requests run through the engine loop (llm/engine_loop.py: continuous batching) on slots of the plan's KV
+cache: each request joins as soon as a slot is free and leaves the moment it ends, with its own sampler,
+seed and limits; prompts sharing a prefix (a chat template's system prompt) reuse its K/V. Each sequence
+ends with a finish reason: eos | length | stop_string | cache_full | error. Out-of-memory and NaN/inf logits
+end the affected requests with reason `error` instead of killing the run. Beam search, and a cache with the
 "slide" policy (StreamingLLM eviction over one shared write pointer), run as static batches.
+
+Whoever owns the loop steps it: a resident plan's host puts the loop it steps into the context
+(`engine_loop`), and this stage submits to it and waits for its requests to end (a cancel ends them at the
+loop's next step); otherwise (`llmplan run`) the stage makes a loop of its own and steps it to the end.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-import weakref
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -21,9 +25,11 @@ from pydantic import Field, model_validator
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import Phase, Stage
 from llmplan.llm.beam_search import beam_search
-from llmplan.llm.generate import Generation, generate
+from llmplan.llm.engine_loop import EngineLoop
+from llmplan.llm.generate import Generation, TokenPicker, generate
+from llmplan.llm.model_runner import ModelRunner
 from llmplan.llm.sampling import SamplingParams, build_picker
-from llmplan.llm.scheduler import GenerationRequest, Scheduler
+from llmplan.llm.scheduler import GenerationRequest, Sequence
 from llmplan.llm.slot_cache import SlotCache
 from llmplan.llm.stop_strings import StopStringStream, stop_checker
 from llmplan.llm.tokenizer import StreamDecoder
@@ -72,6 +78,29 @@ def settings_for(request: Request, params: GenerateParams, plan_seed: int) -> di
     return settings
 
 
+def picker_for(settings: dict[str, Any], params: GenerateParams, prompt_len: int) -> TokenPicker:
+    """The request's token picker, from its effective settings."""
+    sampling = SamplingParams(
+        **{k: settings[k] for k in SAMPLING_FIELDS}, logprobs_top_n=max(params.logprobs, ALTERNATIVES)
+    )
+    return build_picker(sampling, prompt_len)
+
+
+@dataclass
+class _Streaming:
+    """A single request's text, shown as it is generated (its stop strings never shown, even in part)."""
+
+    shown: StopStringStream
+    decoder: StreamDecoder | None
+    eos_ids: frozenset[int] = field(default_factory=frozenset)
+
+    def on_token(self, token: int) -> None:
+        if self.decoder is not None and token not in self.eos_ids:
+            piece = self.decoder.push(token)
+            if piece:
+                self.shown.push(piece)
+
+
 class Generate(Stage):
     """Prefill and decode with the KV cache; sample (or beam-search); stop; stream text."""
 
@@ -79,6 +108,7 @@ class Generate(Stage):
     phase = Phase.COMPUTE
     Params = GenerateParams
     reads = ("model", "kv_cache", "requests", "tokenizer", "model_config")
+    optional_reads = ("model_runner", "engine_loop")
     writes = ("generations",)
 
     def run(self, ctx: InferenceContext, params: Any) -> None:
@@ -87,32 +117,25 @@ class Generate(Stage):
         eos = (
             set() if params.ignore_eos else set(cfg.eos_token_ids) | ({tok.eos_id} if tok.eos_id is not None else set())
         )
-        pad = cfg.pad_token_id if cfg.pad_token_id is not None else (tok.pad_id or 0)
         seed = ctx.plan.plan.seed
-        results: list[Result] = []
+        runner = ctx.model_runner or ModelRunner(model, cache)
         started = time.perf_counter()
         if params.num_beams > 1:
-            if cache in _SERVED:
-                raise StageFailure("beam search cannot run beside a served scheduler (it uses the whole cache)")
-            if cache.max_batch < params.num_beams:
-                raise StageFailure(
-                    f"num_beams {params.num_beams} needs {params.num_beams} KV-cache rows; "
-                    f"the cache has {cache.max_batch} (set max_batch on the load.to_device stage)"
-                )
-            for request in requests:
-                results.append(self._beams(ctx, model, cache, request, params, eos, seed))
+            results = self._all_beams(ctx, runner, requests, params, eos, seed)
         else:
             size = min(params.batch_size or cache.max_batch, cache.max_batch)
             stream = params.stream and len(requests) == 1 and not ctx.json_mode
             if cache.policy == "slide":
+                pad = cfg.pad_token_id if cfg.pad_token_id is not None else (tok.pad_id or 0)
+                results = []
                 for first in range(0, len(requests), size):
                     group = requests[first : first + size]
-                    results += self._batch(ctx, model, cache, group, params, eos, pad, seed, stream)
+                    results += self._batch(ctx, runner, group, params, eos, pad, seed, stream)
             else:
-                results = self._scheduled(ctx, model, cache, requests, params, eos, seed, stream, size)
+                results = self._scheduled(ctx, runner, requests, params, eos, seed, stream, size)
         ctx.generations = results
         # generations.json; timings / attention files when observed
-        finish_observing(ctx, results, shared_model=cache in _SERVED)
+        finish_observing(ctx, results, shared_model=ctx.engine_loop is not None)
         total = sum(len(r.tokens) for r in results)
         wall = time.perf_counter() - started
         ctx.metrics.set("generated_tokens", total)
@@ -120,13 +143,12 @@ class Generate(Stage):
         ctx.metrics.set("finish_reasons", [r.finish_reason for r in results])
         ctx.metrics.set("per_request", [{"id": r.request_id, **r.timings} for r in results])
 
-    # --- sampling / greedy, through the scheduler -------------------------------------------------
+    # --- sampling / greedy, through the engine loop ------------------------------------------------
 
     def _scheduled(
         self,
         ctx: InferenceContext,
-        model: Any,
-        cache: Any,
+        runner: ModelRunner,
         requests: list[Request],
         params: GenerateParams,
         eos: set[int],
@@ -135,72 +157,71 @@ class Generate(Stage):
         running: int,
     ) -> list[Result]:
         tok = ctx.tokenizer
-        assert tok is not None
-        served = _SERVED.get(cache)
-        scheduler = served or new_scheduler(model, cache, params, running)
+        assert tok is not None and ctx.kv_cache is not None
+        served = ctx.engine_loop
+        loop = served or new_loop(runner, ctx.kv_cache, params, running)
         if served is None:
-            scheduler.timeline = []  # every step's passes, for the trace and the report
+            loop.timeline = []  # every step's passes, for the trace and the report
         settings_of = [settings_for(r, params, seed) for r in requests]
         decoder = StreamDecoder(tok, skip_special_tokens=True) if stream else None
-        # Only a single request streams: its stop strings are never shown, even in part.
-        shown = StopStringStream(ctx.stream, settings_of[0]["stop"] if stream else [])
-        eos_ids = frozenset(eos)
-        left = [len(requests)]
-        all_done = threading.Event()
-
-        def on_finish(_seq: Any) -> None:  # on the stepping thread, one request at a time
-            left[0] -= 1
-            if left[0] == 0:
-                all_done.set()
-
-        def on_token(token: int) -> None:
-            if decoder is not None and token not in eos_ids:
-                piece = decoder.push(token)
-                if piece:
-                    shown.push(piece)
-
+        shown = _Streaming(
+            StopStringStream(ctx.stream, settings_of[0]["stop"] if stream else []), decoder, frozenset(eos)
+        )
+        ended = _Countdown(len(requests))
+        # Served: a cancel (the client went away) ends the requests at the loop's next step, which wakes us.
+        cancel = ctx.cancel if served is not None else None
         submitted = []
         for request, settings in zip(requests, settings_of, strict=True):
-            prompt = self._fit(ctx, request, cache.max_tokens)
-            sampling = SamplingParams(
-                **{k: settings[k] for k in SAMPLING_FIELDS}, logprobs_top_n=max(params.logprobs, ALTERNATIVES)
-            )
-            seq = scheduler.submit(
+            prompt = self._fit(ctx, request, ctx.kv_cache.max_tokens)
+            seq = loop.submit(
                 GenerationRequest(
                     prompt=prompt,
-                    picker=build_picker(sampling, len(prompt)),
+                    picker=picker_for(settings, params, len(prompt)),
                     max_new_tokens=settings["max_new_tokens"],
-                    eos_ids=eos_ids,
+                    eos_ids=shown.eos_ids,
                     stop=stop_checker(tok, settings["stop"]),
-                    on_token=on_token if stream else None,
-                    on_finish=on_finish,
+                    on_token=shown.on_token if stream else None,
+                    on_finish=ended.one,
                     tag=request.id,
+                    cancel=cancel,
                 )
             )
             submitted.append((request, seq, settings))
         if served is None:
-            scheduler.run()
-        else:  # another thread steps the served scheduler: wait, and give the slots back if nobody wants the answer
-            while not all_done.wait(0.05):  # wakes the moment the last one ends; checks for a cancel meanwhile
-                if ctx.cancel.is_set():
-                    for _, seq, _ in submitted:
-                        scheduler.cancel(seq)
-                    all_done.wait()
-        if decoder is not None and served is None:
+            loop.run()
+        else:  # the host's thread steps the served loop: wait for the last request to end
+            ended.all.wait()
+        self._end_stream(ctx, shown, served is None)
+        return self._collect(ctx, loop, submitted, params, stream)
+
+    @staticmethod
+    def _end_stream(ctx: InferenceContext, shown: _Streaming, own_loop: bool) -> None:
+        if shown.decoder is None:
+            return
+        if own_loop:
             # A served answer's tail comes from its final text instead: an incomplete character held back
             # here is dropped there, and the client must get exactly the final text.
-            shown.push(decoder.flush())
-            shown.end()
+            shown.shown.push(shown.decoder.flush())
+            shown.shown.end()
             ctx.stream("\n")
-        elif decoder is not None:
-            shown.end()
-        if scheduler.timeline is not None:
-            record_steps(ctx, scheduler.timeline)
-        stats = scheduler.stats
+        else:
+            shown.shown.end()
+
+    @staticmethod
+    def _collect(
+        ctx: InferenceContext,
+        loop: EngineLoop,
+        submitted: list[tuple[Request, Sequence, dict[str, Any]]],
+        params: GenerateParams,
+        stream: bool,
+    ) -> list[Result]:
+        if loop.timeline is not None:
+            record_steps(ctx, loop.timeline)
+        stats = loop.stats
         ctx.metrics.set(
             "scheduler",
             {
-                "slots": scheduler.cache.slots,
+                "slots": loop.cache.slots,
                 "steps": stats.steps,
                 "busy_max": stats.busy_max,
                 "prefill_tokens": stats.prefill_tokens,
@@ -223,8 +244,7 @@ class Generate(Stage):
     def _batch(
         self,
         ctx: InferenceContext,
-        model: Any,
-        cache: Any,
+        runner: ModelRunner,
         group: list[Request],
         params: GenerateParams,
         eos: set[int],
@@ -232,16 +252,11 @@ class Generate(Stage):
         seed: int,
         stream: bool,
     ) -> list[Result]:
-        tok = ctx.tokenizer
+        tok, cache = ctx.tokenizer, ctx.kv_cache
+        assert cache is not None
         settings = [settings_for(r, params, seed) for r in group]
-        prompts = [self._fit(ctx, r, cache.max_tokens) for r, s in zip(group, settings, strict=True)]
-        pickers = [
-            build_picker(
-                SamplingParams(**{k: s[k] for k in SAMPLING_FIELDS}, logprobs_top_n=max(params.logprobs, ALTERNATIVES)),
-                len(p),
-            )
-            for s, p in zip(settings, prompts, strict=True)
-        ]
+        prompts = [self._fit(ctx, r, cache.max_tokens) for r in group]
+        pickers = [picker_for(s, params, len(p)) for s, p in zip(settings, prompts, strict=True)]
         stops = [stop_checker(tok, s["stop"]) for s in settings]
         decoders = [StreamDecoder(tok, skip_special_tokens=True) for _ in group] if stream else []
         shown = StopStringStream(ctx.stream, settings[0]["stop"] if stream else [])
@@ -259,7 +274,7 @@ class Generate(Stage):
         cache.reset(len(group))
         with torch.inference_mode():
             gens = generate(
-                model,
+                runner.model,
                 cache,
                 prompts,
                 pickers=pickers,
@@ -269,6 +284,7 @@ class Generate(Stage):
                 stop_fn=stop_fn if any(c is not None for c in stops) else None,
                 on_token=on_token if stream else None,
                 prefill_chunk=params.prefill_chunk,
+                runner=runner,
             )
         if decoders:
             shown.push(decoders[0].flush())
@@ -294,11 +310,30 @@ class Generate(Stage):
 
     # --- beam search --------------------------------------------------------------------------------
 
+    def _all_beams(
+        self,
+        ctx: InferenceContext,
+        runner: ModelRunner,
+        requests: list[Request],
+        params: GenerateParams,
+        eos: set[int],
+        seed: int,
+    ) -> list[Result]:
+        cache = ctx.kv_cache
+        assert cache is not None
+        if ctx.engine_loop is not None:
+            raise StageFailure("beam search cannot run beside a served engine loop (it uses the whole cache)")
+        if cache.max_batch < params.num_beams:
+            raise StageFailure(
+                f"num_beams {params.num_beams} needs {params.num_beams} KV-cache rows; "
+                f"the cache has {cache.max_batch} (set max_batch on the load.to_device stage)"
+            )
+        return [self._beams(ctx, runner, request, params, eos, seed) for request in requests]
+
     def _beams(
         self,
         ctx: InferenceContext,
-        model: Any,
-        cache: Any,
+        runner: ModelRunner,
         request: Request,
         params: GenerateParams,
         eos: set[int],
@@ -306,13 +341,15 @@ class Generate(Stage):
     ) -> Result:
         settings = settings_for(request, params, seed)
         max_new = settings["max_new_tokens"]
+        cache = ctx.kv_cache
+        assert cache is not None
         prompt = self._fit(ctx, request, cache.max_tokens - max_new + 1)
         cache.reset(params.num_beams)
         start = time.perf_counter()
         try:
             with torch.inference_mode():
                 candidates = beam_search(
-                    model,
+                    runner.model,
                     cache,
                     prompt,
                     num_beams=params.num_beams,
@@ -321,6 +358,7 @@ class Generate(Stage):
                     length_penalty=params.length_penalty,
                     num_return_sequences=params.num_return_sequences,
                     early_stopping=params.early_stopping,
+                    runner=runner,
                 )
         except (torch.OutOfMemoryError, RuntimeError) as bad:
             ctx.log.warning("generation_error", request=request.id, error=str(bad))
@@ -338,14 +376,24 @@ class Generate(Stage):
         )
 
 
-_SERVED: weakref.WeakKeyDictionary[Any, Scheduler] = weakref.WeakKeyDictionary()
-"""Schedulers that a resident plan steps in a thread of its own, by the KV cache whose slots they own."""
+class _Countdown:
+    """Set `all` once `one` has been called n times (each request's on_finish, on the stepping thread)."""
+
+    def __init__(self, n: int) -> None:
+        self.left, self.all = n, threading.Event()
+        if n == 0:
+            self.all.set()
+
+    def one(self, _seq: Any) -> None:
+        self.left -= 1
+        if self.left == 0:
+            self.all.set()
 
 
-def new_scheduler(model: Any, cache: Any, params: GenerateParams, running: int) -> Scheduler:
+def new_loop(runner: ModelRunner, cache: Any, params: GenerateParams, running: int) -> EngineLoop:
     try:
-        return Scheduler(
-            model,
+        return EngineLoop(
+            runner,
             SlotCache.over(cache),
             max_step_tokens=params.max_step_tokens,
             prefill_chunk=params.prefill_chunk,
@@ -356,20 +404,17 @@ def new_scheduler(model: Any, cache: Any, params: GenerateParams, running: int) 
         raise StageFailure(f"compute.generate: {bad}") from None
 
 
-def serve_scheduler(model: Any, cache: Any, params: GenerateParams) -> Scheduler:
-    """The scheduler every later run of this stage on `cache` submits to instead of running its own; the
-    caller steps it (`Scheduler.serve`) and calls `unserve` when done. Its slots span the whole cache."""
+def serving_loop(ctx: InferenceContext, params: GenerateParams) -> EngineLoop:
+    """The engine loop a resident plan serves with, over the whole cache: its owner steps it and hands it to
+    the requests' runs through the context (`ctx.engine_loop`)."""
+    cache = ctx.kv_cache
+    assert ctx.model is not None and cache is not None
     if params.num_beams > 1:
         raise StageFailure("beam search runs as a static batch over the whole cache: it cannot be served")
     if cache.policy == "slide":
         raise StageFailure('the "slide" KV-cache policy evicts over a shared write pointer: it cannot be served')
-    scheduler = new_scheduler(model, cache, params, cache.max_batch)
-    _SERVED[cache] = scheduler
-    return scheduler
-
-
-def unserve(cache: Any) -> None:
-    _SERVED.pop(cache, None)
+    runner = ctx.model_runner or ModelRunner(ctx.model, cache)
+    return new_loop(runner, cache, params, cache.max_batch)
 
 
 def _result(

@@ -19,6 +19,7 @@ from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
 from llmplan.llm.kv_cache import KVCache
 from llmplan.llm.linear import kernel_paths, make_linear
 from llmplan.llm.model import Transformer
+from llmplan.llm.model_runner import ModelRunner
 from llmplan.llm.weights import WeightError
 
 from .load_convert import activation_dtype
@@ -77,7 +78,7 @@ class ToDevice(Stage):
     phase = Phase.LOAD
     Params = ToDeviceParams
     reads = ("weights", "model_config", "environment")
-    writes = ("model", "kv_cache")
+    writes = ("model", "kv_cache", "model_runner")
 
     def run(self, ctx: InferenceContext, params: Any) -> None:
         cfg, weights = ctx.model_config, ctx.weights
@@ -117,8 +118,10 @@ class ToDevice(Stage):
             if callable(prepack):
                 prepack()
         ctx.trace.add("prepack weights for the kernels", "load", allocated, time.perf_counter_ns())
-        ctx.model, ctx.kv_cache = model, cache
-        begin_observing(ctx, model, cache)  # model.json always; hooks only when plan.observe asks
+        # The backend (native pass or torch modules) is chosen here, once: after prepack, which picks kernels.
+        runner = ModelRunner(model, cache)
+        ctx.model, ctx.kv_cache, ctx.model_runner = model, cache, runner
+        begin_observing(ctx, model, cache, runner)  # model.json always; hooks only when plan.observe asks
         ctx.weights = None  # the model owns the tensors now
         # Only the RoPE tables: model.buffers() also holds quantized weights' codes and scales, which
         # are counted under weights (summing all buffers reported 129.5 MiB of "work buffers").

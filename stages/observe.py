@@ -4,13 +4,14 @@
 at run time. The hooks are opt-in through the plan's `observe:` block: `install_observers` returns
 None and installs nothing when nothing is asked, so an unobserved run is the plain model.
 
-* layer timings: a LayerClock on the model (llm/layer_clock.py), no hooks: the fused native decode step
+* layer timings: a LayerClock on the model runner (llm/layer_clock.py), no hooks: the fused native pass
   and the torch modules both mark each layer's attention and MLP, so the run keeps the path it would
   take unobserved; the record holds the median and spread per layer over every pass, prefill and decode
   apart, and which path ran them. Every pass also goes into the run's trace.json.
 * attention: SDPA returns no weights, so a forward hook on the chosen layers' attention modules
   recomputes softmax(q k^T / sqrt(d)) for the chosen heads from the module's input x, its wqkv and the
-  model's RoPE tables, over the first request's prompt, during the first prefill pass only.
+  model's RoPE tables, over the first request's prompt, during the first prefill pass only. The runner is
+  told to run the torch modules (`ModelRunner.use_reference`): the native pass would run no hooks.
 
 The run directory gets model.json, generations.json, and layer_timings.json / attention.json when asked.
 """
@@ -32,9 +33,10 @@ from llmplan.llm.layer_clock import LayerClock
 from llmplan.llm.model import apply_rope
 
 if TYPE_CHECKING:
+    from llmplan.llm.engine_loop import StepRecord
     from llmplan.llm.kv_cache import KVCache
     from llmplan.llm.model import Transformer
-    from llmplan.llm.scheduler import StepRecord
+    from llmplan.llm.model_runner import ModelRunner
     from llmplan.llm.tokenizer import Tokenizer
 
     from .slots import InferenceContext
@@ -168,16 +170,20 @@ class Observer:
     """What one model records: per-layer timings (a LayerClock, no hooks) and attention (hooks on the
     chosen layers); `save` writes it, `remove` takes it off again."""
 
-    def __init__(self, model: Transformer, layer_timings: bool, attention: Any | None) -> None:
-        self.model = model
+    def __init__(
+        self, model: Transformer, layer_timings: bool, attention: Any | None, runner: ModelRunner | None = None
+    ) -> None:
+        self.model, self.runner = model, runner
         self.handles: list[Any] = []
         n = len(model.layers)
         self.n_layers = n
         self.sync = model.device.type == "cuda"  # kernels are asynchronous: time them only once done
         self.clock: LayerClock | None = None
         if layer_timings:
-            # Read by the fused native step and the torch modules alike: the run keeps the path it would take.
-            self.clock = model.layer_clock = LayerClock(n)
+            # Read by the fused native pass and the torch modules alike: the run keeps the path it would take.
+            self.clock = LayerClock(n)
+            if runner is not None:
+                runner.clock = self.clock
         self.attention: dict[str, Any] | None = None
         if attention is not None:
             n_heads = model.layers[0].attention.n_heads
@@ -193,6 +199,8 @@ class Observer:
             }
             self._prompt_ids: Tensor | None = None
             self._install_attention(layers, heads)
+            if runner is not None:
+                runner.use_reference()  # the hooks need the torch modules to run
 
     # attention
 
@@ -251,13 +259,11 @@ class Observer:
             return hook
 
         handles = [model.layers[layer].attention.register_forward_hook(hook_for(layer)) for layer in state["layers"]]
-        clock, model.layer_clock = model.layer_clock, None  # not a pass of the run: keep it out of the timings
-        try:
+        try:  # no clock: not a pass of the run, kept out of the timings
             tokens = torch.tensor([ids], device=model.device)
             with torch.inference_mode():
                 model(tokens, torch.arange(len(ids), device=model.device)[None], last_only=True)
         finally:
-            model.layer_clock = clock
             for handle in handles:
                 handle.remove()
         state["decode"] = {"prompt_ids": prompt, "picked_ids": picked, "maps": out}
@@ -288,13 +294,14 @@ class Observer:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
-        if self.clock is not None and self.model is not None and self.model.layer_clock is self.clock:
-            self.model.layer_clock = None
+        if self.clock is not None and self.runner is not None and self.runner.clock is self.clock:
+            self.runner.clock = None
 
     def release(self) -> None:
         """Hooks off and the model let go: the hooks' closures and this object would keep it alive."""
         self.remove()
         self.model = None  # type: ignore[assignment]
+        self.runner = None
         self._prompt_ids = None
 
     def timings_record(self, load_average: list[float] | None = None) -> dict[str, Any] | None:
@@ -444,13 +451,14 @@ def check_attention_choice(ctx: InferenceContext, model: Transformer) -> None:
         raise StageFailure("; ".join(str(source.finding(path, message)) for path, message in problems))
 
 
-def install_observers(model: Transformer, observe_settings: Any) -> Observer | None:
-    """Hooks for what `observe_settings` (the plan's `observe:` block) asks; None, and no hooks, otherwise."""
+def install_observers(model: Transformer, observe_settings: Any, runner: ModelRunner | None = None) -> Observer | None:
+    """Hooks for what `observe_settings` (the plan's `observe:` block) asks; None, and no hooks, otherwise.
+    `runner`: the model runner whose passes are timed (and told to run the torch modules when hooked)."""
     timings = bool(getattr(observe_settings, "layer_timings", False))
     attention = getattr(observe_settings, "attention", None)
     if not timings and attention is None:
         return None
-    return Observer(model, timings, attention)
+    return Observer(model, timings, attention, runner)
 
 
 # --- what a run records ------------------------------------------------------------------------------
@@ -517,13 +525,15 @@ def record_steps(ctx: InferenceContext, timeline: list[StepRecord]) -> None:
         _write_json(Path(ctx.run_dir) / STEPS_FILE, {"clock": "seconds since the run started", "steps": steps})
 
 
-def begin_observing(ctx: InferenceContext, model: Transformer, kv_cache: KVCache | None) -> Observer | None:
+def begin_observing(
+    ctx: InferenceContext, model: Transformer, kv_cache: KVCache | None, runner: ModelRunner | None = None
+) -> Observer | None:
     """For load.to_device: write model.json, install the hooks the plan asks for (kept in ctx.ext)."""
     if ctx.run_dir is not None:
         _write_json(Path(ctx.run_dir) / MODEL_FILE, model_summary(model, kv_cache))
     settings = ctx.plan.plan.observe if ctx.plan is not None else None
     check_attention_choice(ctx, model)
-    observer = install_observers(model, settings)
+    observer = install_observers(model, settings, runner)
     if observer is not None:
         ctx.ext[OBSERVER_KEY] = observer
     return observer

@@ -4,7 +4,7 @@ Slot names are field names, so a stage's `reads`/`writes` are checked against th
 registered, and the graph the engine derives from them is the data flow of inference:
 
     environment → model_source → model_config, tokenizer → shard_manifest (verified) → host_weights
-    → weights (converted) → model, kv_cache → requests → generations → answers → completions
+    → weights (converted) → model, kv_cache, model_runner → requests → generations → answers → completions
     → deliveries, cache_record → release_report
 """
 
@@ -21,8 +21,10 @@ from . import observe_settings
 if TYPE_CHECKING:
     from llmplan.llm.checkpoint import ShardManifest
     from llmplan.llm.config import ModelConfig
+    from llmplan.llm.engine_loop import EngineLoop
     from llmplan.llm.kv_cache import KVCache
     from llmplan.llm.model import Transformer
+    from llmplan.llm.model_runner import ModelRunner
     from llmplan.llm.tokenizer import Tokenizer
 
     from .types import ConvertedWeights, Environment, HostWeights, ModelSource, Request, Result
@@ -41,6 +43,10 @@ class InferenceContext(Context):
     weights: ConvertedWeights | None = None
     model: Transformer | None = None
     kv_cache: KVCache | None = None
+    model_runner: ModelRunner | None = None  # the model on the backend chosen at load, bound to kv_cache
+    # The engine loop a resident plan's owner steps (the host, serving); compute.generate submits to it.
+    # None: compute.generate runs and steps a loop of its own (`llmplan run`).
+    engine_loop: EngineLoop | None = None
     requests: list[Request] | None = None
     generations: list[Result] | None = None
     answers: list[Result] | None = None

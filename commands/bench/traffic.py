@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
+from llmplan.llm.engine_loop import EngineLoop, GenerationRequest
 from llmplan.llm.generate import generate
 from llmplan.llm.kv_cache import KVCache
-from llmplan.llm.scheduler import GenerationRequest, Scheduler
 from llmplan.llm.slot_cache import SlotCache
 
 from .measure import greedy
@@ -70,7 +70,8 @@ def run_static(model: Any, cache: KVCache, mix: Mix, slots: int) -> dict[str, An
 
 
 def run_scheduled(model: Any, slots: SlotCache, mix: Mix, max_step_tokens: int) -> dict[str, Any]:
-    sched = Scheduler(model, slots, max_step_tokens=max_step_tokens, prefix_reuse=False)  # random prompts share none
+    # random prompts share no prefix
+    sched = EngineLoop.for_model(model, slots, max_step_tokens=max_step_tokens, prefix_reuse=False)
     start = time.perf_counter()
     seqs = [sched.submit(GenerationRequest(prompt=p, picker=greedy, max_new_tokens=n)) for p, n in mix]
     sched.run()
@@ -105,7 +106,7 @@ def single_request_tax(model: Any, cache: KVCache, prompt: list[int], gen: int, 
         with torch.inference_mode():
             g = generate(model, cache, [prompt], pickers=[greedy], max_new_tokens=gen, eos_ids=set(), pad_id=0)[0]
         static.append((len(g.tokens) - 1) / g.decode_s)
-        sched = Scheduler(model, SlotCache.over(cache), max_running=1, max_step_tokens=len(prompt) + 1)
+        sched = EngineLoop.for_model(model, SlotCache.over(cache), max_running=1, max_step_tokens=len(prompt) + 1)
         seq = sched.submit(GenerationRequest(prompt=prompt, picker=greedy, max_new_tokens=gen))
         sched.run()
         scheduled.append((len(seq.generation.tokens) - 1) / seq.generation.decode_s)

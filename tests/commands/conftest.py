@@ -63,11 +63,11 @@ def write_serve_plan(
     return path
 
 
-def hold_after(scheduler: Any, steps: int) -> threading.Event:
-    """From its `steps`-th step on, the scheduler's stepper waits until the returned event is set: a request
+def hold_after(loop: Any, steps: int) -> threading.Event:
+    """From its `steps`-th step on, the engine loop's stepper waits until the returned event is set: a request
     held mid-way cannot end by itself while the test acts (disconnects, fills the queue)."""
-    gate, step = threading.Event(), scheduler.step
-    scheduler.step = lambda: (scheduler.stats.steps < steps or gate.wait(30)) and step()
+    gate, step = threading.Event(), loop.step
+    loop.step = lambda: (loop.stats.steps < steps or gate.wait(30)) and step()
     return gate
 
 

@@ -159,7 +159,7 @@ def test_a_client_that_goes_away_frees_its_slot(tiny_model: Path, tmp_path: Path
     with LiveServer(plan, ServerSettings()) as live:
         scheduler = live.host.scheduler
         assert scheduler is not None
-        gate = hold_after(scheduler, 3)  # the request has tokens out and cannot end by itself
+        gate = hold_after(live.host.loop, 3)  # the request has tokens out and cannot end by itself
         body = {"prompt": "Hello world", "max_tokens": MAX_NEW, "stream": True}
         with httpx.stream("POST", f"{live.url}/completions", json=body, timeout=30) as answer:
             lines = answer.iter_lines()
@@ -199,7 +199,7 @@ def test_a_full_queue_answers_429(tiny_model: Path, tmp_path: Path) -> None:
     with LiveServer(plan, ServerSettings(max_queue=1)) as live:
         scheduler = live.host.scheduler
         assert scheduler is not None
-        gate = hold_after(scheduler, 0)  # the first request is held
+        gate = hold_after(live.host.loop, 0)  # the first request is held
         answers: list[httpx.Response] = []
         first = threading.Thread(
             target=lambda: answers.append(
@@ -327,7 +327,7 @@ def test_a_cancelled_answer_is_never_replayed(tiny_model: Path, tmp_path: Path) 
     with LiveServer(plan, ServerSettings()) as live:
         scheduler = live.host.scheduler
         assert scheduler is not None
-        gate = hold_after(scheduler, 3)
+        gate = hold_after(live.host.loop, 3)
         body = {"prompt": "Hello world", "max_tokens": MAX_NEW, "stream": True}
         with httpx.stream("POST", f"{live.url}/completions", json=body, timeout=30) as answer:
             next(line for line in answer.iter_lines() if line.startswith("data: {"))

@@ -17,11 +17,14 @@ from torch import Tensor
 
 from llmplan.llm import native
 from llmplan.llm.beam_search import beam_search
-from llmplan.llm.fused_decode import FusedDecoder, decode_step, prefill_step
+from llmplan.llm.flat_batch import FlatBatch, Part
+from llmplan.llm.fused_decode import FusedDecoder
 from llmplan.llm.generate import Pick, generate
 from llmplan.llm.kv_cache import KVCache
 from llmplan.llm.linear import make_linear
 from llmplan.llm.model import Transformer
+from llmplan.llm.model_runner import ModelRunner
+from llmplan.llm.slot_cache import SlotCache
 from llmplan.llm.weight_formats import quantize_weight
 
 pytestmark = [
@@ -77,11 +80,22 @@ class Counting:
         monkeypatch.setattr(FusedDecoder, "step", step)
 
 
-def _generate(model: Transformer, prompts: list[list[int]], fused: bool, **cache_kw) -> list[list[int]]:
-    model.fused_decode = fused
+def _generate(
+    model: Transformer, prompts: list[list[int]], fused: bool, *, reference: bool = False, **cache_kw
+) -> list[list[int]]:
     cache = KVCache.for_model(model, len(prompts), cache_kw.pop("max_tokens", 64), **cache_kw)
+    runner = ModelRunner(model, cache, native=fused)
+    if reference:
+        runner.use_reference()
     gens = generate(
-        model, cache, prompts, pickers=[greedy] * len(prompts), max_new_tokens=20, eos_ids=set(), pad_id=PAD
+        model,
+        cache,
+        prompts,
+        pickers=[greedy] * len(prompts),
+        max_new_tokens=20,
+        eos_ids=set(),
+        pad_id=PAD,
+        runner=runner,
     )
     return [g.tokens for g in gens]
 
@@ -102,17 +116,17 @@ def test_fused_logits_match_the_torch_path(tiny_dir, precision: str) -> None:
     model = _model(tiny_dir, precision)
     rows = []
     for fused in (False, True):
-        model.fused_decode = fused
         cache = KVCache.for_model(model, 3, 40)
+        runner = ModelRunner(model, cache, native=fused)
         width = max(map(len, PROMPTS))
         tokens = torch.tensor([[PAD] * (width - len(p)) + p for p in PROMPTS])
         valid = tokens != PAD
         positions = (valid.cumsum(1) - 1).clamp(min=0)
         steps = []
         with torch.inference_mode():
-            model(tokens, positions, cache, valid=valid, last_only=True)
+            runner.static_prefill(tokens, positions, cache, valid, logits=False)
             for token in (7, 99, 3, 250, 12):
-                steps.append(model(torch.full((3, 1), token), cache.next_positions(), cache))
+                steps.append(runner.static_decode(torch.full((3, 1), token), cache.next_positions(), cache))
         rows.append(torch.cat(steps, 1))
     torch_path, fused_path = rows
     assert (fused_path - torch_path).abs().max() <= 1e-5 * torch_path.abs().max()
@@ -145,14 +159,15 @@ def test_fused_prefill_matches_the_torch_prefill(
     positions = (valid.cumsum(1) - 1).clamp(min=0)
     found = []
     for fused in (False, True):
-        model.fused_decode = fused
         cache = KVCache.for_model(model, 3, 40)
+        runner = ModelRunner(model, cache, native=fused)
         step = chunk or width
         with torch.inference_mode():
             for lo in range(0, width, step):
                 hi = min(lo + step, width)
-                last = prefill_step(model, tokens[:, lo:hi], positions[:, lo:hi], cache, valid[:, lo:hi], logits=hi == width)
-            after = [decode_step(model, torch.full((3, 1), t), cache.next_positions(), cache) for t in (7, 99, 3)]
+                part = (tokens[:, lo:hi], positions[:, lo:hi], cache, valid[:, lo:hi])
+                last = runner.static_prefill(*part, logits=hi == width)
+            after = [runner.static_decode(torch.full((3, 1), t), cache.next_positions(), cache) for t in (7, 99, 3)]
         assert last is not None and last.shape == (3, 1, model.cfg.vocab_size)
         found.append(torch.cat([last, *after], 1))
     torch_path, fused_path = found
@@ -174,19 +189,19 @@ def test_fused_beam_search_finds_the_same_beams(tiny_dir, monkeypatch) -> None:
     counter = Counting(monkeypatch)
     results = []
     for fused in (False, True):
-        model.fused_decode = fused
         cache = KVCache.for_model(model, 4, 64)
-        found = beam_search(model, cache, PROMPTS[0], num_beams=4, max_new_tokens=12, eos_ids={2})
+        runner = ModelRunner(model, cache, native=fused)
+        found = beam_search(model, cache, PROMPTS[0], num_beams=4, max_new_tokens=12, eos_ids={2}, runner=runner)
         results.append([(c.tokens, round(c.score, 4)) for c in found])
     assert counter.calls > 0 and results[0] == results[1]
 
 
-def test_hooks_inside_the_layers_keep_the_torch_path(tiny_dir, monkeypatch) -> None:
+def test_an_observer_that_hooks_the_layers_gets_the_torch_modules(tiny_dir, monkeypatch) -> None:
     model = _model(tiny_dir, "fp32")
     seen: list[int] = []
     handle = model.layers[1].attention.register_forward_hook(lambda m, i, o: seen.append(1))
     counter = Counting(monkeypatch)
-    _generate(model, PROMPTS[:1], fused=True)
+    _generate(model, PROMPTS[:1], fused=True, reference=True)  # what observe asks for when it hooks
     assert counter.calls == 0 and len(seen) == 20  # the prefill and 19 decode steps ran the module
     handle.remove()
     _generate(model, PROMPTS[:1], fused=True)
@@ -219,15 +234,15 @@ def test_fused_pass_on_a_16_bit_kv_cache_matches_the_torch_path(tiny_dir, dtype:
     assert FusedDecoder.build(model, KVCache.for_model(model, 1, 16, dtype=dtype)) is not None
     rows = []
     for fused in (False, True):
-        model.fused_decode = fused
         cache = KVCache.for_model(model, 3, 40, dtype=dtype)
+        runner = ModelRunner(model, cache, native=fused)
         width = max(map(len, PROMPTS))
         tokens = torch.tensor([[PAD] * (width - len(p)) + p for p in PROMPTS])
         valid = tokens != PAD
         positions = (valid.cumsum(1) - 1).clamp(min=0)
         with torch.inference_mode():
-            first = prefill_step(model, tokens, positions, cache, valid, logits=True)
-            steps = [decode_step(model, torch.full((3, 1), t), cache.next_positions(), cache) for t in (7, 99, 3)]
+            first = runner.static_prefill(tokens, positions, cache, valid, logits=True)
+            steps = [runner.static_decode(torch.full((3, 1), t), cache.next_positions(), cache) for t in (7, 99, 3)]
         assert first is not None
         rows.append((torch.cat([first, *steps], 1), cache.k.clone()))
     (torch_path, torch_k), (fused_path, fused_k) = rows
@@ -241,13 +256,42 @@ def test_fused_pass_on_a_16_bit_kv_cache_matches_the_torch_path(tiny_dir, dtype:
     assert stored.any() and (a == b).float().mean() > 0.99 and ((a - b).abs() <= one_step).all()
 
 
-def test_a_moved_cache_rebinds_the_step(tiny_dir) -> None:
+def test_the_backend_is_chosen_once_when_the_runner_is_built(tiny_dir) -> None:
     model = _model(tiny_dir, "fp32")
-    first = KVCache.for_model(model, 1, 16)
-    decoder = FusedDecoder.bound(model, first)
-    assert decoder is not None and FusedDecoder.bound(model, first) is decoder
-    second = KVCache.for_model(model, 1, 16)
-    assert FusedDecoder.bound(model, second) is not decoder
+    runner = ModelRunner(model, KVCache.for_model(model, 1, 16))
+    assert runner.backend == ("native" if native.kernels() is not None else "torch")
+    runner.use_reference()
+    assert runner.backend == "torch"
+    bf16 = load_tiny(tiny_dir, dtype=torch.bfloat16)
+    assert ModelRunner(bf16, KVCache.for_model(bf16, 1, 16)).backend == "torch"  # the native pass does not fit
+    assert ModelRunner(model, KVCache.for_model(model, 1, 16), native=False).backend == "torch"
+
+
+# One flat batch, both backends: decode rows at different lengths beside prompt chunks (one that wants no
+# logits, one whose last token does), then decode rows alone. Same logits, same K/V.
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_a_flat_batch_gives_the_same_on_both_backends(tiny_dir, precision: str) -> None:
+    model = _model(tiny_dir, precision)
+    passes = [
+        [Part(0, 0, [1, 17, 99, 4, 250], True), Part(1, 0, [1, 5, 9], True), Part(2, 0, [1, 200, 13], False)],
+        [Part(0, 5, [7], True), Part(1, 3, [31], True), Part(2, 3, [77, 3, 3], True)],
+        [Part(0, 6, [8], True), Part(2, 6, [40], True), Part(1, 4, [9], True)],
+    ]
+    found = []
+    for fused in (False, True):
+        cache = SlotCache.for_model(model, 3, 32)
+        runner = ModelRunner(model, cache, native=fused)
+        out = []
+        with torch.inference_mode():
+            for parts in passes:
+                cache.claim([p.row for p in parts], [p.tokens for p in parts])
+                out.append(runner.forward(FlatBatch(parts), cache))
+        assert [o.shape[0] for o in out] == [2, 3, 3]
+        found.append((torch.cat(out), cache.k.clone(), cache.v.clone()))
+    (torch_logits, torch_k, torch_v), (fused_logits, fused_k, fused_v) = found
+    assert (fused_logits - torch_logits).abs().max() <= 1e-5 * torch_logits.abs().max()
+    torch.testing.assert_close(fused_k, torch_k, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(fused_v, torch_v, atol=1e-5, rtol=1e-4)
 
 
 def test_out_of_range_token_ids_raise_instead_of_reading_past_the_table(tiny_dir) -> None:
@@ -256,4 +300,5 @@ def test_out_of_range_token_ids_raise_instead_of_reading_past_the_table(tiny_dir
     with torch.inference_mode():
         model(torch.tensor([[1, 5]]), torch.tensor([[0, 1]]), cache)
         with pytest.raises(IndexError, match="token ids"):
-            decode_step(model, torch.tensor([[model.cfg.vocab_size]]), cache.next_positions(), cache)
+            runner = ModelRunner(model, cache)
+            runner.static_decode(torch.tensor([[model.cfg.vocab_size]]), cache.next_positions(), cache)

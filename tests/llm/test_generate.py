@@ -10,6 +10,7 @@ from torch import Tensor
 from llmplan.llm.generate import Generation, Pick, generate
 from llmplan.llm.kv_cache import KVCache
 from llmplan.llm.model import Transformer, apply_rope
+from llmplan.llm.model_runner import ModelRunner
 
 PAD, EOS = 0, 2
 PROMPTS = [[1, 17, 99, 4, 250, 31, 8], [1, 5], [1, 200, 13, 77]]
@@ -37,6 +38,8 @@ def run(
 ) -> list[Generation]:
     inner = getattr(model, "model", model)  # the real model under a _Faulty wrapper
     cache = kwargs.pop("cache", None) or KVCache.for_model(inner, len(prompts), cache_tokens)
+    if inner is not model:  # every step goes through the wrapper's __call__, where the fault is injected
+        kwargs["runner"] = ModelRunner(model, cache, native=False)  # type: ignore[arg-type]
     return generate(
         model,
         cache,
@@ -160,7 +163,6 @@ class _Faulty:
     def __init__(self, model: Transformer, at: int, row: int | None = None) -> None:
         self.model, self.at, self.row, self.calls = model, at, row, 0
         self.device, self.dtype = model.device, model.dtype
-        self.fused_decode = False  # every step goes through __call__, where the fault is injected
 
     def __call__(self, *args, **kwargs) -> Tensor:
         self.calls += 1

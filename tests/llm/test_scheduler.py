@@ -17,11 +17,14 @@ from tiny import load_tiny, make_tiny_llama
 from torch import Tensor
 
 from llmplan.llm import native
+from llmplan.llm.engine_loop import EngineLoop
+from llmplan.llm.flat_batch import FlatBatch
 from llmplan.llm.fused_decode import FusedDecoder
 from llmplan.llm.generate import Generation, Pick, generate
 from llmplan.llm.kv_cache import KVCache
 from llmplan.llm.linear import make_linear
 from llmplan.llm.model import Transformer
+from llmplan.llm.model_runner import ModelRunner
 from llmplan.llm.scheduler import GenerationRequest, Scheduler, Sequence
 from llmplan.llm.slot_cache import SlotCache
 from llmplan.llm.weight_formats import quantize_weight
@@ -57,9 +60,9 @@ def fp32(tiny_dir) -> Transformer:
     return load_tiny(tiny_dir)
 
 
-def _model(model: Transformer, path: str) -> Transformer:
-    model.fused_decode = path == "fused"
-    return model
+def make_loop(model: Transformer, cache: SlotCache, path: str = "fused", **kw) -> EngineLoop:
+    """The engine loop on the backend `path` names (the native pass, where it applies, or the torch modules)."""
+    return EngineLoop(ModelRunner(model, cache, native=path == "fused"), cache, **kw)
 
 
 def alone(model: Transformer, prompt: list[int], new: int) -> Generation:
@@ -71,7 +74,7 @@ def request(prompt: list[int], new: int, **kw) -> GenerationRequest:
     return GenerationRequest(prompt=prompt, picker=greedy, max_new_tokens=new, **kw)
 
 
-def staggered(sched: Scheduler, prompts: list[list[int]], new: list[int], every: int = 2) -> list[Sequence]:
+def staggered(sched: EngineLoop, prompts: list[list[int]], new: list[int], every: int = 2) -> list[Sequence]:
     """Submit one request every `every` steps while the others run; step until all have ended."""
     seqs: list[Sequence] = []
     pending = list(zip(prompts, new, strict=True))
@@ -86,8 +89,8 @@ def staggered(sched: Scheduler, prompts: list[list[int]], new: list[int], every:
 
 @pytest.mark.parametrize("path", PATHS)
 def test_requests_arriving_at_different_steps_equal_each_alone(fp32: Transformer, path: str) -> None:
-    model = _model(fp32, path)
-    sched = Scheduler(model, SlotCache.for_model(model, 3, 64), max_step_tokens=8)  # 3 slots for 6 requests
+    model = fp32
+    sched = make_loop(model, SlotCache.for_model(model, 3, 64), max_step_tokens=8, path=path)  # 3 slots for 6 requests
     seqs = staggered(sched, PROMPTS, NEW)
     for prompt, new, seq in zip(PROMPTS, NEW, seqs, strict=True):
         want = alone(model, prompt, new)
@@ -114,7 +117,7 @@ def test_quantized_models_through_the_fused_step_equal_alone(tiny_dir, precision
     calls = []
     original = FusedDecoder.step_rows
     monkeypatch.setattr(FusedDecoder, "step_rows", lambda self, *a: calls.append(1) or original(self, *a))
-    seqs = staggered(Scheduler(model, SlotCache.for_model(model, 4, 64), max_step_tokens=16), PROMPTS, NEW)
+    seqs = staggered(make_loop(model, SlotCache.for_model(model, 4, 64), max_step_tokens=16), PROMPTS, NEW)
     assert calls, "the fused step did not run"
     for prompt, new, seq in zip(PROMPTS, NEW, seqs, strict=True):
         assert seq.generation.tokens == alone(model, prompt, new).tokens
@@ -122,7 +125,7 @@ def test_quantized_models_through_the_fused_step_equal_alone(tiny_dir, precision
 
 @pytest.mark.skipif(not NATIVE, reason="native kernels unavailable")
 def test_decode_rows_and_a_prompt_chunk_share_one_native_pass(fp32: Transformer, monkeypatch) -> None:
-    model = _model(fp32, "fused")
+    model = fp32
     passes: list[tuple[int, int]] = []  # (inputs, logits rows) per native pass
     original = FusedDecoder.run
 
@@ -131,7 +134,7 @@ def test_decode_rows_and_a_prompt_chunk_share_one_native_pass(fp32: Transformer,
         return original(self, tokens, positions, rows, slots, outs)
 
     monkeypatch.setattr(FusedDecoder, "run", run)
-    sched = Scheduler(model, SlotCache.for_model(model, 2, 64), max_step_tokens=8, prefix_reuse=False)
+    sched = make_loop(model, SlotCache.for_model(model, 2, 64), max_step_tokens=8, prefix_reuse=False)
     first = sched.submit(request(PROMPTS[0], 10))
     while not first.generation.tokens:
         sched.step()
@@ -148,8 +151,8 @@ def test_decode_rows_and_a_prompt_chunk_share_one_native_pass(fp32: Transformer,
 
 @pytest.mark.parametrize("path", PATHS)
 def test_a_cancelled_request_frees_its_slot_and_leaves_the_others_unchanged(fp32: Transformer, path: str) -> None:
-    model = _model(fp32, path)
-    sched = Scheduler(model, SlotCache.for_model(model, 2, 64), max_step_tokens=32)
+    model = fp32
+    sched = make_loop(model, SlotCache.for_model(model, 2, 64), max_step_tokens=32, path=path)
     first, doomed = sched.submit(request(PROMPTS[0], 12)), sched.submit(request(PROMPTS[2], 40))
     third = sched.submit(request(PROMPTS[1], 6))  # waits: both slots are taken
     for _ in range(4):
@@ -165,7 +168,7 @@ def test_a_cancelled_request_frees_its_slot_and_leaves_the_others_unchanged(fp32
 
 
 def test_cancel_before_admission_ends_without_running(fp32: Transformer) -> None:
-    sched = Scheduler(fp32, SlotCache.for_model(fp32, 1, 64), max_step_tokens=8)
+    sched = make_loop(fp32, SlotCache.for_model(fp32, 1, 64), max_step_tokens=8)
     running, queued = sched.submit(request(PROMPTS[0], 4)), sched.submit(request(PROMPTS[1], 4))
     sched.cancel(queued)
     sched.run()
@@ -175,9 +178,9 @@ def test_cancel_before_admission_ends_without_running(fp32: Transformer) -> None
 
 @pytest.mark.parametrize("path", PATHS)
 def test_a_row_with_non_finite_state_ends_alone(fp32: Transformer, path: str) -> None:
-    model = _model(fp32, path)
+    model = fp32
     cache = SlotCache.for_model(model, 2, 64)
-    sched = Scheduler(model, cache, max_step_tokens=32)
+    sched = make_loop(model, cache, max_step_tokens=32, path=path)
     good, bad = sched.submit(request(PROMPTS[0], 10)), sched.submit(request(PROMPTS[2], 10))
     sched.step()  # both prefilled, first tokens picked
     cache.v[:, bad.slot, :, 1] = float("nan")  # one row's cached state goes bad
@@ -187,19 +190,20 @@ def test_a_row_with_non_finite_state_ends_alone(fp32: Transformer, path: str) ->
     assert good.generation.tokens == alone(model, PROMPTS[0], 10).tokens
 
 
-def test_out_of_memory_ends_only_the_rows_that_fail_alone(fp32: Transformer, monkeypatch) -> None:
-    model = _model(fp32, "torch")
-    sched = Scheduler(model, SlotCache.for_model(model, 3, 64), max_step_tokens=64)
+@pytest.mark.parametrize("path", PATHS)
+def test_out_of_memory_ends_only_the_rows_that_fail_alone(fp32: Transformer, path: str, monkeypatch) -> None:
+    model = fp32
+    sched = make_loop(model, SlotCache.for_model(model, 3, 64), path, max_step_tokens=64)
     seqs = [sched.submit(request(p, 8)) for p in PROMPTS[:3]]
     heavy = seqs[1]
-    original = Scheduler._forward_rows
+    original = ModelRunner.forward
 
-    def forward_rows(self: Scheduler, rows: list[Sequence]) -> Tensor:
-        if heavy in rows and len(heavy.generation.tokens) == 3:
+    def forward(self: ModelRunner, batch: FlatBatch, cache: SlotCache) -> Tensor:
+        if any(p.row == heavy.slot for p in batch.parts) and len(heavy.generation.tokens) == 3:
             raise torch.OutOfMemoryError("CPU out of memory: tried to allocate 9 GiB")
-        return original(self, rows)
+        return original(self, batch, cache)
 
-    monkeypatch.setattr(Scheduler, "_forward_rows", forward_rows)
+    monkeypatch.setattr(ModelRunner, "forward", forward)
     sched.run()
     assert heavy.generation.finish_reason == "error" and "out of memory" in (heavy.generation.error or "")
     for i in (0, 2):
@@ -208,11 +212,11 @@ def test_out_of_memory_ends_only_the_rows_that_fail_alone(fp32: Transformer, mon
 
 @pytest.mark.parametrize("path", PATHS)
 def test_prefix_reuse_gives_the_logits_of_recomputation(fp32: Transformer, path: str) -> None:
-    model = _model(fp32, path)
+    model = fp32
     shared = [1, 30, 31, 32, 33, 34, 35, 36, 37, 38]
 
     def logits_of(reuse: bool) -> tuple[list[Tensor], int]:
-        sched = Scheduler(model, SlotCache.for_model(model, 2, 64), max_step_tokens=16, prefix_reuse=reuse)
+        sched = make_loop(model, SlotCache.for_model(model, 2, 64), max_step_tokens=16, prefix_reuse=reuse, path=path)
         sched.submit(request([*shared, 50, 51], 3))  # leaves its K/V in its slot
         sched.run()
         seen: list[Tensor] = []
@@ -234,7 +238,7 @@ def test_prefix_reuse_gives_the_logits_of_recomputation(fp32: Transformer, path:
 
 def test_a_prefix_is_copied_from_a_running_row(fp32: Transformer) -> None:
     cache = SlotCache.for_model(fp32, 2, 64)
-    sched = Scheduler(fp32, cache, max_step_tokens=32)
+    sched = make_loop(fp32, cache, max_step_tokens=32)
     first = sched.submit(request(PROMPTS[0], 10))
     sched.step()
     second = sched.submit(request(PROMPTS[3], 6))  # shares 6 tokens with the running first prompt
@@ -244,7 +248,7 @@ def test_a_prefix_is_copied_from_a_running_row(fp32: Transformer) -> None:
 
 
 def test_a_long_prompt_holds_decoding_rows_back_by_one_chunk_per_step(fp32: Transformer) -> None:
-    sched = Scheduler(fp32, SlotCache.for_model(fp32, 2, 128), max_step_tokens=8)
+    sched = make_loop(fp32, SlotCache.for_model(fp32, 2, 128), max_step_tokens=8)
     short = sched.submit(request(PROMPTS[1], 30))
     sched.step()
     tokens_before = len(short.generation.tokens)
@@ -262,7 +266,7 @@ def test_a_long_prompt_holds_decoding_rows_back_by_one_chunk_per_step(fp32: Tran
 
 
 def test_a_full_slot_ends_that_row_with_cache_full(fp32: Transformer) -> None:
-    sched = Scheduler(fp32, SlotCache.for_model(fp32, 2, 16), max_step_tokens=32)
+    sched = make_loop(fp32, SlotCache.for_model(fp32, 2, 16), max_step_tokens=32)
     small, big = sched.submit(request([1, 5], 4)), sched.submit(request(PROMPTS[0], 50))
     sched.run()
     assert big.generation.finish_reason == "cache_full" and len(big.generation.tokens) == 16 - 11 + 1
@@ -273,7 +277,7 @@ def test_a_full_slot_ends_that_row_with_cache_full(fp32: Transformer) -> None:
 
 def test_stop_and_eos_end_rows_as_generate_does(fp32: Transformer) -> None:
     want = alone(fp32, PROMPTS[0], 12).tokens
-    sched = Scheduler(fp32, SlotCache.for_model(fp32, 2, 64), max_step_tokens=32)
+    sched = make_loop(fp32, SlotCache.for_model(fp32, 2, 64), max_step_tokens=32)
     eos = sched.submit(request(PROMPTS[0], 12, eos_ids=frozenset({want[4]})))
     stop = sched.submit(request(PROMPTS[0], 12, stop=lambda ids: ids[-2:] == want[2:4]))
     got: list[int] = []
@@ -285,7 +289,7 @@ def test_stop_and_eos_end_rows_as_generate_does(fp32: Transformer) -> None:
 
 
 def test_submissions_from_other_threads_while_serving(fp32: Transformer) -> None:
-    sched = Scheduler(fp32, SlotCache.for_model(fp32, 4, 64), max_step_tokens=32)
+    sched = make_loop(fp32, SlotCache.for_model(fp32, 4, 64), max_step_tokens=32)
     stop = threading.Event()
     worker = threading.Thread(target=sched.serve, args=(stop,), daemon=True)
     worker.start()
@@ -311,15 +315,62 @@ def test_submissions_from_other_threads_while_serving(fp32: Transformer) -> None
 
 def test_max_step_tokens_must_leave_room_for_a_prompt_chunk(fp32: Transformer) -> None:
     with pytest.raises(ValueError, match="must exceed the running rows"):
-        Scheduler(fp32, SlotCache.for_model(fp32, 4, 64), max_step_tokens=4)
+        Scheduler(SlotCache.for_model(fp32, 4, 64), max_step_tokens=4)
 
 
 def test_every_submission_wakes_whoever_steps_the_scheduler(fp32: Transformer) -> None:
     """The wake-up callback stays set across steps: an idle server admits a request at once, not after a poll."""
-    sched = Scheduler(fp32, SlotCache.for_model(fp32, 2, 64), max_step_tokens=32)
+    sched = make_loop(fp32, SlotCache.for_model(fp32, 2, 64), max_step_tokens=32)
     woken: list[int] = []
     sched.on_work = lambda: woken.append(1)
     sched.submit(request(PROMPTS[0], 2))
     sched.run()
     sched.submit(request(PROMPTS[1], 2))
     assert len(woken) == 2
+
+
+class FakeRunner:
+    """A model runner that computes nothing: logits that make token (row + 1) the pick, one row per wanted part."""
+
+    def __init__(self, vocab: int = 32) -> None:
+        self.vocab, self.batches = vocab, []
+        self.spans: list[tuple[float, float]] = []
+        self.model = torch.nn.Module()  # the loop asks only for its device, on out-of-memory
+
+    def forward(self, batch: FlatBatch, cache: SlotCache) -> Tensor:
+        self.batches.append([(p.row, p.start, list(p.tokens), p.logits) for p in batch.parts])
+        self.spans = [(0.0, 0.0)] * len(batch.parts)
+        logits = torch.zeros(len(batch.wanted), self.vocab)
+        for i, part in enumerate(batch.wanted):
+            logits[i, batch.parts[part].row + 1] = 1.0
+        return logits
+
+
+def test_the_scheduler_decides_and_a_fake_runner_computes() -> None:
+    """The loop with no model at all: the scheduler hands out tokens for rows, the runner gets them as one
+    flat batch per step (decode rows first, then prompt chunks in budget), the post-step picks and ends."""
+    cache = SlotCache(torch.zeros(1, 2, 1, 16, 2), torch.zeros(1, 2, 1, 16, 2), torch.zeros(2, 16, dtype=torch.bool))
+    runner = FakeRunner()
+    loop = EngineLoop(runner, cache, max_step_tokens=6, prefix_reuse=False)  # type: ignore[arg-type]
+    first = loop.submit(request([3, 4, 5], 2))
+    second = loop.submit(request([7, 8, 9, 10, 11, 12, 13], 1))
+    loop.run()
+    assert runner.batches[0] == [(0, 0, [3, 4, 5], True), (1, 0, [7, 8, 9], False)]  # 6 tokens: the budget
+    assert runner.batches[1] == [(0, 3, [1], True), (1, 3, [10, 11, 12, 13], True)]  # a decode row rides along
+    assert first.generation.tokens == [1, 1] and second.generation.tokens == [2]
+    assert first.generation.finish_reason == second.generation.finish_reason == "length"
+    assert len(runner.batches) == 2 and loop.stats.prefill_tokens == 10 and loop.stats.decode_tokens == 1
+
+
+def test_the_scheduler_module_imports_no_model() -> None:
+    """llm/scheduler.py decides only: importing it loads neither the model, the native pass nor the runner."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, llmplan.llm.scheduler\n"
+        "bad = [m for m in ('llmplan.llm.model', 'llmplan.llm.fused_decode', 'llmplan.llm.model_runner') if m in sys.modules]\n"
+        "print(bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

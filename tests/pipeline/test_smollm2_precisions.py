@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmplan.llm.fused_decode import decode_step
 from llmplan.llm.tokenizer import Tokenizer
 
 from .conftest import PLANS, run_plan
@@ -61,10 +60,12 @@ def test_decode_path_precision_stays_close_to_fp32(dtype: str, reference, tmp_pa
     ids, _, expected = reference
     result = run_plan(PLANS / "llama-fp32.yaml", tmp_path, [f"convert.dtype={dtype}"], until="place")
     assert result.exit_code == 0, result.message
-    model, cache = result.context.model, result.context.kv_cache
+    cache, runner = result.context.kv_cache, result.context.model_runner
     cache.reset(1)
     with torch.inference_mode():
-        steps = [decode_step(model, ids[:, t : t + 1], cache.next_positions(), cache)[0, -1] for t in range(ids.shape[1])]
+        steps = [
+            runner.static_decode(ids[:, t : t + 1], cache.next_positions(), cache)[0, -1] for t in range(ids.shape[1])
+        ]
     logits = torch.stack(steps).float()[None]
     error = float((logits - expected).norm() / expected.norm())
     agree = float((logits.argmax(-1) == expected.argmax(-1)).float().mean())

@@ -1,0 +1,197 @@
+"""The engine loop: schedule → run → post-step, one step at a time (nano-vllm's `LLMEngine.step`; vLLM v1:
+no prefill phase and no decode phase, every step is tokens for rows).
+
+* the `Scheduler` (llm/scheduler.py) decides which rows get which tokens;
+* the `ModelRunner` (llm/model_runner.py) runs them as one flat batch on the backend chosen at its build;
+* the post-step here picks a token for every row whose logits came out (decode rows, and prompts whose last
+  chunk ran), delivers it (`on_token`) and ends the row the moment it finishes (llm/ending.py).
+
+A pass that runs out of memory is retried in halves, so it ends only the rows that fail alone; a row with
+non-finite logits ends alone with "error". Whoever owns the loop steps it: `run` until every request has
+ended (a prompt file, a benchmark), `serve` until told to stop, or `step` from a loop of one's own (a
+server's model thread). The result of a request is a `Generation`, the record static `generate()` returns.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from .ending import end_after_token, non_finite, out_of_memory
+from .flat_batch import FlatBatch, Part
+from .generation import finite_rows, is_oom, release_memory
+from .scheduler import GenerationRequest, Scheduler, SchedulerStats, Sequence
+
+if TYPE_CHECKING:
+    from .model import Transformer
+    from .model_runner import ModelRunner
+    from .slot_cache import SlotCache
+
+
+@dataclass
+class StepRecord:
+    """What one step ran and when (perf_counter seconds): kept only when `EngineLoop.timeline` is a list."""
+
+    start: float
+    end: float = 0.0
+    decode: tuple[float, float, int] | None = None  # (start, end, rows) of the decode rows' pass
+    prefill: list[tuple[float, float, Any, int]] = field(default_factory=list)  # (start, end, tag, tokens) per chunk
+
+
+Item = tuple[Sequence, int]  # a row and its tokens this step: 1 for a decode row (n == 0 marks one), else a chunk
+
+
+class EngineLoop:
+    def __init__(self, runner: ModelRunner, cache: SlotCache, **scheduling: Any) -> None:
+        """scheduling: the `Scheduler`'s settings (max_step_tokens, prefill_chunk, max_running, prefix_reuse…)."""
+        self.runner, self.cache = runner, cache
+        self.scheduler = Scheduler(cache, **scheduling)
+        # A list to record every step's passes into (a run's trace and report); None: nothing kept (serving).
+        self.timeline: list[StepRecord] | None = None
+
+    @classmethod
+    def for_model(cls, model: Transformer, cache: SlotCache, **scheduling: Any) -> EngineLoop:
+        """A loop with a runner of its own (a benchmark, a test); a plan's runner is built at load."""
+        from .model_runner import ModelRunner
+
+        return cls(ModelRunner(model, cache), cache, **scheduling)
+
+    # the scheduler's thread-safe surface, for whoever holds the loop
+    def submit(self, request: GenerationRequest) -> Sequence:
+        return self.scheduler.submit(request)
+
+    def cancel(self, seq: Sequence) -> None:
+        self.scheduler.cancel(seq)
+
+    def cancel_all(self) -> None:
+        self.scheduler.cancel_all()
+
+    @property
+    def pending(self) -> int:
+        return self.scheduler.pending
+
+    @property
+    def on_work(self) -> Callable[[], None] | None:
+        """Called whenever work arrives (from the submitting thread): the owner's wake-up."""
+        return self.scheduler.on_work
+
+    @on_work.setter
+    def on_work(self, wake: Callable[[], None] | None) -> None:
+        self.scheduler.on_work = wake
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats
+
+    def run(self) -> None:
+        """Step until every submitted request has ended."""
+        while self.step():
+            pass
+
+    def serve(self, stop: threading.Event, idle_wait_s: float = 0.05) -> None:
+        """Step while there is work; sleep until a submit or cancel when there is none; return once `stop` is
+        set (requests still running are left as they are: cancel them first to end them)."""
+        while not stop.is_set():
+            if not self.step():
+                self.scheduler.wait_for_work(idle_wait_s)
+
+    # --- one step ---------------------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Run one step; False when there was nothing to do."""
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return False
+        if not plan:
+            return True
+        record = StepRecord(time.perf_counter()) if self.timeline is not None else None
+        with torch.inference_mode():
+            items: list[Item] = [(seq, 0) for seq in plan.decode] + plan.chunks
+            for seq, logits, finite in self._forward(items, record):
+                self._pick(seq, logits, finite)
+        if record is not None and self.timeline is not None:
+            record.end = time.perf_counter()
+            self.timeline.append(record)
+        return True
+
+    def _forward(self, items: list[Item], record: StepRecord | None) -> list[tuple[Sequence, Tensor, bool]]:
+        """One flat pass over the step's rows; logits for every decode row and for the last token of each
+        prompt this step completes. Out of memory: the two halves apart, down to the rows that fail alone."""
+        slots: list[int] = [seq.slot for seq, _ in items]  # type: ignore[misc]
+        ids = [self._inputs(seq, n) for seq, n in items]
+        starts = self.cache.claim(slots, ids)
+        parts = [
+            Part(slot, start, part, not n or seq.prefilled + n == len(seq.request.prompt))
+            for slot, start, part, (seq, n) in zip(slots, starts, ids, items, strict=True)
+        ]
+        try:
+            logits = self.runner.forward(FlatBatch(parts), self.cache)
+        except BaseException as err:
+            self.cache.unclaim(slots, starts)
+            if not (isinstance(err, RuntimeError) and is_oom(err)):
+                raise
+            release_memory(self.runner.model.device)
+            if len(items) == 1:
+                seq, n = items[0]
+                self.scheduler.finish(seq, "error", out_of_memory("prefill" if n else "decode", err))
+                return []
+            half = len(items) // 2  # smaller passes need less memory: end only the rows that fail alone
+            return self._forward(items[:half], record) + self._forward(items[half:], record)
+        return self._after_pass(items, logits, record)
+
+    @staticmethod
+    def _inputs(seq: Sequence, n: int) -> list[int]:
+        """A decode row's last picked token, or the prompt chunk's next `n` tokens."""
+        return seq.request.prompt[seq.prefilled : seq.prefilled + n] if n else [seq.generation.tokens[-1]]
+
+    def _after_pass(
+        self, items: list[Item], logits: Tensor, record: StepRecord | None
+    ) -> list[tuple[Sequence, Tensor, bool]]:
+        """Count what the pass computed; the rows to pick for, with their logits and whether they are finite."""
+        finite = finite_rows(logits).tolist()  # one check for the whole pass
+        spans, stats = self.runner.spans, self.scheduler.stats
+        picks, at, decoded = [], 0, 0
+        for (seq, n), (began, ended) in zip(items, spans, strict=True):
+            if not n:
+                seq.generation.decode_steps += 1
+                decoded += 1
+            else:
+                seq.prefilled += n
+                stats.prefill_tokens += n
+                if record is not None:
+                    record.prefill.append((began, ended, seq.request.tag, n))
+                if seq.prefilled < len(seq.request.prompt):
+                    continue
+                seq.generation.prefill_s = ended - seq.admitted_at
+            picks.append((seq, logits[at], finite[at]))
+            at += 1
+        stats.decode_tokens += decoded
+        if record is not None and decoded:
+            began, ended = spans[0][0], spans[decoded - 1][1]
+            rows = decoded if record.decode is None else record.decode[2] + decoded
+            record.decode = (began if record.decode is None else record.decode[0], ended, rows)
+        return picks
+
+    def _pick(self, seq: Sequence, logits: Tensor, finite: bool) -> None:
+        gen, request = seq.generation, seq.request
+        if not finite:
+            self.scheduler.finish(seq, "error", non_finite(len(gen.tokens)))
+            return
+        pick = request.picker(logits, seq.seen)
+        gen.add(pick)
+        gen.token_times.append(time.perf_counter())
+        seq.seen.append(pick.token)
+        if gen.ttft_s is None:
+            seq.first_token_at = time.perf_counter()
+            gen.ttft_s = seq.first_token_at - seq.submitted_at
+        if request.on_token is not None:
+            request.on_token(pick.token)
+        reason = end_after_token(pick.token, gen.tokens, request.eos_ids, request.stop, request.max_new_tokens)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
