@@ -1,7 +1,7 @@
 """Per-layer time of every forward pass, on the path the pass really takes.
 
-A `LayerClock` set on a model (`model.layer_clock`) is read by both decode paths, so observing does not
-change the path it measures (hooks on the layers would turn the fused step off):
+A `LayerClock` set on the model runner (`ModelRunner.clock`) is read by both backends, so observing does not
+change the path it measures (hooks on the layers would need the torch modules):
 
 * the fused native step (llm/fused_decode.py) writes its marks into `buffer` from C (`step_clock` in
   cpu_kernels.c), with CLOCK_MONOTONIC — the clock of `time.perf_counter_ns` here;
