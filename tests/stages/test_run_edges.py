@@ -60,9 +60,9 @@ def test_release_lets_the_model_go_even_when_observed(tmp_path: Path, model_dir:
     models: list[weakref.ref] = []
     real = observe_module.begin_observing
 
-    def spy(ctx, model, cache):  # type: ignore[no-untyped-def]
+    def spy(ctx, model, *rest):  # type: ignore[no-untyped-def]
         models.append(weakref.ref(model))
-        return real(ctx, model, cache)
+        return real(ctx, model, *rest)
 
     monkeypatch.setattr(load_to_device, "begin_observing", spy)
     plan = _full_plan(tmp_path, model_dir, sinks=[{"json": str(tmp_path / "out.json")}], release=True, observe=observe)
