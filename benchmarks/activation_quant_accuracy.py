@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from llmplan.llm.layer_names import HEAD_NAME, LINEAR_NAMES
 from llmplan.llm.tokenizer import Tokenizer
 from tests.pipeline.conftest import PLANS, run_plan
 
@@ -58,7 +59,7 @@ def main() -> None:
     for dtype in dtypes:
         loaded = run_plan(PLANS / "llama-fp32.yaml", tmp / dtype, [f"convert.dtype={dtype}"], until="place")
         model = loaded.context.model
-        layers = [m for name, m in model.named_modules() if name.endswith(("wqkv", "wo", "w13", "w2", "output"))]
+        layers = [m for name, m in model.named_modules() if name.endswith(LINEAR_NAMES) or name == HEAD_NAME]
         for block in BLOCKS:
             hooks = [
                 m.register_forward_pre_hook(lambda _m, args, b=block: (quantize_rows(args[0], b),))

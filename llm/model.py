@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from .config import ModelConfig
 from .layer_clock import LayerClock, now_ns
+from .layer_names import LINEAR_NAMES
 from .weights import WeightError, internal_shapes
 
 if TYPE_CHECKING:
@@ -24,9 +25,6 @@ if TYPE_CHECKING:
 
 LinearFactory = Callable[[Any], nn.Module]
 """Builds a module computing x[..., in] -> [..., out] from one weight object (a tensor, a quantized blob)."""
-
-LINEAR_NAMES = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")
-"""Per-layer linears, relative to `layers.{i}`; plus the top-level `output` head."""
 
 
 def dense_linear(weight: Any) -> nn.Module:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
@@ -32,9 +32,10 @@ from torch import Tensor
 from . import native
 
 QuantDtype = Literal["fp32", "fp16", "bf16", "int8", "int4"]
+"""The precisions a linear weight is stored in: the one list (the plan's `convert.dtype` is this type)."""
 
 FLOAT_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-QUANT_DTYPES: tuple[str, ...] = (*FLOAT_DTYPES, "int8", "int4")
+QUANT_DTYPES: tuple[str, ...] = get_args(QuantDtype)
 DEFAULT_GROUP_SIZE = 32
 _FP16_MAX = 65504.0
 

@@ -21,8 +21,10 @@ from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
 from llmplan.llm.checkpoint_writer import check_checkpoint_target, write_checkpoint
 from llmplan.llm.config import ModelConfig
+from llmplan.llm.layer_names import is_linear_weight
 from llmplan.llm.weight_formats import (
     FLOAT_DTYPES,
+    QuantDtype,
     concat_quantized,
     error_terms,
     from_tensors,
@@ -40,11 +42,9 @@ from .load_shard_stream import CONVERTED_MARKER
 from .slots import InferenceContext
 from .types import ConvertedWeights
 
-Precision = Literal["fp32", "fp16", "bf16", "int8", "int4"]
-
 
 class ConvertParams(Params):
-    dtype: Precision = Field("fp32", description="precision of the linear weights")
+    dtype: QuantDtype = Field("fp32", description="precision of the linear weights")
     group_size: int = Field(32, ge=8, le=1024, description="int4: weights per scale/zero group")
     head: Literal["same", "fp32", "bf16", "fp16", "int8"] = Field(
         "same", description="precision of the output head (the largest matmul of decode)"
@@ -72,10 +72,6 @@ def activation_dtype(precision: str, device_type: str = "cpu") -> torch.dtype:
     return torch.float32
 
 
-def is_linear(name: str) -> bool:
-    return name.endswith(("wqkv.weight", "wo.weight", "w13.weight", "w2.weight")) or name == "output.weight"
-
-
 def weight_bytes(cfg: ModelConfig, precision: str, group_size: int, head: str = "same") -> int:
     """Bytes of the converted weights, for `validate --deep` (same rules as the conversion)."""
     total = 0
@@ -84,7 +80,7 @@ def weight_bytes(cfg: ModelConfig, precision: str, group_size: int, head: str = 
         for d in shape:
             count *= d
         kind = (head if head != "same" else precision) if name == "output.weight" else precision
-        if not is_linear(name):
+        if not is_linear_weight(name):
             total += count * 4  # fp32 until load.to_device
         elif kind in ("fp32",):
             total += count * 4
@@ -99,7 +95,7 @@ def weight_bytes(cfg: ModelConfig, precision: str, group_size: int, head: str = 
 
 def group_size_problem(cfg: ModelConfig, group_size: int) -> str | None:
     """int4 groups must tile every linear weight's input dim; the one rule for `run` and `validate --deep`."""
-    bad = sorted({s[1] for n, s in internal_shapes(cfg).items() if is_linear(n) and s[1] % group_size})
+    bad = sorted({s[1] for n, s in internal_shapes(cfg).items() if is_linear_weight(n) and s[1] % group_size})
     return f"group_size {group_size} does not divide the input dims {bad}" if bad else None
 
 
@@ -221,10 +217,10 @@ class Convert(Stage):
         def convert_group(internal: str, parts: list[Tensor]) -> Any:
             precision = params.head if internal == "output.weight" and params.head != "same" else params.dtype
             for part in table[internal]:
-                problem = value_problem(*ranges[part], precision if is_linear(internal) else kept_as)
+                problem = value_problem(*ranges[part], precision if is_linear_weight(internal) else kept_as)
                 if problem:
                     raise StageFailure(f"{where(part)}: tensor {part!r} {problem}")
-            if is_linear(internal) and precision in ("int8", "int4"):
+            if is_linear_weight(internal) and precision in ("int8", "int4"):
                 # Rows quantize independently: quantize each part (q, k, v; gate, up) and join the codes,
                 # not the fp32 parts (a 4x larger copy). The error terms of the parts add up.
                 done = [quantize_weight(p.float(), precision, params.group_size) for p in parts]
@@ -232,7 +228,7 @@ class Convert(Stage):
                 errors[internal] = relative_from_terms(sum(t[0] for t in terms), sum(t[1] for t in terms))
                 return done[0] if len(done) == 1 else concat_quantized(done)  # type: ignore[arg-type]
             whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-            if not is_linear(internal):
+            if not is_linear_weight(internal):
                 return whole.to(torch.float32)
             return quantize_weight(whole.float(), precision, params.group_size)
 

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.runner import write_json
 from llmplan.llm.layer_clock import LayerClock
+from llmplan.llm.layer_names import LAYER_MODULES
 from llmplan.llm.model import apply_rope
 
 if TYPE_CHECKING:
@@ -47,7 +48,6 @@ MODEL_FILE, GENERATIONS_FILE = "model.json", "generations.json"
 TIMINGS_FILE, ATTENTION_FILE = "layer_timings.json", "attention.json"
 STEPS_FILE = "steps.json"
 MAX_DECODE_ROWS = 64  # decode steps whose attention is recomputed for the report
-LAYER_MODULES = ("attention_norm", "attention.wqkv", "attention.wo", "ffn_norm", "feed_forward.w13", "feed_forward.w2")
 
 
 # --- structure ---------------------------------------------------------------------------------------
