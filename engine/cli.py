@@ -362,10 +362,9 @@ def deep_check(bound: BoundPlan) -> tuple[list[Finding], dict[str, int]]:
 
 def cmd_graph(args: argparse.Namespace) -> int:
     from .drawing import draw_graph
-    from .graph import build_graph, to_dot, to_mermaid
+    from .graph import to_dot, to_mermaid
 
     bound = load_plan(args.plan, _registry())
-    graph = build_graph(bound.stages)
     out = Path(args.output)
     suffix = out.suffix.lower()
     if suffix not in (".dot", ".mmd", ".mermaid", ".png", ".svg"):
@@ -373,11 +372,11 @@ def cmd_graph(args: argparse.Namespace) -> int:
     check_writable(out, "file", "-o")  # before drawing: a file of the user's is never replaced
     try:
         if suffix == ".dot":
-            write_file(out, to_dot(graph), "-o")
+            write_file(out, to_dot(bound.graph), "-o")
         elif suffix in (".mmd", ".mermaid"):
-            write_file(out, to_mermaid(graph), "-o")
+            write_file(out, to_mermaid(bound.graph), "-o")
         else:
-            draw_graph(graph, out, title=f"plan {bound.plan.name}")
+            draw_graph(bound.graph.dag, out, title=f"plan {bound.plan.name}")
     except OSError as bad:
         raise CliError(f"-o {out}: cannot write ({bad.strerror or bad})") from None
     print(out)

@@ -12,7 +12,7 @@ is refused when a read has no writer, two writers of a slot have no order, or th
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import networkx as nx
 
@@ -21,7 +21,8 @@ from .messages import suggest
 from .registry import Registry
 
 if TYPE_CHECKING:
-    from .plan import BoundStage, Plan
+    from .plan import BoundStage
+    from .plan_graph import PlanGraph
     from .yaml_source import Source
 
 DATA, ORDER, FILL = "data", "after", "fill"
@@ -74,7 +75,9 @@ def build_graph(stages: list[BoundStage]) -> nx.DiGraph:
     return graph
 
 
-def graph_findings(plan: Plan, stages: list[BoundStage], source: Source, registry: Registry) -> list[Finding]:
+def link_findings(stages: list[BoundStage], source: Source, registry: Registry) -> list[Finding]:
+    """What the stages refuse before a graph can be built: duplicate ids, `after:` naming no stage (or the stage
+    itself), a read no stage writes."""
     findings: list[Finding] = []
     seen: dict[str, int] = {}
     for bound in stages:
@@ -117,10 +120,16 @@ def graph_findings(plan: Plan, stages: list[BoundStage], source: Source, registr
                         f"stage {bound.id!r} reads {slot!r} but no stage in the plan writes it{hint}",
                     )
                 )
-    if findings:
-        return findings
+    return findings
 
-    graph = build_graph(stages)
+
+def dag_findings(graph: nx.DiGraph, stages: list[BoundStage], source: Source) -> list[Finding]:
+    """What the built graph refuses: a cycle, or two writers of a slot with no order between them."""
+    findings: list[Finding] = []
+    writers: dict[str, list[BoundStage]] = defaultdict(list)
+    for bound in stages:
+        for slot in bound.cls.writes:
+            writers[slot].append(bound)
     try:
         cycle = nx.find_cycle(graph)
     except nx.NetworkXNoCycle:
@@ -157,19 +166,15 @@ def execution_order(graph: nx.DiGraph) -> list[str]:
     return list(nx.lexicographical_topological_sort(graph, key=lambda n: index[n]))
 
 
-def upstream(graph: nx.DiGraph, stage_id: str) -> set[str]:
-    """The stage and everything it depends on (for --until)."""
-    return {stage_id} | nx.ancestors(graph, stage_id)
-
-
 def phase_of(graph: nx.DiGraph, node: str) -> str:
     return str(graph.nodes[node]["stage"].cls.phase)
 
 
-def to_dot(graph: nx.DiGraph, labels: dict[str, str] | None = None) -> str:
+def to_dot(plan: PlanGraph, labels: dict[str, str] | None = None) -> str:
+    graph = plan.dag
     colors = {"load": "#cfe2ff", "compute": "#ffe5b4", "output": "#d1f2d9", "observe": "#eadcf8", "other": "#eeeeee"}
     lines = ["digraph plan {", "  rankdir=LR;", '  node [shape=box, style="rounded,filled", fontname="Helvetica"];']
-    for node in execution_order(graph):
+    for node in plan.order:
         bound = graph.nodes[node]["stage"]
         label = f"{node}\\n{bound.spec.uses}" + (f"\\n{labels[node]}" if labels and node in labels else "")
         lines.append(f'  "{node}" [label="{label}", fillcolor="{colors.get(phase_of(graph, node), "#eee")}"];')
@@ -181,9 +186,10 @@ def to_dot(graph: nx.DiGraph, labels: dict[str, str] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def to_mermaid(graph: nx.DiGraph) -> str:
+def to_mermaid(plan: PlanGraph) -> str:
+    graph = plan.dag
     lines = ["flowchart LR"]
-    safe = {node: f"n{i}" for i, node in enumerate(execution_order(graph))}
+    safe = {node: f"n{i}" for i, node in enumerate(plan.order)}
     for node, key in safe.items():
         lines.append(f'  {key}["{node}<br/>{graph.nodes[node]["stage"].spec.uses}"]')
     for src, dst, data in graph.edges(data=True):
@@ -191,21 +197,3 @@ def to_mermaid(graph: nx.DiGraph) -> str:
         arrow = "-.->" if data["kinds"] != {DATA} else "-->"
         lines.append(f"  {safe[src]} {arrow}|{label or 'after'}| {safe[dst]}")
     return "\n".join(lines) + "\n"
-
-
-def layout_layers(graph: nx.DiGraph) -> dict[str, Any]:
-    """Column = longest path from a source, row = order inside the column: a readable left-to-right DAG."""
-    depth: dict[str, int] = {}
-    for node in execution_order(graph):
-        depth[node] = max((depth[p] + 1 for p in graph.predecessors(node)), default=0)
-    last = max(depth.values(), default=0)
-    for node in graph:  # `always` stages (release) run last: draw them there
-        if graph.nodes[node]["stage"].cls.always:
-            depth[node] = last + 1
-    rows: dict[int, int] = defaultdict(int)
-    pos = {}
-    for node in execution_order(graph):
-        column = depth[node]
-        pos[node] = (column, -rows[column])
-        rows[column] += 1
-    return pos

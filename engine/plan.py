@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import copy
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, create_model, field_validator
@@ -24,6 +25,9 @@ from .registry import Registry
 from .stage import Stage
 from .strict import strict_numbers
 from .yaml_source import Source, load_file, load_text
+
+if TYPE_CHECKING:
+    from .plan_graph import PlanGraph
 
 ID_PATTERN = r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$"
 MAX_STAGES = 200
@@ -122,10 +126,25 @@ class BoundStage:
 
 @dataclass
 class BoundPlan:
+    """A validated plan; `graph` is its stage graph, built once (by `bind`, or here when made by hand)."""
+
     plan: Plan
     stages: list[BoundStage]
     source: Source
     raw: dict[str, Any]
+    graph: PlanGraph = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.graph is None:
+            from .plan_graph import PlanGraph
+
+            self.graph = PlanGraph.build(self.stages)
+
+    def with_params(self, params: Mapping[str, Any]) -> BoundPlan:
+        """This plan with some stages' parameters replaced (one request's own); the graph is shared, not rebuilt:
+        the structure is the plan's, the parameters are read from `stage(id)`."""
+        stages = [replace(b, params=params[b.id]) if b.id in params else b for b in self.stages]
+        return replace(self, stages=stages)
 
     def stage(self, stage_id: str) -> BoundStage:
         for bound in self.stages:
@@ -205,7 +224,8 @@ def load_plan(
 
 
 def bind(source: Source, registry: Registry, overrides: list[str] | None = None) -> BoundPlan:
-    from .graph import graph_findings
+    from .graph import build_graph, dag_findings, link_findings
+    from .plan_graph import PlanGraph
 
     if not isinstance(source.data, dict):
         kind = "empty" if source.data is None else type(source.data).__name__
@@ -236,10 +256,14 @@ def bind(source: Source, registry: Registry, overrides: list[str] | None = None)
         if stage_cls is not None and not problems:
             bound.append(BoundStage(index, spec, stage_cls, stage_cls.Params.model_validate(spec.with_)))
     if not findings:
-        findings += graph_findings(plan, bound, source, registry)
-    if findings:
+        findings += link_findings(bound, source, registry)
+    dag = None
+    if not findings:
+        dag = build_graph(bound)  # the plan's one graph: checked here, then kept by the bound plan
+        findings += dag_findings(dag, bound, source)
+    if findings or dag is None:
         raise PlanError(_dedupe(findings))
-    return BoundPlan(plan=plan, stages=bound, source=source, raw=data)
+    return BoundPlan(plan=plan, stages=bound, source=source, raw=data, graph=PlanGraph(dag))
 
 
 def _stage_findings(

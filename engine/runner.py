@@ -16,13 +16,12 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import networkx as nx
 import structlog
 
 from llmplan.ownership import NotOurs, check_directory_ours, claim, write_file
@@ -30,9 +29,9 @@ from llmplan.plain_errors import plain_error
 
 from .context import Context
 from .findings import StageFailure
-from .graph import DATA, FILL, build_graph, execution_order, upstream
 from .memory import MemorySampler, device_bytes, peak_rss_bytes, rss_bytes
 from .plan import BoundPlan
+from .stage_loop import NOT_NEEDED, StageLoop, failure_text
 from .trace import chrome_trace
 
 
@@ -111,6 +110,19 @@ def event_logger(events: Any, plan_name: str) -> Any:
     ).bind(plan=plan_name)
 
 
+@dataclass
+class _Outcome:
+    """How the run is ending, as it is learnt: the status, its exit code and its one line."""
+
+    status: str = "ok"
+    code: int = 0
+    message: str = "ok"
+    previous_sigint: Any = None  # the SIGINT handler to restore once the records are written
+
+    def set(self, status: str, code: int, message: str) -> None:
+        self.status, self.code, self.message = status, code, message
+
+
 class Runner:
     def __init__(
         self,
@@ -129,13 +141,12 @@ class Runner:
         self.bound = bound
         self.ctx = context
         self.run_dir = run_dir
-        self.graph = build_graph(bound.stages)
-        self.order = execution_order(self.graph)
+        part = bound.graph  # the plan's one graph; what this run runs is a part of it
         if until is not None:
-            keep = upstream(self.graph, until)
-            self.order = [s for s in self.order if s in keep]
+            part = part.to_nodes(until)
         if only is not None:
-            self.order = [s for s in self.order if s in only or self.graph.nodes[s]["stage"].cls.always]
+            part = part.where(lambda stage: stage.id in only or stage.cls.always)
+        self.part = part
         self.cleanup = cleanup
         self.report = report or (lambda record: None)
         self.debug = debug
@@ -151,218 +162,192 @@ class Runner:
             check_run_dir(self.run_dir)
         except NotOurs as bad:
             return RunResult(self.run_dir, "failed", 1, str(bad), [], ctx)
-        events_path = self.run_dir / EVENTS_FILE
         write_text_atomic(self.run_dir / "plan.resolved.yaml", self.bound.resolved_yaml())
-        events = events_path.open("a", encoding="utf-8")
-        claim(events_path, "log")  # a run killed before its end still leaves a log the next run may append to
-        log = event_logger(events, self.bound.plan.name)
-        ctx.log = log
-        sampler = MemorySampler(self.bound.plan.observe.memory_interval_ms).start()
+        self._open_log()
+        self.sampler = MemorySampler(self.bound.plan.observe.memory_interval_ms).start()
         load_before = _load_average()
         started_ns = time.perf_counter_ns()
-        status, code, message = "ok", 0, "ok"
-        ran: set[str] = set()
-        previous: Any = None
+        loop = StageLoop(self.part, ctx, self)
+        outcome = _Outcome()
         try:
-            self._prepare()
-            ctx.trace.add("prepare the stages", "engine", started_ns, time.perf_counter_ns())
-            for stage_id in self.order:
-                bound = self.graph.nodes[stage_id]["stage"]
-                if bound.cls.always:
-                    continue  # always-stages run last, in the finally block, whatever happened
-                if not self._needed(stage_id, ran):
-                    self._record(stage_id, "skipped", reason="outputs already available")
-                    log.info("stage_skipped", stage=stage_id, reason="outputs already available")
-                    continue
-                self._run_stage(stage_id, sampler, log)
-                ran.add(stage_id)
+            self._steps(loop, outcome, started_ns)
+        finally:
+            self._clean_up(loop, outcome)
+            self._finish(outcome, started_ns, load_before)
+            if outcome.previous_sigint is not None:
+                signal.signal(signal.SIGINT, outcome.previous_sigint)
+        return RunResult(self.run_dir, outcome.status, outcome.code, outcome.message, list(self.records.values()), ctx)
+
+    def _open_log(self) -> None:
+        self.events_path = self.run_dir / EVENTS_FILE
+        self.events = self.events_path.open("a", encoding="utf-8")
+        claim(self.events_path, "log")  # a run killed before its end still leaves a log the next run may append to
+        self.log = event_logger(self.events, self.bound.plan.name)
+        self.ctx.log = self.log
+
+    def _steps(self, loop: StageLoop, outcome: _Outcome, started_ns: int) -> None:
+        """Prepare every stage, run the part; a failure becomes the outcome (the always-stages run after)."""
+        try:
+            loop.prepare(self.bound.stages)  # every stage, not only those --until keeps: a filter guards the stream
+            self.ctx.trace.add("prepare the stages", "engine", started_ns, time.perf_counter_ns())
+            loop.run()  # always-stages run last, in _clean_up, whatever happened
         except KeyboardInterrupt:
-            status, code, message = "interrupted", 130, "interrupted (Ctrl-C); ran the cleanup stages"
-            log.warning("run_interrupted")
+            outcome.set("interrupted", 130, "interrupted (Ctrl-C); ran the cleanup stages")
+            self.log.warning("run_interrupted")
             # The cleanup stages and the run's records must finish: a second Ctrl-C is not another
             # interrupt to handle half-way through them (restored when the run returns).
-            previous = _ignore_sigint()
+            outcome.previous_sigint = _ignore_sigint()
         except StageFailure as failure:
-            status, code, message = "failed", 1, str(failure)
+            outcome.set("failed", 1, str(failure))
         except BrokenPipeError:  # `llmplan run … | head -1`: the reader left; not a bug, nothing to say
-            status, code, message = "closed", EXIT_BROKEN_PIPE, "stdout was closed by the reader (broken pipe)"
-            log.warning("stdout_closed")
+            outcome.set("closed", EXIT_BROKEN_PIPE, "stdout was closed by the reader (broken pipe)")
+            self.log.warning("stdout_closed")
         except Exception as bug:  # a stage's bug: one line for the user, the traceback in the run dir
-            status, code = "failed", 1
-            message = plain_error(bug)
+            outcome.set("failed", 1, plain_error(bug))
             with contextlib.suppress(OSError, NotOurs):  # a full disk must not replace the failure's own message
                 write_text_atomic(self.run_dir / "traceback.txt", traceback.format_exc())
             if self.debug:
                 traceback.print_exc()
-        finally:
-            # A resident plan (cleanup False) keeps what it loaded unless the load failed.
-            if self.cleanup or status != "ok":
-                cleanup_error, cleanup_interrupted = self._run_always(sampler, log)
-            else:
-                cleanup_error, cleanup_interrupted = None, False
-            if cleanup_interrupted and status != "interrupted":
-                status, code, message = "interrupted", 130, "interrupted (Ctrl-C) during the cleanup stages"
-                previous = _ignore_sigint()
-            elif cleanup_error and status == "ok":
-                status, code, message = "failed", 1, cleanup_error
-            if status == "ok" and ctx.request_errors:
-                # Everything ran, but some answers are errors: not a success a script may trust.
-                status, code = "errors", EXIT_REQUEST_ERRORS
-                listed = "; ".join(f"{rid}: {why}" for rid, why in list(ctx.request_errors.items())[:5])
-                message = f"{len(ctx.request_errors)} request(s) ended in error ({listed})"
-            finishing = time.perf_counter_ns()
-            sampler.stop()
-            failed = next((r for r in self.records.values() if r.status == "failed"), None)
-            if failed is not None and status != "ok" and not message.startswith(f"stage {failed.id!r}"):
-                message = f"stage {failed.id!r} ({failed.uses}): {message}"
-            for stage_id in self.order:
-                if stage_id not in self.records:
-                    self._record(stage_id, "not_run")
-            ended_ns = time.perf_counter_ns()
-            ctx.trace.add("finish the run", "engine", finishing, ended_ns)
-            total = (ended_ns - started_ns) / 1e9
-            load = {"start": load_before, "end": _load_average(), "cpus": os.cpu_count()}
-            log.info("run_finished", status=status, wall_s=round(total, 4), peak_rss=peak_rss_bytes())
-            ctx.metrics.by_stage.setdefault("run", {}).update(
-                {
-                    "wall_s": total,
-                    "status": status,
-                    "peak_rss_bytes": peak_rss_bytes(),
-                    "notices": ctx.notice_summary(),
-                    "request_errors": dict(ctx.request_errors),
-                    "load_average": load,
-                }
-            )
-            ctx.trace.add(self.bound.plan.name, "run", started_ns, ended_ns, status=status)
-            try:
-                write_json(self.run_dir / "stages.json", [asdict(r) for r in self.records.values()])
-                write_json(self.run_dir / "metrics.json", ctx.metrics.by_stage)
-                write_json(self.run_dir / "memory.json", sampler.to_dict())
-                write_json(
-                    self.run_dir / "run.json",
-                    {
-                        "plan": self.bound.plan.name,
-                        "status": status,
-                        "message": message,
-                        "wall_s": total,
-                        "notices": len(ctx.notices),
-                        "load_average": load,
-                    },
-                )
-                trace = chrome_trace(
-                    ctx.trace.spans, started_ns, f"llmplan run {self.bound.plan.name}", {"load_average": load}
-                )
-                write_json(self.run_dir / "trace.json", trace, indent=None)
-                events.close()
-                claim(events_path, "log")
-            except OSError as unwritten:  # a full disk: said in one line, and never hiding the run's own failure
-                said = f"the run's records were not written: {plain_error(unwritten)}"
-                status, code = ("failed", 1) if status == "ok" else (status, code)
-                message = said if message == "ok" else f"{message}; {said}"
-                with contextlib.suppress(OSError):
-                    events.close()
-            if previous is not None:
-                signal.signal(signal.SIGINT, previous)
-        return RunResult(self.run_dir, status, code, message, list(self.records.values()), ctx)
 
-    def _prepare(self) -> None:
-        """Every stage of the plan, not only those --until keeps: a filter guards the stream either way."""
-        for bound in self.bound.stages:
-            self.ctx.metrics.current = bound.id
-            try:
-                bound.cls().prepare(self.ctx, bound.params)
-            except StageFailure as bad:
-                raise StageFailure(f"stage {bound.id!r} ({bound.spec.uses}): {bad}") from None
+    def _clean_up(self, loop: StageLoop, outcome: _Outcome) -> None:
+        # A resident plan (cleanup False) keeps what it loaded unless the load failed.
+        if self.cleanup or outcome.status != "ok":
+            cleanup_error, cleanup_interrupted = loop.run_always()
+        else:
+            cleanup_error, cleanup_interrupted = None, False
+        if cleanup_interrupted and outcome.status != "interrupted":
+            outcome.set("interrupted", 130, "interrupted (Ctrl-C) during the cleanup stages")
+            outcome.previous_sigint = _ignore_sigint()
+        elif cleanup_error and outcome.status == "ok":
+            outcome.set("failed", 1, cleanup_error)
+        errors = self.ctx.request_errors
+        if outcome.status == "ok" and errors:
+            # Everything ran, but some answers are errors: not a success a script may trust.
+            listed = "; ".join(f"{rid}: {why}" for rid, why in list(errors.items())[:5])
+            outcome.set("errors", EXIT_REQUEST_ERRORS, f"{len(errors)} request(s) ended in error ({listed})")
 
-    # --- one stage -------------------------------------------------------------------------------
-
-    def _run_stage(self, stage_id: str, sampler: MemorySampler, log: Any) -> None:
-        span_start = time.perf_counter_ns()  # the trace's span includes the measuring around the stage
-        bound = self.graph.nodes[stage_id]["stage"]
+    def _finish(self, outcome: _Outcome, started_ns: int, load_before: list[float] | None) -> None:
+        """The records of the run: the failed stage named in the message, not_run stages, metrics, files."""
         ctx = self.ctx
-        ctx.metrics.current = stage_id
+        finishing = time.perf_counter_ns()
+        self.sampler.stop()
+        failed = next((r for r in self.records.values() if r.status == "failed"), None)
+        if failed is not None and outcome.status != "ok" and not outcome.message.startswith(f"stage {failed.id!r}"):
+            outcome.message = f"stage {failed.id!r} ({failed.uses}): {outcome.message}"
+        for stage_id in self.part.order:
+            if stage_id not in self.records:
+                self._record(stage_id, "not_run")
+        ended_ns = time.perf_counter_ns()
+        ctx.trace.add("finish the run", "engine", finishing, ended_ns)
+        total = (ended_ns - started_ns) / 1e9
+        load = {"start": load_before, "end": _load_average(), "cpus": os.cpu_count()}
+        self.log.info("run_finished", status=outcome.status, wall_s=round(total, 4), peak_rss=peak_rss_bytes())
+        ctx.metrics.by_stage.setdefault("run", {}).update(
+            {
+                "wall_s": total,
+                "status": outcome.status,
+                "peak_rss_bytes": peak_rss_bytes(),
+                "notices": ctx.notice_summary(),
+                "request_errors": dict(ctx.request_errors),
+                "load_average": load,
+            }
+        )
+        ctx.trace.add(self.bound.plan.name, "run", started_ns, ended_ns, status=outcome.status)
+        try:
+            self._write_records(outcome, total, load, started_ns)
+        except OSError as unwritten:  # a full disk: said in one line, and never hiding the run's own failure
+            said = f"the run's records were not written: {plain_error(unwritten)}"
+            if outcome.status == "ok":
+                outcome.status, outcome.code = "failed", 1
+            outcome.message = said if outcome.message == "ok" else f"{outcome.message}; {said}"
+            with contextlib.suppress(OSError):
+                self.events.close()
+
+    def _write_records(self, outcome: _Outcome, total: float, load: dict[str, Any], started_ns: int) -> None:
+        ctx, name = self.ctx, self.bound.plan.name
+        write_json(self.run_dir / "stages.json", [asdict(r) for r in self.records.values()])
+        write_json(self.run_dir / "metrics.json", ctx.metrics.by_stage)
+        write_json(self.run_dir / "memory.json", self.sampler.to_dict())
+        write_json(
+            self.run_dir / "run.json",
+            {
+                "plan": name,
+                "status": outcome.status,
+                "message": outcome.message,
+                "wall_s": total,
+                "notices": len(ctx.notices),
+                "load_average": load,
+            },
+        )
+        trace = chrome_trace(ctx.trace.spans, started_ns, f"llmplan run {name}", {"load_average": load})
+        write_json(self.run_dir / "trace.json", trace, indent=None)
+        self.events.close()
+        claim(self.events_path, "log")
+
+    # --- around one stage (the StageLoop's watch) -------------------------------------------------
+
+    def skipped(self, stage_id: str, reason: str) -> None:
+        self._record(stage_id, "skipped", reason=reason)
+        if reason == NOT_NEEDED:
+            self.log.info("stage_skipped", stage=stage_id, reason=reason)
+
+    @contextlib.contextmanager
+    def running(self, stage_id: str) -> Iterator[None]:
+        """Measure, log and trace one stage; its record says ok only when it ran to its end."""
+        span_start = time.perf_counter_ns()  # the trace's span includes the measuring around the stage
+        bound = self.part.stage(stage_id)
+        ctx, log = self.ctx, self.log
         ctx.log = log.bind(stage=stage_id)
         record = StageRecord(stage_id, bound.spec.uses, str(bound.cls.phase), "failed")
         record.rss_before, record.device_before = rss_bytes(), device_bytes()
         self.records[stage_id] = record
-        sampler.mark(stage_id, "start")
+        self.sampler.mark(stage_id, "start")
         log.info("stage_started", stage=stage_id, uses=bound.spec.uses)
         t0_ns = time.perf_counter_ns()
         try:
-            bound.cls().run(ctx, bound.params)
-            ctx.end_stream()  # a stage's stream ends with it: text a stream guard held back comes out now
-            missing = [slot for slot in bound.cls.writes if not ctx.has(slot)]
-            if missing:
-                raise StageFailure(f"stage {stage_id!r} ({bound.spec.uses}) did not write {', '.join(missing)}")
+            yield
             record.status = "ok"
         except BaseException as error:
             record.reason = failure_text(error)
             log.error("stage_failed", stage=stage_id, error=record.reason)
             raise
         finally:
-            t1_ns = time.perf_counter_ns()
-            record.wall_s = (t1_ns - t0_ns) / 1e9
-            ctx.metrics.by_stage.setdefault(stage_id, {})["wall_s"] = record.wall_s
-            record.rss_after, record.device_after = rss_bytes(), device_bytes()
-            sampler.mark(stage_id, "end")
-            if record.status == "ok":
-                log.info(
-                    "stage_finished",
-                    stage=stage_id,
-                    wall_s=round(record.wall_s, 6),
-                    rss_before=record.rss_before,
-                    rss_after=record.rss_after,
-                    device_before=record.device_before,
-                    device_after=record.device_after,
-                )
-            self.report(record)
-            ctx.trace.add(
-                stage_id,
-                "stage",
-                span_start,
-                time.perf_counter_ns(),
-                uses=bound.spec.uses,
-                phase=record.phase,
-                status=record.status,
-                wall_s=record.wall_s,
+            self._stage_ended(record, t0_ns, span_start)
+
+    def _stage_ended(self, record: StageRecord, t0_ns: int, span_start: int) -> None:
+        ctx, stage_id = self.ctx, record.id
+        record.wall_s = (time.perf_counter_ns() - t0_ns) / 1e9
+        ctx.metrics.by_stage.setdefault(stage_id, {})["wall_s"] = record.wall_s
+        record.rss_after, record.device_after = rss_bytes(), device_bytes()
+        self.sampler.mark(stage_id, "end")
+        if record.status == "ok":
+            self.log.info(
+                "stage_finished",
+                stage=stage_id,
+                wall_s=round(record.wall_s, 6),
+                rss_before=record.rss_before,
+                rss_after=record.rss_after,
+                device_before=record.device_before,
+                device_after=record.device_after,
             )
-
-    def _run_always(self, sampler: MemorySampler, log: Any) -> tuple[str | None, bool]:
-        """Run the `always` stages; (the first cleanup error, whether Ctrl-C hit one of them)."""
-        error = None
-        interrupted = False
-        for stage_id in self.order:
-            bound = self.graph.nodes[stage_id]["stage"]
-            if not bound.cls.always:
-                continue
-            if any(not self.ctx.has(slot) for slot in bound.cls.reads):
-                self._record(stage_id, "skipped", reason="inputs missing")
-                continue
-            try:
-                self._run_stage(stage_id, sampler, log)
-            except KeyboardInterrupt:  # an interrupt, not a failure of the stage: said as such
-                interrupted = True
-            except BaseException as bad:  # cleanup must not hide the original failure
-                error = error or f"stage {stage_id!r}: {failure_text(bad)}"
-        return error, interrupted
-
-    def _needed(self, stage_id: str, ran: set[str]) -> bool:
-        """Whether some remaining stage still needs this one's output (or it is a sink)."""
-        return _needed(self.graph, stage_id, self.ctx, set(self.order), ran, {})
+        self.report(record)
+        ctx.trace.add(
+            stage_id,
+            "stage",
+            span_start,
+            time.perf_counter_ns(),
+            uses=record.uses,
+            phase=record.phase,
+            status=record.status,
+            wall_s=record.wall_s,
+        )
 
     def _record(self, stage_id: str, status: str, reason: str = "") -> None:
-        bound = self.graph.nodes[stage_id]["stage"]
+        bound = self.part.stage(stage_id)
         record = StageRecord(stage_id, bound.spec.uses, str(bound.cls.phase), status, reason=reason)
         self.records[stage_id] = record
         if status == "skipped":
             self.report(record)
-
-
-def failure_text(error: BaseException) -> str:
-    """What a stage's failure says: its own message when it made one, else a plain sentence."""
-    if isinstance(error, KeyboardInterrupt):
-        return "interrupted"
-    return str(error) if isinstance(error, StageFailure) else plain_error(error)
 
 
 def _load_average() -> list[float] | None:
@@ -378,32 +363,3 @@ def _ignore_sigint() -> Any:
     if threading.current_thread() is not threading.main_thread():
         return None
     return signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def _needed(graph: nx.DiGraph, node: str, ctx: Context, active: set[str], ran: set[str], memo: dict[str, bool]) -> bool:
-    if node in memo:
-        return memo[node]
-    bound = graph.nodes[node]["stage"]
-    writes = set(bound.cls.writes)
-    if writes and all(ctx.has(slot) for slot in writes) and node not in ran:
-        memo[node] = False  # everything it would produce is already there
-        return False
-    consumers = [
-        dst
-        for dst in graph.successors(node)
-        if dst in active
-        and (graph.edges[node, dst]["kinds"] & {DATA, FILL})
-        and not graph.nodes[dst]["stage"].cls.always
-    ]
-    if not consumers:
-        memo[node] = True  # a sink: its effect is the point of the plan
-        return True
-    result = False
-    for dst in consumers:
-        slots = graph.edges[node, dst]["slots"]
-        unfilled = any(not ctx.has(slot) for slot in slots) or not slots
-        if unfilled and dst not in ran and _needed(graph, dst, ctx, active, ran, memo):
-            result = True
-            break
-    memo[node] = result
-    return result

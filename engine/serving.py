@@ -18,17 +18,17 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import networkx as nx
 from pydantic import ValidationError
 
 from llmplan.ownership import check_writable, claim
 
 from .context import Context, Metrics
 from .findings import StageFailure
-from .graph import build_graph, execution_order
 from .messages import describe
 from .plan import BoundPlan
-from .runner import EVENTS_FILE, Runner, RunResult, _needed, event_logger
+from .plan_graph import PlanGraph
+from .runner import EVENTS_FILE, Runner, RunResult, event_logger
+from .stage_loop import StageLoop, Timings
 
 
 class ServeError(Exception):
@@ -55,16 +55,17 @@ class ResidentPlan:
         self.bound = bound
         self._new_context = new_context
         self.run_dir = run_dir
-        graph = build_graph(bound.stages)
-        order = execution_order(graph)
-        entries = [s for s in order if graph.nodes[s]["stage"].cls.per_request]
+        self.graph: PlanGraph = bound.graph  # the plan's one graph; the two parts below are parts of it
+        entries = self.graph.where(lambda stage: stage.cls.per_request)
         if not entries:
             raise ServeError(f"{bound.source.file}: no stage takes requests (none is marked per_request)")
-        request = set(entries).union(*(nx.descendants(graph, e) for e in entries))
-        self.graph = graph
-        self.request_order = [s for s in order if s in request and not self._always(s)]
-        self.resident_ids = {s for s in order if s not in request and not self._always(s)}
-        self.request_slots = {slot for s in self.request_order for slot in graph.nodes[s]["stage"].cls.writes}
+        downstream = self.graph.from_nodes(*entries)
+        steps = self.graph.where(lambda stage: not stage.cls.always)
+        self.request = steps.only(downstream)  # what runs per request
+        self.resident = steps.without(downstream)  # what runs once, at load
+        self.request_order = list(self.request.order)
+        self.resident_ids = set(self.resident.order)
+        self.request_slots = {slot for s in self.request for slot in self.request.stage(s).cls.writes}
         self.context: Context | None = None
         self.state = "unloaded"  # unloaded | loading | ready
         self._lock = threading.Lock()
@@ -81,15 +82,12 @@ class ResidentPlan:
         self._events.close()
         claim(Path(self._events.name), "log")
 
-    def _always(self, stage_id: str) -> bool:
-        return bool(self.graph.nodes[stage_id]["stage"].cls.always)
-
     def stage_by_use(self, uses: str) -> str | None:
         """The id of the first request stage that uses `uses` (e.g. "compute.generate"), if any."""
-        return next((s for s in self.request_order if self.graph.nodes[s]["stage"].spec.uses == uses), None)
+        return next((s for s in self.request if self.request.stage(s).spec.uses == uses), None)
 
     def params(self, stage_id: str) -> Any:
-        return self.graph.nodes[stage_id]["stage"].params
+        return self.graph.stage(stage_id).params
 
     # --- the resident part ------------------------------------------------------------------------
 
@@ -114,7 +112,7 @@ class ResidentPlan:
             self.state = "unloaded"
             if ctx is None:
                 return None
-            always = {s for s in self.graph.nodes if self._always(s)}
+            always = set(self.graph.where(lambda stage: stage.cls.always))
             return Runner(self.bound, ctx, self.run_dir, only=always, cleanup=True).run()
 
     # --- one request ------------------------------------------------------------------------------
@@ -126,7 +124,7 @@ class ResidentPlan:
         """
         bound: dict[str, Any] = {}
         for stage_id, update in overrides.items():
-            if stage_id not in self.request_order:
+            if stage_id not in self.request:
                 raise RequestError("", f"stage {stage_id!r} is not a request stage of this plan")
             params = self.params(stage_id)
             try:
@@ -151,6 +149,28 @@ class ResidentPlan:
 
         `given`: request slots already made elsewhere (requests a driver tokenized for its replicas); the
         stages that would write only them are then not needed and do not run, as after a cache hit."""
+        ctx = self._request_context(params, stream, cancel, log)
+        for slot in self.request_slots:
+            ctx.put(slot, None)
+        for slot, value in (given or {}).items():
+            ctx.put(slot, value)
+        # a stage that will not run has nothing to guard (a skipped sink checks no target)
+        part = self.request.without(skip)
+        timings = Timings()
+        loop = StageLoop(part, ctx, timings, params, end_stream_on_error=True)
+        loop.prepare(part.stage(s) for s in part)  # e.g. an output filter guards this request's stream
+        start = time.perf_counter()
+        loop.run()  # a stage not needed (a results-cache hit filled what generation would write) does not run
+        return RequestRun(ctx, time.perf_counter() - start, timings.seconds)
+
+    def _request_context(
+        self,
+        params: Mapping[str, Any] | None,
+        stream: Callable[[str], None] | None,
+        cancel: threading.Event | None,
+        log: Any,
+    ) -> Context:
+        """A request's context: the resident slots shared, its own metrics, notices, cancel and stream."""
         resident = self.context
         if resident is None:
             raise StageFailure("the model is not loaded")
@@ -167,44 +187,7 @@ class ResidentPlan:
         if params:
             # The request's own plan: stages that read the plan (a results cache keying on the generation
             # parameters) see the parameters this request really runs with, not the plan's defaults.
-            ctx.plan = dataclasses.replace(
-                self.bound,
-                stages=[
-                    dataclasses.replace(b, params=params[b.id]) if b.id in params else b for b in self.bound.stages
-                ],
-            )
+            ctx.plan = self.bound.with_params(params)
         if stream is not None:
             ctx.stream = stream
-        for slot in self.request_slots:
-            ctx.put(slot, None)
-        for slot, value in (given or {}).items():
-            ctx.put(slot, value)
-        params = params or {}
-        for stage_id in self.request_order:  # e.g. an output filter guards this request's stream
-            if stage_id in skip:
-                continue  # a stage that will not run has nothing to guard (a skipped sink checks no target)
-            stage = self.graph.nodes[stage_id]["stage"]
-            try:
-                stage.cls().prepare(ctx, params.get(stage_id, stage.params))
-            except StageFailure as bad:
-                raise StageFailure(f"stage {stage_id!r} ({stage.spec.uses}): {bad}") from None
-        timings: dict[str, float] = {}
-        ran: set[str] = set()
-        active = set(self.request_order) - set(skip)
-        start = time.perf_counter()
-        for stage_id in self.request_order:
-            if stage_id in skip or not _needed(self.graph, stage_id, ctx, active, ran, {}):
-                continue  # e.g. a results-cache hit filled what generation would write
-            stage = self.graph.nodes[stage_id]["stage"]
-            ctx.metrics.current = stage_id
-            t0 = time.perf_counter()
-            try:
-                stage.cls().run(ctx, params.get(stage_id, stage.params))
-            finally:
-                ctx.end_stream()  # text a stream guard held back comes out when its stage ends
-            timings[stage_id] = time.perf_counter() - t0
-            missing = [slot for slot in stage.cls.writes if not ctx.has(slot)]
-            if missing:
-                raise StageFailure(f"stage {stage_id!r} ({stage.spec.uses}) did not write {', '.join(missing)}")
-            ran.add(stage_id)
-        return RequestRun(ctx, time.perf_counter() - start, timings)
+        return ctx

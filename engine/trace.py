@@ -43,10 +43,6 @@ class Trace:
         self.add(name, cat, round(start_s * 1e9), round(end_s * 1e9), **args)
 
 
-def seconds_to_ns(value: float) -> int:
-    return round(value * 1e9)
-
-
 def chrome_trace(
     spans: list[Span], origin_ns: int, process: str, other: dict[str, Any] | None = None
 ) -> dict[str, Any]:

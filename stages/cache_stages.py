@@ -39,11 +39,9 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-import networkx as nx
 from pydantic import Field, field_validator
 
 from llmplan.engine.findings import StageFailure
-from llmplan.engine.graph import FILL, build_graph
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
 from llmplan.llm.manifest import MANIFEST_NAME, ManifestError, read_sha256sums
 
@@ -123,11 +121,9 @@ def upstream_params(ctx: InferenceContext, stage_id: str) -> list[dict[str, Any]
     invalidate the others. Stage ids are left out (renaming a stage changes nothing); the list is sorted.
     """
     assert ctx.plan is not None
-    graph = build_graph(ctx.plan.stages)
-    graph.remove_edges_from([(a, b) for a, b, data in graph.edges(data=True) if data["kinds"] == {FILL}])
     entries = []
-    for node in nx.ancestors(graph, stage_id):
-        bound = graph.nodes[node]["stage"]
+    for node in ctx.plan.graph.depends_on(stage_id):
+        bound = ctx.plan.stage(node)  # a served request's plan holds that request's own parameters
         if bound.cls.fills or "requests" in bound.cls.writes:
             continue
         entries.append({"uses": bound.spec.uses, "params": bound.params.model_dump(mode="json")})

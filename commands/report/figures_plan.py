@@ -32,7 +32,6 @@ def stage_label(record: dict | None, replayed: bool = False) -> str:
 
 def draw_plan_graph(run: RunData, out_dir: Path) -> list[Figure]:
     from llmplan.engine.findings import PlanError
-    from llmplan.engine.graph import build_graph
     from llmplan.engine.graph_layout import graph_svg
     from llmplan.engine.plan import load_plan
     from llmplan.engine.registry import discover
@@ -46,7 +45,7 @@ def draw_plan_graph(run: RunData, out_dir: Path) -> list[Figure]:
     except PlanError as bad:
         why = "; ".join(str(f) for f in bad.findings[:3])
         return [Figure("plan", title, None, warnings=[f"the plan no longer validates here: {why}"])]
-    graph = build_graph(bound.stages)
+    graph = bound.graph.dag
     labels = {node: stage_label(run.record(node), run.replayed is not None) for node in graph.nodes}
     svg = graph_svg(graph, labels, title=f"plan {bound.plan.name}")
     write_file(out_dir / "plan_graph.svg", svg)  # the same picture as a file of its own

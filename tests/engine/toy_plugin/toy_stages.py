@@ -153,3 +153,20 @@ class Sleep(Stage):
         if params.ready:
             Path(params.ready).write_text("sleeping")
         time.sleep(params.seconds)
+
+
+class Ask(Stage):
+    """A request stage (a served plan runs it per request): the squares, each times `times`."""
+
+    name = "toy.ask"
+    phase = Phase.COMPUTE
+    per_request = True
+    reads = ("ext.numbers",)
+    writes = ("ext.squares",)
+
+    class Params(Params):
+        times: float = Field(1.0, ge=0, le=100)
+
+    def run(self, ctx, params):
+        CALLS.append("ask")
+        ctx.put("ext.squares", [n * n * params.times for n in ctx.get("ext.numbers")])
