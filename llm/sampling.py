@@ -1,23 +1,25 @@
-"""Token sampling: validated `SamplingParams` and a per-request picker built as a chain of small steps.
+"""Token sampling: a per-request picker over a chain of small samplers, in a declared order.
 
-The chain (llama.cpp-style; each step is a small function `(logits [V], ctx) -> logits [V]` that edits
-scores or masks tokens to -inf), applied in this order:
+The settings are `SamplingParams` (llm/sampling_params.py, where they and their limits are stated once).
+The chain (llama.cpp-style): each sampler is a small object with `apply(logits [V], ctx) -> logits [V]` that
+edits scores or masks tokens to -inf; the chain is itself one, and its order is data (`ORDER`):
 
-    1. repetition_penalty   over all seen tokens (prompt + generated), HF RepetitionPenaltyLogitsProcessor:
-                            a seen token's logit l becomes l / p if l > 0 else l * p
-    2. frequency/presence   over generated tokens only (OpenAI): l -= frequency * count + presence * (count > 0)
-    3. no_repeat_ngram      over all seen tokens, HF NoRepeatNGramLogitsProcessor: a token that would
-                            complete an n-gram already present gets -inf
-    -- temperature == 0: greedy, argmax of the logits after steps 1-3 (no sort, no softmax) --
-    4. temperature          l / T                                  (HF TemperatureLogitsWarper)
-    5. top_k                keep the k largest                     (HF TopKLogitsWarper, ties at the kth kept)
-    6. top_p                keep the smallest top set with mass >= p, boundary token included: sorting
-                            ascending, drop tokens whose cumulative prob <= 1 - p (HF TopPLogitsWarper)
-    7. min_p                keep tokens with p >= min_p * p_max, probs after temperature (HF MinPLogitsWarper)
-    8. sample               one draw from softmax(logits) with the picker's own torch.Generator
+    1. RepetitionPenalty  over all seen tokens (prompt + generated), HF RepetitionPenaltyLogitsProcessor:
+                          a seen token's logit l becomes l / p if l > 0 else l * p
+    2. FrequencyPresence  over generated tokens only (OpenAI): l -= frequency * count + presence * (count > 0)
+    3. NoRepeatNGram      over all seen tokens, HF NoRepeatNGramLogitsProcessor: a token that would
+                          complete an n-gram already present gets -inf
+    -- temperature == 0: greedy, argmax of the logits after steps 1-3 (no sort, no softmax); the samplers
+       below only reshape the distribution (`warps`), which leaves the argmax where it is --
+    4. Temperature        l / T                                  (HF TemperatureLogitsWarper)
+    5. TopK               keep the k largest                     (HF TopKLogitsWarper, ties at the kth kept)
+    6. TopP               keep the smallest top set with mass >= p, boundary token included: sorting
+                          ascending, drop tokens whose cumulative prob <= 1 - p (HF TopPLogitsWarper)
+    7. MinP               keep tokens with p >= min_p * p_max, probs after temperature (HF MinPLogitsWarper)
+    8. the draw           one draw from softmax(logits) with the picker's own torch.Generator (`Picker`)
 
 If the chain masks every token (e.g. n-gram bans on a tiny vocabulary), the raw logits are used instead.
-Steps whose parameter is neutral (penalty 1, 0, k 0, p 1, min_p 0, T 1) are not put in the chain at all.
+A sampler whose parameter is neutral (penalty 1, 0, k 0, p 1, min_p 0, T 1) is not put in the chain at all.
 
 Prompt length: frequency/presence penalties count generated tokens only, so the picker must know where the
 prompt ends. `build_picker(params, prompt_len=None)`: when None, the prompt length is taken as len(seen) at
@@ -36,72 +38,28 @@ same seed and inputs give the same tokens on any device.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
 
 import torch
 from torch import Tensor
 
 from .generate import Pick, TokenPicker
+from .sampling_params import SamplingParams
 
-__all__ = ["Pick", "SamplingParams", "Step", "StepContext", "TokenPicker", "build_picker"]
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # (0, 1]; 1 = off
-    min_p: float = 0.0  # [0, 1]; 0 = off
-    repetition_penalty: float = 1.0  # > 0; 1 = off
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    no_repeat_ngram_size: int = 0  # 0 = off
-    seed: int | None = None
-    logprobs_top_n: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("top_k", "no_repeat_ngram_size", "logprobs_top_n"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name}: must be an integer (got {value!r})")
-            if value < 0:
-                raise ValueError(f"{name}: must be >= 0 (got {value})")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed: must be an integer or None (got {self.seed!r})")
-        floats = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
-        for name in floats:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-                raise ValueError(f"{name}: must be a finite number (got {value!r})")
-        if self.temperature < 0:
-            raise ValueError(f"temperature: must be >= 0, 0 meaning greedy (got {self.temperature})")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p: must be in (0, 1] (got {self.top_p})")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p: must be in [0, 1] (got {self.min_p})")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty: must be > 0 (got {self.repetition_penalty})")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+__all__ = ["ORDER", "Chain", "Pick", "Sampler", "SamplingParams", "StepContext", "TokenPicker", "build_picker"]
 
 
 @dataclass
 class StepContext:
-    """What a step may look at besides the logits: the seen ids and where the prompt ends."""
+    """What a sampler may look at besides the logits: the seen ids and where the prompt ends."""
 
     seen: list[int]
     prompt_len: int
 
 
-Step = Callable[[Tensor, StepContext], Tensor]
-"""One link of the chain: takes logits [V] (it may edit them in place) and returns them."""
-
-
 # ---------------------------------------------------------------------------------------------------------
-# the steps; each takes its parameter first so tests can call it alone
+# the steps as functions; each takes its parameter last so tests can call it alone
 
 
 def repetition_penalty(logits: Tensor, ctx: StepContext, penalty: float) -> Tensor:
@@ -196,27 +154,141 @@ def min_p(logits: Tensor, ctx: StepContext, m: float) -> Tensor:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def build_chain(params: SamplingParams) -> tuple[list[Step], list[Step]]:
-    """(penalties+bans, warpers) for these params; neutral steps are left out."""
-    pre: list[Step] = []
-    if params.repetition_penalty != 1.0:
-        pre.append(lambda x, c: repetition_penalty(x, c, params.repetition_penalty))
-    if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
-        pre.append(lambda x, c: frequency_presence_penalty(x, c, params.frequency_penalty, params.presence_penalty))
-    if params.no_repeat_ngram_size > 0:
-        pre.append(lambda x, c: no_repeat_ngram(x, c, params.no_repeat_ngram_size))
-    warp: list[Step] = []
-    if params.greedy:
-        return pre, warp
-    if params.temperature != 1.0:
-        warp.append(lambda x, c: temperature(x, c, params.temperature))
-    if params.top_k > 0:
-        warp.append(lambda x, c: top_k(x, c, params.top_k))
-    if params.top_p < 1.0:
-        warp.append(lambda x, c: top_p(x, c, params.top_p))
-    if params.min_p > 0.0:
-        warp.append(lambda x, c: min_p(x, c, params.min_p))
-    return pre, warp
+# ---------------------------------------------------------------------------------------------------------
+# the samplers: each a small object made from the params (None when its parameter is neutral)
+
+
+class Sampler(Protocol):
+    warps: ClassVar[bool]  # True: reshapes the distribution only (the argmax stays), so greedy skips it
+
+    def apply(self, logits: Tensor, ctx: StepContext) -> Tensor:
+        """Takes logits [V] (it may edit them in place) and returns them."""
+        ...
+
+
+@dataclass(frozen=True)
+class RepetitionPenalty:
+    penalty: float
+    warps: ClassVar[bool] = False
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> RepetitionPenalty | None:
+        return cls(params.repetition_penalty) if params.repetition_penalty != 1.0 else None
+
+    def apply(self, logits: Tensor, ctx: StepContext) -> Tensor:
+        return repetition_penalty(logits, ctx, self.penalty)
+
+
+@dataclass(frozen=True)
+class FrequencyPresence:
+    frequency: float
+    presence: float
+    warps: ClassVar[bool] = False
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> FrequencyPresence | None:
+        if params.frequency_penalty == 0.0 and params.presence_penalty == 0.0:
+            return None
+        return cls(params.frequency_penalty, params.presence_penalty)
+
+    def apply(self, logits: Tensor, ctx: StepContext) -> Tensor:
+        return frequency_presence_penalty(logits, ctx, self.frequency, self.presence)
+
+
+@dataclass(frozen=True)
+class NoRepeatNGram:
+    n: int
+    warps: ClassVar[bool] = False
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> NoRepeatNGram | None:
+        return cls(params.no_repeat_ngram_size) if params.no_repeat_ngram_size > 0 else None
+
+    def apply(self, logits: Tensor, ctx: StepContext) -> Tensor:
+        return no_repeat_ngram(logits, ctx, self.n)
+
+
+@dataclass(frozen=True)
+class Temperature:
+    t: float
+    warps: ClassVar[bool] = True
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> Temperature | None:
+        return cls(params.temperature) if params.temperature != 1.0 else None
+
+    def apply(self, logits: Tensor, ctx: StepContext) -> Tensor:
+        return temperature(logits, ctx, self.t)
+
+
+@dataclass(frozen=True)
+class TopK:
+    k: int
+    warps: ClassVar[bool] = True
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> TopK | None:
+        return cls(params.top_k) if params.top_k > 0 else None
+
+    def apply(self, logits: Tensor, ctx: StepContext) -> Tensor:
+        return top_k(logits, ctx, self.k)
+
+
+@dataclass(frozen=True)
+class TopP:
+    p: float
+    warps: ClassVar[bool] = True
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> TopP | None:
+        return cls(params.top_p) if params.top_p < 1.0 else None
+
+    def apply(self, logits: Tensor, ctx: StepContext) -> Tensor:
+        return top_p(logits, ctx, self.p)
+
+
+@dataclass(frozen=True)
+class MinP:
+    m: float
+    warps: ClassVar[bool] = True
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> MinP | None:
+        return cls(params.min_p) if params.min_p > 0.0 else None
+
+    def apply(self, logits: Tensor, ctx: StepContext) -> Tensor:
+        return min_p(logits, ctx, self.m)
+
+
+ORDER: tuple[type, ...] = (  # each with `of(params) -> sampler | None`
+    RepetitionPenalty,
+    FrequencyPresence,
+    NoRepeatNGram,
+    Temperature,
+    TopK,
+    TopP,
+    MinP,
+)
+"""The chain's order: penalties and bans over the raw scores first, then the warpers (as HF and llama.cpp)."""
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Samplers applied one after another; itself a sampler."""
+
+    samplers: tuple[Sampler, ...]
+    warps: ClassVar[bool] = False
+
+    def apply(self, logits: Tensor, ctx: StepContext) -> Tensor:
+        for sampler in self.samplers:
+            logits = sampler.apply(logits, ctx)
+        return logits
+
+
+def build_chain(params: SamplingParams, order: tuple[type, ...] = ORDER) -> Chain:
+    """The chain for these params: `order`, less neutral samplers and, when greedy, less the warpers."""
+    made = (kind.of(params) for kind in order)
+    return Chain(tuple(s for s in made if s is not None and not (params.greedy and s.warps)))
 
 
 @dataclass
@@ -225,15 +297,14 @@ class Picker:
 
     params: SamplingParams
     prompt_len: int | None = None
-    _pre: list[Step] = field(init=False, repr=False)
-    _warp: list[Step] = field(init=False, repr=False)
+    _chain: Chain = field(init=False, repr=False)
     _generator: torch.Generator = field(init=False, repr=False)
     _given_prompt_len: int | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.prompt_len is not None and self.prompt_len < 0:
             raise ValueError(f"prompt_len: must be >= 0 (got {self.prompt_len})")
-        self._pre, self._warp = build_chain(self.params)
+        self._chain = build_chain(self.params)
         self._given_prompt_len = self.prompt_len
         self._generator = torch.Generator(device="cpu")
         self.reset()
@@ -253,14 +324,9 @@ class Picker:
             self.prompt_len = len(seen)
         raw = logits_row.detach().to(device="cpu", dtype=torch.float32)
         logits = raw
-        if self._pre or self._warp:
-            ctx = StepContext(seen=seen, prompt_len=self.prompt_len)
-            logits = raw.clone()  # the steps edit in place; the raw row is kept for the logprobs
-            for step in self._pre:
-                logits = step(logits, ctx)
-            if not self.params.greedy:
-                for step in self._warp:
-                    logits = step(logits, ctx)
+        if self._chain.samplers:
+            # the samplers edit in place; the raw row is kept for the logprobs
+            logits = self._chain.apply(raw.clone(), StepContext(seen=seen, prompt_len=self.prompt_len))
         if logits is not raw and not torch.isfinite(logits).any():
             logits = raw  # every token was banned/masked: ignore the chain rather than fail
         best = None

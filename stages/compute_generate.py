@@ -28,7 +28,7 @@ from llmplan.llm.beam_search import beam_search
 from llmplan.llm.engine_loop import EngineLoop
 from llmplan.llm.generate import Generation, TokenPicker, generate
 from llmplan.llm.model_runner import ModelRunner
-from llmplan.llm.sampling import SamplingParams, build_picker
+from llmplan.llm.sampling import build_picker
 from llmplan.llm.scheduler import GenerationRequest, Sequence
 from llmplan.llm.slot_cache import SlotCache
 from llmplan.llm.stop_strings import StopStringStream, stop_checker
@@ -37,7 +37,7 @@ from llmplan.plain_errors import plain_error
 
 from .compute_tokenize import truncate
 from .observe import finish_observing, record_steps
-from .request_settings import SAMPLING_FIELDS, RequestSettings
+from .request_settings import RequestSettings, sampling_params
 from .slots import InferenceContext
 from .types import Request, Result
 
@@ -72,7 +72,7 @@ class GenerateParams(RequestSettings):
 
 def settings_for(request: Request, params: GenerateParams, plan_seed: int) -> dict[str, Any]:
     """The request's effective generation settings: the stage's, then the request's own overrides."""
-    settings = {name: getattr(params, name) for name in (*SAMPLING_FIELDS, "max_new_tokens", "stop")}
+    settings = {name: getattr(params, name) for name in RequestSettings.model_fields}
     settings["seed"] = plan_seed if params.seed is None else params.seed
     settings.update(request.overrides)
     return settings
@@ -80,10 +80,7 @@ def settings_for(request: Request, params: GenerateParams, plan_seed: int) -> di
 
 def picker_for(settings: dict[str, Any], params: GenerateParams, prompt_len: int) -> TokenPicker:
     """The request's token picker, from its effective settings."""
-    sampling = SamplingParams(
-        **{k: settings[k] for k in SAMPLING_FIELDS}, logprobs_top_n=max(params.logprobs, ALTERNATIVES)
-    )
-    return build_picker(sampling, prompt_len)
+    return build_picker(sampling_params(settings, logprobs_top_n=max(params.logprobs, ALTERNATIVES)), prompt_len)
 
 
 @dataclass

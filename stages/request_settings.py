@@ -1,40 +1,50 @@
-"""The generation settings a single request may set for itself, declared once.
+"""The generation settings a single request may set for itself, as a plan's schema.
 
-`RequestSettings` states each setting with its default and limits. The generate stage's parameters inherit
-it, and `Overrides` (what a JSONL line carries) is derived from it field by field with every field optional,
-so a plan and a request line can never accept different values: `stop: [""]` or `no_repeat_ngram_size: 1000`
-is refused in both places by the same rule.
+Nothing is declared here: `RequestSettings` is built from `llm.sampling_params.SamplingParams`, field by field
+(its type, default, limits and description), and the generate stage's parameters inherit it. `Overrides`
+(what a JSONL line carries) is built from RequestSettings with every field optional, so a plan, a request
+line and the library can never accept different values: `stop: [""]` or `no_repeat_ngram_size: 1000` is
+refused in each place by the same rule.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Annotated, Any
 
 from pydantic import Field, StringConstraints, create_model
 from pydantic.fields import FieldInfo
 
 from llmplan.engine.stage import Params
-
-StopString = Annotated[str, StringConstraints(min_length=1)]  # "" would stop before the first token
-
-
-class RequestSettings(Params):
-    max_new_tokens: int = Field(256, ge=1, le=1 << 20, description="generated tokens per request, at most")
-    temperature: float = Field(0.0, ge=0, le=100, description="0 = greedy")
-    top_k: int = Field(0, ge=0, description="keep the k most likely tokens; 0 = off")
-    top_p: float = Field(1.0, gt=0, le=1, description="keep the smallest set with this probability; 1 = off")
-    min_p: float = Field(0.0, ge=0, le=1, description="drop tokens below min_p × p(best); 0 = off")
-    repetition_penalty: float = Field(1.0, gt=0, le=10, description="HF-style, over prompt and output; 1 = off")
-    frequency_penalty: float = Field(0.0, ge=-2, le=2, description="OpenAI-style, over generated tokens")
-    presence_penalty: float = Field(0.0, ge=-2, le=2, description="OpenAI-style, over generated tokens")
-    no_repeat_ngram_size: int = Field(0, ge=0, le=64, description="ban repeating any n-gram; 0 = off")
-    seed: int | None = Field(None, ge=0, description="sampling seed; default: the plan's seed")
-    stop: list[StopString] = Field(default_factory=list, max_length=16, description="stop strings (on decoded text)")
+from llmplan.llm.sampling_params import Limit, SamplingParams, request_fields
 
 
-# The settings that go to the sampler (llm.sampling.SamplingParams); the others end a request.
+def plan_field(f: dataclasses.Field[Any], kind: Any, limit: Limit) -> tuple[Any, FieldInfo]:
+    """A dataclass field as a pydantic field: the same default, limits and description."""
+    if kind == tuple[str, ...]:  # a YAML list of strings; the dataclass keeps them as a tuple
+        item = Annotated[str, StringConstraints(min_length=limit.min_chars)]
+        return list[item], Field(default_factory=list, max_length=limit.max_items, description=limit.description)
+    return kind, Field(f.default, description=limit.description, **limit.bounds())
+
+
+RequestSettings: type[Params] = create_model(  # type: ignore[call-overload]
+    "RequestSettings",
+    __base__=Params,
+    __doc__="The settings one request may set for itself: llm.sampling_params.SamplingParams, as a plan's schema.",
+    **{f.name: plan_field(f, kind, limit) for f, kind, limit in request_fields()},
+)
+
+# The settings that go to the sampler chain; the others end a request.
 SAMPLING_FIELDS: tuple[str, ...] = tuple(n for n in RequestSettings.model_fields if n not in ("max_new_tokens", "stop"))
+
+
+def sampling_params(settings: dict[str, Any], logprobs_top_n: int) -> SamplingParams:
+    """A request's effective settings (a validated plan's, then a validated request line's) for the library:
+    checked already, so built as they are."""
+    return SamplingParams.trusted(
+        **{name: settings[name] for name in RequestSettings.model_fields}, logprobs_top_n=logprobs_top_n
+    )
 
 
 def _optional(field: FieldInfo) -> tuple[Any, FieldInfo]:

@@ -130,14 +130,14 @@ def test_frequency_presence_penalty_counts_generated_only() -> None:
 def test_greedy_is_argmax_after_penalties() -> None:
     picker = build_picker(SamplingParams(temperature=0), prompt_len=0)
     assert picker(LOGITS, []).token == 0
-    penalized = build_picker(SamplingParams(temperature=0, repetition_penalty=100.0), prompt_len=0)
+    penalized = build_picker(SamplingParams(temperature=0, repetition_penalty=10.0), prompt_len=0)
     assert penalized(LOGITS, [0]).token == 1
     banned = build_picker(SamplingParams(temperature=0, no_repeat_ngram_size=2), prompt_len=0)
     assert banned(LOGITS, [5, 0, 5]).token == 1  # "5 0" occurred, so 0 after 5 is banned
 
 
 def test_top_k_draws_only_from_k_best() -> None:
-    counts = _draws(SamplingParams(top_k=3, seed=1))
+    counts = _draws(SamplingParams(temperature=1.0, top_k=3, seed=1))
     assert counts[3:].sum() == 0
     assert (counts[:3] > 0).all()
 
@@ -146,7 +146,7 @@ def test_top_p_draws_only_from_nucleus() -> None:
     probs = LOGITS.softmax(-1)
     p = 0.8
     nucleus = int((probs.cumsum(-1) < p).sum()) + 1  # smallest prefix reaching p, boundary included
-    counts = _draws(SamplingParams(top_p=p, seed=2))
+    counts = _draws(SamplingParams(temperature=1.0, top_p=p, seed=2))
     assert counts[nucleus:].sum() == 0
     assert (counts[:nucleus] > 0).all()
 
@@ -154,7 +154,7 @@ def test_top_p_draws_only_from_nucleus() -> None:
 def test_min_p_draws_only_above_threshold() -> None:
     probs = LOGITS.softmax(-1)
     allowed = probs >= 0.1 * probs.max()
-    counts = _draws(SamplingParams(min_p=0.1, seed=3))
+    counts = _draws(SamplingParams(temperature=1.0, min_p=0.1, seed=3))
     assert counts[~allowed].sum() == 0
     assert (counts[allowed] > 0).all()
 
@@ -183,7 +183,7 @@ def test_same_seed_same_tokens_and_reset() -> None:
 
 
 def test_prompt_len_defaults_to_first_call() -> None:
-    picker = build_picker(SamplingParams(temperature=0, frequency_penalty=10.0))
+    picker = build_picker(SamplingParams(temperature=0, frequency_penalty=2.0))
     logits = torch.tensor([1.0, 0.9, 0.0])
     assert picker(logits, [0, 0, 0]).token == 0  # prompt tokens are not frequency-penalized
     assert picker.prompt_len == 3

@@ -1,0 +1,136 @@
+"""What one request asks of generation, stated once: each setting with its type, default, limits and meaning.
+
+`SamplingParams` is the only place these are written. Its fields carry their limits (`Limit`, in the field's
+metadata); the plan's schema (stages/request_settings.py) and the OpenAI API's request schema
+(commands/openai_api.py) are built from them, so a plan, a JSONL request line, an API request and a direct
+caller of this library are held to the same rule. Built directly, the dataclass checks its values itself;
+`SamplingParams.trusted` builds one from values a derived schema already checked, without a second pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Limit", "SamplingParams", "request_fields"]
+
+
+@dataclass(frozen=True)
+class Limit:
+    """A setting's meaning and limits. Numbers: ge/gt/le/lt. A list of strings: at most `max_items`, each at
+    least `min_chars` long. `request=False`: the library's own knob, set by the caller, not by a request."""
+
+    description: str
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    max_items: int | None = None
+    min_chars: int | None = None
+    request: bool = True
+
+    def bounds(self) -> dict[str, float]:
+        """The numeric bounds that are set, by name (pydantic's names: ge, gt, le, lt)."""
+        named = {"ge": self.ge, "gt": self.gt, "le": self.le, "lt": self.lt}
+        return {name: value for name, value in named.items() if value is not None}
+
+    def refusal(self, value: float) -> str | None:
+        """Why a number is out of bounds, or None."""
+        for name, bound, inside in (
+            ("ge", self.ge, lambda b: value >= b),
+            ("gt", self.gt, lambda b: value > b),
+            ("le", self.le, lambda b: value <= b),
+            ("lt", self.lt, lambda b: value < b),
+        ):
+            if bound is not None and not inside(bound):
+                sign = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}[name]
+                return f"must be {sign} {bound} (got {value})"
+        return None
+
+
+def _setting(default: Any, description: str, **limits: Any) -> Any:
+    return field(default=default, metadata={"limit": Limit(description, **limits)})
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's generation settings. The sampler chain reads temperature .. no_repeat_ngram_size, seed and
+    logprobs_top_n; max_new_tokens and stop end the request (the caller hands them to the loop)."""
+
+    max_new_tokens: int = _setting(256, "generated tokens per request, at most", ge=1, le=1 << 20)
+    temperature: float = _setting(0.0, "0 = greedy", ge=0, le=100)
+    top_k: int = _setting(0, "keep the k most likely tokens; 0 = off", ge=0)
+    top_p: float = _setting(1.0, "keep the smallest set with this probability; 1 = off", gt=0, le=1)
+    min_p: float = _setting(0.0, "drop tokens below min_p × p(best); 0 = off", ge=0, le=1)
+    repetition_penalty: float = _setting(1.0, "HF-style, over prompt and output; 1 = off", gt=0, le=10)
+    frequency_penalty: float = _setting(0.0, "OpenAI-style, over generated tokens", ge=-2, le=2)
+    presence_penalty: float = _setting(0.0, "OpenAI-style, over generated tokens", ge=-2, le=2)
+    no_repeat_ngram_size: int = _setting(0, "ban repeating any n-gram; 0 = off", ge=0, le=64)
+    # None: a plan uses its own seed; a direct caller of the library gets a fresh random one
+    seed: int | None = _setting(None, "sampling seed; default: the plan's seed", ge=0)
+    # "" would stop before the first token
+    stop: tuple[str, ...] = _setting((), "stop strings (on decoded text)", max_items=16, min_chars=1)
+    logprobs_top_n: int = _setting(0, "best tokens by raw log-prob returned per pick", ge=0, request=False)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            problem = _refusal(getattr(self, f.name), _KINDS[f.name], f.metadata["limit"])
+            if problem is not None:
+                raise ValueError(f"{f.name}: {problem}")
+        object.__setattr__(self, "stop", tuple(self.stop))  # a list given: kept hashable, as frozen promises
+
+    @classmethod
+    def trusted(cls, **values: Any) -> SamplingParams:
+        """Values a schema derived from these limits has already checked (a plan's, a request line's, the
+        API's): built without checking them again. Unset fields take their defaults; unknown names fail."""
+        unknown = set(values) - _KINDS.keys()
+        if unknown:
+            raise TypeError(f"SamplingParams has no field {', '.join(sorted(unknown))}")
+        made = object.__new__(cls)
+        for f in dataclasses.fields(cls):
+            value = values.get(f.name, f.default)
+            object.__setattr__(made, f.name, tuple(value) if f.name == "stop" else value)
+        return made
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def request_fields() -> list[tuple[dataclasses.Field[Any], Any, Limit]]:
+    """(field, type, limit) of each setting a request may carry, in declaration order."""
+    out = []
+    for f in dataclasses.fields(SamplingParams):
+        limit = f.metadata["limit"]
+        if limit.request:
+            out.append((f, _KINDS[f.name], limit))
+    return out
+
+
+_KINDS: dict[str, Any] = typing.get_type_hints(SamplingParams)
+
+
+def _refusal(value: Any, kind: Any, limit: Limit) -> str | None:
+    """Why `value` does not fit the field's type and limits, or None."""
+    if kind == int | None:
+        if value is None:
+            return None
+        kind = int
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"must be an integer (got {value!r})"
+    elif kind is float:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            return f"must be a finite number (got {value!r})"
+    else:  # tuple[str, ...]: the stop strings
+        if not isinstance(value, tuple | list) or not all(isinstance(s, str) for s in value):
+            return f"must be a list of strings (got {value!r})"
+        if limit.max_items is not None and len(value) > limit.max_items:
+            return f"at most {limit.max_items} (got {len(value)})"
+        if limit.min_chars is not None and any(len(s) < limit.min_chars for s in value):
+            return f"each must have at least {limit.min_chars} character(s)"
+        return None
+    return limit.refusal(value)
