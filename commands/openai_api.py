@@ -4,16 +4,36 @@ A request's fields become overrides of the plan's own stage parameters, so the p
 defaults and its limits hold: `max_tokens` may not exceed the generate stage's `max_new_tokens`, and every
 value is validated again by the stage's own schema. The extras llama.cpp and vLLM accept (`top_k`, `min_p`,
 `repetition_penalty`) map the same way; `ignore_eos` too (benchmarks).
+
+The sampling fields are not written here: each comes from `llm.sampling_params.SamplingParams` (its type and
+limits), under the setting's own name, except where OpenAI's request differs (`MAPPED`):
+
+    setting          request field              limits in the request                  back to the setting
+    max_new_tokens   max_tokens (chat also      >= 1; at most the plan's max_new_tokens  the request's limit
+                     max_completion_tokens,     (checked per request, naming the field)
+                     which wins)
+    temperature      temperature                [0, 2], OpenAI's (a plan: [0, 100])      as is
+    seed             seed                       an int64, OpenAI's (a plan: >= 0)        folded into 0 .. 2^63-1
+    stop             stop: a string or a list   at most 4, OpenAI's (a plan: 16);        a string s is [s]
+                                                none empty (the setting's)
+    logprobs_top_n   (none: a library knob)     chat's logprobs + top_logprobs (0 .. 20) and a completion's
+                                                logprobs (0 .. 5) set the stage's `logprobs` instead
+    every other      its own name               the setting's                            as is
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
+
+from llmplan.llm.sampling_params import Limit, SamplingParams, request_fields
 
 FINISH = {"eos": "stop", "stop_string": "stop", "length": "length", "cache_full": "length", "cancelled": "stop"}
 
@@ -24,6 +44,32 @@ STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 INT64 = 1 << 63
 # Fields OpenAI documents as "or null" whose null means the default; any other null is refused.
 NULL_MEANS_DEFAULT = ("n", "stream", "logprobs", "echo")
+STOP_SEQUENCES = 4  # OpenAI's limit on `stop`
+
+
+@dataclass(frozen=True)
+class Mapped:
+    """A setting whose OpenAI field differs from it: the field's name, OpenAI's bounds, and the way back."""
+
+    field: str
+    bounds: dict[str, int] | None = None  # None: the setting's own
+    to_setting: Callable[[Any], Any] = lambda value: value
+
+
+MAPPED: dict[str, Mapped] = {
+    "max_new_tokens": Mapped("max_tokens", {"ge": 1}),
+    "temperature": Mapped("temperature", {"ge": 0, "le": 2}),
+    "seed": Mapped("seed", {"ge": -INT64, "lt": INT64}, lambda seed: seed % INT64),
+    "stop": Mapped("stop", None, lambda stop: [stop] if isinstance(stop, str) else list(stop)),
+}
+
+
+def api_field(kind: Any, limit: Limit, mapped: Mapped | None) -> tuple[Any, FieldInfo]:
+    """A setting as an optional request field (None: as the plan says), with OpenAI's bounds where MAPPED."""
+    if kind == tuple[str, ...]:
+        return str | list[str] | None, Field(None)  # checked by `_Request._stops`
+    bounds = mapped.bounds if mapped is not None and mapped.bounds is not None else limit.bounds()
+    return kind | None, Field(None, **bounds)
 
 
 class StreamOptions(BaseModel):
@@ -31,26 +77,37 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = None
 
 
-class _Request(BaseModel):
+class _Fields(BaseModel):
     # Unknown fields are ignored (clients send many: vLLM's and llama.cpp's extras, tools, user metadata).
     model_config = STRICT
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-INT64, lt=INT64)  # OpenAI's seed is an int64
+
+
+_STOP_LIMIT = next(limit for f, _, limit in request_fields() if f.name == "stop")
+
+
+def sampling_model(source: type = SamplingParams) -> type[_Fields]:
+    """The request's sampling fields, each under its request name (`MAPPED`), built from the dataclass
+    `source`; after `model`, as OpenAI lists them."""
+    return create_model(  # type: ignore[call-overload, no-any-return]
+        "_Sampling",
+        __base__=_Fields,
+        **{
+            MAPPED[f.name].field if f.name in MAPPED else f.name: api_field(kind, limit, MAPPED.get(f.name))
+            for f, kind, limit in request_fields(source)
+        },
+    )
+
+
+_Sampling = sampling_model()
+
+
+class _Request(_Sampling):  # type: ignore[misc, valid-type]
     n: int = Field(1, ge=1, le=16)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # extras (llama.cpp's server, vLLM)
-    top_k: int | None = Field(None, ge=0)
-    min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0, le=10)
-    ignore_eos: bool | None = None
+    ignore_eos: bool | None = None  # llama.cpp's and vLLM's extra (benchmarks)
 
     @model_validator(mode="before")
     @classmethod
@@ -74,15 +131,15 @@ class _Request(BaseModel):
     @property
     def sampling_seed(self) -> int | None:
         """The seed the sampler takes (0 .. 2^63-1): an int64 as OpenAI allows, negative ones folded in."""
-        return None if self.seed is None else self.seed % INT64
+        return None if self.seed is None else MAPPED["seed"].to_setting(self.seed)
 
     @field_validator("stop")
     @classmethod
     def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
         stops = [value] if isinstance(value, str) else value or []
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
-        if any(not s for s in stops):
+        if len(stops) > STOP_SEQUENCES:
+            raise ValueError(f"at most {STOP_SEQUENCES} stop sequences")
+        if any(len(s) < (_STOP_LIMIT.min_chars or 0) for s in stops):
             raise ValueError("stop sequences must not be empty")
         return value
 
@@ -91,22 +148,18 @@ class _Request(BaseModel):
         return self.stream_options is not None and bool(self.stream_options.include_usage)
 
     def generate_overrides(self) -> dict[str, Any]:
+        """The generate stage's overrides: each sampling field given, as its setting (MAPPED's way back)."""
         out: dict[str, Any] = {}
-        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p"):
-            value = getattr(self, name)
+        for f, _, _ in request_fields():
+            mapped = MAPPED.get(f.name)
+            value = getattr(self, mapped.field if mapped is not None else f.name)
             if value is not None:
-                out[name] = value
-        if self.seed is not None:
-            out["seed"] = self.sampling_seed
-        if self.repetition_penalty is not None:
-            out["repetition_penalty"] = self.repetition_penalty
-        if self.ignore_eos is not None:
-            out["ignore_eos"] = self.ignore_eos
-        if self.stop is not None:
-            out["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        limit = self.token_limit
+                out[f.name] = mapped.to_setting(value) if mapped is not None else value
+        limit = self.token_limit  # chat's max_completion_tokens wins over max_tokens
         if limit is not None:
             out["max_new_tokens"] = limit
+        if self.ignore_eos is not None:
+            out["ignore_eos"] = self.ignore_eos
         return out
 
     @property

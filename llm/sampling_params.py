@@ -10,12 +10,13 @@ caller of this library are held to the same rule. Built directly, the dataclass 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Limit", "SamplingParams", "request_fields"]
+__all__ = ["Limit", "SamplingParams", "request_fields", "setting"]
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,8 @@ class Limit:
         return None
 
 
-def _setting(default: Any, description: str, **limits: Any) -> Any:
+def setting(default: Any, description: str, **limits: Any) -> Any:
+    """A dataclass field with its default, meaning and limits (the keyword arguments of `Limit`)."""
     return field(default=default, metadata={"limit": Limit(description, **limits)})
 
 
@@ -60,24 +62,24 @@ class SamplingParams:
     """One request's generation settings. The sampler chain reads temperature .. no_repeat_ngram_size, seed and
     logprobs_top_n; max_new_tokens and stop end the request (the caller hands them to the loop)."""
 
-    max_new_tokens: int = _setting(256, "generated tokens per request, at most", ge=1, le=1 << 20)
-    temperature: float = _setting(0.0, "0 = greedy", ge=0, le=100)
-    top_k: int = _setting(0, "keep the k most likely tokens; 0 = off", ge=0)
-    top_p: float = _setting(1.0, "keep the smallest set with this probability; 1 = off", gt=0, le=1)
-    min_p: float = _setting(0.0, "drop tokens below min_p × p(best); 0 = off", ge=0, le=1)
-    repetition_penalty: float = _setting(1.0, "HF-style, over prompt and output; 1 = off", gt=0, le=10)
-    frequency_penalty: float = _setting(0.0, "OpenAI-style, over generated tokens", ge=-2, le=2)
-    presence_penalty: float = _setting(0.0, "OpenAI-style, over generated tokens", ge=-2, le=2)
-    no_repeat_ngram_size: int = _setting(0, "ban repeating any n-gram; 0 = off", ge=0, le=64)
+    max_new_tokens: int = setting(256, "generated tokens per request, at most", ge=1, le=1 << 20)
+    temperature: float = setting(0.0, "0 = greedy", ge=0, le=100)
+    top_k: int = setting(0, "keep the k most likely tokens; 0 = off", ge=0)
+    top_p: float = setting(1.0, "keep the smallest set with this probability; 1 = off", gt=0, le=1)
+    min_p: float = setting(0.0, "drop tokens below min_p × p(best); 0 = off", ge=0, le=1)
+    repetition_penalty: float = setting(1.0, "HF-style, over prompt and output; 1 = off", gt=0, le=10)
+    frequency_penalty: float = setting(0.0, "OpenAI-style, over generated tokens", ge=-2, le=2)
+    presence_penalty: float = setting(0.0, "OpenAI-style, over generated tokens", ge=-2, le=2)
+    no_repeat_ngram_size: int = setting(0, "ban repeating any n-gram; 0 = off", ge=0, le=64)
     # None: a plan uses its own seed; a direct caller of the library gets a fresh random one
-    seed: int | None = _setting(None, "sampling seed; default: the plan's seed", ge=0)
+    seed: int | None = setting(None, "sampling seed; default: the plan's seed", ge=0)
     # "" would stop before the first token
-    stop: tuple[str, ...] = _setting((), "stop strings (on decoded text)", max_items=16, min_chars=1)
-    logprobs_top_n: int = _setting(0, "best tokens by raw log-prob returned per pick", ge=0, request=False)
+    stop: tuple[str, ...] = setting((), "stop strings (on decoded text)", max_items=16, min_chars=1)
+    logprobs_top_n: int = setting(0, "best tokens by raw log-prob returned per pick", ge=0, request=False)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            problem = _refusal(getattr(self, f.name), _KINDS[f.name], f.metadata["limit"])
+            problem = _refusal(getattr(self, f.name), kinds(type(self))[f.name], f.metadata["limit"])
             if problem is not None:
                 raise ValueError(f"{f.name}: {problem}")
         object.__setattr__(self, "stop", tuple(self.stop))  # a list given: kept hashable, as frozen promises
@@ -86,7 +88,7 @@ class SamplingParams:
     def trusted(cls, **values: Any) -> SamplingParams:
         """Values a schema derived from these limits has already checked (a plan's, a request line's, the
         API's): built without checking them again. Unset fields take their defaults; unknown names fail."""
-        unknown = set(values) - _KINDS.keys()
+        unknown = set(values) - kinds(cls).keys()
         if unknown:
             raise TypeError(f"SamplingParams has no field {', '.join(sorted(unknown))}")
         made = object.__new__(cls)
@@ -100,17 +102,21 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def request_fields() -> list[tuple[dataclasses.Field[Any], Any, Limit]]:
-    """(field, type, limit) of each setting a request may carry, in declaration order."""
+def request_fields(source: type = SamplingParams) -> list[tuple[dataclasses.Field[Any], Any, Limit]]:
+    """(field, type, limit) of each setting a request may carry, in declaration order. `source`: the
+    dataclass the schemas are derived from (SamplingParams; a test passes one with a field more)."""
     out = []
-    for f in dataclasses.fields(SamplingParams):
+    for f in dataclasses.fields(source):
         limit = f.metadata["limit"]
         if limit.request:
-            out.append((f, _KINDS[f.name], limit))
+            out.append((f, kinds(source)[f.name], limit))
     return out
 
 
-_KINDS: dict[str, Any] = typing.get_type_hints(SamplingParams)
+@functools.cache
+def kinds(source: type) -> dict[str, Any]:
+    """Each field's type, resolved (this module's annotations are strings)."""
+    return typing.get_type_hints(source)
 
 
 def _refusal(value: Any, kind: Any, limit: Limit) -> str | None:

@@ -28,12 +28,17 @@ def plan_field(f: dataclasses.Field[Any], kind: Any, limit: Limit) -> tuple[Any,
     return kind, Field(f.default, description=limit.description, **limit.bounds())
 
 
-RequestSettings: type[Params] = create_model(  # type: ignore[call-overload]
-    "RequestSettings",
-    __base__=Params,
-    __doc__="The settings one request may set for itself: llm.sampling_params.SamplingParams, as a plan's schema.",
-    **{f.name: plan_field(f, kind, limit) for f, kind, limit in request_fields()},
-)
+def settings_model(source: type = SamplingParams) -> type[Params]:
+    """The plan's schema of the settings a request may carry, built from the dataclass `source`."""
+    return create_model(  # type: ignore[call-overload, no-any-return]
+        "RequestSettings",
+        __base__=Params,
+        __doc__="The settings one request may set for itself: llm.sampling_params.SamplingParams, as a plan's schema.",
+        **{f.name: plan_field(f, kind, limit) for f, kind, limit in request_fields(source)},
+    )
+
+
+RequestSettings = settings_model()
 
 # The settings that go to the sampler chain; the others end a request.
 SAMPLING_FIELDS: tuple[str, ...] = tuple(n for n in RequestSettings.model_fields if n not in ("max_new_tokens", "stop"))

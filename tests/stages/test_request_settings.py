@@ -47,12 +47,23 @@ def test_a_request_line_accepts_what_the_plan_accepts(name: str, value: Any) -> 
     assert in_plan == in_line, f"{name}={value!r}: plan {'accepts' if in_plan else 'refuses'}, line differs"
 
 
-def test_what_the_plan_accepts_the_sampler_accepts() -> None:
-    """The library's own checks never refuse a value a plan let through (its limits are wider or equal)."""
-    for name in SAMPLING_FIELDS:
-        for value in PROBES[name]:
-            if _accepts(GenerateParams, {name: value}):
-                SamplingParams(**{name: value})
+def _sampler_accepts(name: str, value: Any) -> bool:
+    try:
+        SamplingParams(**{name: value})
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(("name", "value"), [(n, v) for n, vs in PROBES.items() for v in vs])
+def test_the_library_accepts_exactly_what_the_plan_accepts(name: str, value: Any) -> None:
+    """One statement of the limits: the dataclass built directly refuses what a plan refuses, no more."""
+    in_plan = _accepts(GenerateParams, {name: value})
+    assert _sampler_accepts(name, value) == in_plan, f"{name}={value!r}: plan {'accepts' if in_plan else 'refuses'}"
+
+
+def test_the_sampler_settings_are_the_request_settings_less_the_ending_rules() -> None:
+    assert set(SAMPLING_FIELDS) == set(RequestSettings.model_fields) - {"max_new_tokens", "stop"}
 
 
 def test_unset_override_fields_are_none() -> None:
