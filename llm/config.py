@@ -7,9 +7,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .architecture import ARCHITECTURES, Architecture, architecture, sliding_layers
 from .files import FileProblem, read_json_limited
 
-SUPPORTED_MODEL_TYPES = ("llama",)
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
+# What each activation field may say, by the activation the architecture computes.
+ACTIVATION_NAMES = {"silu": ("silu", "swish"), "gelu_tanh": ("gelu_pytorch_tanh",)}
 
 # Ranges a value must lie in to describe a model this library can run. Sizes have no fixed upper bound
 # here: `load.config` refuses a model whose weights cannot fit in memory, which is the real limit.
@@ -41,15 +44,21 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """llama3-style frequency scaling (`rope_scaling.rope_type == "llama3"`); None means plain RoPE."""
+    """Frequency scaling of RoPE: llama3-style (`rope_type == "llama3"`: high frequencies kept, low ones divided
+    by `factor`, interpolated between) or linear (`"linear"`: every frequency divided by `factor`, positions
+    interpolated; Gemma 3's global layers). None means plain RoPE."""
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float = 0.0
+    high_freq_factor: float = 0.0
+    original_max_position_embeddings: int = 0
+    rope_type: str = "llama3"
 
     def check(self) -> None:
-        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+        _in_range("rope_scaling.factor", self.factor, 0.0, 1e6, low_open=True)
+        if self.rope_type == "linear":
+            return
+        for name in ("low_freq_factor", "high_freq_factor"):
             _in_range(f"rope_scaling.{name}", getattr(self, name), 0.0, 1e6, low_open=True)
         if self.high_freq_factor <= self.low_freq_factor:  # the llama3 formula divides by their difference
             raise ConfigError(
@@ -83,6 +92,17 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     pad_token_id: int | None = None
     model_type: str = "llama"
+    layer_windows: tuple[int, ...] = ()
+    """Per layer, the sliding window (keys within this many positions of the query, itself included), or 0
+    for full attention; empty means every layer attends fully."""
+    attn_scale: float | None = None
+    """The attention scores' scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)."""
+    attn_softcap: float | None = None
+    """Scores become cap * tanh(score / cap) before the softmax (Gemma 2)."""
+    final_softcap: float | None = None
+    """Logits become cap * tanh(logit / cap) (Gemma 2)."""
+    rope_local_theta: float | None = None
+    """The RoPE base of sliding layers, which then have no scaling (Gemma 3); None: as the other layers."""
 
     def __post_init__(self) -> None:
         for name, hf in HF_FIELDS.items():
@@ -110,6 +130,27 @@ class ModelConfig:
                     )
         if self.rope_scaling is not None:
             self.rope_scaling.check()
+        if self.arch is None:
+            raise ConfigError(f"model_type: unsupported {self.model_type!r}", "model_type")
+        if self.layer_windows and len(self.layer_windows) != self.n_layers:
+            raise ConfigError(
+                f"layer_types: {len(self.layer_windows)} entries for {self.n_layers} layers", "layer_types"
+            )
+        for name in ("attn_scale", "attn_softcap", "final_softcap"):
+            value = getattr(self, name)
+            if value is not None:
+                _in_range(name, value, 0.0, 1e6, low_open=True)
+        if self.rope_local_theta is not None:
+            _in_range("rope_local_base_freq", self.rope_local_theta, *ROPE_THETA_RANGE, low_open=True)
+
+    @property
+    def arch(self) -> Architecture:
+        """The description of this config's family (llm/architecture.py)."""
+        return ARCHITECTURES.get(self.model_type)  # type: ignore[return-value]
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window, or 0 when it attends over everything."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     @property
     def n_rep(self) -> int:
@@ -122,8 +163,13 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(f"model_type: unsupported {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        arch = architecture(model_type)
+        if arch is None:
+            raise ConfigError(
+                f"model_type: unsupported {_shown(model_type)} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})",
+                "model_type",
+            )
+        _check_fields(arch, raw)
         dim = _int(raw, "hidden_size")
         n_heads = _int(raw, "num_attention_heads")
         n_layers = _int(raw, "num_hidden_layers")
@@ -131,6 +177,8 @@ class ModelConfig:
         vocab = _int(raw, "vocab_size")
         if n_heads <= 0:
             raise ConfigError(f"num_attention_heads must be > 0 (got {n_heads})", "num_attention_heads")
+        if n_layers <= 0:
+            raise ConfigError(f"num_hidden_layers must be > 0 (got {n_layers})", "num_hidden_layers")
         head_dim = _int(raw, "head_dim", None)
         if head_dim is None:
             if dim % n_heads:
@@ -138,16 +186,15 @@ class ModelConfig:
                     f"hidden_size ({dim}) must be divisible by num_attention_heads ({n_heads})", "hidden_size"
                 )
             head_dim = dim // n_heads
-        # transformers >= 5 writes `rope_parameters` (theta and scaling together) instead of the two fields.
-        rope = raw.get("rope_parameters") or {}
-        if not isinstance(rope, dict):
-            raise ConfigError(f"rope_parameters: expected an object, got {_shown(rope)}")
         eos = raw.get("eos_token_id")
         if isinstance(eos, list):
             eos_ids = tuple(_int({"eos_token_id": e}, "eos_token_id") for e in eos)
         else:
             eos_ids = () if eos is None else (_int(raw, "eos_token_id"),)
-        theta = _number(raw, "rope_theta", None)
+        theta, scaling, local_theta = _rope(arch, raw)
+        scalar = _number(raw, "query_pre_attn_scalar", None) if arch.attn_scalar else None
+        if scalar is not None:
+            _in_range("query_pre_attn_scalar", scalar, 0.0, 1e9, low_open=True)
         return cls(
             n_layers=n_layers,
             dim=dim,
@@ -156,15 +203,20 @@ class ModelConfig:
             head_dim=head_dim,
             intermediate_size=intermediate,
             vocab_size=vocab,
-            rope_theta=theta if theta is not None else _number(rope, "rope_theta", 10000.0, "rope_parameters."),
-            rope_scaling=_rope_scaling(raw.get("rope_scaling") or rope),
+            rope_theta=theta,
+            rope_scaling=scaling,
             norm_eps=_number(raw, "rms_norm_eps", 1e-5),
             max_position_embeddings=_int(raw, "max_position_embeddings", 2048),
-            tie_word_embeddings=_bool(raw, "tie_word_embeddings", False),
+            tie_word_embeddings=_bool(raw, "tie_word_embeddings", arch.default_tie),
             bos_token_id=_int(raw, "bos_token_id", None),
             eos_token_ids=eos_ids,
             pad_token_id=_int(raw, "pad_token_id", None),
             model_type=model_type,
+            layer_windows=_windows(arch, raw, n_layers),
+            attn_scale=None if scalar is None else scalar**-0.5,
+            attn_softcap=_number(raw, "attn_logit_softcapping", None) if arch.soft_caps else None,
+            final_softcap=_number(raw, "final_logit_softcapping", None) if arch.soft_caps else None,
+            rope_local_theta=local_theta,
         )
 
     def parameter_count(self) -> int:
@@ -172,6 +224,13 @@ class ModelConfig:
         q_out, kv_out = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         per_layer = self.dim * (q_out + 2 * kv_out) + q_out * self.dim + 3 * self.dim * self.intermediate_size
         per_layer += 2 * self.dim
+        arch = self.arch
+        if arch.qkv_bias:
+            per_layer += q_out + 2 * kv_out
+        if arch.qk_norm:
+            per_layer += 2 * self.head_dim
+        if arch.sandwich_norms:
+            per_layer += 2 * self.dim
         head = 0 if self.tie_word_embeddings else self.vocab_size * self.dim
         return self.vocab_size * self.dim + head + self.dim + self.n_layers * per_layer
 
@@ -246,16 +305,42 @@ def _bool(raw: dict[str, Any], key: str, default: bool) -> bool:
     return value
 
 
+# rope_scaling / rope_parameters keys each kind reads; any other key is refused like an unknown field.
+_ROPE_KEYS = {
+    "default": {"rope_type", "type", "rope_theta", "partial_rotary_factor"},
+    "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+    "linear": {"factor"},
+}
+
+
 def _rope_scaling(raw: Any) -> RopeScaling | None:
     if not raw:
         return None
     if not isinstance(raw, dict):
-        raise ConfigError(f"rope_scaling: expected an object, got {_shown(raw)}")
+        raise ConfigError(f"rope_scaling: expected an object, got {_shown(raw)}", "rope_scaling")
     kind = raw.get("rope_type", raw.get("type"))
     if kind in (None, "default"):
+        kind = "default"
+    if kind not in _ROPE_KEYS:
+        raise ConfigError(
+            f"rope_scaling.rope_type: unsupported {_shown(kind)} (supported: llama3, linear)", "rope_scaling.rope_type"
+        )
+    for key in raw:
+        if key not in _ROPE_KEYS["default"] | _ROPE_KEYS[kind]:
+            raise ConfigError(
+                f"rope_scaling.{key}: not a field of {kind} RoPE this library reads (refused, not ignored)",
+                f"rope_scaling.{key}",
+            )
+    factor = raw.get("partial_rotary_factor")
+    if factor is not None and factor != 1.0:
+        raise ConfigError(
+            f"rope_scaling.partial_rotary_factor: {_shown(factor)} is not supported (only 1.0: every dim rotates)",
+            "rope_scaling.partial_rotary_factor",
+        )
+    if kind == "default":
         return None
-    if kind != "llama3":
-        raise ConfigError(f"rope_scaling.rope_type: unsupported {kind!r} (supported: llama3)")
+    if kind == "linear":
+        return RopeScaling(factor=_number(raw, "factor", _MISSING, "rope_scaling."), rope_type="linear")
     try:
         return RopeScaling(
             factor=_number(raw, "factor", _MISSING, "rope_scaling."),
@@ -265,3 +350,81 @@ def _rope_scaling(raw: Any) -> RopeScaling | None:
         )
     except ConfigError as bad:
         raise ConfigError(f"rope_scaling.{bad}".replace("rope_scaling.rope_scaling.", "rope_scaling.")) from None
+
+
+def _check_fields(arch: Architecture, raw: dict[str, Any]) -> None:
+    """Every field is one the description covers, with a value this library computes; else the field named."""
+    known = arch.known_fields
+    for key, value in raw.items():
+        if key not in known:
+            raise ConfigError(
+                f"{_shown(key)}: not a field of a {arch.model_type} config this library knows "
+                "(refused rather than ignored: it may change the model)",
+                str(key),
+            )
+        check = arch.required.get(key)
+        if check is not None and not check(value):
+            raise ConfigError(f"{key}: {_shown(value)} is not supported for {arch.model_type}", key)
+    names = ACTIVATION_NAMES[arch.activation]
+    for key in arch.activation_fields:
+        value = raw.get(key)
+        if value is not None and value not in names:
+            raise ConfigError(
+                f"{key}: unsupported {_shown(value)} for {arch.model_type} (supported: {', '.join(names)})", key
+            )
+
+
+def _rope(arch: Architecture, raw: dict[str, Any]) -> tuple[float, RopeScaling | None, float | None]:
+    """(theta, scaling) of the full-attention layers and the sliding layers' own theta (None: the same).
+
+    Read from `rope_theta` + `rope_scaling` (+ Gemma 3's `rope_local_base_freq`), or from transformers 5's
+    `rope_parameters`: theta and scaling in one object, or one object per layer type (Gemma 3)."""
+    rope = raw.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"rope_parameters: expected an object, got {_shown(rope)}", "rope_parameters")
+    local_theta = None
+    if arch.local_rope:
+        local_theta = _number(raw, "rope_local_base_freq", None)
+        if "full_attention" in rope or "sliding_attention" in rope:
+            for key in rope:
+                if key not in ("full_attention", "sliding_attention"):
+                    raise ConfigError(f"rope_parameters.{key}: not a layer type", f"rope_parameters.{key}")
+            local = rope.get("sliding_attention") or {}
+            if not isinstance(local, dict):
+                raise ConfigError("rope_parameters.sliding_attention: expected an object")
+            if _rope_scaling(local) is not None:
+                raise ConfigError(
+                    "rope_parameters.sliding_attention: scaled RoPE on sliding layers is not supported",
+                    "rope_parameters.sliding_attention",
+                )
+            local_theta = _number(local, "rope_theta", 10000.0, "rope_parameters.sliding_attention.")
+            rope = rope.get("full_attention") or {}
+            if not isinstance(rope, dict):
+                raise ConfigError("rope_parameters.full_attention: expected an object")
+        elif local_theta is None:
+            local_theta = 10000.0  # Gemma 3's default local base
+    theta = _number(raw, "rope_theta", None)
+    if theta is None:
+        theta = _number(rope, "rope_theta", 10000.0, "rope_parameters.")
+    return theta, _rope_scaling(raw.get("rope_scaling") or rope), local_theta
+
+
+def _windows(arch: Architecture, raw: dict[str, Any], n_layers: int) -> tuple[int, ...]:
+    """Per layer the sliding window, 0 for full attention; () when no layer slides."""
+    window = _int(raw, "sliding_window", None) if "sliding_window" in arch.fields else None
+    if arch.window_rule == "qwen" and not raw.get("use_sliding_window"):
+        window = None  # Qwen configs carry a window that applies only with use_sliding_window
+    types = raw.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or any(t not in ("full_attention", "sliding_attention") for t in types):
+            raise ConfigError("layer_types: expected a list of 'full_attention' or 'sliding_attention'", "layer_types")
+        if len(types) != n_layers:
+            raise ConfigError(f"layer_types: {len(types)} entries for {n_layers} layers", "layer_types")
+    if window is None:
+        return ()
+    if window <= 0:
+        raise ConfigError(f"sliding_window must be > 0 (got {window})", "sliding_window")
+    sliding = sliding_layers(arch, raw, n_layers)
+    if not any(sliding):
+        return ()
+    return tuple(window if s else 0 for s in sliding)

@@ -33,6 +33,7 @@ from . import native
 from .linear import FloatLinear, Int4Linear, Int8Linear
 
 if TYPE_CHECKING:
+    from .config import ModelConfig
     from .kv_cache import KVCache
     from .layer_clock import LayerClock
     from .model import Transformer
@@ -83,6 +84,27 @@ class _Model(ctypes.Structure):
 
 class NotFused(Exception):
     """The model or cache does not fit the fused step; the message says why."""
+
+
+def architecture_problem(cfg: ModelConfig) -> str | None:
+    """Why the native pass cannot compute this architecture (llm/architecture.py), or None when it can.
+
+    Anything the C pass does not implement must send the model to the torch reference: never a wrong answer."""
+    arch = cfg.arch
+    departures = {
+        "q/k/v biases": arch.qkv_bias,
+        "q/k norms": arch.qk_norm,
+        "Gemma's extra norms": arch.sandwich_norms,
+        "norm offset": bool(arch.norm_offset),
+        "GeGLU": arch.activation != "silu",
+        "embedding scale": arch.embed_scale,
+        "sliding windows": any(cfg.layer_windows),
+        "attention scale": cfg.attn_scale is not None,
+        "soft-capping": cfg.attn_softcap is not None or cfg.final_softcap is not None,
+        "local RoPE base": cfg.rope_local_theta is not None and any(cfg.layer_windows),
+    }
+    missing = [name for name, needed in departures.items() if needed]
+    return f"the native pass lacks {', '.join(missing)} ({cfg.model_type})" if missing else None
 
 
 def mirror_layout() -> list[int]:
@@ -163,6 +185,9 @@ class FusedDecoder:
     def __init__(self, model: Transformer, cache: KVCache, lib: Any) -> None:
         cfg = model.cfg
         keep: list[Tensor] = []
+        problem = architecture_problem(cfg)
+        if problem:
+            raise NotFused(problem)
         if model.device.type != "cpu" or model.dtype != torch.float32:
             raise NotFused(f"activations are {model.dtype} on {model.device}")
         kv_format = _KV_FORMATS.get(cache.k.dtype)

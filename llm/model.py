@@ -1,4 +1,6 @@
-"""A Llama decoder in plain PyTorch: embeddings, RoPE, GQA attention, SwiGLU MLP, RMSNorm.
+"""A Llama-style decoder in plain PyTorch: embeddings, RoPE, GQA attention, SwiGLU MLP, RMSNorm, and the
+departures of the other families (llm/architecture.py) chosen once at build time: q/k/v biases, q/k norms,
+GeGLU, Gemma's extra norms and embedding scale, sliding windows, soft-caps, another attention scale.
 
 Every linear layer is built by a *linear factory* from whatever object the weights dict holds for it, so
 quantized layers drop in without this module knowing about them. The protocol is just `nn.Module` mapping
@@ -18,13 +20,19 @@ from torch import Tensor, nn
 from .config import ModelConfig
 from .layer_clock import LayerClock, now_ns
 from .layer_names import LINEAR_NAMES
-from .weights import WeightError, internal_shapes
+from .weights import NORM_SUFFIX, WeightError, internal_shapes
 
 if TYPE_CHECKING:
     from .kv_cache import KVCache
 
 LinearFactory = Callable[[Any], nn.Module]
 """Builds a module computing x[..., in] -> [..., out] from one weight object (a tensor, a quantized blob)."""
+
+LAYER_VECTORS = (
+    *("attention_norm", "ffn_norm", "post_attention_norm", "post_ffn_norm"),
+    *("attention.wqkv_bias", "attention.q_norm", "attention.k_norm"),
+)
+"""Per-layer norms and biases (those of the layer's architecture), relative to `layers.{i}`."""
 
 
 def dense_linear(weight: Any) -> nn.Module:
@@ -40,16 +48,20 @@ def dense_linear(weight: Any) -> nn.Module:
 # --- RoPE ------------------------------------------------------------------------------------------------
 
 
-def rope_inv_freq(cfg: ModelConfig, device: torch.device | str | None = None) -> Tensor:
-    """Inverse frequencies [head_dim/2] in fp32, llama3 frequency scaling applied when configured.
+def rope_inv_freq(cfg: ModelConfig, device: torch.device | str | None = None, *, local: bool = False) -> Tensor:
+    """Inverse frequencies [head_dim/2] in fp32, llama3 or linear frequency scaling applied when configured;
+    `local`: those of the sliding layers that have their own base (Gemma 3), never scaled.
 
     Same fp32 arithmetic as transformers, so positions rotate identically.
     """
     dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
-    s = cfg.rope_scaling
+    theta = cfg.rope_local_theta if local and cfg.rope_local_theta is not None else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    s = None if local else cfg.rope_scaling
     if s is None:
         return inv_freq
+    if s.rope_type == "linear":
+        return inv_freq / s.factor
     # llama3: keep high frequencies, divide low ones by `factor`, interpolate smoothly in between.
     low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
     high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
@@ -84,6 +96,8 @@ def apply_rope_full(x: Tensor, cos2: Tensor, sin2: Tensor) -> Tensor:
 
 
 class RMSNorm(nn.Module):
+    """x / rms(x) * weight. Gemma's `1 + w` is folded into the weight at load (Transformer.from_weights)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
@@ -99,13 +113,72 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+class Bias(nn.Module):
+    """x + weight: the q/k/v biases (Qwen2), apart from the linear so that any linear kernel (int8, int4...)
+    computes the product and the bias stays fp32."""
+
+    def __init__(self, dim: int) -> None:
         super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.weight
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Embeddings times sqrt(dim) rounded to their dtype (Gemma): the table itself stays as stored, since a
+    tied head reads it unscaled."""
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return super().forward(tokens) * torch.tensor(self.embedding_dim**0.5, dtype=self.weight.dtype)
+
+
+def window_mask(mask: Tensor | None, start: int, seqlen: int, keys: int, window: int, device: torch.device) -> Tensor:
+    """`mask` ([B, 1, T, S] bool, or None: causal, the queries at slots start..) narrowed to a sliding window,
+    as transformers' sliding-window mask: the query at slot q sees only slots above q - window (itself and the
+    window - 1 before it). Valid slots of a row are consecutive, so slot distance is position distance.
+
+    One query per row may sit at a different slot per row (a scheduler's decode rows): its slot is then its
+    row's last visible one."""
+    slots = torch.arange(keys, device=device)
+    if mask is not None and seqlen == 1:
+        last = keys - 1 - mask[..., 0, :].flip(-1).int().argmax(-1)  # [B, 1]
+        return mask & (slots > last[..., None, None] - window).view(mask.shape[0], 1, 1, keys)
+    query_slots = torch.arange(start, start + seqlen, device=device).unsqueeze(1)
+    band = (slots.unsqueeze(0) > query_slots - window) & (slots.unsqueeze(0) <= query_slots)
+    return band[None, None] if mask is None else mask & band
+
+
+def softcapped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, cap: float) -> Tensor:
+    """Attention whose scores become cap * tanh(score / cap) before the mask and softmax (Gemma 2): SDPA has
+    no such step. q [B, H, T, d], k/v [B, KV, S, d], mask [B|1, 1, T, S] bool; softmax in fp32, as HF."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
+        super().__init__()
+        arch = cfg.arch
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         self.wqkv: nn.Module = nn.Linear(cfg.dim, self.q_size + 2 * self.kv_size, bias=False)
         self.wo: nn.Module = nn.Linear(self.q_size, cfg.dim, bias=False)
+        self.wqkv_bias = Bias(self.q_size + 2 * self.kv_size) if arch.qkv_bias else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if arch.qk_norm else None
+        self.window = cfg.window(layer)
+        self.scale = cfg.attn_scale
+        self.softcap = cfg.attn_softcap
+        # Sliding layers of a family with a local RoPE base rotate by the model's second table.
+        self.local_rope = bool(self.window) and cfg.rope_local_theta is not None
+        # Llama's path (SDPA, default scale, the decode grouping) unless something here departs from it.
+        self.plain = not self.window and self.scale is None and self.softcap is None
 
     def forward(
         self,
@@ -119,14 +192,23 @@ class Attention(nn.Module):
     ) -> Tensor:
         bsz, seqlen, _ = x.shape
         n_heads, n_kv, head_dim = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self.wqkv(x).view(bsz, seqlen, n_heads + 2 * n_kv, head_dim)
+        qkv = self.wqkv(x)
+        if self.wqkv_bias is not None:
+            qkv = self.wqkv_bias(qkv)
+        qkv = qkv.view(bsz, seqlen, n_heads + 2 * n_kv, head_dim)
+        qk = qkv[:, :, : n_heads + n_kv]
+        if self.q_norm is not None and self.k_norm is not None:  # per head, before the rotation
+            qk = torch.cat((self.q_norm(qk[:, :, :n_heads]), self.k_norm(qk[:, :, n_heads:])), dim=2)
         # One rotation for q and k together (cos/sin are [B, T, 1, head_dim], full width, see rope_tables).
-        qk = apply_rope_full(qkv[:, :, : n_heads + n_kv], cos, sin)
+        qk = apply_rope_full(qk, cos, sin)
         k = qk[:, :, n_heads:].transpose(1, 2)
         v = qkv[:, :, n_heads + n_kv :].transpose(1, 2)
         if cache is not None:
             k, v = cache.write(layer, start, k, v)
             k, v = k.to(x.dtype), v.to(x.dtype)
+        if not self.plain:
+            q = qk[:, :, :n_heads].transpose(1, 2)
+            return self.wo(self._attend(q, k, v, mask, start).transpose(1, 2).reshape(bsz, seqlen, self.q_size))
         if seqlen == 1:
             # Decode: group the query heads by the KV head they share, [B, kv_heads, n_rep, d], so one plain
             # attention covers them with no GQA expansion; the CPU SDPA with enable_gqa (and a mask) costs
@@ -139,25 +221,48 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=n_heads != n_kv)
         return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, self.q_size))
 
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, start: int) -> Tensor:
+        """Attention of q [B, H, T, d] over k, v [B, KV, S, d] with this layer's window, scale and soft-cap.
+
+        mask: [B, 1, T, S] bool ([B, 1, 1, S] for one query), or None: causal, the queries at the last T slots."""
+        seqlen, keys = q.shape[2], k.shape[2]
+        if mask is None:
+            start = keys - seqlen
+            mask = window_mask(None, start, seqlen, keys, self.window or keys + 1, q.device)
+        elif self.window:
+            mask = window_mask(mask, start, seqlen, keys, self.window, q.device)
+        scale = self.scale if self.scale is not None else self.head_dim**-0.5
+        if self.softcap is not None:
+            return softcapped_attention(q, k, v, mask, scale, self.softcap)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=self.n_heads != self.n_kv_heads
+        )
+
 
 class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.w13: nn.Module = nn.Linear(cfg.dim, 2 * cfg.intermediate_size, bias=False)
         self.w2: nn.Module = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)
+        self.gelu = cfg.arch.activation == "gelu_tanh"  # GeGLU (Gemma), else SwiGLU
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
+        if self.gelu:
+            return self.w2(F.gelu(gate, approximate="tanh") * up)
         return self.w2(F.silu(gate) * up)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.attention = Attention(cfg)
+        self.attention = Attention(cfg, layer)
         self.feed_forward = FeedForward(cfg)
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        sandwich = cfg.arch.sandwich_norms  # Gemma: the attention's and the MLP's outputs are normalized too
+        self.post_attention_norm = RMSNorm(cfg.dim, cfg.norm_eps) if sandwich else None
+        self.post_ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps) if sandwich else None
 
     def forward(
         self,
@@ -171,10 +276,16 @@ class Block(nn.Module):
         marks: list[int] | None = None,
     ) -> Tensor:
         """marks: when a LayerClock observes, the time after the attention and after the MLP are appended."""
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask, cache, layer, start)
+        a = self.attention(self.attention_norm(x), cos, sin, mask, cache, layer, start)
+        if self.post_attention_norm is not None:
+            a = self.post_attention_norm(a)
+        h = x + a
         if marks is not None:
             marks.append(now_ns(h.device))
-        out = h + self.feed_forward(self.ffn_norm(h))
+        f = self.feed_forward(self.ffn_norm(h))
+        if self.post_ffn_norm is not None:
+            f = self.post_ffn_norm(f)
+        out = h + f
         if marks is not None:
             marks.append(now_ns(out.device))
         return out
@@ -201,13 +312,20 @@ class Transformer(nn.Module):
         self.max_seq_len = max_seq_len or cfg.max_position_embeddings
         # Weights always come from a checkpoint: skip the random init (on the meta device, Embedding's
         # normal_ goes through torch's Python decompositions and imports torch._dynamo: 2.3 s per load).
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim))
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        embedding = ScaledEmbedding if cfg.arch.embed_scale else nn.Embedding
+        self.tok_embeddings = embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output: nn.Module = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.rope_cos: Tensor
         self.rope_sin: Tensor
         self.rope_inv_freq: Tensor
+        # The sliding layers' own tables when they rotate by another base (Gemma 3), else None.
+        self.local_rope = any(block.attention.local_rope for block in self.layers)
+        self.rope_local_cos: Tensor | None
+        self.rope_local_sin: Tensor | None
+        self.register_buffer("rope_local_cos", None, persistent=False)
+        self.register_buffer("rope_local_sin", None, persistent=False)
         if self.tok_embeddings.weight.device.type != "meta":  # from_weights builds them on the real device
             self.setup_rope(self.tok_embeddings.weight.device)
 
@@ -219,6 +337,10 @@ class Transformer(nn.Module):
         self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
         self.register_buffer("rope_cos", freqs.cos(), persistent=False)
         self.register_buffer("rope_sin", freqs.sin(), persistent=False)
+        if self.local_rope:
+            local = torch.outer(positions, rope_inv_freq(self.cfg, device, local=True))
+            self.register_buffer("rope_local_cos", local.cos(), persistent=False)
+            self.register_buffer("rope_local_sin", local.sin(), persistent=False)
 
     @property
     def device(self) -> torch.device:
@@ -255,6 +377,12 @@ class Transformer(nn.Module):
         # Once per forward, shared by every layer: [B, T, 1, head_dim] (heads broadcast).
         cos, sin = rope_tables(self.rope_cos[positions].unsqueeze(2), self.rope_sin[positions].unsqueeze(2))
         cos, sin = cos.to(h.dtype), sin.to(h.dtype)
+        local = None
+        if self.rope_local_cos is not None and self.rope_local_sin is not None:
+            lc, ls = rope_tables(
+                self.rope_local_cos[positions].unsqueeze(2), self.rope_local_sin[positions].unsqueeze(2)
+            )
+            local = lc.to(h.dtype), ls.to(h.dtype)
         if cache is None:
             if seqlen > self.max_seq_len:
                 raise ValueError(f"{seqlen} tokens exceed max_seq_len {self.max_seq_len}")
@@ -269,10 +397,15 @@ class Transformer(nn.Module):
             needs_mask = cache.padded or (seqlen > 1 and start > 0)
             mask = cache.attention_mask(start, seqlen) if needs_mask else None
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, mask, cache, i, start, marks)
+            if local is not None and layer.attention.local_rope:
+                h = layer(h, *local, mask, cache, i, start, marks)
+            else:
+                h = layer(h, cos, sin, mask, cache, i, start, marks)
         if last_only:
             h = h[:, -1:]
         logits = self.output(self.norm(h))
+        if self.cfg.final_softcap is not None:  # Gemma 2
+            logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
         if clock is not None and marks is not None:
             marks.append(now_ns(logits.device))
             clock.record("torch", tokens.shape[0], seqlen, marks)
@@ -327,7 +460,11 @@ class Transformer(nn.Module):
             dense = isinstance(obj, Tensor)
             return factory(tensor(key, keep_linear_dtype) if dense else obj).to(device=device)
 
+        offset = cfg.arch.norm_offset
+
         def param(name: str) -> nn.Parameter:
+            if offset and name.endswith(NORM_SUFFIX):  # Gemma's norms scale by 1 + w: fold it once, here
+                return nn.Parameter(tensor(name) + offset, requires_grad=False)
             return nn.Parameter(tensor(name), requires_grad=False)
 
         with torch.device("meta"):
@@ -339,7 +476,10 @@ class Transformer(nn.Module):
             for rel in LINEAR_NAMES:
                 parent, attr = rel.split(".")
                 setattr(block.get_submodule(parent), attr, linear(f"layers.{i}.{rel}"))
-            block.attention_norm.weight = param(f"layers.{i}.attention_norm.weight")
-            block.ffn_norm.weight = param(f"layers.{i}.ffn_norm.weight")
+            for rel in LAYER_VECTORS:
+                parent, _, attr = rel.rpartition(".")
+                module = block.get_submodule(parent) if parent else block
+                if getattr(module, attr) is not None:
+                    getattr(module, attr).weight = param(f"layers.{i}.{rel}.weight")
         model.setup_rope(device)
         return model.eval()

@@ -1,7 +1,14 @@
-"""HF Llama state dict -> this library's fused parameter names, with shape checks.
+"""HF state dict -> this library's fused parameter names, with shape checks, for every family of
+llm/architecture.py.
 
 q/k/v are concatenated into one `wqkv` and gate/up into one `w13`: two matmuls fewer per layer, which
-matters most where per-call overhead dominates (small layers, CPU, decode with batch 1).
+matters most where per-call overhead dominates (small layers, CPU, decode with batch 1). Phi-3 stores them
+fused already; Qwen2's q/k/v biases are concatenated the same way into `wqkv_bias`.
+
+Internal names all end in `.weight` (one tensor per module, as the converted-checkpoint format stores them):
+besides the Llama ones, `attention.wqkv_bias.weight` (Qwen2), `attention.q_norm.weight` and
+`attention.k_norm.weight` (Qwen3, Gemma 3: [head_dim]), `post_attention_norm.weight` and
+`post_ffn_norm.weight` (Gemma 2/3's extra norms).
 """
 
 from __future__ import annotations
@@ -24,30 +31,27 @@ class WeightError(ValueError):
 
 def _hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name the model needs, with its expected shape."""
-    q_out, kv_out = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (cfg.vocab_size, cfg.dim),
-        "model.norm.weight": (cfg.dim,),
-    }
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, cfg.dim)
-    for i in range(cfg.n_layers):
-        p = f"model.layers.{i}"
-        shapes |= {
-            f"{p}.self_attn.q_proj.weight": (q_out, cfg.dim),
-            f"{p}.self_attn.k_proj.weight": (kv_out, cfg.dim),
-            f"{p}.self_attn.v_proj.weight": (kv_out, cfg.dim),
-            f"{p}.self_attn.o_proj.weight": (cfg.dim, q_out),
-            f"{p}.mlp.gate_proj.weight": (cfg.intermediate_size, cfg.dim),
-            f"{p}.mlp.up_proj.weight": (cfg.intermediate_size, cfg.dim),
-            f"{p}.mlp.down_proj.weight": (cfg.dim, cfg.intermediate_size),
-            f"{p}.input_layernorm.weight": (cfg.dim,),
-            f"{p}.post_attention_layernorm.weight": (cfg.dim,),
-        }
+    internal = internal_shapes(cfg)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for ours, parts in fusion_table(cfg).items():
+        if ours == "output.weight" and cfg.tie_word_embeddings:
+            continue
+        if len(parts) == 1:
+            shapes[parts[0]] = internal[ours]
+            continue
+        for part, rows in zip(parts, _part_rows(cfg, ours), strict=True):
+            shapes[part] = (rows, *internal[ours][1:])
     return shapes
 
 
-# What a Llama weight may be stored as; anything else (I32, U8, F8…) is not a weight this loader converts.
+def _part_rows(cfg: ModelConfig, internal: str) -> tuple[int, ...]:
+    """The rows each HF part contributes to a fused internal tensor (q, k, v; gate, up)."""
+    if internal.endswith(".feed_forward.w13.weight"):
+        return (cfg.intermediate_size, cfg.intermediate_size)
+    return (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim)
+
+
+# What a weight may be stored as; anything else (I32, U8, F8…) is not a weight this loader converts.
 FLOAT_STORAGE = frozenset({"F32", "F16", "BF16"})
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -103,7 +107,7 @@ def check_hf_state_dict(sd: dict[str, Tensor], cfg: ModelConfig) -> None:
 
 
 def fuse_hf_state_dict(sd: dict[str, Tensor], cfg: ModelConfig, *, strict: bool = False) -> dict[str, Tensor]:
-    """Map HF Llama names to internal ones, fusing q/k/v -> `wqkv` and gate/up -> `w13`.
+    """Map HF names to internal ones, fusing q/k/v -> `wqkv` and gate/up -> `w13`.
 
     Unused names raise WeightError when `strict`, else are reported in one `UserWarning`; they are never
     dropped silently. Tied models get `output.weight` as the very same tensor as `tok_embeddings.weight`.
@@ -131,6 +135,7 @@ def fusion_table(cfg: ModelConfig) -> dict[str, list[str]]:
     The one statement of the HF -> internal mapping: `fuse_hf_state_dict` uses it on a whole state dict,
     the streaming loader (stages/load_convert.py) group by group as tensors arrive.
     """
+    arch = cfg.arch
     table = {
         "tok_embeddings.weight": ["model.embed_tokens.weight"],
         "norm.weight": ["model.norm.weight"],
@@ -138,19 +143,37 @@ def fusion_table(cfg: ModelConfig) -> dict[str, list[str]]:
     }
     for i in range(cfg.n_layers):
         hf, ours = f"model.layers.{i}", f"layers.{i}"
+        attn, mlp = f"{hf}.self_attn", f"{hf}.mlp"
+        qkv = [f"{attn}.qkv_proj.weight"] if arch.fused_qkv else [f"{attn}.{p}_proj.weight" for p in "qkv"]
+        gate_up = (
+            [f"{mlp}.gate_up_proj.weight"] if arch.fused_gate_up else [f"{mlp}.{p}_proj.weight" for p in ("gate", "up")]
+        )
         table |= {
-            f"{ours}.attention.wqkv.weight": [f"{hf}.self_attn.{p}_proj.weight" for p in "qkv"],
-            f"{ours}.attention.wo.weight": [f"{hf}.self_attn.o_proj.weight"],
-            f"{ours}.feed_forward.w13.weight": [f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight"],
-            f"{ours}.feed_forward.w2.weight": [f"{hf}.mlp.down_proj.weight"],
+            f"{ours}.attention.wqkv.weight": qkv,
+            f"{ours}.attention.wo.weight": [f"{attn}.o_proj.weight"],
+            f"{ours}.feed_forward.w13.weight": gate_up,
+            f"{ours}.feed_forward.w2.weight": [f"{mlp}.down_proj.weight"],
             f"{ours}.attention_norm.weight": [f"{hf}.input_layernorm.weight"],
-            f"{ours}.ffn_norm.weight": [f"{hf}.post_attention_layernorm.weight"],
         }
+        if arch.sandwich_norms:  # Gemma: post_attention_layernorm normalizes the attention's output
+            table |= {
+                f"{ours}.post_attention_norm.weight": [f"{hf}.post_attention_layernorm.weight"],
+                f"{ours}.ffn_norm.weight": [f"{hf}.pre_feedforward_layernorm.weight"],
+                f"{ours}.post_ffn_norm.weight": [f"{hf}.post_feedforward_layernorm.weight"],
+            }
+        else:
+            table[f"{ours}.ffn_norm.weight"] = [f"{hf}.post_attention_layernorm.weight"]
+        if arch.qkv_bias:
+            table[f"{ours}.attention.wqkv_bias.weight"] = [f"{attn}.{p}_proj.bias" for p in "qkv"]
+        if arch.qk_norm:
+            table[f"{ours}.attention.q_norm.weight"] = [f"{attn}.q_norm.weight"]
+            table[f"{ours}.attention.k_norm.weight"] = [f"{attn}.k_norm.weight"]
     return table
 
 
 def internal_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Expected shape of every internal (fused) name, for loaders that build weights another way (GGUF)."""
+    arch = cfg.arch
     q_out, kv_out = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     shapes: dict[str, tuple[int, ...]] = {
         "tok_embeddings.weight": (cfg.vocab_size, cfg.dim),
@@ -167,4 +190,15 @@ def internal_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             f"{p}.attention_norm.weight": (cfg.dim,),
             f"{p}.ffn_norm.weight": (cfg.dim,),
         }
+        if arch.sandwich_norms:
+            shapes |= {f"{p}.post_attention_norm.weight": (cfg.dim,), f"{p}.post_ffn_norm.weight": (cfg.dim,)}
+        if arch.qkv_bias:
+            shapes[f"{p}.attention.wqkv_bias.weight"] = (q_out + 2 * kv_out,)
+        if arch.qk_norm:
+            shapes |= {f"{p}.attention.q_norm.weight": (cfg.head_dim,), f"{p}.attention.k_norm.weight": (cfg.head_dim,)}
     return shapes
+
+
+NORM_SUFFIX = "norm.weight"
+"""Every RMSNorm's internal name ends so (attention_norm, ffn_norm, q_norm, post_ffn_norm, norm...): the ones
+an architecture's `norm_offset` applies to."""

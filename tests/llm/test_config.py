@@ -56,7 +56,7 @@ def test_llama3_rope_scaling(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"model_type": "mistral"}, "model_type: unsupported 'mistral' (supported: llama)"),
+        ({"model_type": "gpt2"}, "model_type: unsupported 'gpt2' (supported: llama, mistral"),
         ({"hidden_size": 577}, "hidden_size (577) must be divisible by num_attention_heads (9)"),
         ({"num_key_value_heads": 4}, "num_attention_heads (9) must be divisible by num_key_value_heads (4)"),
         ({"num_hidden_layers": 0}, "num_hidden_layers must be > 0 (got 0)"),

@@ -249,7 +249,14 @@ CASES += [
     config_case("rope-theta-string", _set("rope_theta", "big"), "rope_theta: expected a number, got 'big'"),
     config_case("eps-list", _set("rms_norm_eps", [1]), "rms_norm_eps: expected a number"),
     config_case("tie-string", _set("tie_word_embeddings", "yes"), "tie_word_embeddings: expected true or false"),
-    config_case("model-type", _set("model_type", "mistral"), "model_type: unsupported 'mistral'"),
+    config_case("model-type", _set("model_type", "gpt2"), "model_type: unsupported 'gpt2'"),
+    # A field no architecture description covers, or one whose value changes the arithmetic: refused, named.
+    config_case("unknown-field", _set("num_experts", 8), "config.json: 'num_experts': not a field of a llama config"),
+    config_case(
+        "attention-bias", _set("attention_bias", True), "config.json: attention_bias: True is not supported for llama"
+    ),
+    config_case("hidden-act", _set("hidden_act", "gelu"), "config.json: hidden_act: unsupported 'gelu' for llama"),
+    config_case("rope-yarn", _set("rope_scaling", {"rope_type": "yarn", "factor": 4.0}), "unsupported 'yarn'"),
     config_case("missing-vocab", lambda d: d.pop("vocab_size"), "vocab_size: required field is missing"),
     config_case("eos-string", _set("eos_token_id", "two"), "eos_token_id: expected an integer"),
     config_case("rope-scaling-list", _set("rope_scaling", [1, 2]), "rope_scaling: expected an object"),

@@ -1,0 +1,216 @@
+"""Every supported family against transformers, on tiny random checkpoints transformers made (tests/llm/archs.py).
+
+Tolerance: fp32 logits within 1e-4 of transformers' over a 64-token prompt (logits here are ~10). The torch
+path runs the same fp32 ops in the same order as transformers (measured: bit-identical, |delta| 0); the native
+pass sums in another order (blocked GEMMs, chunked softmax), a few ulps per sum times a few layers: ~1e-6.
+1e-4 is far below any top-two gap that could flip a greedy pick on these wide-init models, and far above
+rounding. Greedy: 32 tokens identical to transformers' own greedy continuation (full recompute each step),
+through `generate` (KV cache, prefill then decode) and through the scheduler beside other requests.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from archs import FAMILIES, WINDOW, make_tiny
+from tiny import load_tiny
+from torch import Tensor
+
+from llmplan.llm import native
+from llmplan.llm.fused_decode import FusedDecoder
+from llmplan.llm.generate import Pick, generate
+from llmplan.llm.kv_cache import KVCache
+from llmplan.llm.model import Transformer
+from llmplan.llm.scheduler import GenerationRequest, Scheduler
+from llmplan.llm.slot_cache import SlotCache
+
+TOLERANCE = 1e-4
+PROMPT_LEN, NEW = 64, 32
+NATIVE = native.kernels() is not None
+PATHS = ["torch", pytest.param("native", marks=pytest.mark.skipif(not NATIVE, reason="native kernels unavailable"))]
+
+
+def greedy(logits: Tensor, seen: list[int]) -> Pick:
+    token = int(logits.argmax())
+    return Pick(token=token, logprob=float(logits.log_softmax(-1)[token]))
+
+
+def prompt(seed: int, length: int = PROMPT_LEN) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 256, (length,), generator=generator).tolist()
+
+
+def reference_greedy(hf: Any, ids: list[int], new: int) -> list[int]:
+    """transformers' own greedy continuation, every step recomputed from scratch (no cache to trust)."""
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(new):
+            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(ids) :]
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    path, hf = make_tiny(tmp_path_factory.mktemp("arch"), request.param)
+    prompts = [prompt(1), prompt(2, 23), prompt(3, 40)]
+    return {
+        "name": request.param,
+        "path": path,
+        "hf": hf,
+        "model": load_tiny(path),
+        "prompts": prompts,
+        "want": [reference_greedy(hf, p, NEW) for p in prompts],
+    }
+
+
+def _on(model: Transformer, path: str) -> Transformer:
+    model.fused_decode = path == "native"
+    if path == "native" and FusedDecoder.build(model, KVCache.for_model(model, 1, 8)) is None:
+        pytest.skip(f"the native pass refuses {model.cfg.model_type} (it falls back to torch)")
+    return model
+
+
+def test_checkpoint_is_sharded_and_has_what_the_family_tests(family: dict[str, Any]) -> None:
+    cfg = family["model"].cfg
+    assert len(list(Path(family["path"]).glob("*.safetensors"))) >= 3
+    assert cfg.n_kv_heads < cfg.n_heads  # GQA
+    if family["name"] != "qwen3":  # Qwen3 has no window in its default form
+        assert WINDOW in cfg.layer_windows and WINDOW < PROMPT_LEN
+
+
+def test_logits_equal_transformers(family: dict[str, Any]) -> None:
+    ids = torch.tensor([family["prompts"][0]])
+    with torch.no_grad():
+        want = family["hf"](ids).logits
+        got = family["model"](ids, torch.arange(PROMPT_LEN)[None])
+    assert (got - want).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_greedy_alone_and_batched_equals_transformers(family: dict[str, Any], path: str) -> None:
+    model = _on(family["model"], path)
+    prompts = family["prompts"]
+    cache = KVCache.for_model(model, 1, PROMPT_LEN + NEW)
+    alone = generate(model, cache, prompts[:1], pickers=[greedy], max_new_tokens=NEW, eos_ids=set(), pad_id=0)
+    assert alone[0].tokens == family["want"][0]
+    # A static batch: the shorter prompts are left-padded, so slots and positions differ.
+    cache = KVCache.for_model(model, 3, PROMPT_LEN + NEW)
+    gens = generate(model, cache, prompts, pickers=[greedy] * 3, max_new_tokens=NEW, eos_ids=set(), pad_id=0)
+    assert [g.tokens for g in gens] == family["want"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_scheduler_with_other_requests_equals_transformers(family: dict[str, Any], path: str) -> None:
+    model = _on(family["model"], path)
+    sched = Scheduler(model, SlotCache.for_model(model, 2, 128), max_step_tokens=12)  # prompts in chunks
+    seqs, pending, step = [], list(family["prompts"]), 0
+    while pending or sched.pending:
+        if pending and step % 3 == 0:
+            seqs.append(sched.submit(GenerationRequest(prompt=pending.pop(0), picker=greedy, max_new_tokens=NEW)))
+        sched.step()
+        step += 1
+    assert [s.generation.tokens for s in seqs] == family["want"]
+
+
+def test_native_pass_refuses_what_it_does_not_compute(family: dict[str, Any]) -> None:
+    """The native pass either computes the family (the tests above prove it) or declines: never computes it
+    wrongly. Declining leaves the torch path, which is what generation then runs."""
+    from llmplan.llm.fused_decode import architecture_problem
+
+    model = family["model"]
+    problem = architecture_problem(model.cfg)
+    if problem is not None and NATIVE:
+        assert FusedDecoder.build(model, KVCache.for_model(model, 1, 8)) is None
+
+
+# --- config.json: each family's fields read, anything else refused -------------------------------------
+
+
+def _config(tmp_path: Path, raw: dict[str, Any]) -> Path:
+    import json
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw), encoding="utf-8")
+    return path
+
+
+def test_each_familys_config_reads_its_departures(family: dict[str, Any]) -> None:
+    cfg, name = family["model"].cfg, family["name"]
+    arch = cfg.arch
+    assert arch.model_type == name
+    if name == "qwen2":
+        assert arch.qkv_bias and cfg.layer_windows == (0, WINDOW, WINDOW)  # from max_window_layers 1
+    if name in ("qwen3", "gemma3_text"):
+        assert arch.qk_norm
+    if name == "gemma2":
+        assert (cfg.attn_softcap, cfg.final_softcap, cfg.attn_scale) == (5.0, 8.0, 24**-0.5)
+        assert cfg.layer_windows == (WINDOW, 0, WINDOW) and arch.norm_offset == 1.0 and arch.embed_scale
+    if name == "gemma3_text":
+        assert cfg.rope_local_theta == 10000.0 and cfg.rope_theta == 1e6 and cfg.attn_softcap is None
+        assert cfg.rope_scaling is not None and (cfg.rope_scaling.rope_type, cfg.rope_scaling.factor) == ("linear", 4.0)
+        assert cfg.layer_windows == (WINDOW, WINDOW, 0, WINDOW)
+    if name == "phi3":
+        assert arch.fused_qkv and arch.fused_gate_up
+
+
+@pytest.mark.parametrize(
+    ("model_type", "changes", "message"),
+    [
+        ("llama", {"query_pre_attn_scalar": 64}, "'query_pre_attn_scalar': not a field of a llama config"),
+        ("llama", {"sliding_window": 64}, "'sliding_window': not a field of a llama config"),
+        ("mistral", {"num_experts_per_tok": 2}, "'num_experts_per_tok': not a field of a mistral config"),
+        ("qwen2", {"use_mrope": True}, "use_mrope: True is not supported for qwen2"),
+        ("qwen3", {"attention_bias": True}, "attention_bias: True is not supported for qwen3"),
+        ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation: unsupported 'gelu' for gemma2"),
+        ("gemma3_text", {"use_bidirectional_attention": True}, "use_bidirectional_attention: True is not supported"),
+        ("phi3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor: 0.5 is not supported for phi3"),
+        ("phi3", {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0]}}, "unsupported 'longrope'"),
+        ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0, "beta": 1}}, "rope_scaling.beta: not"),
+        ("gemma2", {"layer_types": ["full_attention"]}, "layer_types: 1 entries for 2 layers"),
+        ("gemma3", {}, "model_type: unsupported 'gemma3' (supported: llama, mistral, qwen2, qwen3, gemma2"),
+    ],
+)
+def test_fields_no_description_covers_are_refused_naming_config_json(
+    tmp_path: Path, model_type: str, changes: dict[str, Any], message: str
+) -> None:
+    from llmplan.llm.config import ConfigError, ModelConfig
+
+    raw = {"model_type": model_type, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+    raw |= {"intermediate_size": 128, "vocab_size": 256, **changes}
+    path = _config(tmp_path, raw)
+    with pytest.raises(ConfigError) as caught:
+        ModelConfig.from_file(path)
+    text = str(caught.value)
+    assert text.startswith(f"{path}: ") and message in text and "\n" not in text
+
+
+def test_qwen_window_applies_only_with_use_sliding_window(tmp_path: Path) -> None:
+    from llmplan.llm.config import ModelConfig
+
+    raw = {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+    raw |= {"intermediate_size": 128, "vocab_size": 256, "sliding_window": 32, "max_window_layers": 0}
+    assert ModelConfig.from_file(_config(tmp_path, {**raw, "use_sliding_window": False})).layer_windows == ()
+    assert ModelConfig.from_file(_config(tmp_path, {**raw, "use_sliding_window": True})).layer_windows == (32, 32)
+
+
+def test_older_gemma3_fields_read_like_rope_parameters(tmp_path: Path) -> None:
+    """transformers 4 wrote rope_theta, rope_local_base_freq, rope_scaling and sliding_window_pattern."""
+    from llmplan.llm.config import ModelConfig
+
+    raw = {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4}
+    raw |= {"intermediate_size": 128, "vocab_size": 256, "sliding_window": 512, "sliding_window_pattern": 3}
+    raw |= {"rope_theta": 1e6, "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    raw |= {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256, "cache_implementation": "hybrid"}
+    cfg = ModelConfig.from_file(_config(tmp_path, raw))
+    assert cfg.layer_windows == (512, 512, 0, 512, 512, 0)
+    assert (cfg.rope_theta, cfg.rope_local_theta, cfg.tie_word_embeddings) == (1e6, 1e4, True)
+    assert cfg.rope_scaling is not None and cfg.rope_scaling.factor == 8.0
+
+
+def test_parameter_count_is_what_transformers_holds(family: dict[str, Any]) -> None:
+    """`load.config` and `validate --deep` size memory by it."""
+    hf = family["hf"]
+    assert family["model"].cfg.parameter_count() == sum(p.numel() for p in hf.parameters())
