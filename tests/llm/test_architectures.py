@@ -20,11 +20,13 @@ from tiny import load_tiny
 from torch import Tensor
 
 from llmplan.llm import native
+from llmplan.llm.engine_loop import EngineLoop
 from llmplan.llm.fused_decode import FusedDecoder
 from llmplan.llm.generate import Pick, generate
 from llmplan.llm.kv_cache import KVCache
 from llmplan.llm.model import Transformer
-from llmplan.llm.scheduler import GenerationRequest, Scheduler
+from llmplan.llm.model_runner import ModelRunner
+from llmplan.llm.scheduler import GenerationRequest
 from llmplan.llm.slot_cache import SlotCache
 
 TOLERANCE = 1e-4
@@ -66,11 +68,12 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     }
 
 
-def _on(model: Transformer, path: str) -> Transformer:
-    model.fused_decode = path == "native"
-    if path == "native" and FusedDecoder.build(model, KVCache.for_model(model, 1, 8)) is None:
+def _runner(model: Transformer, cache: KVCache | SlotCache, path: str) -> ModelRunner:
+    """The runner on the backend `path` names; the native one must really be native (or the test skips)."""
+    runner = ModelRunner(model, cache, native=path == "native")
+    if path == "native" and runner.backend != "native":
         pytest.skip(f"the native pass refuses {model.cfg.model_type} (it falls back to torch)")
-    return model
+    return runner
 
 
 def test_checkpoint_is_sharded_and_has_what_the_family_tests(family: dict[str, Any]) -> None:
@@ -91,21 +94,27 @@ def test_logits_equal_transformers(family: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("path", PATHS)
 def test_greedy_alone_and_batched_equals_transformers(family: dict[str, Any], path: str) -> None:
-    model = _on(family["model"], path)
-    prompts = family["prompts"]
+    model, prompts = family["model"], family["prompts"]
     cache = KVCache.for_model(model, 1, PROMPT_LEN + NEW)
-    alone = generate(model, cache, prompts[:1], pickers=[greedy], max_new_tokens=NEW, eos_ids=set(), pad_id=0)
+    runner = _runner(model, cache, path)
+    alone = generate(
+        model, cache, prompts[:1], pickers=[greedy], max_new_tokens=NEW, eos_ids=set(), pad_id=0, runner=runner
+    )
     assert alone[0].tokens == family["want"][0]
     # A static batch: the shorter prompts are left-padded, so slots and positions differ.
     cache = KVCache.for_model(model, 3, PROMPT_LEN + NEW)
-    gens = generate(model, cache, prompts, pickers=[greedy] * 3, max_new_tokens=NEW, eos_ids=set(), pad_id=0)
+    runner = _runner(model, cache, path)
+    gens = generate(
+        model, cache, prompts, pickers=[greedy] * 3, max_new_tokens=NEW, eos_ids=set(), pad_id=0, runner=runner
+    )
     assert [g.tokens for g in gens] == family["want"]
 
 
 @pytest.mark.parametrize("path", PATHS)
 def test_scheduler_with_other_requests_equals_transformers(family: dict[str, Any], path: str) -> None:
-    model = _on(family["model"], path)
-    sched = Scheduler(model, SlotCache.for_model(model, 2, 128), max_step_tokens=12)  # prompts in chunks
+    model = family["model"]
+    cache = SlotCache.for_model(model, 2, 128)
+    sched = EngineLoop(_runner(model, cache, path), cache, max_step_tokens=12)  # prompts in chunks
     seqs, pending, step = [], list(family["prompts"]), 0
     while pending or sched.pending:
         if pending and step % 3 == 0:
