@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
+from typing import Any
 
 import networkx as nx
 
@@ -19,6 +20,8 @@ from .graph_layout import (
     PHASE_COLORS,
     TEXT_PX,
     TITLE_PX,
+    Item,
+    Layout,
     build_layout,
     edge_points,
     graph_svg,
@@ -35,8 +38,6 @@ def draw_graph(graph: nx.DiGraph, out: Path, labels: dict[str, str] | None = Non
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.patches import FancyBboxPatch, PathPatch
-    from matplotlib.path import Path as MplPath
 
     lines, dimmed = stage_lines(graph, labels)
     layout = build_layout(graph, lines)
@@ -48,31 +49,54 @@ def draw_graph(graph: nx.DiGraph, out: Path, labels: dict[str, str] | None = Non
     ax.set_xlim(0, width)
     ax.set_ylim(height, 0)  # y grows downwards, as in the SVG
     ax.axis("off")
-    ox, oy = margin, head + margin
+    origin = (margin, head + margin)
     ax.text(margin, margin + 14, title or "stage graph", fontsize=16, weight="bold")
     if layout.always_rank is not None:  # the always-stages' band, as in the SVG
-        band = [i for i in layout.items.values() if i.rank >= layout.always_rank and i.stage]
-        top = min(i.y - i.height / 2 for i in band) + oy - 24
-        bottom = max(i.y + i.height / 2 for i in band) + oy + 8
-        ax.add_patch(
-            FancyBboxPatch(
-                (margin / 2, top),
-                width - margin,
-                bottom - top,
-                boxstyle="round,pad=0,rounding_size=8",
-                facecolor="#f8f9fa",
-                edgecolor="#868e96",
-                linestyle="--",
-            )
+        _always_band(ax, layout, origin, width, margin)
+    _edges(ax, layout, origin)
+    for item in layout.items.values():
+        if item.stage is None:
+            _edge_label(ax, item, origin)
+        else:
+            _stage_box(ax, item, origin, lines[item.stage], phase_of(graph, item.stage), item.stage in dimmed)
+    picture = io.BytesIO()  # drawn in memory, written atomically and only onto a path llmplan owns
+    fig.savefig(picture, format="png", dpi=144)
+    plt.close(fig)
+    return write_file(out, picture.getvalue(), "-o")
+
+
+def _always_band(ax: Any, layout: Layout, origin: tuple[float, float], width: float, margin: float) -> None:
+    from matplotlib.patches import FancyBboxPatch
+
+    band = [i for i in layout.items.values() if i.rank >= (layout.always_rank or 0) and i.stage]
+    top = min(i.y - i.height / 2 for i in band) + origin[1] - 24
+    bottom = max(i.y + i.height / 2 for i in band) + origin[1] + 8
+    ax.add_patch(
+        FancyBboxPatch(
+            (margin / 2, top),
+            width - margin,
+            bottom - top,
+            boxstyle="round,pad=0,rounding_size=8",
+            facecolor="#f8f9fa",
+            edgecolor="#868e96",
+            linestyle="--",
         )
-        ax.text(
-            margin,
-            top + 12,
-            "always run, last (after a failure or Ctrl-C too): cleanup",
-            fontsize=TEXT_PX,
-            color="#495057",
-            va="center",
-        )
+    )
+    ax.text(
+        margin,
+        top + 12,
+        "always run, last (after a failure or Ctrl-C too): cleanup",
+        fontsize=TEXT_PX,
+        color="#495057",
+        va="center",
+    )
+
+
+def _edges(ax: Any, layout: Layout, origin: tuple[float, float]) -> None:
+    from matplotlib.patches import PathPatch
+    from matplotlib.path import Path as MplPath
+
+    ox, oy = origin
     for _src, _dst, kind, chain in layout.edges:
         points = [(x + ox, y + oy) for x, y in edge_points(layout, chain)]
         verts, codes = [points[0]], [MplPath.MOVETO]
@@ -88,46 +112,46 @@ def draw_graph(graph: nx.DiGraph, out: Path, labels: dict[str, str] | None = Non
         style = "-" if kind == DATA else "--"
         ax.add_patch(PathPatch(MplPath(verts, codes), fill=False, edgecolor=EDGE_COLORS[kind], linestyle=style, lw=1.2))
         ax.plot([points[-1][0]], [points[-1][1]], marker="v", color=EDGE_COLORS[kind], markersize=6)
-    for item in layout.items.values():
-        x, y = item.x + ox, item.y + oy
-        if item.stage is None:
-            if item.label:
-                ax.text(
-                    x,
-                    y,
-                    item.label,
-                    fontsize=EDGE_PX,
-                    ha="center",
-                    va="center",
-                    color="#1864ab",
-                    bbox={"facecolor": "white", "edgecolor": "none", "pad": 1},
-                )
-            continue
-        node = item.stage
-        fill = "#f1f3f5" if node in dimmed else PHASE_COLORS.get(phase_of(graph, node), PHASE_COLORS["other"])
-        ax.add_patch(
-            FancyBboxPatch(
-                (x - item.width / 2, y - item.height / 2),
-                item.width,
-                item.height,
-                boxstyle="round,pad=0,rounding_size=7",
-                facecolor=fill,
-                edgecolor="#343a40",
-                linestyle="--" if node in dimmed else "-",
-            )
+
+
+def _edge_label(ax: Any, item: Item, origin: tuple[float, float]) -> None:
+    if item.label:
+        ax.text(
+            item.x + origin[0],
+            item.y + origin[1],
+            item.label,
+            fontsize=EDGE_PX,
+            ha="center",
+            va="center",
+            color="#1864ab",
+            bbox={"facecolor": "white", "edgecolor": "none", "pad": 1},
         )
-        top = y - item.height / 2
-        for i, text in enumerate(lines[node]):
-            ax.text(
-                x,
-                top + PAD + LINE * i + LINE / 2,
-                text,
-                ha="center",
-                va="center",
-                fontsize=TITLE_PX if i == 0 else TEXT_PX,
-                weight="bold" if i == 0 else "normal",
-            )
-    picture = io.BytesIO()  # drawn in memory, written atomically and only onto a path llmplan owns
-    fig.savefig(picture, format="png", dpi=144)
-    plt.close(fig)
-    return write_file(out, picture.getvalue(), "-o")
+
+
+def _stage_box(ax: Any, item: Item, origin: tuple[float, float], lines: list[str], phase: str, dimmed: bool) -> None:
+    from matplotlib.patches import FancyBboxPatch
+
+    x, y = item.x + origin[0], item.y + origin[1]
+    fill = "#f1f3f5" if dimmed else PHASE_COLORS.get(phase, PHASE_COLORS["other"])
+    ax.add_patch(
+        FancyBboxPatch(
+            (x - item.width / 2, y - item.height / 2),
+            item.width,
+            item.height,
+            boxstyle="round,pad=0,rounding_size=7",
+            facecolor=fill,
+            edgecolor="#343a40",
+            linestyle="--" if dimmed else "-",
+        )
+    )
+    top = y - item.height / 2
+    for i, text in enumerate(lines):
+        ax.text(
+            x,
+            top + PAD + LINE * i + LINE / 2,
+            text,
+            ha="center",
+            va="center",
+            fontsize=TITLE_PX if i == 0 else TEXT_PX,
+            weight="bold" if i == 0 else "normal",
+        )

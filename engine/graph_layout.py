@@ -288,25 +288,8 @@ def graph_svg(graph: nx.DiGraph, labels: dict[str, str] | None = None, title: st
     if title:
         out.append(f'<text x="{margin}" y="{margin + 14}" font-size="16" font-weight="bold">{escape(title)}</text>')
     if layout.always_rank is not None:
-        band = [i for i in layout.items.values() if i.rank >= layout.always_rank and i.stage]
-        top = min(i.y - i.height / 2 for i in band) + oy - 24
-        bottom = max(i.y + i.height / 2 for i in band) + oy + 8
-        out.append(
-            f'<rect x="{margin / 2:.1f}" y="{top:.1f}" width="{width - margin:.1f}" height="{bottom - top:.1f}" '
-            'fill="#f8f9fa" stroke="#868e96" stroke-dasharray="6 4" rx="8"/>'
-        )
-        out.append(
-            f'<text x="{margin:.1f}" y="{top + 16:.1f}" font-size="{TEXT_PX}" fill="#495057">always run, last '
-            "(after a failure or Ctrl-C too): cleanup</text>"
-        )
-    for src, dst, kind, chain in layout.edges:
-        dash = ' stroke-dasharray="5 4"' if kind != DATA else ""
-        slots = ", ".join(sorted(graph.edges[src, dst]["slots"])) or kind
-        out.append(
-            f'<path d="{_edge_path(layout, chain)}" transform="translate({ox:.1f},{oy:.1f})" fill="none" '
-            f'stroke="{EDGE_COLORS[kind]}" stroke-width="1.4"{dash} marker-end="url(#arrow-{kind})">'
-            f"<title>{escape(src)} → {escape(dst)}: {escape(slots)}</title></path>"
-        )
+        out += _svg_always_band(layout, oy, width, margin)
+    out += _svg_edges(graph, layout, ox, oy)
     for item in layout.items.values():
         x, y = item.x + ox, item.y + oy
         if item.stage is None:
@@ -316,25 +299,59 @@ def graph_svg(graph: nx.DiGraph, labels: dict[str, str] | None = None, title: st
                     f'stroke="white" stroke-width="4" paint-order="stroke">{escape(item.label)}</text>'
                 )
             continue
-        node = item.stage
-        phase = phase_of(graph, node)
-        fill = "#f1f3f5" if node in dimmed else PHASE_COLORS.get(phase, PHASE_COLORS["other"])
-        dash = ' stroke-dasharray="5 3"' if node in dimmed else ""
-        left, top = x - item.width / 2, y - item.height / 2
-        out.append(f'<g class="stage"><title>{escape(" · ".join(lines[node]))}</title>')
+        out += _svg_stage(item, x, y, lines[item.stage], phase_of(graph, item.stage), item.stage in dimmed)
+    out += _svg_legend(phases, margin, height - margin - 8)
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _svg_always_band(layout: Layout, oy: float, width: float, margin: float) -> list[str]:
+    band = [i for i in layout.items.values() if i.rank >= (layout.always_rank or 0) and i.stage]
+    top = min(i.y - i.height / 2 for i in band) + oy - 24
+    bottom = max(i.y + i.height / 2 for i in band) + oy + 8
+    return [
+        f'<rect x="{margin / 2:.1f}" y="{top:.1f}" width="{width - margin:.1f}" height="{bottom - top:.1f}" '
+        'fill="#f8f9fa" stroke="#868e96" stroke-dasharray="6 4" rx="8"/>',
+        f'<text x="{margin:.1f}" y="{top + 16:.1f}" font-size="{TEXT_PX}" fill="#495057">always run, last '
+        "(after a failure or Ctrl-C too): cleanup</text>",
+    ]
+
+
+def _svg_edges(graph: nx.DiGraph, layout: Layout, ox: float, oy: float) -> list[str]:
+    out = []
+    for src, dst, kind, chain in layout.edges:
+        dash = ' stroke-dasharray="5 4"' if kind != DATA else ""
+        slots = ", ".join(sorted(graph.edges[src, dst]["slots"])) or kind
         out.append(
-            f'<rect x="{left:.1f}" y="{top:.1f}" width="{item.width:.1f}" height="{item.height:.1f}" rx="7" '
-            f'fill="{fill}" stroke="#343a40" stroke-width="1.2"{dash}/>'
+            f'<path d="{_edge_path(layout, chain)}" transform="translate({ox:.1f},{oy:.1f})" fill="none" '
+            f'stroke="{EDGE_COLORS[kind]}" stroke-width="1.4"{dash} marker-end="url(#arrow-{kind})">'
+            f"<title>{escape(src)} → {escape(dst)}: {escape(slots)}</title></path>"
         )
-        for i, text in enumerate(lines[node]):
-            size, weight = (TITLE_PX, ' font-weight="bold"') if i == 0 else (TEXT_PX, "")
-            colour = "#212529" if i < 2 else "#495057"
-            out.append(
-                f'<text x="{x:.1f}" y="{top + PAD + LINE * i + size - 2:.1f}" font-size="{size}"{weight} '
-                f'text-anchor="middle" fill="{colour}">{escape(text)}</text>'
-            )
-        out.append("</g>")
-    lx, ly = margin, height - margin - 8
+    return out
+
+
+def _svg_stage(item: Item, x: float, y: float, lines: list[str], phase: str, dimmed: bool) -> list[str]:
+    fill = "#f1f3f5" if dimmed else PHASE_COLORS.get(phase, PHASE_COLORS["other"])
+    dash = ' stroke-dasharray="5 3"' if dimmed else ""
+    left, top = x - item.width / 2, y - item.height / 2
+    out = [f'<g class="stage"><title>{escape(" · ".join(lines))}</title>']
+    out.append(
+        f'<rect x="{left:.1f}" y="{top:.1f}" width="{item.width:.1f}" height="{item.height:.1f}" rx="7" '
+        f'fill="{fill}" stroke="#343a40" stroke-width="1.2"{dash}/>'
+    )
+    for i, text in enumerate(lines):
+        size, weight = (TITLE_PX, ' font-weight="bold"') if i == 0 else (TEXT_PX, "")
+        colour = "#212529" if i < 2 else "#495057"
+        out.append(
+            f'<text x="{x:.1f}" y="{top + PAD + LINE * i + size - 2:.1f}" font-size="{size}"{weight} '
+            f'text-anchor="middle" fill="{colour}">{escape(text)}</text>'
+        )
+    out.append("</g>")
+    return out
+
+
+def _svg_legend(phases: list[str], lx: float, ly: float) -> list[str]:
+    out = []
     for phase in phases:
         colour = PHASE_COLORS.get(phase, PHASE_COLORS["other"])
         out.append(
@@ -349,5 +366,4 @@ def graph_svg(graph: nx.DiGraph, labels: dict[str, str] | None = None, title: st
             f'stroke-width="1.4"{dash}/><text x="{lx + 34:.1f}" y="{ly:.1f}" font-size="{TEXT_PX}">{what}</text>'
         )
         lx += 44 + text_width(what, TEXT_PX)
-    out.append("</svg>")
-    return "\n".join(out)
+    return out
