@@ -618,6 +618,12 @@ typedef struct {
 typedef struct {
     const float *attn_norm, *ffn_norm;  // [dim]
     Linear wqkv, wo, w13, w2;
+    // The departures of other families (llm/architecture.py); NULL / 0 where the layer has none (Llama).
+    const float *qkv_bias;                     // [(H + 2 KV) hd]: added to the fused q|k|v (Qwen2)
+    const float *q_norm, *k_norm;              // [hd]: per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    const float *post_attn_norm, *post_ffn_norm;  // [dim]: norms of the attention's and MLP's outputs (Gemma)
+    const float *rope_cos, *rope_sin;          // this layer's tables (Gemma 3's sliding layers: their own base)
+    int64_t window;                            // > 0: attend to the last `window` slots only (sliding window)
 } Layer;
 
 typedef struct {
@@ -633,6 +639,10 @@ typedef struct {
     const uint8_t *valid;                // [max_batch, max_tokens]: slot holds a real token of that row
     int64_t *layer_ns;                   // NULL, or [2 n_layers + 2] CLOCK_MONOTONIC marks (see step_clock)
     int64_t kv_format;                   // KV_F32, KV_F16 or KV_BF16
+    int64_t gelu;                        // 1: GeGLU with tanh-approximated GELU (Gemma), 0: SwiGLU
+    float embed_scale;                   // embeddings are multiplied by this when it is not 1 (Gemma: sqrt(dim))
+    float attn_scale;                    // the scores' scale; 0: 1 / sqrt(head_dim)
+    float attn_softcap, final_softcap;   // > 0: scores / logits become cap * tanh(x / cap) (Gemma 2)
 } DecodeModel;
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
 
@@ -642,11 +652,16 @@ int64_t decode_layout(int64_t *out, int64_t cap) {
     const int64_t v[] = {
         sizeof(Linear), offsetof(Linear, w), offsetof(Linear, scale), offsetof(Linear, zero), offsetof(Linear, n),
         offsetof(Linear, k), offsetof(Linear, group), sizeof(Layer), offsetof(Layer, ffn_norm), offsetof(Layer, wqkv),
-        offsetof(Layer, wo), offsetof(Layer, w13), offsetof(Layer, w2), sizeof(DecodeModel),
+        offsetof(Layer, wo), offsetof(Layer, w13), offsetof(Layer, w2), offsetof(Layer, qkv_bias),
+        offsetof(Layer, q_norm), offsetof(Layer, k_norm), offsetof(Layer, post_attn_norm),
+        offsetof(Layer, post_ffn_norm), offsetof(Layer, rope_cos), offsetof(Layer, rope_sin), offsetof(Layer, window),
+        sizeof(DecodeModel),
         offsetof(DecodeModel, max_batch), offsetof(DecodeModel, eps), offsetof(DecodeModel, embed),
         offsetof(DecodeModel, norm), offsetof(DecodeModel, head), offsetof(DecodeModel, layers),
         offsetof(DecodeModel, k_cache), offsetof(DecodeModel, v_cache), offsetof(DecodeModel, valid),
-        offsetof(DecodeModel, layer_ns), offsetof(DecodeModel, kv_format),
+        offsetof(DecodeModel, layer_ns), offsetof(DecodeModel, kv_format), offsetof(DecodeModel, gelu),
+        offsetof(DecodeModel, embed_scale), offsetof(DecodeModel, attn_scale), offsetof(DecodeModel, attn_softcap),
+        offsetof(DecodeModel, final_softcap),
     };
     const int64_t n = (int64_t)(sizeof(v) / sizeof(v[0]));
     for (int64_t i = 0; i < n && i < cap; i++) out[i] = v[i];
@@ -776,12 +791,36 @@ static void swiglu(const float *gate, const float *up, float *out, int64_t n) {
     for (; i < n; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
+// GELU(gate) * up with GELU's tanh approximation (transformers' gelu_pytorch_tanh), the GeGLU of Gemma.
+static void geglu(const float *gate, const float *up, float *out, int64_t n) {
+    const float k0 = 0.7978845608028654f, k1 = 0.044715f;  // sqrt(2 / pi)
+    for (int64_t i = 0; i < n; i++) {
+        const float g = gate[i];
+        out[i] = 0.5f * g * (1.0f + tanhf(k0 * (g + k1 * g * g * g))) * up[i];
+    }
+}
+
+// x / rms(x) * w over one vector of n floats, in place (a head's q or k: Qwen3's and Gemma 3's q/k norms).
+static void norm_in_place(float *x, const float *w, int64_t n, float eps) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) x[i] = x[i] * inv * w[i];
+}
+
+// cap * tanh(x / cap) over n values, -inf (a masked slot) kept: Gemma 2's soft-capping.
+static void soft_cap(float *x, int64_t n, float cap) {
+    for (int64_t i = 0; i < n; i++)
+        if (x[i] != -INFINITY) x[i] = cap * tanhf(x[i] / cap);
+}
+
 // Attention of one (row, KV head, slot chunk) for the `rep` query heads that share the KV head: each key and
 // value is read from memory once for all of them (the cache is the largest stream of a long-context step).
 // Unnormalized partials, merged across chunks by the caller: top[j] = max score, total[j] = sum of
 // e^(score - top), out[j] = sum of e^(score - top) * v. `p` has room for rep * (t1 - t0) scores.
 static void attend_chunk(const float *q, const float *kc, const float *vc, const uint8_t *ok, int64_t t0, int64_t t1,
-                         int64_t hd, int64_t rep, float scale, float *p, float *top, float *total, float *out) {
+                         int64_t hd, int64_t rep, float scale, float cap, float *p, float *top, float *total,
+                         float *out) {
     const int64_t n = t1 - t0;
     // Scores (the maxima in a second, branch-free pass): 8 slots at a time where the head's width allows;
     // a slot that is not valid gets -inf whatever its (possibly stale) key gave.
@@ -801,6 +840,7 @@ static void attend_chunk(const float *q, const float *kc, const float *vc, const
         const float *kt = kc + t * hd;
         for (int64_t j = 0; j < rep; j++) p[j * n + t - t0] = ok[t] ? dot(q + j * hd, kt, hd) * scale : -INFINITY;
     }
+    if (cap > 0.0f) soft_cap(p, rep * n, cap);
     for (int64_t j = 0; j < rep; j++) {
         float *pj = p + j * n;
         __m256 m8 = _mm256_set1_ps(-INFINITY);
@@ -920,10 +960,12 @@ void forward_pass(const DecodeModel *m, const int64_t *tokens, const int64_t *po
     const int64_t I = m->hidden, qkv_w = (H + 2 * KV) * hd, rep = H / KV, T = m->max_tokens;
     float *h = work, *xn = h + M * D, *qkv = xn + M * D, *att = qkv + M * qkv_w, *gu = att + M * H * hd,
           *act = gu + M * 2 * I;
-    const float scale = 1.0f / sqrtf((float)hd);
+    const float scale = m->attn_scale > 0.0f ? m->attn_scale : 1.0f / sqrtf((float)hd);
     const int many = M >= MANY_INPUTS;
     step_clock(m, 0);
     for (int64_t r = 0; r < M; r++) memcpy(h + r * D, m->embed + tokens[r] * D, D * sizeof(float));
+    if (m->embed_scale != 1.0f)
+        for (int64_t i = 0; i < M * D; i++) h[i] *= m->embed_scale;
     // Attention work items: (input, KV head, chunk of slots); enough chunks that both threads have work even
     // at batch 1 (3 KV heads), not so many that the merge costs more than it spreads.
     // Chunks are sized for the longest row; a shorter row's surplus chunks are empty.
@@ -942,7 +984,13 @@ void forward_pass(const DecodeModel *m, const int64_t *tokens, const int64_t *po
 #pragma omp parallel for schedule(static) if (many)
         for (int64_t r = 0; r < M; r++) {
             float *q = qkv + r * qkv_w, *k = q + H * hd, *v = k + KV * hd;
-            const float *c = m->rope_cos + positions[r] * half, *s = m->rope_sin + positions[r] * half;
+            if (L->qkv_bias)
+                for (int64_t i = 0; i < qkv_w; i++) q[i] += L->qkv_bias[i];
+            if (L->q_norm) {
+                for (int64_t j = 0; j < H; j++) norm_in_place(q + j * hd, L->q_norm, hd, m->eps);
+                for (int64_t g = 0; g < KV; g++) norm_in_place(k + g * hd, L->k_norm, hd, m->eps);
+            }
+            const float *c = L->rope_cos + positions[r] * half, *s = L->rope_sin + positions[r] * half;
             for (int64_t j = 0; j < H + KV; j++) rope(q + j * hd, c, s, half);  // q heads, then k heads
             for (int64_t g = 0; g < KV; g++) {
                 const int64_t at = (((l * m->max_batch + rows[r]) * KV + g) * T + slots[r]) * hd;
@@ -959,6 +1007,7 @@ void forward_pass(const DecodeModel *m, const int64_t *tokens, const int64_t *po
             for (int64_t item = 0; item < items; item++) {
                 const int64_t rg = item / chunks, c = item % chunks, r = rg / KV, g = rg % KV;
                 int64_t t0 = c * span, t1 = t0 + span < slots[r] + 1 ? t0 + span : slots[r] + 1;
+                if (L->window > 0 && t0 < slots[r] + 1 - L->window) t0 = slots[r] + 1 - L->window;  // slides
                 t1 = t1 > t0 ? t1 : t0;
                 const int64_t base = ((l * m->max_batch + rows[r]) * KV + g) * T * hd;
                 float *part = parts + item * rep * (hd + 2);
@@ -969,11 +1018,11 @@ void forward_pass(const DecodeModel *m, const int64_t *tokens, const int64_t *po
                     widen_half(kc + t0 * hd, wide, (t1 - t0) * hd, f16);
                     widen_half(vc + t0 * hd, wide + span * hd, (t1 - t0) * hd, f16);
                     attend_chunk(q, wide, wide + span * hd, m->valid + rows[r] * T + t0, 0, t1 - t0, hd, rep, scale,
-                                 scores, part, part + rep, part + 2 * rep);
+                                 m->attn_softcap, scores, part, part + rep, part + 2 * rep);
                 } else {
                     attend_chunk(q, (const float *)m->k_cache + base, (const float *)m->v_cache + base,
-                                 m->valid + rows[r] * T, t0, t1, hd, rep, scale, scores, part, part + rep,
-                                 part + 2 * rep);
+                                 m->valid + rows[r] * T, t0, t1, hd, rep, scale, m->attn_softcap, scores, part,
+                                 part + rep, part + 2 * rep);
                 }
             }
             free(scores);
@@ -999,13 +1048,20 @@ void forward_pass(const DecodeModel *m, const int64_t *tokens, const int64_t *po
                 for (int64_t i = 0; i < hd; i++) out[i] /= den;
             }
         linear(&L->wo, att, xn, M);
+        if (L->post_attn_norm) rms_norm(xn, L->post_attn_norm, xn, M, D, m->eps);  // in place: row by row
         add_rows(h, xn, M * D, many);
         step_clock(m, 1 + 2 * l);
         rms_norm(h, L->ffn_norm, xn, M, D, m->eps);
         linear(&L->w13, xn, gu, M);
 #pragma omp parallel for schedule(static) if (many)
-        for (int64_t r = 0; r < M; r++) swiglu(gu + r * 2 * I, gu + r * 2 * I + I, act + r * I, I);
+        for (int64_t r = 0; r < M; r++) {
+            if (m->gelu)
+                geglu(gu + r * 2 * I, gu + r * 2 * I + I, act + r * I, I);
+            else
+                swiglu(gu + r * 2 * I, gu + r * 2 * I + I, act + r * I, I);
+        }
         linear(&L->w2, act, xn, M);
+        if (L->post_ffn_norm) rms_norm(xn, L->post_ffn_norm, xn, M, D, m->eps);
         add_rows(h, xn, M * D, many);
         step_clock(m, 2 + 2 * l);
     }
@@ -1020,6 +1076,7 @@ void forward_pass(const DecodeModel *m, const int64_t *tokens, const int64_t *po
         rms_norm(h, m->norm, xn, M, D, m->eps);
         linear(&m->head, xn, logits, M);
     }
+    if (m->final_softcap > 0.0f) soft_cap(logits, (n_out >= 0 ? n_out : M) * m->vocab, m->final_softcap);
     step_clock(m, 2 * m->n_layers + 1);
 }
 

@@ -63,6 +63,10 @@ class _Layer(ctypes.Structure):
         ("wo", _Linear),
         ("w13", _Linear),
         ("w2", _Linear),
+        *((name, ctypes.c_void_p) for name in ("qkv_bias", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")),
+        ("rope_cos", ctypes.c_void_p),
+        ("rope_sin", ctypes.c_void_p),
+        ("window", ctypes.c_int64),
     ]
 
 
@@ -79,11 +83,22 @@ class _Model(ctypes.Structure):
         ("valid", ctypes.c_void_p),
         ("layer_ns", ctypes.c_void_p),  # a LayerClock's buffer while one observes, else NULL
         ("kv_format", ctypes.c_int64),
+        ("gelu", ctypes.c_int64),
+        *((name, ctypes.c_float) for name in ("embed_scale", "attn_scale", "attn_softcap", "final_softcap")),
     ]
 
 
 class NotFused(Exception):
     """The model or cache does not fit the fused step; the message says why."""
+
+
+NATIVE_DEPARTURES = frozenset(
+    {
+        "q/k/v biases", "q/k norms", "Gemma's extra norms", "norm offset", "GeGLU", "embedding scale",
+        "sliding windows", "attention scale", "soft-capping", "local RoPE base",
+    }
+)  # fmt: skip
+"""What `forward_pass` computes beyond Llama (the norm offset is folded into the weights at load)."""
 
 
 def architecture_problem(cfg: ModelConfig) -> str | None:
@@ -103,7 +118,7 @@ def architecture_problem(cfg: ModelConfig) -> str | None:
         "soft-capping": cfg.attn_softcap is not None or cfg.final_softcap is not None,
         "local RoPE base": cfg.rope_local_theta is not None and any(cfg.layer_windows),
     }
-    missing = [name for name, needed in departures.items() if needed]
+    missing = [name for name, needed in departures.items() if needed and name not in NATIVE_DEPARTURES]
     return f"the native pass lacks {', '.join(missing)} ({cfg.model_type})" if missing else None
 
 
@@ -111,10 +126,14 @@ def mirror_layout() -> list[int]:
     """Sizes and field offsets of the ctypes mirror, in the order `decode_layout` in cpu_kernels.c reports."""
     fields = {
         _Linear: ("w", "scale", "zero", "n", "k", "group"),
-        _Layer: ("ffn_norm", "wqkv", "wo", "w13", "w2"),
+        _Layer: (
+            *("ffn_norm", "wqkv", "wo", "w13", "w2", "qkv_bias", "q_norm", "k_norm"),
+            *("post_attn_norm", "post_ffn_norm", "rope_cos", "rope_sin", "window"),
+        ),
         _Model: (
             *("max_batch", "eps", "embed", "norm", "head", "layers"),
-            *("k_cache", "v_cache", "valid", "layer_ns", "kv_format"),
+            *("k_cache", "v_cache", "valid", "layer_ns", "kv_format", "gelu"),
+            *("embed_scale", "attn_scale", "attn_softcap", "final_softcap"),
         ),
     }
     out: list[int] = []
@@ -200,14 +219,29 @@ class FusedDecoder:
         if kv_format and cfg.head_dim % 8:
             raise NotFused(f"a 16-bit KV cache needs head_dim % 8 == 0, not {cfg.head_dim}")
         layers = (_Layer * cfg.n_layers)()
+
+        def optional(module: nn.Module | None) -> int | None:  # a norm or bias the layer may not have
+            return None if module is None else _ptr(module.weight, keep)
+
         for i, block in enumerate(model.layers):
+            attention = block.attention
+            local = attention.local_rope and model.rope_local_cos is not None and model.rope_local_sin is not None
+            cos, sin = (model.rope_local_cos, model.rope_local_sin) if local else (model.rope_cos, model.rope_sin)
             layers[i] = _Layer(
                 _ptr(block.attention_norm.weight, keep),
                 _ptr(block.ffn_norm.weight, keep),
-                _native_linear(block.attention.wqkv, keep),
-                _native_linear(block.attention.wo, keep),
+                _native_linear(attention.wqkv, keep),
+                _native_linear(attention.wo, keep),
                 _native_linear(block.feed_forward.w13, keep),
                 _native_linear(block.feed_forward.w2, keep),
+                optional(attention.wqkv_bias),
+                optional(attention.q_norm),
+                optional(attention.k_norm),
+                optional(block.post_attention_norm),
+                optional(block.post_ffn_norm),
+                _ptr(cos, keep),  # type: ignore[arg-type]
+                _ptr(sin, keep),  # type: ignore[arg-type]
+                attention.window,
             )
         valid = cache.valid
         keep.append(valid)
@@ -233,6 +267,11 @@ class FusedDecoder:
             valid.data_ptr(),
             None,
             kv_format,
+            int(cfg.arch.activation == "gelu_tanh"),
+            cfg.dim**0.5 if cfg.arch.embed_scale else 1.0,  # rounded to fp32 as the torch path rounds it
+            cfg.attn_scale or 0.0,
+            cfg.attn_softcap or 0.0,
+            cfg.final_softcap or 0.0,
         )
         keep += [cache.k, cache.v]
         self.clock: LayerClock | None = None  # set by the model runner before each pass
