@@ -221,6 +221,27 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=n_heads != n_kv)
         return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, self.q_size))
 
+    def probabilities(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """This layer's attention weights [n_heads, T, T] (fp32) for x [1, T, dim] at positions 0..T-1, all
+        valid: its own projections, biases, q/k norms, scale, soft-cap and window (the report's attention
+        pictures, recomputed beside the pass). cos/sin: the layer's RoPE tables [positions, head_dim/2]."""
+        t = x.shape[1]
+        n_heads, n_kv = self.n_heads, self.n_kv_heads
+        qkv = self.wqkv(x[:1])
+        if self.wqkv_bias is not None:
+            qkv = self.wqkv_bias(qkv)
+        qk = qkv.view(1, t, n_heads + 2 * n_kv, self.head_dim)[:, :, : n_heads + n_kv]
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :, :n_heads]), self.k_norm(qk[:, :, n_heads:])), dim=2)
+        c, s = rope_tables(cos[:t].to(qk.dtype)[None, :, None], sin[:t].to(qk.dtype)[None, :, None])
+        qk = apply_rope_full(qk, c, s)[0].transpose(0, 1).float()  # [H + KV, T, d]
+        q, k = qk[:n_heads], qk[n_heads:].repeat_interleave(n_heads // n_kv, dim=0)
+        scores = q @ k.transpose(1, 2) * (self.scale if self.scale is not None else self.head_dim**-0.5)
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        mask = window_mask(None, 0, t, t, self.window or t + 1, x.device)[0, 0]
+        return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, start: int) -> Tensor:
         """Attention of q [B, H, T, d] over k, v [B, KV, S, d] with this layer's window, scale and soft-cap.
 
@@ -341,6 +362,12 @@ class Transformer(nn.Module):
             local = torch.outer(positions, rope_inv_freq(self.cfg, device, local=True))
             self.register_buffer("rope_local_cos", local.cos(), persistent=False)
             self.register_buffer("rope_local_sin", local.sin(), persistent=False)
+
+    def rope_for(self, attention: Attention) -> tuple[Tensor, Tensor]:
+        """The fp32 (cos, sin) tables [max_seq_len, head_dim/2] that `attention`'s layer rotates by."""
+        if attention.local_rope and self.rope_local_cos is not None and self.rope_local_sin is not None:
+            return self.rope_local_cos, self.rope_local_sin
+        return self.rope_cos, self.rope_sin
 
     @property
     def device(self) -> torch.device:

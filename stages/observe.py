@@ -18,7 +18,6 @@ The run directory gets model.json, generations.json, and layer_timings.json / at
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +30,6 @@ from llmplan.engine.findings import StageFailure
 from llmplan.engine.runner import write_json
 from llmplan.llm.layer_clock import LayerClock
 from llmplan.llm.layer_names import LAYER_MODULES
-from llmplan.llm.model import apply_rope
 
 if TYPE_CHECKING:
     from llmplan.llm.engine_loop import StepRecord
@@ -269,24 +267,10 @@ class Observer:
         state["decode"] = {"prompt_ids": prompt, "picked_ids": picked, "maps": out}
 
     def _weights(self, attn: nn.Module, x: Tensor, heads: list[int]) -> dict[int, Tensor]:
-        """softmax(q kᵀ/√d) with the causal mask for row 0 of `x` (all of it valid, from position 0)."""
-        q, k, _ = attn.wqkv(x[:1]).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        t = x.shape[1]
-        q = q.view(1, t, attn.n_heads, attn.head_dim).transpose(1, 2)
-        k = k.view(1, t, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
-        # RoPE from the model's own tables, by position (row 0's prompt starts at position 0): this does
-        # not depend on how the forward pass lays out its cos/sin arguments.
-        positions = torch.arange(t, device=x.device)
-        cos_t = self.model.rope_cos[positions].to(q.dtype)[None, None]
-        sin_t = self.model.rope_sin[positions].to(q.dtype)[None, None]
-        q, k = apply_rope(q, cos_t, sin_t), apply_rope(k, cos_t, sin_t)
-        group = attn.n_heads // attn.n_kv_heads
-        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        found = {}
-        for head in heads:
-            scores = (q[0, head].float() @ k[0, head // group].float().T) / math.sqrt(attn.head_dim)
-            found[head] = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
-        return found
+        """softmax(q kᵀ scale) for row 0 of `x` (all of it valid, from position 0), as the layer computes it
+        (its biases, q/k norms, RoPE tables, window, soft-cap: `Attention.probabilities`)."""
+        probs = attn.probabilities(x[:1], *self.model.rope_for(attn))
+        return {head: probs[head] for head in heads}
 
     # results
 

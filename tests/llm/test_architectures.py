@@ -246,3 +246,61 @@ def test_parameter_count_is_what_transformers_holds(family: dict[str, Any]) -> N
     """`load.config` and `validate --deep` size memory by it."""
     hf = family["hf"]
     assert family["model"].cfg.parameter_count() == sum(p.numel() for p in hf.parameters())
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernels unavailable")
+@pytest.mark.parametrize("precision", ["int8", "int4", "bf16", "fp16"])
+def test_converted_weights_run_the_same_on_both_backends(family: dict[str, Any], precision: str) -> None:
+    """Linears converted as load.convert converts them (biases and norms stay fp32): the native pass and the
+    torch modules greedy-decode the same tokens from the same converted weights."""
+    import functools
+
+    from safetensors.torch import load_file
+
+    from llmplan.llm.layer_names import is_linear_weight
+    from llmplan.llm.linear import make_linear
+    from llmplan.llm.weight_formats import quantize_weight
+    from llmplan.llm.weights import fuse_hf_state_dict
+
+    cfg = family["model"].cfg
+    sd = {k: v for f in Path(family["path"]).glob("*.safetensors") for k, v in load_file(f).items()}
+    weights = fuse_hf_state_dict(sd, cfg, strict=True)
+    converted = {n: quantize_weight(w, precision, 32) if is_linear_weight(n) else w for n, w in weights.items()}
+    assert all(not is_linear_weight(n) for n in weights if "bias" in n or n.endswith("norm.weight"))
+    factory = functools.partial(make_linear, kernel="auto")
+    model = Transformer.from_weights(cfg, converted, linear_factory=factory, keep_linear_dtype=True)
+    ids = family["prompts"][0][:40]
+    tokens = []
+    for path in ("torch", "native"):
+        cache = KVCache.for_model(model, 1, 64)
+        runner = _runner(model, cache, path)
+        gen = generate(model, cache, [ids], pickers=[greedy], max_new_tokens=16, eos_ids=set(), pad_id=0, runner=runner)
+        tokens.append(gen[0].tokens)
+    assert tokens[0] == tokens[1]
+
+
+def test_attention_pictures_are_the_layers_own_weights(family: dict[str, Any]) -> None:
+    """The report's attention maps (`Attention.probabilities`, recomputed beside the pass) equal transformers'
+    eager attention weights, layer by layer: biases, q/k norms, local RoPE, windows and soft-caps included."""
+    model, hf, ids = family["model"], family["hf"], torch.tensor([family["prompts"][0][:40]])
+    inputs: dict[int, Tensor] = {}
+    hooks = [
+        block.attention.register_forward_hook(lambda m, a, o, i=i: inputs.__setitem__(i, a[0]))
+        for i, block in enumerate(model.layers)
+    ]
+    try:
+        with torch.no_grad():
+            model(ids, torch.arange(ids.shape[1])[None])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    before = hf.config._attn_implementation
+    hf.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            want = hf(ids, output_attentions=True).attentions
+    finally:
+        hf.set_attn_implementation(before)
+    for i, block in enumerate(model.layers):
+        got = block.attention.probabilities(inputs[i], *model.rope_for(block.attention))
+        assert (got - want[i][0]).abs().max().item() <= 1e-5, f"layer {i}"
