@@ -3,7 +3,7 @@
 The proof is a marker `.NAME.llmplan` beside NAME (a file, an append-only log, or a directory) that records the
 identity of what it vouches for: the device and inode, and the size and SHA-256 of the content (of a log, of
 the part llmplan wrote; of a directory, a digest over every entry's path, kind, size and mtime). The marker
-is sealed with an HMAC under a key only this user's llmplan holds (`$LLMPLAN_CACHE/ownership.key`, mode
+is sealed with an HMAC under a key only this user's llmplan holds (`ownership.key`, see `key_home`, mode
 0600), so a marker someone wrote by hand, one copied beside a copy, and one whose file was edited since all
 prove nothing. Anything else is refused with one line naming the path (`NotOurs`), before any work starts.
 
@@ -60,17 +60,30 @@ _keys: dict[str, bytes | None] = {}
 _keys_lock = threading.Lock()
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("LLMPLAN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "llmplan"))
+def key_home() -> Path:
+    """Where the sealing key lives: `$LLMPLAN_STATE_HOME`, else `$XDG_STATE_HOME/llmplan`, else
+    `~/.local/state/llmplan`. Not in the model cache: outputs belong to the user, not to one cache, so pointing
+    `LLMPLAN_CACHE` elsewhere (a test, a second disk) must not disown what llmplan wrote before."""
+    explicit = os.environ.get("LLMPLAN_STATE_HOME")
+    if explicit:
+        return Path(explicit)
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(state) / "llmplan"
 
 
 def _key() -> bytes | None:
     """This user's sealing key, made on first use; None when the cache can be neither read nor written."""
-    path = cache_root() / KEY_NAME
+    path = key_home() / KEY_NAME
     with _keys_lock:
         if str(path) not in _keys:
             _keys[str(path)] = _read_key(path) or _make_key(path)
         return _keys[str(path)]
+
+
+def _earlier_key() -> bytes | None:
+    """The key llmplan 0.2 kept in the model cache (read, never made): what it sealed stays provably ours."""
+    cache = os.environ.get("LLMPLAN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "llmplan")
+    return _read_key(Path(cache) / KEY_NAME)
 
 
 def _read_key(path: Path) -> bytes | None:
@@ -194,10 +207,13 @@ def _read_marker(marker: Path) -> dict[str, object] | None:
             record = json.loads(handle.read(_MAX_MARKER_BYTES + 1).decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return None
-    if key is None or not isinstance(record, dict) or not isinstance(record.get("mac"), str):
+    if not isinstance(record, dict) or not isinstance(record.get("mac"), str):
         return None
     mac = record.pop("mac")
-    return record if hmac.compare_digest(mac, _seal(record, key)) else None
+    for candidate in (key, _earlier_key()):
+        if candidate is not None and hmac.compare_digest(mac, _seal(record, candidate)):
+            return record
+    return None
 
 
 def _matching(path: Path, kind: Kind) -> dict[str, object] | None:

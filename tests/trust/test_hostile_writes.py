@@ -601,13 +601,26 @@ def test_bench_out_onto_their_files_is_refused_before_measuring(
 def test_a_marker_sealed_under_another_key_proves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Another user's (or another machine's) llmplan wrote it: this llmplan cannot prove it did."""
     target = tmp_path / "out.txt"
-    monkeypatch.setenv("LLMPLAN_CACHE", str(tmp_path / "other-cache"))
+    monkeypatch.setenv("LLMPLAN_STATE_HOME", str(tmp_path / "other-state"))
     write_file(target, "written under the other key\n")
-    monkeypatch.setenv("LLMPLAN_CACHE", str(tmp_path / "my-cache"))
+    monkeypatch.setenv("LLMPLAN_STATE_HOME", str(tmp_path / "my-state"))
     before = snapshot(target, marker_of(target))
     with pytest.raises(NotOurs, match="not a file llmplan wrote"):
         check_writable(target)
     assert_untouched(before, target, marker_of(target))
+
+
+def test_another_model_cache_keeps_what_llmplan_wrote(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The key is the user's, not one model cache's: `make run` wrote out/, then the tests (their own
+    LLMPLAN_CACHE) run the same plan — the earlier output is still llmplan's to replace."""
+    target = tmp_path / "out.txt"
+    monkeypatch.setenv("LLMPLAN_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.setenv("LLMPLAN_CACHE", str(tmp_path / "first-cache"))
+    write_file(target, "first run\n")
+    monkeypatch.setenv("LLMPLAN_CACHE", str(tmp_path / "second-cache"))
+    check_writable(target)  # raises NotOurs if ownership were tied to the model cache
+    write_file(target, "second run\n")
+    assert target.read_text() == "second run\n"
 
 
 def test_a_huge_marker_is_not_read(tmp_path: Path) -> None:
