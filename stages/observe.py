@@ -146,10 +146,6 @@ def model_summary(model: Transformer, kv_cache: KVCache | None = None) -> dict[s
 # --- hooks -------------------------------------------------------------------------------------------
 
 
-def _phase(x: Tensor) -> str:
-    return "prefill" if x.shape[1] > 1 else "decode"
-
-
 def _resolve(indexes: list[int], size: int) -> tuple[list[int], list[int]]:
     """Python-style indexes (-1 = last) into range(size): (kept, out of range), duplicates dropped."""
     kept: list[int] = []

@@ -38,7 +38,7 @@ from pydantic import Field, RootModel, field_validator
 
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
-from llmplan.ownership import NotOurs, check_writable, marker_of, remove_stale_temps, write_file
+from llmplan.ownership import NotOurs, check_writable, remove_stale_temps, write_file
 
 from . import output_format as fmt
 from .slots import InferenceContext
@@ -164,11 +164,6 @@ def file_sinks(params: Any) -> list[tuple[str, Path]]:
             kind, path_text = next(iter(sink.root.items()))
             sinks.append((kind, Path(path_text).expanduser()))
     return sinks
-
-
-def sidecar(path: Path) -> Path:
-    """The marker beside a file sink that proves llmplan wrote it (llmplan/ownership.py)."""
-    return marker_of(path)
 
 
 def check_target(path: Path, kind: str) -> None:
