@@ -30,7 +30,7 @@ from llmplan.engine.cli import CliError, new_context
 from llmplan.engine.console import RichProgress, print_stage, stderr
 from llmplan.engine.executors import ExecutorJob, ExecutorMissing
 from llmplan.engine.plan import BoundPlan, bind
-from llmplan.engine.runner import Runner, write_json
+from llmplan.engine.runner import Runner, RunResult, write_json
 from llmplan.ownership import check_writable, claim
 from llmplan.stages import output_format
 from llmplan.stages.cache_stages import (
@@ -77,29 +77,16 @@ def execute(job: ExecutorJob, on_batch: OnBatch | None = None) -> int:
         import ray.data
     except ImportError:
         raise CliError(MISSING) from None
-    settings = job.bound.plan.executor
-    overrides = [*job.overrides, *replica_overrides(job.bound)]
-    bound = bind(job.bound.source, job.registry, overrides)
-    tokenize_id = next((s.id for s in bound.stages if s.spec.uses == TOKENIZE), None)
-    if tokenize_id is None or not any(s.spec.uses == "output.detokenize" for s in bound.stages):
-        raise CliError(f"{bound.source.file}: the ray executor needs a {TOKENIZE} and an output.detokenize stage")
+    bound = _bind_for_ray(job)
 
     # 1. The driver's part: the plan up to tokenize (no weights), then a key per request.
-    ctx: InferenceContext = new_context(job.registry, bound, json_mode=True)  # type: ignore[assignment]
-    ctx.progress = RichProgress(enabled=not job.quiet)
-    report = None if job.quiet else print_stage
-    prepared = Runner(bound, ctx, job.run_dir, until=tokenize_id, report=report, debug=job.debug).run()
+    ctx, prepared = _run_to_tokenize(job, bound)
     if prepared.exit_code:
         if prepared.status != "interrupted":
             print(f"error: {prepared.message}", file=sys.stderr)
         return prepared.exit_code
     requests = ctx.requests or []
-    if settings.gpus_per_replica > 0:  # the replicas' device, which the keys name (see the module docstring)
-        ctx.device = bound.plan.device if bound.plan.device.startswith("cuda:") else "cuda:0"
-    stage = key_stage(bound)
-    gen_params, seed = generation_params(ctx, stage)
-    context = key_context(ctx, stage)
-    keys = {r.id: request_key(ctx, r, gen_params, seed, context) for r in requests}
+    keys, gen_params = _request_keys(ctx, bound, requests)
     db, mode = store_settings(bound)
 
     # 2. What the database already holds is replayed; the rest goes to the cluster.
@@ -111,7 +98,7 @@ def execute(job: ExecutorJob, on_batch: OnBatch | None = None) -> int:
     )
     metrics: dict[str, Any] = {
         "kind": "ray",
-        **settings.model_dump(exclude={"kind"}),
+        **job.bound.plan.executor.model_dump(exclude={"kind"}),
         "requests": len(requests),
         "db": str(db),
     }
@@ -129,15 +116,7 @@ def execute(job: ExecutorJob, on_batch: OnBatch | None = None) -> int:
         if replayed:
             stderr.print(f"replayed from the results database {db}: {len(replayed)} of {len(requests)} request(s)")
         if pending:
-            # Ray's driver prints its notices (a task retried after a replica died) on stdout, which is for
-            # results: they go to the run directory's ray.log instead.
-            results_out = sys.stdout
-            log_path = job.run_dir / "ray.log"
-            check_writable(log_path, "log")  # appended to: only llmplan's own log (the run dir was checked)
-            with log_path.open("a", encoding="utf-8") as ray_log, redirect_stdout(ray_log):
-                claim(log_path, "log")
-                _generate(job, bound, pending, keys, shards, ctx, metrics, on_batch, results_out)
-            claim(log_path, "log")
+            _generate_logged(job, bound, pending, keys, shards, ctx, metrics, on_batch)
         status = "errors" if shards.errors else "ok"
     except KeyboardInterrupt:
         status = "interrupted"
@@ -148,16 +127,98 @@ def execute(job: ExecutorJob, on_batch: OnBatch | None = None) -> int:
         where = f"{job.run_dir / 'ray.log'}, /tmp/ray/session_latest/logs"
         raise CliError(f"ray executor: {explain(bad)} (Ray's own messages: {where})") from None
     finally:
-        metrics.update(
-            {
-                "wall_s": time.perf_counter() - started,
-                "written": len(shards.seen),
-                "duplicates_dropped": shards.duplicates,
-                "results_dir": str(shards.folder),
-            }
-        )
-        shards.close(status)
-        _finish(job.run_dir, ctx, metrics, status, bound.plan.name)
+        _close_run(job, ctx, shards, metrics, status, started, bound.plan.name)
+    return _conclude(job, bound, requests, shards, metrics, fingerprint)
+
+
+def _bind_for_ray(job: ExecutorJob) -> BoundPlan:
+    """The plan bound with the replicas' overrides; refused unless it tokenizes and detokenizes."""
+    overrides = [*job.overrides, *replica_overrides(job.bound)]
+    bound = bind(job.bound.source, job.registry, overrides)
+    if _tokenize_id(bound) is None or not any(s.spec.uses == "output.detokenize" for s in bound.stages):
+        raise CliError(f"{bound.source.file}: the ray executor needs a {TOKENIZE} and an output.detokenize stage")
+    return bound
+
+
+def _tokenize_id(bound: BoundPlan) -> str | None:
+    """The id of the plan's tokenize stage, where the driver's part ends."""
+    return next((s.id for s in bound.stages if s.spec.uses == TOKENIZE), None)
+
+
+def _run_to_tokenize(job: ExecutorJob, bound: BoundPlan) -> tuple[InferenceContext, RunResult]:
+    """Run the plan on the driver up to its tokenize stage (no weights are loaded here)."""
+    ctx: InferenceContext = new_context(job.registry, bound, json_mode=True)  # type: ignore[assignment]
+    ctx.progress = RichProgress(enabled=not job.quiet)
+    report = None if job.quiet else print_stage
+    until = _tokenize_id(bound)
+    prepared = Runner(bound, ctx, job.run_dir, until=until, report=report, debug=job.debug).run()
+    if not prepared.exit_code and job.bound.plan.executor.gpus_per_replica > 0:
+        # the replicas' device, which the keys name (see the module docstring)
+        ctx.device = bound.plan.device if bound.plan.device.startswith("cuda:") else "cuda:0"
+    return ctx, prepared
+
+
+def _request_keys(ctx: InferenceContext, bound: BoundPlan, requests: list[Any]) -> tuple[dict[str, str], Any]:
+    """(request id -> its results-database key, the generation settings the keys were made with)."""
+    stage = key_stage(bound)
+    gen_params, seed = generation_params(ctx, stage)
+    context = key_context(ctx, stage)
+    return {r.id: request_key(ctx, r, gen_params, seed, context) for r in requests}, gen_params
+
+
+def _generate_logged(
+    job: ExecutorJob,
+    bound: BoundPlan,
+    pending: list[Any],
+    keys: dict[str, str],
+    shards: ResultShards,
+    ctx: InferenceContext,
+    metrics: dict[str, Any],
+    on_batch: OnBatch | None,
+) -> None:
+    """`_generate`, with Ray's driver notices (a task retried after a replica died), which it prints on
+    stdout, the stream for results, sent to the run directory's ray.log instead."""
+    results_out = sys.stdout
+    log_path = job.run_dir / "ray.log"
+    check_writable(log_path, "log")  # appended to: only llmplan's own log (the run dir was checked)
+    with log_path.open("a", encoding="utf-8") as ray_log, redirect_stdout(ray_log):
+        claim(log_path, "log")
+        _generate(job, bound, pending, keys, shards, ctx, metrics, on_batch, results_out)
+    claim(log_path, "log")
+
+
+def _close_run(
+    job: ExecutorJob,
+    ctx: InferenceContext,
+    shards: ResultShards,
+    metrics: dict[str, Any],
+    status: str,
+    started: float,
+    plan_name: str,
+) -> None:
+    """The run's closing metrics, the shards closed with its status, the run record written."""
+    metrics.update(
+        {
+            "wall_s": time.perf_counter() - started,
+            "written": len(shards.seen),
+            "duplicates_dropped": shards.duplicates,
+            "results_dir": str(shards.folder),
+        }
+    )
+    shards.close(status)
+    _finish(job.run_dir, ctx, metrics, status, plan_name)
+
+
+def _conclude(
+    job: ExecutorJob,
+    bound: BoundPlan,
+    requests: list[Any],
+    shards: ResultShards,
+    metrics: dict[str, Any],
+    fingerprint: str,
+) -> int:
+    """The exit code once every shard is in: 1 for a request without a result, 3 for any in error; the
+    plan's JSON files are written when none is missing."""
     missing = len(requests) - len(shards.seen)
     if missing:  # every request once, or the run failed: never a silent gap
         print(f"error: {missing} request(s) have no result", file=sys.stderr)
@@ -252,25 +313,9 @@ def _generate(
     on_batch: OnBatch | None,
     results_out: TextIO,
 ) -> None:
-    import ray
-    import ray.data
-
     settings = bound.plan.executor
     t0 = time.perf_counter()
-    _quiet_ray()
-    if not ray.is_initialized():  # a caller (a test, a notebook) may have connected already
-        ray.init(**init_args(settings.address))
-    data_context = ray.data.DataContext.get_current()
-    data_context.enable_progress_bars = False  # ours counts rows; Ray's would interleave with it
-    data_context.print_on_execution_start = False
-    rows = [{"request": encode_request(r)} for r in pending]
-    blocks = max(1, math.ceil(len(rows) / settings.batch_size))
-    dataset = ray.data.from_items(rows, override_num_blocks=blocks)
-    with warnings.catch_warnings():
-        # Ray 2.60 deprecates passing max_restarts through **ray_remote_args (from 2.64 Ray Data's own default,
-        # unlimited restarts, applies); it is still the one way to bound them, and works from 2.30 on.
-        warnings.filterwarnings("ignore", message=".*ray_remote_args.* is deprecated")
-        answered = _map(ray, dataset, job, bound)
+    answered = _submit(job, bound, pending)
     replicas: dict[str, int] = {}
     batch_seconds: list[float] = []
     mismatched = 0
@@ -316,6 +361,29 @@ def _generate(
             "(another device or model files?): a rerun will generate them again",
             style="yellow",
         )
+
+
+def _submit(job: ExecutorJob, bound: BoundPlan, pending: list[Any]) -> Any:
+    """Connect to (or start) the cluster and hand it the pending requests: the dataset of their answers,
+    computed as it is read."""
+    import ray
+    import ray.data
+
+    settings = bound.plan.executor
+    _quiet_ray()
+    if not ray.is_initialized():  # a caller (a test, a notebook) may have connected already
+        ray.init(**init_args(settings.address))
+    data_context = ray.data.DataContext.get_current()
+    data_context.enable_progress_bars = False  # ours counts rows; Ray's would interleave with it
+    data_context.print_on_execution_start = False
+    rows = [{"request": encode_request(r)} for r in pending]
+    blocks = max(1, math.ceil(len(rows) / settings.batch_size))
+    dataset = ray.data.from_items(rows, override_num_blocks=blocks)
+    with warnings.catch_warnings():
+        # Ray 2.60 deprecates passing max_restarts through **ray_remote_args (from 2.64 Ray Data's own default,
+        # unlimited restarts, applies); it is still the one way to bound them, and works from 2.30 on.
+        warnings.filterwarnings("ignore", message=".*ray_remote_args.* is deprecated")
+        return _map(ray, dataset, job, bound)
 
 
 def init_args(address: str | None) -> dict[str, Any]:

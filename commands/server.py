@@ -394,36 +394,17 @@ class Answering:
             "system_fingerprint": f"llmplan-{self.model_name}",
         }
 
-    async def _stream(
-        self, request: Request, body: Any, jobs: list[Any], arrived: float, endpoint: str, on_end: Callable[[], None]
-    ) -> AsyncIterator[str]:
-        chat = isinstance(body, ChatRequest)
+    def _start_streaming(
+        self,
+        jobs: list[Any],
+        queue: asyncio.Queue[tuple[str, int, Any]],
+        cancels: list[threading.Event],
+        arrived: float,
+    ) -> None:
+        """Start every job; each puts ("text", index, text) on `queue` per piece of text and ("done", index,
+        its future) when it ends, from whichever thread it runs on."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[str, int, Any]] = asyncio.Queue()
-        cancels = [threading.Event() for _ in jobs]
         clocks = [TokenClock(self.metrics, arrived) for _ in jobs]
-        ident, made = new_id("chatcmpl" if chat else "cmpl"), now()
-        kind = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-            data: dict[str, Any] = {
-                "id": ident,
-                "object": kind,
-                "created": made,
-                "model": self.model_name,
-                "choices": choices,
-            }
-            if usage is not None or body.include_usage:
-                data["usage"] = usage
-            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-        def delta(index: int, text: str | None, reason: str | None = None, role: bool = False) -> dict[str, Any]:
-            if chat:
-                d: dict[str, Any] = (
-                    {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-                )
-                return {"index": index, "delta": d, "finish_reason": reason, "logprobs": None}
-            return {"index": index, "text": text or "", "finish_reason": reason, "logprobs": None}
 
         def on_text(index: int) -> Callable[[str], None]:
             def push(text: str) -> None:
@@ -432,11 +413,19 @@ class Answering:
 
             return push
 
-        futures = []
         for index, job in enumerate(jobs):
             future = self._start(job, on_text(index), cancels[index])
             future.add_done_callback(lambda f, i=index: loop.call_soon_threadsafe(queue.put_nowait, ("done", i, f)))
-            futures.append(future)
+
+    async def _stream(
+        self, request: Request, body: Any, jobs: list[Any], arrived: float, endpoint: str, on_end: Callable[[], None]
+    ) -> AsyncIterator[str]:
+        chat = isinstance(body, ChatRequest)
+        queue: asyncio.Queue[tuple[str, int, Any]] = asyncio.Queue()
+        cancels = [threading.Event() for _ in jobs]
+        self._start_streaming(jobs, queue, cancels, arrived)
+        chunks = _StreamChunks(chat, self.model_name, body.include_usage)
+        chunk, delta = chunks.chunk, chunks.delta
         streamed = [""] * len(jobs)
         runs: list[RequestRun | None] = [None] * len(jobs)
         status = "200"
@@ -478,6 +467,33 @@ class Answering:
                 ev.set()
             self.metrics.requests.labels(endpoint, status).inc()
             on_end()
+
+
+class _StreamChunks:
+    """The server-sent events of one streamed answer: every chunk carries the same id, kind and time."""
+
+    def __init__(self, chat: bool, model_name: str, include_usage: bool) -> None:
+        self.chat, self.model_name, self.include_usage = chat, model_name, include_usage
+        self.ident, self.made = new_id("chatcmpl" if chat else "cmpl"), now()
+        self.kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        data: dict[str, Any] = {
+            "id": self.ident,
+            "object": self.kind,
+            "created": self.made,
+            "model": self.model_name,
+            "choices": choices,
+        }
+        if usage is not None or self.include_usage:
+            data["usage"] = usage
+        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    def delta(self, index: int, text: str | None, reason: str | None = None, role: bool = False) -> dict[str, Any]:
+        if self.chat:
+            d: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            return {"index": index, "delta": d, "finish_reason": reason, "logprobs": None}
+        return {"index": index, "text": text or "", "finish_reason": reason, "logprobs": None}
 
 
 async def _keep_alive(host: ModelHost, settings: ServerSettings) -> None:

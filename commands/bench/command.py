@@ -27,7 +27,7 @@ from llmplan.engine.cli import CliError
 from llmplan.engine.memory import rss_bytes
 from llmplan.ownership import check_writable, write_file
 
-from .measure import bench_overrides, drop_page_cache, load, random_prompts, run_once
+from .measure import Loaded, bench_overrides, drop_page_cache, load, random_prompts, run_once
 from .report import FIGURES, machine, render
 from .stats import PeakRSS, summary
 
@@ -218,20 +218,7 @@ def _bench_mix(args: argparse.Namespace) -> int:
 def _bench_dtype(args: argparse.Namespace, dtype: str | None, result: dict[str, Any]) -> None:
     prompt, gen = args.prompt_tokens, args.gen_tokens
     overrides = bench_overrides(args.plan, args.set, dtype=dtype, max_batch=max(args.batch), max_tokens=prompt + gen)
-    cold_s: float | None = None
-    if not args.no_cold:
-        probe = load(args.plan, overrides)  # the first load of the process also warms up imports
-        files = probe.files
-        del probe
-        gc.collect()
-        if drop_page_cache(files):
-            _say("bench: cold load (model files dropped from the page cache)")
-            cold = load(args.plan, overrides)
-            cold_s = cold.wall_s
-            del cold
-            gc.collect()
-        else:
-            result["notes"].append("cold load not measurable here: posix_fadvise(DONTNEED) did not drop the files")
+    cold_s = None if args.no_cold else _cold_load_s(args.plan, overrides, result["notes"])
     _say("bench: warm load")
     loaded = load(args.plan, overrides)
     if not result["machine"]:
@@ -249,29 +236,15 @@ def _bench_dtype(args: argparse.Namespace, dtype: str | None, result: dict[str, 
             _say(f"bench: {label} warm-up, batch {b}")
             warm = run_once(model, cache, prompts[b], min(gen, 8))
             first_ttft = warm["ttft_s"] if first_ttft is None else first_ttft
-    regions = loaded.regions
     peak = max(loaded.peak_rss, window.peak)
-    budget = regions.get("weights", 0) + regions.get("kv_cache", 0) + loaded.rss_before
-    memory = {
-        "weights_bytes": regions.get("weights"),
-        "kv_cache_bytes": regions.get("kv_cache"),
-        "rss_before_bytes": loaded.rss_before,
-        "peak_rss_bytes": peak,
-        "peak_over_budget": peak / budget if budget else None,
-    }
+    memory = _memory(loaded, peak)
 
     hf = None
     if args.vs == "transformers":
-        from .hf import hf_run_once, load_transformers
+        from .hf import hf_run_once
 
-        before = rss_bytes()
-        _say("bench: loading transformers (fp32)")
-        hf, hf_load_s = load_transformers(Path(loaded.ctx.model_source.model_dir))
-        hf_rss = rss_bytes() - before
+        hf, hf_load_s, hf_rss = _load_transformers(loaded, result["machine"])
         hf_first_ttft = 0.0
-        import transformers
-
-        result["machine"]["transformers"] = transformers.__version__
 
     for b in args.batch:
         ours: list[dict[str, Any]] = []
@@ -288,12 +261,7 @@ def _bench_dtype(args: argparse.Namespace, dtype: str | None, result: dict[str, 
         row["load"] = {"warm_s": loaded.wall_s, "cold_s": cold_s}
         row["first_ttft_s"] = first_ttft  # the first prefill after the load (batch of the first warm-up)
         row["load_to_first_token_s"] = loaded.wall_s + (first_ttft or 0.0)
-        row["peak_rss_bytes"] = peak
-        row["memory"] = memory
-        row["stages"] = {
-            "convert_s": loaded.metric("load.convert", "convert_s"),
-            "activation_dtype": loaded.metric("load.to_device", "activation_dtype"),
-        }
+        row |= {"peak_rss_bytes": peak, "memory": memory, "stages": _stage_figures(loaded)}
         result["results"].append(row)
         if hf is not None:
             hrow = _row("transformers", "fp32", b, theirs)
@@ -305,6 +273,58 @@ def _bench_dtype(args: argparse.Namespace, dtype: str | None, result: dict[str, 
             result["ratios"].append(_ratios(label, b, row, hrow, ours, theirs, gen))
     del model, cache, loaded, hf
     gc.collect()
+
+
+def _load_transformers(loaded: Loaded, machine_info: dict[str, Any]) -> tuple[Any, float, int]:
+    """transformers' fp32 model of the same files: (model, load seconds, RSS it added); its version noted."""
+    from .hf import load_transformers
+
+    before = rss_bytes()
+    _say("bench: loading transformers (fp32)")
+    hf, hf_load_s = load_transformers(Path(loaded.ctx.model_source.model_dir))
+    hf_rss = rss_bytes() - before
+    import transformers
+
+    machine_info["transformers"] = transformers.__version__
+    return hf, hf_load_s, hf_rss
+
+
+def _cold_load_s(plan: str | Path, overrides: list[str], notes: list[str]) -> float | None:
+    """The load's wall time with the model files dropped from the page cache; None (and a note) where
+    the OS does not drop them."""
+    probe = load(plan, overrides)  # the first load of the process also warms up imports
+    files = probe.files
+    del probe
+    gc.collect()
+    if not drop_page_cache(files):
+        notes.append("cold load not measurable here: posix_fadvise(DONTNEED) did not drop the files")
+        return None
+    _say("bench: cold load (model files dropped from the page cache)")
+    cold = load(plan, overrides)
+    cold_s = cold.wall_s
+    del cold
+    gc.collect()
+    return cold_s
+
+
+def _memory(loaded: Loaded, peak: int) -> dict[str, Any]:
+    """The loaded regions and the peak RSS against their sum (the budget: weights, KV cache, the RSS before)."""
+    regions = loaded.regions
+    budget = regions.get("weights", 0) + regions.get("kv_cache", 0) + loaded.rss_before
+    return {
+        "weights_bytes": regions.get("weights"),
+        "kv_cache_bytes": regions.get("kv_cache"),
+        "rss_before_bytes": loaded.rss_before,
+        "peak_rss_bytes": peak,
+        "peak_over_budget": peak / budget if budget else None,
+    }
+
+
+def _stage_figures(loaded: Loaded) -> dict[str, Any]:
+    return {
+        "convert_s": loaded.metric("load.convert", "convert_s"),
+        "activation_dtype": loaded.metric("load.to_device", "activation_dtype"),
+    }
 
 
 def _row(engine: str, dtype: str, batch: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
