@@ -276,15 +276,7 @@ class CacheLookup(Stage):
                 if row is None:
                     break
                 found.append(_replay(request, row, gen_params))
-                sources.append(
-                    {
-                        "request": request.id,
-                        "result_id": row["id"],
-                        "run_id": row["run_id"],
-                        "run_time": row.get("run_time"),
-                        "run_dir": row.get("run_dir"),  # the report shows that run's pictures
-                    }
-                )
+                sources.append(_source(request, row))
         if store.damaged:
             report_damaged(params.db, store.damaged)
             ctx.metrics.set("damaged", [i for i, _ in store.damaged])
@@ -306,6 +298,17 @@ class CacheLookup(Stage):
             )
         else:
             ctx.log.info("cache_miss", hits=hits, requests=len(ctx.requests))
+
+
+def _source(request: Request, row: dict[str, Any]) -> dict[str, Any]:
+    """Where a replayed answer came from: its stored result and the run that generated it."""
+    return {
+        "request": request.id,
+        "result_id": row["id"],
+        "run_id": row["run_id"],
+        "run_time": row.get("run_time"),
+        "run_dir": row.get("run_dir"),  # the report shows that run's pictures
+    }
 
 
 def _replay(request: Request, row: dict[str, Any], gen_params: dict[str, Any]) -> Result:

@@ -159,6 +159,44 @@ def _where(ctx: InferenceContext) -> Any:
     return lambda name: source.model_dir if source is not None else "checkpoint"
 
 
+def _consumers(table: dict[str, list[str]]) -> tuple[dict[str, int], dict[str, list[str]]]:
+    """For each source tensor: how many fused tensors need it, and which ones (in table order)."""
+    users: dict[str, int] = {}
+    waiting: dict[str, list[str]] = {}
+    for internal, parts in table.items():
+        for part in parts:
+            users[part] = users.get(part, 0) + 1
+            waiting.setdefault(part, []).append(internal)
+    return users, waiting
+
+
+def _precision_of(params: Any, internal: str) -> str:
+    """A linear weight's precision: the plan's, or the head's own for the output head."""
+    return params.head if internal == "output.weight" and params.head != "same" else params.dtype
+
+
+def _kept_as(params: Any, ctx: InferenceContext) -> str:
+    """What embeddings and norms are stored in after the load: the activation dtype (fp16 or fp32 here)."""
+    act = activation_dtype(params.dtype, torch.device(ctx.device or "cpu").type)
+    return "fp16" if act == torch.float16 else "fp32"
+
+
+def _convert_group(params: Any, internal: str, parts: list[Tensor], errors: dict[str, float]) -> Any:
+    """One fused tensor from its source parts, in its precision; a quantized one's error goes into `errors`."""
+    precision = _precision_of(params, internal)
+    if is_linear_weight(internal) and precision in ("int8", "int4"):
+        # Rows quantize independently: quantize each part (q, k, v; gate, up) and join the codes,
+        # not the fp32 parts (a 4x larger copy). The error terms of the parts add up.
+        done = [quantize_weight(p.float(), precision, params.group_size) for p in parts]
+        terms = [error_terms(p, q, row_step=8) for p, q in zip(parts, done, strict=True)]
+        errors[internal] = relative_from_terms(sum(t[0] for t in terms), sum(t[1] for t in terms))
+        return done[0] if len(done) == 1 else concat_quantized(done)  # type: ignore[arg-type]
+    whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    if not is_linear_weight(internal):
+        return whole.to(torch.float32)
+    return quantize_weight(whole.float(), precision, params.group_size)
+
+
 class Convert(Stage):
     """Fuse q/k/v and gate/up, convert to the plan's precision; report bytes and quantization error."""
 
@@ -182,20 +220,12 @@ class Convert(Stage):
         assert cfg is not None and host is not None
         table = fusion_table(cfg)
         where = _where(ctx)
-        problem = group_size_problem(cfg, params.group_size) if params.dtype == "int4" else None
-        if problem:
+        if params.dtype == "int4" and (problem := group_size_problem(cfg, params.group_size)):
             raise StageFailure(problem)
         if host.converted is not None:
             self._load_converted(ctx, params, cfg, host)
             return
-        users: dict[str, int] = {}
-        for parts in table.values():
-            for part in parts:
-                users[part] = users.get(part, 0) + 1
-        waiting: dict[str, list[str]] = {}
-        for internal, parts in table.items():
-            for part in parts:
-                waiting.setdefault(part, []).append(internal)
+        users, waiting = _consumers(table)
         pending: dict[str, Tensor] = {}
         ranges: dict[str, tuple[float, float]] = {}  # each HF tensor's (min, max), from its one check
         out: dict[str, Any] = {}
@@ -206,31 +236,20 @@ class Convert(Stage):
         def convert(internal: str, parts: list[Tensor]) -> Any:
             began = time.perf_counter_ns()
             try:
-                return convert_group(internal, parts)
+                check_values(internal)
+                return _convert_group(params, internal, parts, errors)
             finally:  # a load sub-step in the run's trace.json
                 ctx.trace.add(f"convert {internal}", "load", began, time.perf_counter_ns(), tensors=len(parts))
 
         # What a tensor becomes decides which values it can hold: fp16 and int4 store at most ±65504.
-        act = activation_dtype(params.dtype, torch.device(ctx.device or "cpu").type)
-        kept_as = "fp16" if act == torch.float16 else "fp32"  # embeddings and norms: the activation dtype
+        kept_as = _kept_as(params, ctx)
 
-        def convert_group(internal: str, parts: list[Tensor]) -> Any:
-            precision = params.head if internal == "output.weight" and params.head != "same" else params.dtype
+        def check_values(internal: str) -> None:
+            precision = _precision_of(params, internal) if is_linear_weight(internal) else kept_as
             for part in table[internal]:
-                problem = value_problem(*ranges[part], precision if is_linear_weight(internal) else kept_as)
+                problem = value_problem(*ranges[part], precision)
                 if problem:
                     raise StageFailure(f"{where(part)}: tensor {part!r} {problem}")
-            if is_linear_weight(internal) and precision in ("int8", "int4"):
-                # Rows quantize independently: quantize each part (q, k, v; gate, up) and join the codes,
-                # not the fp32 parts (a 4x larger copy). The error terms of the parts add up.
-                done = [quantize_weight(p.float(), precision, params.group_size) for p in parts]
-                terms = [error_terms(p, q, row_step=8) for p, q in zip(parts, done, strict=True)]
-                errors[internal] = relative_from_terms(sum(t[0] for t in terms), sum(t[1] for t in terms))
-                return done[0] if len(done) == 1 else concat_quantized(done)  # type: ignore[arg-type]
-            whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-            if not is_linear_weight(internal):
-                return whole.to(torch.float32)
-            return quantize_weight(whole.float(), precision, params.group_size)
 
         def on_tensor(name: str, tensor: Tensor) -> None:
             nonlocal bytes_in
@@ -255,6 +274,18 @@ class Convert(Stage):
         missing = sorted(set(table) - set(out))
         if missing:
             raise StageFailure(f"conversion incomplete: no tensors for {', '.join(missing[:5])}")
+        self._publish(ctx, params, out, errors, bytes_in, start)
+
+    def _publish(
+        self,
+        ctx: InferenceContext,
+        params: Any,
+        out: dict[str, Any],
+        errors: dict[str, float],
+        bytes_in: int,
+        start: float,
+    ) -> None:
+        """The converted weights into the context, saved where asked; their sizes, time and error as metrics."""
         total = converted_bytes(out)
         ctx.weights = ConvertedWeights(
             tensors=out, dtype=params.dtype, nbytes=total, errors=errors, kernel=params.kernel

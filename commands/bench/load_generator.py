@@ -198,36 +198,11 @@ async def _one_request(
                 if data == "[DONE]":
                     done = True
                     break
-                try:
-                    chunk = json.loads(data)
-                except json.JSONDecodeError:
-                    rec.outcome, rec.error = "lost", f"malformed: not JSON: {data[:80]!r}"
+                chunk, lost = _parse_chunk(data)
+                if chunk is None:
+                    rec.outcome, rec.error = "lost", lost
                     return
-                if not isinstance(chunk, dict):
-                    rec.outcome, rec.error = "lost", f"malformed: not a JSON object: {data[:80]!r}"
-                    return
-                if "error" in chunk:
-                    rec.outcome, rec.error = "lost", f"stream_error: {json.dumps(chunk['error'])[:200]}"
-                    return
-                usage = chunk.get("usage")
-                if isinstance(usage, dict):
-                    rec.usage_completion_tokens = usage.get("completion_tokens")
-                    rec.usage_prompt_tokens = usage.get("prompt_tokens")
-                for choice in chunk.get("choices") or []:
-                    delta = choice.get("delta") or {}
-                    content = delta.get("content") if "delta" in choice else choice.get("text")
-                    if choice.get("finish_reason"):
-                        rec.finish_reason = choice["finish_reason"]
-                    if not content:
-                        continue  # the role-only first delta, or an empty keep-alive delta
-                    now = time.perf_counter()
-                    if last is None:
-                        rec.ttft_s = now - sent
-                    else:
-                        rec.itl_s.append(now - last)
-                    last = now
-                    rec.content_chunks += 1
-                    rec.text += content
+                last = _record_chunk(rec, chunk, sent, last)
         if done:
             rec.outcome = "ok"
         else:
@@ -242,6 +217,44 @@ async def _one_request(
         rec.end = time.perf_counter() - t0
         n = rec.usage_completion_tokens
         rec.output_tokens = n if isinstance(n, int) else rec.content_chunks
+
+
+def _parse_chunk(data: str) -> tuple[dict[str, Any] | None, str | None]:
+    """One `data:` payload: (the chunk, None), or (None, why the answer counts as lost)."""
+    try:
+        chunk = json.loads(data)
+    except json.JSONDecodeError:
+        return None, f"malformed: not JSON: {data[:80]!r}"
+    if not isinstance(chunk, dict):
+        return None, f"malformed: not a JSON object: {data[:80]!r}"
+    if "error" in chunk:
+        return None, f"stream_error: {json.dumps(chunk['error'])[:200]}"
+    return chunk, None
+
+
+def _record_chunk(rec: RequestRecord, chunk: dict[str, Any], sent: float, last: float | None) -> float | None:
+    """Fold one chunk into `rec` (usage, finish reason, text, TTFT / inter-token gaps); returns when the
+    last content arrived (`last`, unchanged by a chunk without content)."""
+    usage = chunk.get("usage")
+    if isinstance(usage, dict):
+        rec.usage_completion_tokens = usage.get("completion_tokens")
+        rec.usage_prompt_tokens = usage.get("prompt_tokens")
+    for choice in chunk.get("choices") or []:
+        delta = choice.get("delta") or {}
+        content = delta.get("content") if "delta" in choice else choice.get("text")
+        if choice.get("finish_reason"):
+            rec.finish_reason = choice["finish_reason"]
+        if not content:
+            continue  # the role-only first delta, or an empty keep-alive delta
+        now = time.perf_counter()
+        if last is None:
+            rec.ttft_s = now - sent
+        else:
+            rec.itl_s.append(now - last)
+        last = now
+        rec.content_chunks += 1
+        rec.text += content
+    return last
 
 
 def _summarize(
@@ -284,6 +297,31 @@ def _summarize(
     )
 
 
+def _request_count(prompts: Sequence[Prompt], concurrency: int, max_tokens: int, requests: int | None) -> int:
+    """How many requests to send (default: one per prompt); ValueError for arguments that cannot run."""
+    if not prompts:
+        raise ValueError("load generator: no prompts")
+    if concurrency < 1 or max_tokens < 1:
+        raise ValueError(f"load generator: concurrency and max_tokens must be >= 1 (got {concurrency}, {max_tokens})")
+    n = len(prompts) if requests is None else requests
+    if n < 1:
+        raise ValueError(f"load generator: requests must be >= 1 (got {n})")
+    return n
+
+
+def _body(model: str, prompt: Prompt, max_tokens: int, extra: Mapping[str, Any]) -> dict[str, Any]:
+    """One greedy streaming chat request that asks for its usage at the end."""
+    return {
+        "model": model,
+        "messages": _messages(prompt),
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
+
+
 async def run_load_async(
     base_url: str,
     model: str,
@@ -303,13 +341,7 @@ async def run_load_async(
     ends (a closed loop: the offered load is exactly C requests in flight). Stops when all are done or at
     `time_limit_s`, whichever is first; a single request gives up after `request_timeout_s`.
     """
-    if not prompts:
-        raise ValueError("load generator: no prompts")
-    if concurrency < 1 or max_tokens < 1:
-        raise ValueError(f"load generator: concurrency and max_tokens must be >= 1 (got {concurrency}, {max_tokens})")
-    n = len(prompts) if requests is None else requests
-    if n < 1:
-        raise ValueError(f"load generator: requests must be >= 1 (got {n})")
+    n = _request_count(prompts, concurrency, max_tokens, requests)
     check_loopback(base_url)
     url = base_url.rstrip("/") + "/v1/chat/completions"
     extra = dict(DEFAULT_EXTRA_BODY if extra_body is None else extra_body)
@@ -325,15 +357,7 @@ async def run_load_async(
             rec = records[next_index]
             next_index += 1  # single-threaded event loop: no lock needed between the check and the increment
             rec.client = cid
-            body: dict[str, Any] = {
-                "model": model,
-                "messages": _messages(prompts[rec.index % len(prompts)]),
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-                **extra,
-            }
+            body = _body(model, prompts[rec.index % len(prompts)], max_tokens, extra)
             try:
                 await _one_request(client, url, body, rec, t0, request_timeout_s)
             except asyncio.CancelledError:
