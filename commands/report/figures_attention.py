@@ -48,20 +48,7 @@ def draw_attention(run: RunData, out_dir: Path) -> list[Figure]:
     )
     image = None
     for m in maps:
-        ax = axes[layers.index(m["layer"])][heads.index(m["head"])]
-        # Log scale: a row's weights span orders of magnitude (a few large, most tiny); linear left them black.
-        weights = [[w if w > FLOOR else FLOOR for w in row] for row in m["weights"]]
-        image = ax.imshow(weights, cmap="magma", norm=LogNorm(vmin=FLOOR, vmax=1), interpolation="nearest")
-        ax.set_title(f"layer {m['layer']}, head {m['head']}", fontsize=9)
-        if shown and n <= 96:
-            size = max(4.0, min(8.0, 420 / n))
-            ax.set_xticks(range(n), shown, rotation=90, fontsize=size, fontproperties=props)
-            ax.set_yticks(range(n), shown, fontsize=size, fontproperties=props)
-            if props is not None:
-                for tick in (*ax.get_xticklabels(), *ax.get_yticklabels()):
-                    tick.set_fontsize(size)
-        ax.set_xlabel("key (attended-to token)", fontsize=8)
-        ax.set_ylabel("query token", fontsize=8)
+        image = _heatmap(axes[layers.index(m["layer"])][heads.index(m["head"])], m, shown, n, props)
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.6, label=f"attention weight (log scale; < {FLOOR:g} darkest)")
     fig.suptitle(
@@ -81,6 +68,24 @@ def draw_attention(run: RunData, out_dir: Path) -> list[Figure]:
         "over several tokens; ␣ = space."
     )
     return [Figure("attention", "Attention heatmaps", path, caption, notes), *draw_decode_attention(data, out_dir)]
+
+
+def _heatmap(ax: Any, m: dict[str, Any], shown: list[str], n: int, props: Any) -> Any:
+    """One head's prompt attention on `ax`, token labels on both axes where they fit; returns the image."""
+    # Log scale: a row's weights span orders of magnitude (a few large, most tiny); linear left them black.
+    weights = [[w if w > FLOOR else FLOOR for w in row] for row in m["weights"]]
+    image = ax.imshow(weights, cmap="magma", norm=LogNorm(vmin=FLOOR, vmax=1), interpolation="nearest")
+    ax.set_title(f"layer {m['layer']}, head {m['head']}", fontsize=9)
+    if shown and n <= 96:
+        size = max(4.0, min(8.0, 420 / n))
+        ax.set_xticks(range(n), shown, rotation=90, fontsize=size, fontproperties=props)
+        ax.set_yticks(range(n), shown, fontsize=size, fontproperties=props)
+        if props is not None:
+            for tick in (*ax.get_xticklabels(), *ax.get_yticklabels()):
+                tick.set_fontsize(size)
+    ax.set_xlabel("key (attended-to token)", fontsize=8)
+    ax.set_ylabel("query token", fontsize=8)
+    return image
 
 
 def draw_decode_attention(data: dict[str, Any], out_dir: Path) -> list[Figure]:

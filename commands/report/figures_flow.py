@@ -33,20 +33,7 @@ def draw_load_flow(run: RunData, out_dir: Path) -> Figure:
     convert, place = run.metrics_of("load.convert"), run.metrics_of("load.to_device")
     # The stream stage sets the reading up; the stage that drains it (convert) records the reader's numbers.
     read = None if stream is None else {**stream, **(convert or {})}
-    shards = _get(read, "shards")
-    n_shards = len(shards) if isinstance(shards, list) else _get(verify, "shards")
-    on_disk = _get(verify, "bytes") or (sum(s.get("bytes", 0) for s in shards) if isinstance(shards, list) else None)
-    files = Box(
-        "files on disk",
-        [f"{n_shards if n_shards is not None else MISSING} shards", mib(on_disk)]
-        + (
-            [f"verified: {mib(_get(verify, 'bytes_hashed'))} hashed in {seconds(_get(verify, 'seconds'))}"]
-            if verify
-            else ["not verified (no load.verify)"]
-        ),
-        PHASE_COLORS["load"],
-        missing=verify is None and read is None,
-    )
+    files = _files_box(verify, read)
     buffer = _box(
         "host buffer",
         read,
@@ -82,16 +69,7 @@ def draw_load_flow(run: RunData, out_dir: Path) -> Figure:
         "load",
         "load.to_device",
     )
-    read_s = _get(read, "read_s")
-    arrows = [
-        f"read {mib(_get(read, 'bytes_read'))}\nin {seconds(read_s)} ({_bandwidth(_get(read, 'bytes_read'), read_s)})"
-        if read
-        else MISSING,
-        f"{mib(_get(convert, 'bytes_before'))}\nstreamed tensor by tensor" if convert else MISSING,
-        f"{mib(_get(convert, 'bytes_after'))}\nconverted in {seconds(_get(convert, 'convert_s'))}"
-        if convert
-        else MISSING,
-    ]
+    arrows = _load_arrows(read, convert)
     footer = f"place (to device) took {seconds(_get(place, 'wall_s'))}" if place else ""
     path = draw_flow(
         "Load: files → host buffer → conversion → device",
@@ -106,6 +84,38 @@ def draw_load_flow(run: RunData, out_dir: Path) -> Figure:
         path,
         "Bytes and seconds on each arrow come from the read, convert and place stages' metrics.",
     )
+
+
+def _files_box(verify: dict[str, Any] | None, read: dict[str, Any] | None) -> Box:
+    """The checkpoint's files: how many, their size, and what load.verify hashed."""
+    shards = _get(read, "shards")
+    n_shards = len(shards) if isinstance(shards, list) else _get(verify, "shards")
+    on_disk = _get(verify, "bytes") or (sum(s.get("bytes", 0) for s in shards) if isinstance(shards, list) else None)
+    return Box(
+        "files on disk",
+        [f"{n_shards if n_shards is not None else MISSING} shards", mib(on_disk)]
+        + (
+            [f"verified: {mib(_get(verify, 'bytes_hashed'))} hashed in {seconds(_get(verify, 'seconds'))}"]
+            if verify
+            else ["not verified (no load.verify)"]
+        ),
+        PHASE_COLORS["load"],
+        missing=verify is None and read is None,
+    )
+
+
+def _load_arrows(read: dict[str, Any] | None, convert: dict[str, Any] | None) -> list[str]:
+    """The labels between the load boxes: bytes read and how fast, bytes streamed, bytes converted."""
+    read_s = _get(read, "read_s")
+    return [
+        f"read {mib(_get(read, 'bytes_read'))}\nin {seconds(read_s)} ({_bandwidth(_get(read, 'bytes_read'), read_s)})"
+        if read
+        else MISSING,
+        f"{mib(_get(convert, 'bytes_before'))}\nstreamed tensor by tensor" if convert else MISSING,
+        f"{mib(_get(convert, 'bytes_after'))}\nconverted in {seconds(_get(convert, 'convert_s'))}"
+        if convert
+        else MISSING,
+    ]
 
 
 def _bandwidth(nbytes: float | None, wall: float | None) -> str:
@@ -125,8 +135,6 @@ def draw_compute_flow(run: RunData, out_dir: Path) -> Figure:
     total_prompt = sum(prompt_tokens) if prompt_tokens else None
     generated = _get(generate, "generated_tokens")
     prefill_s = max((r.get("prefill_s", 0.0) for r in per_request), default=None)
-    decode_s = max((r.get("decode_s", 0.0) for r in per_request), default=None)
-    decode_rates = [r.get("decode_tokens_per_s") for r in per_request if r.get("decode_tokens_per_s")]
     n_req = _get(tokenize, "requests")
     prompt = _box("prompt", tokenize, [f"{n_req} request(s)"], "compute", "compute.tokenize")
     ids = _box(
@@ -150,42 +158,8 @@ def draw_compute_flow(run: RunData, out_dir: Path) -> Figure:
         "compute",
         "compute.generate",
     )
-    decoded = (generated - len(per_request)) if generated is not None else None  # the first token comes from prefill
-    decode = _box(
-        "decode loop",
-        generate,
-        [
-            f"{max(decoded or 0, 0)} steps after the first token",
-            seconds(decode_s),
-            f"{sum(decode_rates) / len(decode_rates):,.1f} tok/s per request" if decode_rates else MISSING,
-        ],
-        "compute",
-        "compute.generate",
-    )
-    out = _box(
-        "generated ids",
-        generate,
-        [
-            f"{generated} tokens",
-            f"finish: {', '.join(sorted(set(_get(generate, 'finish_reasons') or []))) or MISSING}",
-            f"overall {_get(generate, 'tokens_per_s') or 0:,.1f} tok/s",
-        ],
-        "compute",
-        "compute.generate",
-    )
-    shape = _get(place, "kv_cache_shape")
-    used = (max(prompt_tokens, default=0) + (generated or 0) // max(len(per_request), 1)) if prompt_tokens else None
-    cache = _box(
-        "KV cache",
-        place,
-        [
-            f"shape {'×'.join(map(str, shape)) if shape else MISSING}",
-            "(layer, batch, head, token, dim)",
-            f"~{used} of {shape[3]} token slots used" if shape and used is not None else MISSING,
-        ],
-        "compute",
-        "load.to_device",
-    )
+    decode, out = _decode_box(generate, per_request), _generated_box(generate)
+    cache = _kv_cache_box(place, prompt_tokens, generated, len(per_request))
     arrows = ["tokenize + chat template", "token ids", "first token,\nK/V of the prompt", "one token per step"]
     below = [Below(3, cache, "append K,V\n(1 token/step)", "attend over\nall cached")]
     path = draw_flow(
@@ -200,6 +174,56 @@ def draw_compute_flow(run: RunData, out_dir: Path) -> Figure:
         "Compute phase",
         path,
         "Token counts and rates from the tokenize and generate stages; the cache shape from place.",
+    )
+
+
+def _decode_box(generate: dict[str, Any] | None, per_request: list[dict[str, Any]]) -> Box:
+    """The decode loop: its steps after the first token, its time and per-request rate."""
+    generated = _get(generate, "generated_tokens")
+    decode_s = max((r.get("decode_s", 0.0) for r in per_request), default=None)
+    decode_rates = [r.get("decode_tokens_per_s") for r in per_request if r.get("decode_tokens_per_s")]
+    decoded = (generated - len(per_request)) if generated is not None else None  # the first token comes from prefill
+    return _box(
+        "decode loop",
+        generate,
+        [
+            f"{max(decoded or 0, 0)} steps after the first token",
+            seconds(decode_s),
+            f"{sum(decode_rates) / len(decode_rates):,.1f} tok/s per request" if decode_rates else MISSING,
+        ],
+        "compute",
+        "compute.generate",
+    )
+
+
+def _generated_box(generate: dict[str, Any] | None) -> Box:
+    return _box(
+        "generated ids",
+        generate,
+        [
+            f"{_get(generate, 'generated_tokens')} tokens",
+            f"finish: {', '.join(sorted(set(_get(generate, 'finish_reasons') or []))) or MISSING}",
+            f"overall {_get(generate, 'tokens_per_s') or 0:,.1f} tok/s",
+        ],
+        "compute",
+        "compute.generate",
+    )
+
+
+def _kv_cache_box(place: dict[str, Any] | None, prompt_tokens: list[int], generated: int | None, rows: int) -> Box:
+    """The KV cache's shape and about how many of its token slots the longest request used."""
+    shape = _get(place, "kv_cache_shape")
+    used = (max(prompt_tokens, default=0) + (generated or 0) // max(rows, 1)) if prompt_tokens else None
+    return _box(
+        "KV cache",
+        place,
+        [
+            f"shape {'×'.join(map(str, shape)) if shape else MISSING}",
+            "(layer, batch, head, token, dim)",
+            f"~{used} of {shape[3]} token slots used" if shape and used is not None else MISSING,
+        ],
+        "compute",
+        "load.to_device",
     )
 
 

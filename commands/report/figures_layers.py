@@ -48,6 +48,56 @@ def _spread(stats: list[dict[str, float]]) -> tuple[list[float], list[list[float
     return medians, errors
 
 
+def _phase_panel(ax: Any, phase: str, bucket: dict[str, Any], n: int, paths_seen: list[str]) -> str | None:
+    """One phase's bars (attention and MLP per layer, with their spread) on `ax`; the paths it ran on are
+    added to `paths_seen`. Returns the phase's summary line, None when it had no passes."""
+    passes = bucket.get("passes") or 0
+    if not passes:
+        ax.text(0.5, 0.5, f"no {phase} passes", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title(phase)
+        return None
+    layers = list(range(n))
+    attn, attn_err = _spread(bucket["attention_ms"])
+    mlp, mlp_err = _spread(bucket["mlp_ms"])
+    width = 0.4
+    ax.bar(
+        [x - width / 2 for x in layers],
+        attn,
+        width,
+        yerr=attn_err,
+        capsize=2,
+        color="#4dabf7",
+        label="attention (norm, QKV, RoPE, cache, attend, O, residual)",
+    )
+    ax.bar(
+        [x + width / 2 for x in layers],
+        mlp,
+        width,
+        yerr=mlp_err,
+        capsize=2,
+        color="#ff922b",
+        label="MLP (norm, SwiGLU, residual)",
+    )
+    paths = bucket.get("paths") or {}
+    paths_seen.extend([p for p in paths if p not in paths_seen])
+    how = ", ".join(f"{count} on {PATH_NAMES.get(path, path)}" for path, count in paths.items())
+    forward = bucket["forward_ms"]
+    ax.set_title(
+        f"{phase}: {passes} passes ({how})\nforward pass median {forward['median']:.2f} ms "
+        f"(p10 {forward['p10']:.2f}, p90 {forward['p90']:.2f})",
+        fontsize=9,
+    )
+    ax.set_xlabel("layer")
+    ax.set_ylabel("ms per pass (median; bars: p10–p90)")
+    ax.set_xticks(layers if n <= 16 else layers[:: max(2, n // 16)])
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_ylim(bottom=0)
+    return (
+        f"{phase}: per pass, attention {sum(attn):.2f} ms and MLP {sum(mlp):.2f} ms over all layers (medians), "
+        f"embedding + final norm + head {bucket['outside_layers_ms']['median']:.2f} ms"
+    )
+
+
 def draw_layer_timings(run: RunData, out_dir: Path) -> list[Figure]:
     data = run.layer_timings
     if not data:
@@ -63,52 +113,9 @@ def draw_layer_timings(run: RunData, out_dir: Path) -> list[Figure]:
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), layout="constrained")
     summary, paths_seen = [], []
     for ax, phase in zip(axes, ("prefill", "decode"), strict=True):
-        bucket = data.get(phase) or {}
-        passes = bucket.get("passes") or 0
-        if not passes:
-            ax.text(0.5, 0.5, f"no {phase} passes", ha="center", va="center", transform=ax.transAxes)
-            ax.set_title(phase)
-            continue
-        layers = list(range(n))
-        attn, attn_err = _spread(bucket["attention_ms"])
-        mlp, mlp_err = _spread(bucket["mlp_ms"])
-        width = 0.4
-        ax.bar(
-            [x - width / 2 for x in layers],
-            attn,
-            width,
-            yerr=attn_err,
-            capsize=2,
-            color="#4dabf7",
-            label="attention (norm, QKV, RoPE, cache, attend, O, residual)",
-        )
-        ax.bar(
-            [x + width / 2 for x in layers],
-            mlp,
-            width,
-            yerr=mlp_err,
-            capsize=2,
-            color="#ff922b",
-            label="MLP (norm, SwiGLU, residual)",
-        )
-        paths = bucket.get("paths") or {}
-        paths_seen += [p for p in paths if p not in paths_seen]
-        how = ", ".join(f"{count} on {PATH_NAMES.get(path, path)}" for path, count in paths.items())
-        forward = bucket["forward_ms"]
-        ax.set_title(
-            f"{phase}: {passes} passes ({how})\nforward pass median {forward['median']:.2f} ms "
-            f"(p10 {forward['p10']:.2f}, p90 {forward['p90']:.2f})",
-            fontsize=9,
-        )
-        ax.set_xlabel("layer")
-        ax.set_ylabel("ms per pass (median; bars: p10–p90)")
-        ax.set_xticks(layers if n <= 16 else layers[:: max(2, n // 16)])
-        ax.grid(axis="y", alpha=0.3)
-        ax.set_ylim(bottom=0)
-        summary.append(
-            f"{phase}: per pass, attention {sum(attn):.2f} ms and MLP {sum(mlp):.2f} ms over all layers (medians), "
-            f"embedding + final norm + head {bucket['outside_layers_ms']['median']:.2f} ms"
-        )
+        line = _phase_panel(ax, phase, data.get(phase) or {}, n, paths_seen)
+        if line is not None:
+            summary.append(line)
     handles = next((ax.get_legend_handles_labels() for ax in axes if ax.get_legend_handles_labels()[0]), None)
     if handles:  # one legend for both panels, under them: never over the bars
         fig.legend(*handles, loc="outside lower center", ncol=2, fontsize=9)

@@ -84,50 +84,9 @@ def draw_model_graph(run: RunData, out_dir: Path) -> list[Figure]:
                 ],
             )
         ]
-    mods = m.get("modules", {})
     dim, heads, kv, hd = m["dim"], m["n_heads"], m["n_kv_heads"], m["head_dim"]
-    inter, vocab, act = m["intermediate_size"], m["vocab_size"], m["activation_dtype"]
-
-    def mod(name: str) -> tuple[str, str]:
-        info = mods.get(name) or {}
-        return weight_line(info), _fmt(info.get("format", ""))
-
-    x_act = f"[B, T, {dim}] {act}"
-    layer = [
-        ("x", x_act, ACT_COLOR),
-        ("RMSNorm (attention_norm)", mod("layers.0.attention_norm")[0], NORM_COLOR),
-        ("wqkv: fused Q/K/V projection", mod("layers.0.attention.wqkv")[0], mod("layers.0.attention.wqkv")[1]),
-        ("split + RoPE", f"Q [B, {heads}, T, {hd}] · K, V [B, {kv}, T, {hd}]", OP_COLOR),
-        ("KV cache write", _cache_line(m), OP_COLOR),
-        (
-            "SDPA (causal" + (f", GQA {heads // kv}:1)" if heads != kv else ")"),
-            f"softmax(Q Kᵀ/√{hd}) V → [B, T, {heads * hd}]",
-            OP_COLOR,
-        ),
-        ("wo: output projection", mod("layers.0.attention.wo")[0], mod("layers.0.attention.wo")[1]),
-        ("+ residual", x_act, ACT_COLOR),
-        ("RMSNorm (ffn_norm)", mod("layers.0.ffn_norm")[0], NORM_COLOR),
-        (
-            "w13: gate | up",
-            mod("layers.0.feed_forward.w13")[0] + f" → [B, T, 2×{inter}]",
-            mod("layers.0.feed_forward.w13")[1],
-        ),
-        ("SwiGLU: silu(gate) · up", f"[B, T, {inter}] {act}", OP_COLOR),
-        ("w2: down projection", mod("layers.0.feed_forward.w2")[0], mod("layers.0.feed_forward.w2")[1]),
-        ("+ residual", x_act, ACT_COLOR),
-    ]
-    stack = [
-        ("token ids", "[B, T] int64", ACT_COLOR),
-        ("embedding", mod("tok_embeddings")[0], mod("tok_embeddings")[1]),
-        (f"{m['n_layers']} × decoder layer", "attention + SwiGLU MLP, each with RMSNorm and a residual  →", "#fff3bf"),
-        ("RMSNorm (norm)", mod("norm")[0], NORM_COLOR),
-        (
-            "head (output)" + (" — tied to the embedding" if m.get("tied_embeddings") else ""),
-            mod("output")[0],
-            mod("output")[1],
-        ),
-        ("logits", f"[B, T, {vocab}] {act} (last position only in prefill)", ACT_COLOR),
-    ]
+    act = m["activation_dtype"]
+    layer, stack = _layer_items(m), _stack_items(m)
     fig, ax = plt.subplots(figsize=(13, 9.5))
     top = len(layer) * 0.84
     _column(ax, 3.2, stack, top - 0.2)
@@ -157,6 +116,67 @@ def draw_model_graph(run: RunData, out_dir: Path) -> list[Figure]:
             "Shapes and dtypes are read from the loaded modules (model.json), not from a hand-written table; "
             "B = batch, T = tokens in the pass. Colour = weight format.",
         )
+    ]
+
+
+def _module_line(m: dict[str, Any], name: str) -> tuple[str, str]:
+    """A loaded module's line (kind, format, main tensor) and its weight format's colour."""
+    info = m.get("modules", {}).get(name) or {}
+    return weight_line(info), _fmt(info.get("format", ""))
+
+
+def _layer_items(m: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """One decoder layer's boxes (title, detail, colour), in forward order, read from layer 0's modules."""
+    dim, heads, kv, hd = m["dim"], m["n_heads"], m["n_kv_heads"], m["head_dim"]
+    inter, act = m["intermediate_size"], m["activation_dtype"]
+
+    def mod(name: str) -> tuple[str, str]:
+        return _module_line(m, name)
+
+    x_act = f"[B, T, {dim}] {act}"
+    return [
+        ("x", x_act, ACT_COLOR),
+        ("RMSNorm (attention_norm)", mod("layers.0.attention_norm")[0], NORM_COLOR),
+        ("wqkv: fused Q/K/V projection", mod("layers.0.attention.wqkv")[0], mod("layers.0.attention.wqkv")[1]),
+        ("split + RoPE", f"Q [B, {heads}, T, {hd}] · K, V [B, {kv}, T, {hd}]", OP_COLOR),
+        ("KV cache write", _cache_line(m), OP_COLOR),
+        (
+            "SDPA (causal" + (f", GQA {heads // kv}:1)" if heads != kv else ")"),
+            f"softmax(Q Kᵀ/√{hd}) V → [B, T, {heads * hd}]",
+            OP_COLOR,
+        ),
+        ("wo: output projection", mod("layers.0.attention.wo")[0], mod("layers.0.attention.wo")[1]),
+        ("+ residual", x_act, ACT_COLOR),
+        ("RMSNorm (ffn_norm)", mod("layers.0.ffn_norm")[0], NORM_COLOR),
+        (
+            "w13: gate | up",
+            mod("layers.0.feed_forward.w13")[0] + f" → [B, T, 2×{inter}]",
+            mod("layers.0.feed_forward.w13")[1],
+        ),
+        ("SwiGLU: silu(gate) · up", f"[B, T, {inter}] {act}", OP_COLOR),
+        ("w2: down projection", mod("layers.0.feed_forward.w2")[0], mod("layers.0.feed_forward.w2")[1]),
+        ("+ residual", x_act, ACT_COLOR),
+    ]
+
+
+def _stack_items(m: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The whole model's boxes: embedding, the layers as one box, final norm, head, logits."""
+    vocab, act = m["vocab_size"], m["activation_dtype"]
+
+    def mod(name: str) -> tuple[str, str]:
+        return _module_line(m, name)
+
+    return [
+        ("token ids", "[B, T] int64", ACT_COLOR),
+        ("embedding", mod("tok_embeddings")[0], mod("tok_embeddings")[1]),
+        (f"{m['n_layers']} × decoder layer", "attention + SwiGLU MLP, each with RMSNorm and a residual  →", "#fff3bf"),
+        ("RMSNorm (norm)", mod("norm")[0], NORM_COLOR),
+        (
+            "head (output)" + (" — tied to the embedding" if m.get("tied_embeddings") else ""),
+            mod("output")[0],
+            mod("output")[1],
+        ),
+        ("logits", f"[B, T, {vocab}] {act} (last position only in prefill)", ACT_COLOR),
     ]
 
 
