@@ -86,13 +86,7 @@ def write_checkpoint(
             weight_map.update(dict.fromkeys(group, shard_name))
         index = {"metadata": {**(metadata or {}), "total_size": total}, "weight_map": weight_map}
         (temp / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-        for name, content in extras.items():
-            target = temp / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if isinstance(content, str):
-                target.write_text(content, encoding="utf-8")
-            else:
-                target.write_bytes(content)
+        _write_extras(temp, extras)
         write_sha256sums(temp, [*names, SAFETENSORS_INDEX, *extras])
         _fsync_tree(temp)
         check_checkpoint_target(out_dir)  # again: the path may have been taken while we wrote
@@ -104,6 +98,17 @@ def write_checkpoint(
         shutil.rmtree(temp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _write_extras(folder: Path, extras: dict[str, bytes | str]) -> None:
+    """The extra files (config, tokenizer, ...) under `folder`, text as UTF-8."""
+    for name, content in extras.items():
+        target = folder / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, str):
+            target.write_text(content, encoding="utf-8")
+        else:
+            target.write_bytes(content)
 
 
 def check_checkpoint_target(out_dir: Path) -> None:

@@ -136,18 +136,7 @@ def read_shards(
     if buffer_shards < 1:
         raise ValueError(f"buffer_shards must be >= 1 (got {buffer_shards})")
     start = time.perf_counter()
-    known = manifest.tensor_to_shard
-    if wanted is not None and known:  # fail before reading anything when the index says enough
-        missing = wanted - known.keys()
-        if missing:
-            raise MissingTensorsError(manifest.model_dir, list(missing))
-    plan = manifest.shards
-    skipped: list[str] = []
-    if wanted is not None and known:  # shards holding nothing wanted are not even opened
-        needed = {known[name] for name in wanted}
-        plan = [shard for shard in manifest.shards if shard.name in needed]
-        skipped = [name for name, shard in known.items() if shard not in needed]
-
+    plan, skipped = _shard_plan(manifest, wanted)
     buffer = _Buffer(buffer_shards)
     results: queue.Queue[object] = queue.Queue()
     stop = threading.Event()
@@ -167,22 +156,8 @@ def read_shards(
                 raise item.error
             assert isinstance(item, _Loaded)
             skipped.extend(item.skipped)
-            for name in list(item.tensors):
-                tensor = item.tensors.pop(name)  # drop the buffer's reference as the tensor leaves it
-                if name in seen:
-                    raise IntegrityError(
-                        f"{manifest.model_dir}: tensor {name!r} is in both {seen[name]} and {item.stats.name}"
-                    )
-                seen[name] = item.stats.name
-                nbytes = tensor.nbytes
-                if on_tensor is not None:
-                    on_tensor(name, tensor)
-                else:
-                    tensors[name] = tensor
-                del tensor
-                buffer.remove(nbytes)
-                if progress is not None:
-                    progress(nbytes)
+            take = on_tensor if on_tensor is not None else tensors.__setitem__
+            _hand_over(manifest, item, seen, buffer, take, progress)
             stats.append(item.stats)
             buffer.give_shard()
     finally:
@@ -200,6 +175,44 @@ def read_shards(
         peak_buffer_shards=buffer.peak_shards,
         seconds=time.perf_counter() - start,
     )
+
+
+def _shard_plan(manifest: ShardManifest, wanted: set[str] | None) -> tuple[list[ShardInfo], list[str]]:
+    """(the shards to open, the tensor names skipped by not opening the others); MissingTensorsError before
+    anything is read when the index already says a wanted tensor is absent."""
+    known = manifest.tensor_to_shard
+    if wanted is None or not known:
+        return manifest.shards, []
+    missing = wanted - known.keys()
+    if missing:
+        raise MissingTensorsError(manifest.model_dir, list(missing))
+    # shards holding nothing wanted are not even opened
+    needed = {known[name] for name in wanted}
+    plan = [shard for shard in manifest.shards if shard.name in needed]
+    return plan, [name for name, shard in known.items() if shard not in needed]
+
+
+def _hand_over(
+    manifest: ShardManifest,
+    item: _Loaded,
+    seen: dict[str, str],
+    buffer: _Buffer,
+    take: TensorFn,
+    progress: ProgressFn | None,
+) -> None:
+    """Give each tensor of a loaded shard to `take`, in order, freeing its room in the buffer as it leaves;
+    a tensor already seen in another shard is an IntegrityError."""
+    for name in list(item.tensors):
+        tensor = item.tensors.pop(name)  # drop the buffer's reference as the tensor leaves it
+        if name in seen:
+            raise IntegrityError(f"{manifest.model_dir}: tensor {name!r} is in both {seen[name]} and {item.stats.name}")
+        seen[name] = item.stats.name
+        nbytes = tensor.nbytes
+        take(name, tensor)
+        del tensor
+        buffer.remove(nbytes)
+        if progress is not None:
+            progress(nbytes)
 
 
 def _produce(
