@@ -210,10 +210,10 @@ def _read_marker(marker: Path) -> dict[str, object] | None:
     if not isinstance(record, dict) or not isinstance(record.get("mac"), str):
         return None
     mac = record.pop("mac")
-    for candidate in (key, _earlier_key()):
-        if candidate is not None and hmac.compare_digest(mac, _seal(record, candidate)):
-            return record
-    return None
+    if key is not None and hmac.compare_digest(mac, _seal(record, key)):
+        return record
+    earlier = _earlier_key()  # read only when the current key does not prove it: most markers never get here
+    return record if earlier is not None and hmac.compare_digest(mac, _seal(record, earlier)) else None
 
 
 def _matching(path: Path, kind: Kind) -> dict[str, object] | None:
