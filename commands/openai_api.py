@@ -31,7 +31,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 from pydantic.fields import FieldInfo
-from pydantic_core import PydanticCustomError
 
 from llmplan.llm.sampling_params import Limit, SamplingParams, request_fields
 
@@ -42,8 +41,6 @@ FINISH = {"eos": "stop", "stop_string": "stop", "length": "length", "cache_full"
 # 1.0 is not an integer either (OpenAI: "expected an integer, but got a decimal number"). An int is a number.
 STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 INT64 = 1 << 63
-# Fields OpenAI documents as "or null" whose null means the default; any other null is refused.
-NULL_MEANS_DEFAULT = ("n", "stream", "logprobs", "echo")
 STOP_SEQUENCES = 4  # OpenAI's limit on `stop`
 
 
@@ -111,17 +108,12 @@ class _Request(_Sampling):  # type: ignore[misc, valid-type]
 
     @model_validator(mode="before")
     @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        if isinstance(data, dict) and any(data.get(name, 0) is None for name in NULL_MEANS_DEFAULT):
-            return {k: v for k, v in data.items() if not (v is None and k in NULL_MEANS_DEFAULT)}
+    def _null_means_absent(cls, data: Any) -> Any:
+        """An explicit null for an optional field is the field left out, as OpenAI and llama-server read it
+        (clients serialise unset fields as null); a required field's null is still refused by its type."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or _required(cls, k)}
         return data
-
-    @field_validator("model", mode="before")
-    @classmethod
-    def _model_given(cls, value: Any) -> Any:
-        if value is None:  # absent means this server's model; an explicit null is not a model name
-            raise PydanticCustomError("string_type", "expected a string")
-        return value
 
     def check_combination(self) -> None:
         """Fields valid alone but not together (OpenAI refuses these too)."""
@@ -171,18 +163,52 @@ class _Request(_Sampling):  # type: ignore[misc, valid-type]
         return 1
 
 
+def _required(schema: type[BaseModel], name: str) -> bool:
+    field = schema.model_fields.get(name)
+    return field is not None and field.is_required()
+
+
 class ContentPart(BaseModel):
     model_config = STRICT
     type: str
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
+class FunctionCall(BaseModel):
     model_config = STRICT
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = STRICT
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    """One turn. The tool-result turn is part of the chat: an assistant turn may carry `tool_calls` and no
+    content, and a `tool` turn answers one call by its id; both go to the chat template as they came."""
+
+    model_config = STRICT
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    def missing(self) -> str | None:
+        """The field this turn lacks, if any: content (but on an assistant turn of tool calls), a tool turn's id."""
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            return "content"
+        if self.role == "tool" and self.tool_call_id is None:
+            return "tool_call_id"
+        return None
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
@@ -191,6 +217,18 @@ class ChatMessage(BaseModel):
                 raise ValueError(f"content parts of type {part.type!r} are not supported (text only)")
             parts.append(part.text)
         return "".join(parts)
+
+    def for_template(self, content: str) -> dict[str, Any]:
+        """The turn as a chat template reads it (HF's message dicts): content text, the tool fields as sent."""
+        role = "system" if self.role == "developer" else self.role
+        out: dict[str, Any] = {"role": role, "content": content}
+        if self.tool_calls:
+            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 class ChatRequest(_Request):
@@ -211,12 +249,14 @@ class ChatRequest(_Request):
     def tokenize_overrides(self) -> dict[str, Any]:
         chat = []
         for i, message in enumerate(self.messages):
+            lacking = message.missing()
+            if lacking is not None:
+                raise FieldError(f"messages.{i}.{lacking}", "required")
             try:
                 content = message.text()
             except ValueError as bad:
                 raise FieldError(f"messages.{i}.content", str(bad)) from None
-            role = "system" if message.role == "developer" else message.role
-            chat.append({"role": role, "content": content})
+            chat.append(message.for_template(content))
         out: dict[str, Any] = {"messages": chat, "text": None, "prompts_file": None, "truncation": "error"}
         if any(m["role"] == "system" for m in chat):
             out["system"] = None  # the request's own system message replaces the plan's

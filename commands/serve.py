@@ -1,7 +1,7 @@
 """`llmplan serve PLAN`: keep the plan's model loaded and answer over an OpenAI-compatible HTTP API.
 
     llmplan serve plans/llama-int8.yaml [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--keep-alive 5m]
-        [--max-queue 64] [--set ID.PARAM=VALUE ...]
+        [--max-queue 64] [--strict-model] [--set ID.PARAM=VALUE ...]
 
 The plan decides everything, as in `run`: its resident stages load once, its request stages run per request
 (so its precision, sampling defaults, filter, results cache and file sinks apply to served requests too).
@@ -40,6 +40,11 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--api-key", default=os.environ.get("LLMPLAN_API_KEY") or None, help="require this bearer key")
     serve.add_argument("--keep-alive", type=duration, default=None, help="unload after this long idle (5m, 30s)")
     serve.add_argument("--max-queue", type=int, default=64, help="requests in flight before 429")
+    serve.add_argument(
+        "--strict-model",
+        action="store_true",
+        help="refuse (404) a request naming another model; default: any name is answered by this one",
+    )
     serve.add_argument("--set", action="append", default=[], metavar="ID.PARAM=VALUE", help="override a parameter")
     serve.add_argument("--quiet", action="store_true", help="no progress on stderr")
     serve.set_defaults(handler=cmd_serve)
@@ -89,7 +94,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except StageFailure as bad:
         host.plan.close()
         raise CliError(f"loading {args.plan} failed: {bad}") from None
-    settings = ServerSettings(api_key=args.api_key, max_queue=args.max_queue, keep_alive_s=args.keep_alive)
+    settings = ServerSettings(
+        api_key=args.api_key, max_queue=args.max_queue, keep_alive_s=args.keep_alive, strict_model=args.strict_model
+    )
     app = create_app(host, settings)
     name = host.bound.plan.name
     config = uvicorn_config(app, settings, args.host, args.port, timeout_graceful_shutdown=5)

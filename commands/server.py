@@ -35,6 +35,7 @@ from llmplan.engine.serving import RequestError, RequestRun
 from .host import ModelHost, RequestFailed
 from .http_guard import RequestGate
 from .http_protocol import protocol_kwargs
+from .model_card import model_card
 from .openai_api import (
     INT64,
     ChatRequest,
@@ -62,6 +63,7 @@ class ServerSettings:
     body_timeout_s: float = 30.0  # from the last header to the body's last byte
     keep_alive_s: float | None = None
     keep_alive_check_s: float = 1.0
+    strict_model: bool = False  # refuse (404) a model name that is not the model's id or an alias
 
 
 class ApiError(Exception):
@@ -138,7 +140,7 @@ class TokenClock:
 def create_app(host: ModelHost, settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics(host)
     service = Answering(host, settings, metrics)
-    model_name = service.model_name
+    card = service.card
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -179,8 +181,15 @@ def create_app(host: ModelHost, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": model_name, "object": "model", "created": service.created, "owned_by": "llmplan"}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card.entry()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> Response:
+        if settings.strict_model and not card.answers_to(name):
+            return ApiError(
+                404, f"model {shown(name)} not found (this server has {card.id!r})", "not_found_error", "model"
+            ).response()
+        return JSONResponse(card.entry() | ({} if card.answers_to(name) else {"id": card.shown_name(name)}))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -199,8 +208,9 @@ class Answering:
     def __init__(self, host: ModelHost, settings: ServerSettings, metrics: ServerMetrics) -> None:
         self.host, self.settings, self.metrics = host, settings, metrics
         self.executor = ThreadPoolExecutor(max_workers=settings.max_queue + 4, thread_name_prefix="llmplan-request")
-        self.model_name = host.bound.plan.name
         self.created = now()
+        source = getattr(host.context, "model_source", None) if host.context is not None else None
+        self.card = model_card(source, host.bound.plan.name, self.created)
         self.plan_limit = host.generate_params.max_new_tokens
         self.admitted = threading.Semaphore(settings.max_queue)
 
@@ -211,10 +221,10 @@ class Answering:
         taken = 0
         try:
             body = await self._parse(request, schema)
-            if body.model is not None and body.model != self.model_name:
+            if self.settings.strict_model and body.model is not None and not self.card.answers_to(body.model):
                 raise ApiError(
                     404,
-                    f"model {shown(body.model)} not found (this server has {self.model_name!r})",
+                    f"model {shown(body.model)} not found (this server has {self.card.id!r})",
                     "not_found_error",
                     "model",
                 )
@@ -368,7 +378,7 @@ class Answering:
             if isinstance(body, ChatRequest):
                 choice: dict[str, Any] = {
                     "index": index,
-                    "message": {"role": "assistant", "content": text},
+                    "message": {"role": "assistant", "content": text, "refusal": None},
                     "finish_reason": reason,
                     "logprobs": chat_logprobs(tok, gen.tokens, gen.logprobs, top) if body.logprobs else None,
                 }
@@ -388,10 +398,10 @@ class Answering:
             "id": new_id("chatcmpl" if chat else "cmpl"),
             "object": "chat.completion" if chat else "text_completion",
             "created": now(),
-            "model": self.model_name,
+            "model": self.card.shown_name(body.model),
             "choices": choices,
             "usage": self._usage(runs, prompts),
-            "system_fingerprint": f"llmplan-{self.model_name}",
+            "system_fingerprint": f"llmplan-{self.card.plan}",
         }
 
     def _start_streaming(
@@ -424,7 +434,7 @@ class Answering:
         queue: asyncio.Queue[tuple[str, int, Any]] = asyncio.Queue()
         cancels = [threading.Event() for _ in jobs]
         self._start_streaming(jobs, queue, cancels, arrived)
-        chunks = _StreamChunks(chat, self.model_name, body.include_usage)
+        chunks = _StreamChunks(chat, self.card.shown_name(body.model), self.card.plan, body.include_usage)
         chunk, delta = chunks.chunk, chunks.delta
         streamed = [""] * len(jobs)
         runs: list[RequestRun | None] = [None] * len(jobs)
@@ -472,8 +482,9 @@ class Answering:
 class _StreamChunks:
     """The server-sent events of one streamed answer: every chunk carries the same id, kind and time."""
 
-    def __init__(self, chat: bool, model_name: str, include_usage: bool) -> None:
+    def __init__(self, chat: bool, model_name: str, plan: str, include_usage: bool) -> None:
         self.chat, self.model_name, self.include_usage = chat, model_name, include_usage
+        self.fingerprint = f"llmplan-{plan}"
         self.ident, self.made = new_id("chatcmpl" if chat else "cmpl"), now()
         self.kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -483,6 +494,7 @@ class _StreamChunks:
             "object": self.kind,
             "created": self.made,
             "model": self.model_name,
+            "system_fingerprint": self.fingerprint,
             "choices": choices,
         }
         if usage is not None or self.include_usage:
@@ -491,7 +503,8 @@ class _StreamChunks:
 
     def delta(self, index: int, text: str | None, reason: str | None = None, role: bool = False) -> dict[str, Any]:
         if self.chat:
-            d: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            first = {"role": "assistant", "content": "", "refusal": None}
+            d: dict[str, Any] = first if role else ({"content": text} if text else {})
             return {"index": index, "delta": d, "finish_reason": reason, "logprobs": None}
         return {"index": index, "text": text or "", "finish_reason": reason, "logprobs": None}
 

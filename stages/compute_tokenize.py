@@ -33,9 +33,15 @@ _BOM = b"\xef\xbb\xbf"
 
 
 class Message(BaseModel):
+    """A chat turn. A tool-calling turn (assistant `tool_calls`, a `tool` answer with its `tool_call_id`)
+    goes to the chat template as given, in HF's message shape."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: str
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class RequestLine(Overrides):
@@ -263,7 +269,7 @@ class Tokenize(Stage):
         overrides = line.model_dump(exclude={"id", "messages", "text"}, exclude_none=True)
         try:
             if line.messages is not None and params.chat_template == "auto" and tok.has_chat_template:
-                chat = [m.model_dump() for m in line.messages]
+                chat = [m.model_dump(exclude_none=True) for m in line.messages]
                 if params.system and not any(m["role"] == "system" for m in chat):
                     chat.insert(0, {"role": "system", "content": params.system})
                 # The template writes BOS itself when the model wants one; never add a second. Only the

@@ -94,7 +94,8 @@ class FakeServer:
             payload = json.dumps({"error": {"message": "queue full", "type": "rate_limit", "code": b.status}}).encode()
             writer.write(
                 f"HTTP/1.1 {b.status} Too Many Requests\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-                f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode() + payload
+                f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
+                + payload
             )
             await writer.drain()
             return
@@ -109,8 +110,12 @@ class FakeServer:
             await writer.drain()
 
         def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-            return {"id": "c1", "object": "chat.completion.chunk", "model": "fake",
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+            return {
+                "id": "c1",
+                "object": "chat.completion.chunk",
+                "model": "fake",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            }
 
         await event(chunk({"role": "assistant", "content": ""}))
         if b.error_event:
@@ -123,8 +128,14 @@ class FakeServer:
                     return
                 await event(chunk({"content": f" t{i}"}, "length" if i == b.tokens - 1 else None))
             if b.usage:
-                await event({"id": "c1", "object": "chat.completion.chunk", "choices": [],
-                             "usage": {"prompt_tokens": 40, "completion_tokens": b.tokens, "total_tokens": 40 + b.tokens}})
+                await event(
+                    {
+                        "id": "c1",
+                        "object": "chat.completion.chunk",
+                        "choices": [],
+                        "usage": {"prompt_tokens": 40, "completion_tokens": b.tokens, "total_tokens": 40 + b.tokens},
+                    }
+                )
         if b.done:
             await event("[DONE]")
         writer.write(b"0\r\n\r\n")

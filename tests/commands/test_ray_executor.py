@@ -38,7 +38,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     model_dir, _ = make_tiny_model_dir(root, n_layers=2)
     prompts = root / "prompts.jsonl"
     lines = [
-        {"id": f"p{i:02d}", "messages": [{"role": "user", "content": " ".join(WORDS[(i + j) % 10] for j in range(1 + i % 7))}]}
+        {
+            "id": f"p{i:02d}",
+            "messages": [{"role": "user", "content": " ".join(WORDS[(i + j) % 10] for j in range(1 + i % 7))}],
+        }
         for i in range(PROMPTS)
     ]
     prompts.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
@@ -201,8 +204,8 @@ def test_a_replica_that_cannot_load_is_one_line(
     assert main(_ray_args(setup, "ray-broken", "broken", "--set", "verify.hashes=required")) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    assert err.strip().splitlines()[-1].startswith(
-        "ray executor: loading the plan failed: stage 'verify' (load.verify): "
+    assert (
+        err.strip().splitlines()[-1].startswith("ray executor: loading the plan failed: stage 'verify' (load.verify): ")
     ), err
 
 
@@ -211,6 +214,8 @@ def replica_pid(replica: str) -> int:
     from ray._private import state  # the GCS actor table: the public state API needs the dashboard
 
     pid = int(replica.rsplit(":", 1)[1])
-    alive = {a["Pid"] for a in state.actors().values() if a["State"] == "ALIVE" and "PlanReplica" in a["ActorClassName"]}
+    alive = {
+        a["Pid"] for a in state.actors().values() if a["State"] == "ALIVE" and "PlanReplica" in a["ActorClassName"]
+    }
     assert pid in alive, (pid, alive)
     return pid

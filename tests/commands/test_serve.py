@@ -49,7 +49,7 @@ def test_chat_and_completions_in_openai_shapes(served: LiveServer) -> None:
     assert chat.usage.total_tokens == chat.usage.prompt_tokens + 12
     text = c.completions.create(model="tiny-serve", prompt="The cache keeps", max_tokens=7)
     assert text.object == "text_completion" and text.choices[0].text and text.usage.completion_tokens == 7
-    assert [m.id for m in c.models.list().data] == ["tiny-serve"]
+    assert [m.id for m in c.models.list().data] == [served.host.context.model_source.model_dir.name]
     assert httpx.get(f"{served.base}/health").json() == {"status": "ready"}
 
 
@@ -131,7 +131,6 @@ def test_logprobs_in_both_shapes(served: LiveServer) -> None:
         ({"max_tokens": 3}, 400, "messages"),
         ({"messages": CHAT, "top_k": -1}, 400, "top_k"),
         ({"messages": CHAT, "stop": [""]}, 400, "stop"),
-        ({"messages": CHAT, "model": "gpt-9"}, 404, "model"),
         ({"messages": [{"role": "user", "content": "layers " * 400}]}, 400, None),
     ],
 )

@@ -52,7 +52,9 @@ def test_run_failure_is_one_line_without_traceback(write_plan, toy_plugin, tmp_p
     plan = write_plan(GOOD.replace("toy.square}", "toy.crash}"))
     assert main(["run", str(plan), "--out", str(tmp_path / "r"), "--quiet"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: stage 'square' (toy.crash): failed unexpectedly (division by zero); run with --debug for the traceback"]
+    assert err == [
+        "error: stage 'square' (toy.crash): failed unexpectedly (division by zero); run with --debug for the traceback"
+    ]
 
 
 def test_graph_outputs(write_plan, toy_plugin, tmp_path):

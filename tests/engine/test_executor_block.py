@@ -31,7 +31,9 @@ def test_the_block_is_read_and_defaults_to_local(tmp_path: Path, registry: Regis
     bound = load_plan(_write(tmp_path, PLAN), registry)
     executor = bound.plan.executor
     assert (executor.kind, executor.replicas, executor.address, executor.threads_per_replica) == ("ray", 2, "auto", 1)
-    plain = load_plan(_write(tmp_path, PLAN.replace("executor: {kind: ray, replicas: 2, address: auto}\n", "")), registry)
+    plain = load_plan(
+        _write(tmp_path, PLAN.replace("executor: {kind: ray, replicas: 2, address: auto}\n", "")), registry
+    )
     assert plain.plan.executor.kind == "local"
     assert "executor:" in bound.resolved_yaml()
 
@@ -67,7 +69,10 @@ def test_run_flags_override_the_block(tmp_path: Path, registry: Registry) -> Non
     )  # fmt: skip
     executor = load_plan(path, registry, plan_overrides(args, registry, load_file(path))).plan.executor
     assert (executor.address, executor.replicas, executor.threads_per_replica, executor.gpus_per_replica) == (
-        "ray://head:10001", 8, 4, 0.5
+        "ray://head:10001",
+        8,
+        4,
+        0.5,
     )
 
 

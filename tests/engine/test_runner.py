@@ -84,7 +84,10 @@ def test_ctrl_c_runs_cleanup_and_exits_130(tmp_path, registry, toy_plugin):
 def test_a_bug_is_one_line_and_the_traceback_goes_to_the_run_dir(tmp_path, registry, toy_plugin):
     result = run(tmp_path, registry, PLAN.replace("uses: toy.square", "uses: toy.crash"))
     assert result.exit_code == 1
-    assert result.message == "stage 'square' (toy.crash): failed unexpectedly (division by zero); run with --debug for the traceback"
+    assert (
+        result.message
+        == "stage 'square' (toy.crash): failed unexpectedly (division by zero); run with --debug for the traceback"
+    )
     assert "Traceback" in (result.run_dir / "traceback.txt").read_text()
 
 

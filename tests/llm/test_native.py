@@ -176,7 +176,9 @@ def test_native_quantization_is_bit_identical_to_torchs(isa_path: native.NativeK
 @needs_native
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("col", [3, 17])  # in the vector body, in the tail
-def test_native_quantization_leaves_non_finite_weights_to_torch(isa_path: native.NativeKernels, bad: float, col: int) -> None:
+def test_native_quantization_leaves_non_finite_weights_to_torch(
+    isa_path: native.NativeKernels, bad: float, col: int
+) -> None:
     w = torch.randn(4, 18)
     w[2, col] = bad
     assert isa_path.quantize_int8(w) is None
@@ -186,7 +188,9 @@ def test_native_quantization_leaves_non_finite_weights_to_torch(isa_path: native
 
 @needs_native
 @pytest.mark.parametrize("row_step", [1, 8])
-def test_native_error_terms_equal_the_torch_ones(isa_path: native.NativeKernels, row_step: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_native_error_terms_equal_the_torch_ones(
+    isa_path: native.NativeKernels, row_step: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from llmplan.llm.weight_formats import error_terms
 
     w = torch.randn(300, 76)  # 76: a tail after the 8-wide body
@@ -200,7 +204,9 @@ def test_native_error_terms_equal_the_torch_ones(isa_path: native.NativeKernels,
 @needs_native
 @pytest.mark.parametrize("rows", [1, 3, 16, 130])
 @pytest.mark.parametrize(("n", "k", "group"), [(70, 64, 32), (9, 1536, 64), (5, 576, 32)])
-def test_int4_kernel_equals_the_exact_product(isa_path: native.NativeKernels, rows: int, n: int, k: int, group: int) -> None:
+def test_int4_kernel_equals_the_exact_product(
+    isa_path: native.NativeKernels, rows: int, n: int, k: int, group: int
+) -> None:
     from llmplan.llm.weight_formats import Int4Weight, dequantize
 
     gen = torch.Generator().manual_seed(rows + n + group)

@@ -25,6 +25,7 @@ from .conftest import PLANS
 class Terminal:
     def __init__(self, args: list[str], cwd: Path, env: dict[str, str]) -> None:
         self.master, slave = pty.openpty()
+
         def controlling_terminal() -> None:  # the pty becomes the child's terminal: ^C turns into SIGINT
             os.setsid()
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)

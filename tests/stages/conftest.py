@@ -64,9 +64,7 @@ def ctx(tokenizer: Tokenizer) -> InferenceContext:
     return context
 
 
-def make_generation(
-    tokenizer: Tokenizer, request_id: str, text: str, *, finish: str = "eos", **extra: Any
-) -> Result:
+def make_generation(tokenizer: Tokenizer, request_id: str, text: str, *, finish: str = "eos", **extra: Any) -> Result:
     ids = tokenizer.encode(text)
     if finish == "eos":
         assert tokenizer.eos_id is not None

@@ -197,9 +197,7 @@ def test_skipped_replaced_and_deep_lines_are_reported(tmp_path: Path, model_dir:
     deep = "[" * 100_000 + "]" * 100_000
     path.write_bytes(
         b'{"id": "a", "text": "Hello model"}\n'
-        b'{"id": "b", "text": \n'
-        + deep.encode()
-        + b'\n{"id": "c", "text": "caf\xe9 model"}\n'
+        b'{"id": "b", "text": \n' + deep.encode() + b'\n{"id": "c", "text": "caf\xe9 model"}\n'
     )
     result = run(tmp_path, model_dir, [f"prompt.prompts_file={path}", "prompt.messages=null"])
     assert result.exit_code == 0, result.message

@@ -219,7 +219,9 @@ def guard_registry(registry):
     return registry
 
 
-def test_filter_runs_before_every_sink_whatever_the_order(make_plan, guard_registry, tokenizer_dir, tmp_path, blocklist):
+def test_filter_runs_before_every_sink_whatever_the_order(
+    make_plan, guard_registry, tokenizer_dir, tmp_path, blocklist
+):
     bound = make_plan(_plan(tokenizer_dir, tmp_path, blocklist, "mask", filter_after_sinks=True))
     order = execution_order(build_graph(bound.stages))
     assert order.index("filter") < order.index("write") and order.index("filter") < order.index("store")
@@ -246,9 +248,11 @@ def test_nothing_blocked_reaches_any_sink(
     assert (MASK in out) == (action == "mask") and ("rejected by filter" in out) == (action == "reject")
     document = json.loads((tmp_path / "out.json").read_text(encoding="utf-8"))
     result_obj = document["results"][0]
-    assert result_obj["tokens"] == [] and result_obj["logprobs"] is None and result_obj["flagged"] == [
-        "masked 1 blocklist match" if action == "mask" else "rejected: 1 blocklist match"
-    ]
+    assert (
+        result_obj["tokens"] == []
+        and result_obj["logprobs"] is None
+        and result_obj["flagged"] == ["masked 1 blocklist match" if action == "mask" else "rejected: 1 blocklist match"]
+    )
     assert "secret" not in result_obj["text"]
     with sqlite3.connect(tmp_path / "r.sqlite") as db:
         rows = db.execute("SELECT * FROM results").fetchall()

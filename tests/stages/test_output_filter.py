@@ -38,7 +38,9 @@ def test_reject_keeps_finish_reason(ctx, blocklist):
     c = _completion("a grey day", candidates=[Candidate([1], -1.0, "eos")], candidate_texts=["grey"])
     _run(ctx, [c], blocklist, action="reject")
     assert c.text == "" and c.candidate_texts == [""]
-    assert c.error == "rejected by filter" and c.finish_reason == "eos" and c.flagged == ["rejected: 2 blocklist matches"]
+    assert (
+        c.error == "rejected by filter" and c.finish_reason == "eos" and c.flagged == ["rejected: 2 blocklist matches"]
+    )
 
 
 def test_candidates_are_masked(ctx, blocklist):

@@ -60,7 +60,9 @@ def test_a_bad_row_is_a_notice_naming_file_and_row(tmp_path: Path) -> None:
     notices: list[tuple[str, str]] = []
     rows = read_prompts(parquet, "skip", Log(), lambda kind, message: notices.append((kind, message)))
     assert [n for n, _ in rows] == [1, 2, 3]
-    assert notices == [("skipped_line", f"{parquet}:4: row: give exactly one of `messages` or `text`; row skipped (on_bad_line: skip)")]
+    assert notices == [
+        ("skipped_line", f"{parquet}:4: row: give exactly one of `messages` or `text`; row skipped (on_bad_line: skip)")
+    ]
     with pytest.raises(StageFailure, match=f"{parquet}:4: "):
         read_prompts(parquet, "fail", Log())
 

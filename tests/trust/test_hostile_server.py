@@ -73,7 +73,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     root = tmp_path_factory.mktemp("hostile-server")
     model_dir, _ = make_tiny_model_dir(root, n_layers=1)
     plan = write_serve_plan(root, model_dir, slots=2, name=MODEL)
-    settings = ServerSettings(api_key=KEY, max_queue=MAX_QUEUE, header_timeout_s=HEADER_S, body_timeout_s=BODY_S)
+    settings = ServerSettings(
+        api_key=KEY, max_queue=MAX_QUEUE, header_timeout_s=HEADER_S, body_timeout_s=BODY_S, strict_model=True
+    )
     recorder = Recorder()
     watched = [logging.getLogger(name) for name in ("", "uvicorn", "uvicorn.error", "asyncio", "llmplan")]
     try:
@@ -277,13 +279,12 @@ CHAT_CASES = [
     pytest.param({"presence_penalty": "high"}, "presence_penalty", id="presence_penalty-string"),
     pytest.param({"frequency_penalty": -2.5}, "frequency_penalty", id="frequency_penalty-range"),
     pytest.param({"user": 42}, "user", id="user-number"),
-    pytest.param({"model": None}, "model", id="model-null"),
     pytest.param({"model": 42}, "model", id="model-number"),
     pytest.param({"messages": None}, "messages", id="messages-null"),
     pytest.param({"messages": "hello"}, "messages", id="messages-string"),
     pytest.param({"messages": []}, "messages", id="messages-empty"),
     pytest.param({"messages": ["hello"]}, "messages.0", id="message-string"),
-    pytest.param({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", id="role-tool"),
+    pytest.param({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id", id="tool-without-id"),
     pytest.param({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role", id="role-unknown"),
     pytest.param({"messages": [{"role": "USER", "content": "x"}]}, "messages.0.role", id="role-uppercase"),
     pytest.param({"messages": [{"content": "x"}]}, "messages.0.role", id="role-missing"),

@@ -328,13 +328,17 @@ def _only_marker_slot_taken(path: Path) -> None:
 
 
 SINK_CASES = [
-    pytest.param("json", "result.json", _bytes(json.dumps(RESULT_SHAPED).encode()), id="hand-written-result-shaped-json"),
+    pytest.param(
+        "json", "result.json", _bytes(json.dumps(RESULT_SHAPED).encode()), id="hand-written-result-shaped-json"
+    ),
     pytest.param("json", "data.json", _bytes(b'{"experiment": 7}'), id="their-json"),
     pytest.param("json", "important.db", _sqlite, id="an-sqlite-database"),
     pytest.param("text", "notes.txt", _bytes(b"my notes\n"), id="their-text"),
     pytest.param("markdown", "README.md", _bytes(b"# My project\n"), id="their-markdown"),
     pytest.param("text", "notes.txt", _old_marker_beside(b"my notes\n"), id="hand-written-marker-right-sha256"),
-    pytest.param("json", "result.json", _old_marker_beside(json.dumps(RESULT_SHAPED).encode()), id="json-with-old-marker"),
+    pytest.param(
+        "json", "result.json", _old_marker_beside(json.dumps(RESULT_SHAPED).encode()), id="json-with-old-marker"
+    ),
     pytest.param("text", "notes.txt", _new_marker_beside(b"my notes\n"), id="forged-marker-new-shape"),
     pytest.param("text", "copy.txt", _marker_of_another, id="a-real-marker-copied-beside-a-copy"),
     pytest.param("text", "answer.txt", _replaced_after_llmplan_wrote, id="llmplan-wrote-then-user-replaced"),
@@ -584,7 +588,9 @@ def test_benign_twin_report_twice_on_the_same_run(finished_run: Path, tmp_path: 
 # --- bench --out PREFIX ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("suffix", [pytest.param(".json", id="their-PREFIX.json"), pytest.param(".md", id="their-PREFIX.md")])
+@pytest.mark.parametrize(
+    "suffix", [pytest.param(".json", id="their-PREFIX.json"), pytest.param(".md", id="their-PREFIX.md")]
+)
 def test_bench_out_onto_their_files_is_refused_before_measuring(
     suffix: str, plan: Path, tmp_path: Path, capsys
 ) -> None:

@@ -1,0 +1,189 @@
+"""`llmplan serve` as OpenAI's clients see it: the real `openai` SDK, and every body checked against the SDK's
+own models key for key (openai_shapes.py). One server for the module (a tiny fp32 model on 4 slots).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from starlette.testclient import TestClient
+
+from llmplan.commands.server import ServerSettings, create_app
+
+from .conftest import LiveServer, write_serve_plan
+from .openai_shapes import conforms, stream_bodies
+
+CHAT = [{"role": "user", "content": "Hello model, tokens and layers."}]
+PLAN = "conform"
+
+
+@pytest.fixture(scope="module")
+def live(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    plan = write_serve_plan(tmp_path_factory.mktemp("conform"), tiny_model, name=PLAN)
+    with LiveServer(plan, ServerSettings(max_queue=32)) as server:
+        yield server
+
+
+def sdk(live: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live.url, api_key="none", max_retries=0, timeout=60)
+
+
+def post(live: LiveServer, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """POST `body`; every body that comes back (one, or each chunk of a stream) checked against OpenAI's shape."""
+    kind = "chat.completion" if path == "/chat/completions" else "text_completion"
+    if not body.get("stream"):
+        answer = httpx.post(f"{live.url}{path}", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        made = answer.json()
+        conforms(kind, made)
+        return [made]
+    with httpx.stream("POST", f"{live.url}{path}", json=body, timeout=60) as answer:
+        assert answer.status_code == 200, answer.read()
+        chunks = stream_bodies(list(answer.iter_lines()))
+    for chunk in chunks:
+        conforms(kind + ".chunk", chunk)
+    return chunks
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"n": 2, "temperature": 1.0, "seed": 5},
+        {"stop": ["e"], "max_tokens": 12},
+        {"logprobs": True, "top_logprobs": 2},
+    ],
+    ids=["plain", "n-seed", "stop", "logprobs"],
+)
+def test_chat_bodies_have_openai_shapes(live: LiveServer, stream: bool, extra: dict[str, Any]) -> None:
+    body = {"model": PLAN, "messages": CHAT, "max_tokens": 6, "stream": stream, **extra}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    before = int(time.time())
+    bodies = post(live, "/chat/completions", body)
+    for made in bodies:
+        assert before - 1 <= made["created"] <= time.time() + 1  # `created` in every body and chunk
+    if not stream:
+        message = bodies[0]["choices"][0]["message"]
+        assert message["refusal"] is None and len(bodies[0]["choices"]) == extra.get("n", 1)
+    else:
+        assert bodies[-1]["choices"] == [] and bodies[-1]["usage"]["completion_tokens"] > 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize(
+    "extra", [{}, {"n": 2, "temperature": 1.0, "seed": 5}, {"logprobs": 2}, {"prompt": ["keys", "layers"]}]
+)
+def test_completion_bodies_have_openai_shapes(live: LiveServer, stream: bool, extra: dict[str, Any]) -> None:
+    body = {"model": PLAN, "prompt": "The cache keeps", "max_tokens": 5, "stream": stream, **extra}
+    bodies = post(live, "/completions", body)
+    assert all(isinstance(made["created"], int) for made in bodies)
+
+
+def test_the_sdk_reads_created_and_the_model(live: LiveServer) -> None:
+    c = sdk(live)
+    chat = c.chat.completions.create(model=PLAN, messages=CHAT, max_tokens=3)
+    assert chat.created > 0 and chat.model == PLAN
+    for chunk in c.completions.create(model=PLAN, prompt="keys", max_tokens=3, stream=True):
+        assert chunk.created > 0
+
+
+@pytest.mark.parametrize("name", ["gpt-4o-mini", "gpt-3.5-turbo-instruct", "davinci-002", "x/y:latest"])
+def test_any_model_name_is_answered_by_this_model(live: LiveServer, name: str) -> None:
+    c = sdk(live)
+    assert c.chat.completions.create(model=name, messages=CHAT, max_tokens=2).model == name
+    assert c.completions.create(model=name, prompt="keys", max_tokens=2).model == name
+    assert c.models.retrieve(name).id == name
+
+
+def test_models_name_the_model_itself_with_the_plan_as_metadata(live: LiveServer) -> None:
+    listed = httpx.get(f"{live.url}/models", timeout=10).json()
+    assert listed["object"] == "list" and len(listed["data"]) == 1
+    entry = listed["data"][0]
+    conforms("model", entry)
+    model_dir = live.host.context.model_source.model_dir
+    assert entry["id"] == model_dir.name and entry["id"] != PLAN  # the model's own name, not the plan's
+    assert entry["llmplan"]["plan"] == PLAN and PLAN in entry["llmplan"]["aliases"]
+    one = httpx.get(f"{live.url}/models/{entry['id']}", timeout=10).json()
+    assert conforms("model", one).id == entry["id"]
+
+
+def test_strict_model_refuses_other_names(live: LiveServer) -> None:
+    strict = TestClient(create_app(live.host, ServerSettings(strict_model=True)))
+    model_id = live.host.context.model_source.model_dir.name
+    for name in (model_id, PLAN):  # the id and its aliases
+        answer = strict.post("/v1/completions", json={"model": name, "prompt": "keys", "max_tokens": 2})
+        assert answer.status_code == 200, answer.text
+    refused = strict.post("/v1/completions", json={"model": "gpt-4o-mini", "prompt": "keys", "max_tokens": 2})
+    assert refused.status_code == 404 and refused.json()["error"]["param"] == "model"
+    conforms("error", refused.json()["error"])
+    assert strict.get("/v1/models/gpt-4o-mini").status_code == 404
+    assert strict.get(f"/v1/models/{model_id}").json()["id"] == model_id
+
+
+NULLS = {
+    "model": None,
+    "n": None,
+    "stream": None,
+    "stream_options": None,
+    "logprobs": None,
+    "top_logprobs": None,
+    "temperature": None,
+    "top_p": None,
+    "seed": None,
+    "stop": None,
+    "max_tokens": None,
+    "max_completion_tokens": None,
+    "presence_penalty": None,
+    "frequency_penalty": None,
+    "user": None,
+}
+UNKNOWN = {"metadata": {"run": "a"}, "store": False, "parallel_tool_calls": True, "x_vendor": [1, {"a": None}]}
+
+
+def test_explicit_nulls_are_absent_and_unknown_fields_ignored(live: LiveServer) -> None:
+    plain = post(live, "/chat/completions", {"messages": CHAT, "max_tokens": 4})[0]
+    nulled = post(live, "/chat/completions", {"messages": CHAT, **NULLS, **UNKNOWN, "max_tokens": 4})[0]
+    assert nulled["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+    completion_nulls = {k: v for k, v in NULLS.items() if k not in ("top_logprobs", "max_completion_tokens")}
+    body = {"prompt": "keys", **completion_nulls, "echo": None, "max_tokens": 4}
+    assert post(live, "/completions", body)[0]["usage"]["completion_tokens"] == 4
+
+
+def test_a_tool_result_turn_is_rendered_through_the_template(live: LiveServer) -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    turns = [
+        {"role": "user", "content": "What is the weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, nineteen degrees and a light wind."},
+    ]
+    c = sdk(live)
+    answer = c.chat.completions.create(model=PLAN, messages=turns, max_tokens=3)
+    assert answer.choices[0].message.role == "assistant"
+    without = c.chat.completions.create(model=PLAN, messages=turns[:1], max_tokens=3)
+    # the tool's answer reached the prompt: the template rendered its turn
+    assert answer.usage.prompt_tokens > without.usage.prompt_tokens + 8
+    streamed = post(live, "/chat/completions", {"messages": turns, "max_tokens": 3, "stream": True})
+    assert streamed[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        ({"role": "tool", "content": "x"}, "messages.1.tool_call_id"),
+        ({"role": "assistant", "content": None}, "messages.1.content"),
+        ({"role": "user", "content": None}, "messages.1.content"),
+    ],
+)
+def test_an_incomplete_turn_is_refused_by_name(live: LiveServer, message: dict[str, Any], param: str) -> None:
+    answer = httpx.post(f"{live.url}/chat/completions", json={"messages": [*CHAT, message]}, timeout=30)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
+    conforms("error", json.loads(answer.text)["error"])
