@@ -69,6 +69,21 @@ def api_field(kind: Any, limit: Limit, mapped: Mapped | None) -> tuple[Any, Fiel
     return kind | None, Field(None, **bounds)
 
 
+API_TEMPERATURE = 1.0  # OpenAI's default; greedy (the library's) is for a plan to choose
+
+
+def api_defaults() -> dict[str, Any]:
+    """What a request that omits a sampling setting gets: OpenAI's defaults (temperature 1, no penalties, no
+    stop) and the extras off; not the plan's values (but where its generate stage marks `serving_defaults`).
+    `max_new_tokens` is not here (the plan's is the default) nor `seed` (the server draws one)."""
+    out = {
+        f.name: list(f.default) if isinstance(f.default, tuple) else f.default
+        for f, _, _ in request_fields()
+        if f.name not in ("max_new_tokens", "seed")
+    }
+    return out | {"temperature": API_TEMPERATURE}
+
+
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool | None = None
@@ -105,6 +120,7 @@ class _Request(_Sampling):  # type: ignore[misc, valid-type]
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool | None = None  # llama.cpp's and vLLM's extra (benchmarks)
+    truncate_prompt_tokens: int | None = Field(None, ge=1)  # vLLM's: keep the prompt's last k tokens
 
     @model_validator(mode="before")
     @classmethod

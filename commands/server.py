@@ -41,6 +41,7 @@ from .openai_api import (
     ChatRequest,
     CompletionRequest,
     FieldError,
+    api_defaults,
     chat_logprobs,
     completion_logprobs,
     error_body,
@@ -211,7 +212,12 @@ class Answering:
         self.created = now()
         source = getattr(host.context, "model_source", None) if host.context is not None else None
         self.card = model_card(source, host.bound.plan.name, self.created)
-        self.plan_limit = host.generate_params.max_new_tokens
+        ctx = host.context
+        # The context one request has: its slot's rows of the KV cache (a prompt leaves room for one token).
+        self.context_tokens = ctx.kv_cache.max_tokens if ctx is not None and ctx.kv_cache is not None else None
+        self.model_context = ctx.model_config.max_position_embeddings if ctx is not None and ctx.model_config else None
+        marked = set(host.generate_params.serving_defaults)
+        self.defaults = {name: value for name, value in api_defaults().items() if name not in marked}
         self.admitted = threading.Semaphore(settings.max_queue)
 
     async def answer(
@@ -245,13 +251,22 @@ class Answering:
                     )
                 taken += 1
             if body.stream:
+                queue: asyncio.Queue[tuple[str, int, Any]] = asyncio.Queue()
+                cancels = [threading.Event() for _ in jobs]
+                self._start_streaming(jobs, queue, cancels, arrived)
+                try:  # a refusal (a prompt too long) is a status, not an event after a 200
+                    seen = await self._opened(queue, len(jobs))
+                except BaseException:
+                    for ev in cancels:
+                        ev.set()
+                    raise
                 release, taken = taken, 0  # the stream gives its places back when it ends
 
                 def on_end() -> None:
                     for _ in range(release):
                         self.admitted.release()
 
-                stream = self._stream(request, body, jobs, arrived, endpoint, on_end)
+                stream = self._stream(body, jobs, queue, cancels, seen, endpoint, on_end)
                 return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             runs = await self._run_all(request, jobs, arrived)
             self.metrics.requests.labels(endpoint, "200").inc()
@@ -274,12 +289,29 @@ class Answering:
             raise ApiError(400, str(bad), param=bad.param) from None
         except FieldError as bad:
             raise ApiError(400, str(bad), param=bad.field) from None
-        if body.token_limit is not None and body.token_limit > self.plan_limit:
+        room = None if self.context_tokens is None else self.context_tokens - 1
+        if body.token_limit is not None and room is not None and body.token_limit > room:
             field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
             raise ApiError(
-                400, f"{field}: at most {self.plan_limit} (the plan's limit), got {body.token_limit}", param=field
+                400,
+                f"{field}: at most {room} (the context is {self.context_tokens} tokens), got {body.token_limit}",
+                param=field,
             )
         return body
+
+    def _prompt_limit(self, body: Any) -> dict[str, Any]:
+        """The tokenize stage's limit and policy: the context (a prompt that does not fit is refused with both
+        numbers), cut only where truncation is asked explicitly (the request's `truncate_prompt_tokens`, or a
+        tokenize stage of the plan that sets `truncation` itself)."""
+        plan = self.host.plan.params(self.host.tokenize_id)
+        limits = [n for n in (plan.max_prompt_tokens, self.model_context) if n is not None]
+        if self.context_tokens is not None:
+            limits.append(self.context_tokens - 1)
+        limit = min(limits) if limits else None
+        if body.truncate_prompt_tokens is not None:
+            return {"truncation": "keep_end", "max_prompt_tokens": min([body.truncate_prompt_tokens, *limits])}
+        explicit = "truncation" in plan.model_fields_set and plan.truncation != "error"
+        return {"truncation": plan.truncation if explicit else "error", "max_prompt_tokens": limit}
 
     def _jobs(self, body: Any) -> list[dict[str, dict[str, Any]]]:
         """Per choice: the stage overrides it runs with. n choices of one prompt differ by seed."""
@@ -290,7 +322,9 @@ class Answering:
                 prompts = [CompletionRequest.tokenize_overrides(p) for p in body.prompts()]
         except FieldError as bad:
             raise ApiError(400, str(bad), param=bad.field) from None
-        generate = body.generate_overrides() | {"stream": True}
+        limit = self._prompt_limit(body)
+        prompts = [prompt | limit for prompt in prompts]
+        generate = self.defaults | body.generate_overrides() | {"stream": True}
         top = body.logprobs_wanted()
         if top is not None:
             generate["logprobs"] = top
@@ -418,7 +452,8 @@ class Answering:
 
         def on_text(index: int) -> Callable[[str], None]:
             def push(text: str) -> None:
-                clocks[index].tick()
+                if text:  # an empty one only says the prompt is queued
+                    clocks[index].tick()
                 loop.call_soon_threadsafe(queue.put_nowait, ("text", index, text))
 
             return push
@@ -427,13 +462,34 @@ class Answering:
             future = self._start(job, on_text(index), cancels[index])
             future.add_done_callback(lambda f, i=index: loop.call_soon_threadsafe(queue.put_nowait, ("done", i, f)))
 
+    async def _opened(self, queue: asyncio.Queue[tuple[str, int, Any]], count: int) -> list[tuple[str, int, Any]]:
+        """The events until every job's prompt is known to fit (its first text, even an empty one, which the
+        generate stage sends once its prompts are queued) or the job ended; ApiError when one was refused."""
+        seen: list[tuple[str, int, Any]] = []
+        opened: set[int] = set()
+        while len(opened) < count:
+            event = await queue.get()
+            seen.append(event)
+            what, index, payload = event
+            if index in opened:
+                continue
+            opened.add(index)
+            if what == "done" and payload.exception() is not None:
+                self._result(payload)  # raises the ApiError the job's failure maps to
+        return seen
+
     async def _stream(
-        self, request: Request, body: Any, jobs: list[Any], arrived: float, endpoint: str, on_end: Callable[[], None]
+        self,
+        body: Any,
+        jobs: list[Any],
+        queue: asyncio.Queue[tuple[str, int, Any]],
+        cancels: list[threading.Event],
+        seen: list[tuple[str, int, Any]],
+        endpoint: str,
+        on_end: Callable[[], None],
     ) -> AsyncIterator[str]:
         chat = isinstance(body, ChatRequest)
-        queue: asyncio.Queue[tuple[str, int, Any]] = asyncio.Queue()
-        cancels = [threading.Event() for _ in jobs]
-        self._start_streaming(jobs, queue, cancels, arrived)
+        replay = list(seen)
         chunks = _StreamChunks(chat, self.card.shown_name(body.model), self.card.plan, body.include_usage)
         chunk, delta = chunks.chunk, chunks.delta
         streamed = [""] * len(jobs)
@@ -444,7 +500,7 @@ class Answering:
                 yield chunk([delta(i, None, role=True) for i in range(len(jobs))])
             remaining = len(jobs)
             while remaining:
-                what, index, payload = await queue.get()
+                what, index, payload = replay.pop(0) if replay else await queue.get()
                 if what == "text":
                     if payload:
                         streamed[index] += payload

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, model_validator
 
-from llmplan.engine.findings import StageFailure
+from llmplan.engine.findings import InputRefused, StageFailure
 from llmplan.engine.stage import Phase, Stage
 from llmplan.llm.beam_search import beam_search
 from llmplan.llm.engine_loop import EngineLoop
@@ -60,6 +60,10 @@ class GenerateParams(RequestSettings):
     )
     prefix_reuse: bool = Field(True, description="start a prompt from cached K/V of the same leading tokens")
     stream: bool = Field(True, description="print text as it is generated (single request, terminal)")
+    serving_defaults: list[str] = Field(
+        default_factory=list,
+        description="settings of this stage a served request takes when it omits them (others: the API's defaults)",
+    )
 
     @model_validator(mode="after")
     def _beams(self) -> GenerateParams:
@@ -67,6 +71,10 @@ class GenerateParams(RequestSettings):
             raise ValueError(f"num_return_sequences ({self.num_return_sequences}) exceeds num_beams ({self.num_beams})")
         if self.num_beams > 1 and self.temperature > 0:
             raise ValueError("beam search is deterministic here: use temperature 0 with num_beams > 1")
+        unknown = [name for name in self.serving_defaults if name not in RequestSettings.model_fields]
+        if unknown:
+            known = ", ".join(RequestSettings.model_fields)
+            raise ValueError(f"serving_defaults: {', '.join(map(repr, unknown))} is not a request setting ({known})")
         return self
 
 
@@ -187,6 +195,7 @@ class Generate(Stage):
         if served is None:
             loop.run()
         else:  # the host's thread steps the served loop: wait for the last request to end
+            ctx.stream("")  # every prompt fit and is queued: the server may start its answer's stream now
             ended.all.wait()
         self._end_stream(ctx, shown, served is None)
         return self._collect(ctx, loop, submitted, params, stream)
@@ -297,8 +306,12 @@ class Generate(Stage):
         return out
 
     def _fit(self, ctx: InferenceContext, request: Request, capacity: int) -> list[int]:
-        """Leave room for at least one generated token; with policy stop, the rest ends as cache_full."""
+        """Leave room for at least one generated token; with policy stop, the rest ends as cache_full. A served
+        request is never cut here: the server sizes its tokenize limit to the context, so a prompt that still
+        does not fit is refused with both numbers."""
         limit = capacity - 1
+        if ctx.engine_loop is not None and len(request.prompt_ids) > limit:
+            raise InputRefused(f"prompt has {len(request.prompt_ids)} tokens; the limit is {limit} (the context)")
         ids, dropped = truncate(request.prompt_ids, limit, "keep_end", 1 if request.prompt_ids[:1] else 0)
         if dropped:
             ctx.log.warning("prompt_truncated", request=request.id, dropped=dropped, kept=len(ids), limit=limit)

@@ -30,6 +30,7 @@ def write_serve_plan(
     model_dir: Path,
     *,
     slots: int = 4,
+    context: int = 128,
     name: str = "tiny-serve",
     cache_db: Path | None = None,
     **generate: Any,
@@ -40,12 +41,13 @@ def write_serve_plan(
         "seed": 0,
         "threads": 1,
         "stages": [
-            *load_stages(model_dir, place={"max_batch": slots, "kv_cache": {"max_tokens": 128}}),
+            *load_stages(model_dir, place={"max_batch": slots, "kv_cache": {"max_tokens": context}}),
             {"id": "prompt", "uses": "compute.tokenize", "with": {"messages": [{"role": "user", "content": "hi"}]}},
             {
                 "id": "generate",
                 "uses": "compute.generate",
-                "with": {"max_new_tokens": MAX_NEW, "temperature": 0, **generate},
+                # greedy for served requests too (they take the API's defaults but where the plan marks its own)
+                "with": {"max_new_tokens": MAX_NEW, "temperature": 0, "serving_defaults": ["temperature"], **generate},
             },
             {"id": "clean", "uses": "output.postprocess"},
             {"id": "text", "uses": "output.detokenize"},

@@ -5,6 +5,7 @@ own models key for key (openai_shapes.py). One server for the module (a tiny fp3
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,9 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
-from llmplan.commands.server import ServerSettings, create_app
+from llmplan.commands.openai_api import CompletionRequest
+from llmplan.commands.request_body import validate
+from llmplan.commands.server import Answering, ServerMetrics, ServerSettings, create_app
 
 from .conftest import LiveServer, write_serve_plan
 from .openai_shapes import conforms, stream_bodies
@@ -24,9 +27,19 @@ CHAT = [{"role": "user", "content": "Hello model, tokens and layers."}]
 PLAN = "conform"
 
 
+CONTEXT = 2048
+PLAN_MAX_NEW = 40
+
+
 @pytest.fixture(scope="module")
 def live(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    plan = write_serve_plan(tmp_path_factory.mktemp("conform"), tiny_model, name=PLAN)
+    root = tmp_path_factory.mktemp("conform")
+    model_dir = root / "tiny-conform"
+    shutil.copytree(tiny_model, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 4096}))
+    # The plan's penalty is not marked as a serving default: served requests never get it.
+    plan = write_serve_plan(root, model_dir, name=PLAN, context=CONTEXT, repetition_penalty=1.3)
     with LiveServer(plan, ServerSettings(max_queue=32)) as server:
         yield server
 
@@ -187,3 +200,66 @@ def test_an_incomplete_turn_is_refused_by_name(live: LiveServer, message: dict[s
     answer = httpx.post(f"{live.url}/chat/completions", json={"messages": [*CHAT, message]}, timeout=30)
     assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
     conforms("error", json.loads(answer.text)["error"])
+
+
+def long_prompt(live: LiveServer, tokens: int) -> str:
+    """A raw prompt of exactly `tokens` tokens under the served tokenizer."""
+    tok = live.host.context.tokenizer
+    ids = tok.encode("layers and tokens " * tokens, add_bos=False)[:tokens]
+    text = tok.decode(ids)
+    assert len(tok.encode(text, add_bos=False)) >= tokens
+    return text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("path", ["/completions", "/chat/completions"])
+def test_a_prompt_longer_than_the_context_is_a_400_with_both_numbers(live: LiveServer, path: str, stream: bool) -> None:
+    text = long_prompt(live, 3000)
+    body: dict[str, Any] = {"max_tokens": 2, "stream": stream}
+    body |= {"prompt": text} if path == "/completions" else {"messages": [{"role": "user", "content": text}]}
+    answer = httpx.post(f"{live.url}{path}", json=body, timeout=60)  # streamed too: a status, before any byte
+    assert answer.status_code == 400, answer.text[:300]
+    error = conforms("error", answer.json()["error"])
+    assert "prompt has 3" in error.message and f"the limit is {CONTEXT - 1}" in error.message
+    assert answer.headers["content-type"].startswith("application/json")
+
+
+def test_truncation_asked_explicitly_keeps_the_end(live: LiveServer) -> None:
+    body = {"prompt": long_prompt(live, 3000), "max_tokens": 2, "truncate_prompt_tokens": 100}
+    assert post(live, "/completions", body)[0]["usage"]["prompt_tokens"] == 100
+
+
+def test_max_tokens_defaults_to_the_plan_and_may_go_up_to_the_context(live: LiveServer) -> None:
+    c = sdk(live)
+    plain = c.completions.create(model=PLAN, prompt="keys", extra_body={"ignore_eos": True})
+    assert plain.usage.completion_tokens == PLAN_MAX_NEW
+    more = c.completions.create(
+        model=PLAN, prompt="keys", max_tokens=PLAN_MAX_NEW + 60, extra_body={"ignore_eos": True}
+    )
+    assert more.usage.completion_tokens == PLAN_MAX_NEW + 60
+    with pytest.raises(openai.BadRequestError) as refused:
+        c.completions.create(model=PLAN, prompt="keys", max_tokens=CONTEXT)
+    assert refused.value.param == "max_tokens" and str(CONTEXT - 1) in refused.value.message
+
+
+def test_greedy_is_greedy_whatever_the_plan_samples_with(live: LiveServer) -> None:
+    body = {"messages": CHAT, "max_tokens": 40, "temperature": 0, "logprobs": True, "top_logprobs": 1}
+    content = post(live, "/chat/completions", body)[0]["choices"][0]["logprobs"]["content"]
+    assert len(content) > 10
+    for item in content:  # the plan's repetition_penalty 1.3 would pick other tokens than the top one
+        assert (
+            item["token"] == item["top_logprobs"][0]["token"] and item["logprob"] == item["top_logprobs"][0]["logprob"]
+        )
+
+
+def test_omitted_sampling_fields_take_the_api_defaults(live: LiveServer) -> None:
+    service = Answering(live.host, ServerSettings(), ServerMetrics(live.host))
+    body = validate(CompletionRequest, {"prompt": "keys", "top_k": 3})
+    overrides = service._jobs(body)[0][live.host.generate_id]
+    # the plan's repetition penalty is not marked: OpenAI's default (off); its temperature is marked: the plan's
+    assert overrides["repetition_penalty"] == 1.0 and overrides["top_k"] == 3 and overrides["stop"] == []
+    assert "temperature" not in overrides and "max_new_tokens" not in overrides  # the plan's 0 and its 40
+    unmarked = validate(CompletionRequest, {"prompt": "keys"})
+    service.defaults = {**service.defaults, "temperature": 1.0}  # as a plan that marks nothing
+    assert service._jobs(unmarked)[0][live.host.generate_id]["temperature"] == 1.0
+    service.executor.shutdown()

@@ -43,9 +43,11 @@ def test_eight_concurrent_clients_equal_one_at_a_time(tmp_path: Path, smollm2_di
 
         def ask(question: str, stream: bool) -> str:
             messages = [{"role": "user", "content": question}]
+            # greedy asked for: a served request's omitted temperature is OpenAI's 1, not the plan's 0
+            greedy = {"model": "llama-fp32", "messages": messages, "temperature": 0}
             if not stream:
-                return client.chat.completions.create(model="llama-fp32", messages=messages).choices[0].message.content
-            parts = client.chat.completions.create(model="llama-fp32", messages=messages, stream=True)
+                return client.chat.completions.create(**greedy).choices[0].message.content
+            parts = client.chat.completions.create(**greedy, stream=True)
             return "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
 
         alone = [ask(q, stream=False) for q in QUESTIONS]

@@ -221,7 +221,14 @@ def plan_dict(
             {
                 "id": "generate",
                 "uses": "compute.generate",
-                "with": {"max_new_tokens": 96, "temperature": 0, "stream": False, "logprobs": 5, **generate},
+                "with": {
+                    "max_new_tokens": 96,
+                    "temperature": 0,
+                    "serving_defaults": ["temperature"],  # served requests greedy too (#28: API defaults else)
+                    "stream": False,
+                    "logprobs": 5,
+                    **generate,
+                },
             },
             {"id": "clean", "uses": "output.postprocess"},
             {"id": "text", "uses": "output.detokenize"},
