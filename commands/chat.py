@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 import yaml
 
-from llmplan.engine.cli import CliError
+from llmplan.engine.cli import CliError, add_model_option, settle_plan
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.runner import write_json
 from llmplan.engine.serving import RequestError
@@ -33,9 +33,10 @@ HELP = "/reset  /save FILE  /set NAME VALUE  /system TEXT  /help  /exit"
 
 def register(subparsers: Any) -> None:
     chat = subparsers.add_parser("chat", help="talk with the plan's model in the terminal")
-    chat.add_argument("plan")
+    chat.add_argument("plan", nargs="?", help="the plan (with --model and no plan: the default plan)")
     chat.add_argument("--system", help="a system prompt for the conversation")
     chat.add_argument("--set", action="append", default=[], metavar="ID.PARAM=VALUE", help="override a parameter")
+    add_model_option(chat)
     chat.set_defaults(handler=cmd_chat)
 
 
@@ -156,6 +157,7 @@ class Conversation:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    settle_plan(args)
     host = build_host(args.plan, args.set, keep_alive_s=None, quiet=False)
     try:
         try:

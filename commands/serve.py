@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from llmplan.engine.cli import CliError, new_context
+from llmplan.engine.cli import CliError, add_model_option, new_context, settle_plan
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.plan import load_plan
 from llmplan.engine.registry import discover
@@ -34,7 +34,7 @@ API_KEY = re.compile(r"[\x21-\x7e]{1,256}")
 
 def register(subparsers: Any) -> None:
     serve = subparsers.add_parser("serve", help="answer requests over an OpenAI-compatible HTTP API")
-    serve.add_argument("plan")
+    serve.add_argument("plan", nargs="?", help="the plan (with --model and no plan: the default plan)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=os.environ.get("LLMPLAN_API_KEY") or None, help="require this bearer key")
@@ -47,6 +47,7 @@ def register(subparsers: Any) -> None:
     )
     serve.add_argument("--set", action="append", default=[], metavar="ID.PARAM=VALUE", help="override a parameter")
     serve.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    add_model_option(serve)
     serve.set_defaults(handler=cmd_serve)
 
 
@@ -88,6 +89,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "--api-key (or LLMPLAN_API_KEY) must be 1-256 printable ASCII characters without spaces"
         )
     _check_port(args.host, args.port)
+    settle_plan(args)
     host = build_host(args.plan, args.set, keep_alive_s=args.keep_alive, quiet=args.quiet)
     try:
         host.load()

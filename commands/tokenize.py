@@ -12,16 +12,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from llmplan.engine.cli import add_model_option
+
 
 def register(sub: Any) -> None:
     parser = sub.add_parser("tokenize", help="text to token ids (or ids to text) with a plan's tokenizer")
-    parser.add_argument("plan")
+    parser.add_argument("plan", nargs="?", help="the plan (with --model and no plan: the default plan)")
     parser.add_argument("text", nargs="?", default=None)
     parser.add_argument("--decode", metavar="IDS", help="comma-separated ids to turn back into text")
     parser.add_argument("--chat", action="store_true", help="render as a user message via the chat template")
     parser.add_argument("--no-bos", action="store_true", help="never add BOS")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--set", action="append", default=[], metavar="ID.PARAM=VALUE")
+    add_model_option(parser)
     parser.set_defaults(handler=run)
 
 
@@ -48,9 +51,12 @@ def load_tokenizer(plan: str, overrides: list[str]) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from llmplan.engine.cli import CliError
+    from llmplan.engine.cli import CliError, settle_plan
     from llmplan.llm.tokenizer import TokenizerError
 
+    if args.model is not None and args.text is None and args.plan is not None and not Path(args.plan).is_file():
+        args.plan, args.text = None, args.plan  # `tokenize --model DIR "text"`: the one positional is the text
+    settle_plan(args)
     if (args.text is None) == (args.decode is None):
         raise CliError("tokenize: give TEXT, or --decode IDS")
     tok = load_tokenizer(args.plan, args.set)

@@ -30,6 +30,9 @@ from .yaml_source import Source, load_file
 
 COMMAND_GROUP = "llmplan.commands"
 REPORTER_GROUP = "llmplan.reporters"
+DEFAULT_PLAN = Path(__file__).resolve().parent.parent / "plans" / "llama-int8.yaml"
+"""What `--model PATH` runs with when no plan is given: the plan `make run` runs (int8 weights, the default
+prompt and sampling), so a user's model gets the same treatment as the bundled one, in half bf16's memory."""
 
 
 def main(argv: list[str] | None = None, *, on_ready: Callable[[], None] | None = None) -> int:
@@ -90,8 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     run = sub.add_parser("run", help="run a plan")
-    run.add_argument("plan")
+    run.add_argument("plan", nargs="?", help=f"the plan (with --model and no plan: {DEFAULT_PLAN.name})")
     _add_plan_options(run)
+    add_model_option(run)
     run.add_argument("--until", metavar="STAGE_ID", help="run only this stage and what it depends on")
     run.add_argument("--json", action="store_true", help="machine-readable results on stdout, nothing else")
     run.add_argument("--out", metavar="DIR", help="run directory (default: <runs_dir>/<time>-<plan>)")
@@ -106,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(handler=cmd_run)
 
     validate = sub.add_parser("validate", help="check plans without loading a model")
-    validate.add_argument("plans", nargs="+")
+    validate.add_argument("plans", nargs="*", help=f"plan files (with --model and none: {DEFAULT_PLAN.name})")
     validate.add_argument("--set", action="append", default=[], metavar="ID.PARAM=VALUE")
+    add_model_option(validate)
     validate.add_argument("--deep", action="store_true", help="also check files, hashes and memory fit")
     validate.add_argument("--format", choices=["text", "json"], default="text")
     validate.set_defaults(handler=cmd_validate)
@@ -136,6 +141,69 @@ def _add_plan_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="ID.PARAM=VALUE", help="override a parameter")
     parser.add_argument("--prompt", help="one user message (replaces the plan's prompts)")
     parser.add_argument("--prompts", metavar="FILE", help="requests from a JSONL file (or Parquet, same columns)")
+
+
+def add_model_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        metavar="PATH",
+        help="an HF-format directory (a Hub cache snapshot too) or a .gguf file, in place of the plan's model "
+        "source; a directory without SHA256SUMS is hashed on first use and any later change refused",
+    )
+
+
+def settle_plan(args: argparse.Namespace, registry: Registry | None = None) -> None:
+    """A command's PLAN and --model, made final: a model given where a plan belongs is refused with the way to
+    say it; --model with no plan means the default plan; --model becomes overrides of the plan's source stage
+    (appended to args.set, so the plan file itself is never edited)."""
+    plan = getattr(args, "plan", None)
+    model = getattr(args, "model", None)
+    if plan is not None:
+        refuse_model_as_plan(plan, args.command)
+    if model is not None and not os.path.lexists(model):
+        raise CliError(f"--model {model}: not found (an HF-format directory or a .gguf file)")
+    if plan is None:
+        if model is None:
+            raise CliError(f"{args.command}: give a plan file, or --model PATH (an HF-format folder or a .gguf file)")
+        args.plan = plan = default_plan()
+    if model is not None:
+        args.set = [*(getattr(args, "set", None) or []), *model_overrides(model, registry or _registry(), plan)]
+
+
+def default_plan() -> str:
+    if not DEFAULT_PLAN.is_file():
+        raise CliError(f"no plan given and the default plan {DEFAULT_PLAN} is not there: give a plan file")
+    return str(DEFAULT_PLAN)
+
+
+def refuse_model_as_plan(plan: str, command: str) -> None:
+    """`llmplan run DIR` (or a .gguf): a model where the plan belongs. Say how to run it instead."""
+    path = Path(plan)
+    if path.is_dir() or (path.suffix.lower() == ".gguf" and path.is_file()):
+        raise CliError(
+            f"{plan}: a model, not a plan file; run it with `llmplan {command} --model {plan}` "
+            f"(the default plan) or `llmplan {command} PLAN --model {plan}`"
+        )
+
+
+def model_overrides(model: str, registry: Registry, plan: str) -> list[str]:
+    """`--model PATH` as overrides of every stage of the plan whose plugin is a model source."""
+    try:
+        source = load_file(plan)
+    except PlanError:
+        return []  # loading the plan again reports it, with its position
+    stages = source.data.get("stages") if isinstance(source.data, dict) else None
+    overrides: list[str] = []
+    for spec in stages if isinstance(stages, list) else []:
+        uses, stage_id = (spec.get("uses"), spec.get("id")) if isinstance(spec, dict) else (None, None)
+        stage_cls = registry.get(uses) if isinstance(uses, str) else None
+        params = stage_cls.model_params(model) if stage_cls is not None else None
+        if params is None or not isinstance(stage_id, str):
+            continue
+        overrides += [f"{stage_id}.{name}={json.dumps(value, ensure_ascii=False)}" for name, value in params.items()]
+    if not overrides:
+        raise CliError(f"--model: no stage of {plan} is a model source (see `llmplan stages`)")
+    return overrides
 
 
 def plan_overrides(args: argparse.Namespace, registry: Registry, source: Source) -> list[str]:
@@ -182,6 +250,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .runner import Runner
 
     registry = _registry()
+    settle_plan(args, registry)
     source = load_file(args.plan)
     overrides = plan_overrides(args, registry, source)
     bound = bind(source, registry, overrides)
@@ -305,9 +374,17 @@ def cmd_validate(args: argparse.Namespace) -> int:
     registry = _registry()
     findings: list[Finding] = []
     estimates: dict[str, dict[str, int]] = {}
+    if args.model is not None and not os.path.lexists(args.model):
+        raise CliError(f"--model {args.model}: not found (an HF-format directory or a .gguf file)")
+    if not args.plans:
+        if args.model is None:
+            raise CliError("validate: give plan files, or --model PATH")
+        args.plans = [default_plan()]
     for path in args.plans:
+        refuse_model_as_plan(path, "validate")
+        overrides = [*args.set, *(model_overrides(args.model, registry, path) if args.model else [])]
         try:
-            bound = load_plan(path, registry, args.set)
+            bound = load_plan(path, registry, overrides)
         except PlanError as bad:
             findings += bad.findings
             continue

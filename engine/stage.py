@@ -81,6 +81,11 @@ class Stage:
         return None
 
     @classmethod
+    def model_params(cls, path: str) -> dict[str, Any] | None:
+        """The parameters `--model PATH` sets on this stage (the plan's model source replaced); None: not a source."""
+        return None
+
+    @classmethod
     def summary(cls) -> str:
         doc = (cls.__doc__ or "").strip()
         return doc.splitlines()[0] if doc else ""

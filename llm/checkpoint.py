@@ -24,7 +24,7 @@ from .hash_cache import HashCache, identity_of
 from .manifest import MANIFEST_NAME, ManifestError, read_sha256sums, sha256_fd
 
 Format = Literal["safetensors", "torch"]
-HashSource = Literal["SHA256SUMS", "hf-cache-blob", "plan"]
+HashSource = Literal["SHA256SUMS", "first-use", "hf-cache-blob", "plan"]
 Policy = Literal["required", "if_present", "off"]
 ProgressFn = Callable[[int], None]
 
@@ -71,7 +71,9 @@ class ShardManifest:
     listed: list[ShardInfo] = field(default_factory=list)
     """Every other file SHA256SUMS lists (config, tokenizer, index…): verified like the shards."""
     sums: Path | None = None
-    """The SHA256SUMS file, when the directory has one: then every file the load reads must be in it."""
+    """The SHA256SUMS file (the directory's, or a first-use record): then every file the load reads must be in it."""
+    first_use: bool = False
+    """`sums` is a first-use record kept in the cache (llm/first_use.py), not the directory's own SHA256SUMS."""
     also_read: tuple[str, ...] = ()
     """Other files the load reads when present (config, tokenizer files): with `sums`, each must be listed."""
 
@@ -251,12 +253,17 @@ def _entry_problem(entry: Any) -> str | None:
 
 
 def build_manifest(
-    model_dir: str | Path, plan_hashes: dict[str, str] | None = None, also_read: tuple[str, ...] = ()
+    model_dir: str | Path,
+    plan_hashes: dict[str, str] | None = None,
+    also_read: tuple[str, ...] = (),
+    first_use: Path | None = None,
 ) -> ShardManifest:
     """Find the shards of `model_dir` and every SHA-256 that is known for them (no file data is hashed).
 
     `also_read`: the other files the load reads when they are there; with a SHA256SUMS, verify() refuses
     any of them that it does not list (a file left out of the manifest is not checked at all otherwise).
+    `first_use`: the first-use record (a SHA256SUMS kept in the cache) that stands in for the directory's
+    own SHA256SUMS when it has none.
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -268,7 +275,13 @@ def build_manifest(
     blobs = _hf_blobs_dir(root)
 
     fmt, index, names, tensor_to_shard = _find_shards(model_dir, root, blobs)
-    sums = _read_sums(model_dir)
+    sums_path = model_dir / MANIFEST_NAME
+    recorded = first_use is not None and not os.path.lexists(sums_path)
+    if recorded:
+        assert first_use is not None
+        sums_path = first_use
+    sums = _read_sums(sums_path)
+    label: HashSource = "first-use" if recorded else "SHA256SUMS"
     plan = {
         _normalise_name(key): _normalise_hash(value, f"plan hash for {key!r}")
         for key, value in (plan_hashes or {}).items()
@@ -285,16 +298,15 @@ def build_manifest(
                     tensor_to_shard = dict.fromkeys(header.tensors, name)
             except (OSError, IntegrityError):
                 pass  # left for verify(), which reports it with the right message
-        sha, source = _known_hash(path, name, plan, sums, blobs)
+        sha, source = _known_hash(path, name, plan, sums, blobs, label)
         shards.append(ShardInfo(name=name, path=path, size=size, sha256=sha, hash_source=source))
     listed = []
     for name in sorted(set(sums) | set(plan)):
         if name in names:
             continue
-        _check_entry(model_dir / MANIFEST_NAME if name in sums else None, None, name, root, blobs)
-        sha, source = _known_hash(model_dir / name, name, plan, sums, None)
+        _check_entry(sums_path if name in sums else None, None, name, root, blobs)
+        sha, source = _known_hash(model_dir / name, name, plan, sums, None, label)
         listed.append(ShardInfo(name=name, path=model_dir / name, size=None, sha256=sha, hash_source=source))
-    sums_path = model_dir / MANIFEST_NAME
     return ShardManifest(
         model_dir=model_dir,
         format=fmt,
@@ -303,8 +315,27 @@ def build_manifest(
         index=index,
         listed=listed,
         sums=sums_path if os.path.lexists(sums_path) else None,
+        first_use=recorded,
         also_read=also_read,
     )
+
+
+def files_read_by_load(model_dir: str | Path, also_read: tuple[str, ...] = ()) -> list[str]:
+    """The names (relative to `model_dir`) of every file a load reads: shards, index, and `also_read` present.
+
+    Each is checked to stay inside the directory (or, in a Hub cache snapshot, inside its repository's
+    `blobs/`), as the shards are: what a first-use record lists is what verify() will check.
+    """
+    manifest = build_manifest(model_dir, None, also_read)
+    model_dir = manifest.model_dir
+    root = model_dir.resolve()
+    blobs = _hf_blobs_dir(root)
+    names = [shard.name for shard in manifest.shards]
+    extra = [manifest.index.name] if manifest.index is not None else []
+    extra += [name for name in also_read if os.path.lexists(model_dir / name)]
+    for name in extra:
+        _check_entry(None, None, name, root, blobs)
+    return [*names, *extra]
 
 
 def _find_shards(
@@ -378,8 +409,7 @@ def _check_entry(index: Path | None, tensor: str | None, name: str, root: Path, 
         raise IntegrityError(f"{where}: symlink escapes the model directory (resolves to {resolved})")
 
 
-def _read_sums(model_dir: Path) -> dict[str, str]:
-    path = model_dir / MANIFEST_NAME
+def _read_sums(path: Path) -> dict[str, str]:
     if not path.exists() and not path.is_symlink():
         return {}
     try:
@@ -400,14 +430,20 @@ def _normalise_hash(value: str, what: str) -> str:
 
 
 def _known_hash(
-    path: Path, name: str, plan: dict[str, str], sums: dict[str, str], blobs: Path | None
+    path: Path,
+    name: str,
+    plan: dict[str, str],
+    sums: dict[str, str],
+    blobs: Path | None,
+    sums_label: HashSource = "SHA256SUMS",
 ) -> tuple[str | None, HashSource | None]:
-    """The shard's hash by precedence plan > SHA256SUMS > HF blob name; sources that disagree are an error."""
+    """The shard's hash by precedence plan > SHA256SUMS (or first-use record) > HF blob name; sources that
+    disagree are an error."""
     found: list[tuple[HashSource, str]] = []
     if name in plan:
         found.append(("plan", plan[name]))
     if name in sums:
-        found.append(("SHA256SUMS", sums[name]))
+        found.append((sums_label, sums[name]))
     if blobs is not None and path.is_symlink():
         target = path.resolve()
         if target.parent == blobs and _SHA256.match(target.name):  # git (non-LFS) blobs are 40-hex sha1
@@ -460,7 +496,8 @@ def verify(
     # checkpoint too: a swapped tokenizer or an edited config changes answers as much as a shard does.
     if policy != "off":
         for other in manifest.listed:
-            _check_present(other, f"listed in {MANIFEST_NAME} but missing")
+            where = f"the first-use record {manifest.sums}" if manifest.first_use else MANIFEST_NAME
+            _check_present(other, f"listed in {where} but missing")
     # Hashing last: it is the only slow check, and everything cheap has already passed. Small files first.
     if policy != "off" and manifest.sums is not None:
         _check_all_listed(manifest)
@@ -476,6 +513,12 @@ def verify(
             report.cached.append(shard.name)
         else:
             report.bytes_hashed += size
+        if actual != shard.sha256 and shard.hash_source == "first-use":
+            raise IntegrityError(
+                f"{shard.path}: changed since the folder was first used (SHA-256 {actual[:16]}…, recorded "
+                f"{shard.sha256[:16]}… in {manifest.sums}); refused (delete {_record_folder(manifest)} to trust "
+                "the folder as it is now)"
+            )
         if actual != shard.sha256:
             raise IntegrityError(f"{shard.path}: SHA-256 mismatch: expected {shard.sha256[:16]}…, got {actual[:16]}…")
     if hash_cache is not None:
@@ -530,11 +573,20 @@ def _check_all_listed(manifest: ShardManifest) -> None:
         names.append(manifest.index.name)
     names += [name for name in manifest.also_read if os.path.lexists(manifest.model_dir / name)]
     for name in names:
+        if name not in hashed and manifest.first_use:
+            raise IntegrityError(
+                f"{manifest.model_dir / name}: not there when the folder was first used (not in {manifest.sums}); "
+                f"refused (delete {_record_folder(manifest)} to trust the folder as it is now)"
+            )
         if name not in hashed:
             raise IntegrityError(
                 f"{manifest.model_dir / name}: read by the load but not listed in {manifest.sums} "
                 f"(add its line there, or remove the file)"
             )
+
+
+def _record_folder(manifest: ShardManifest) -> Path | None:
+    return manifest.sums.parent if manifest.sums is not None else None
 
 
 def _check_safetensors(manifest: ShardManifest, shard: ShardInfo, indexed: list[str]) -> None:

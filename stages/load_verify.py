@@ -11,14 +11,11 @@ from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
 from llmplan.llm.checkpoint import IntegrityError, build_manifest, verify
 from llmplan.llm.hash_cache import HashCache
-from llmplan.llm.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
-from .load_shard_stream import CONVERTED_MARKER
-from .model_source import note_cache_skipped
+from .model_source import READ_BY_LOAD, note_cache_skipped
 from .slots import InferenceContext
 
-READ_BY_LOAD = ("config.json", TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, CONVERTED_MARKER)
-"""Files besides the shards and the index that load stages read when present: with a SHA256SUMS, each is in it."""
+__all__ = ["READ_BY_LOAD", "LoadVerify", "VerifyParams"]
 
 
 class VerifyParams(Params):
@@ -54,10 +51,13 @@ class LoadVerify(Stage):
 
     def run(self, ctx: InferenceContext, params: Any) -> None:
         assert ctx.model_source is not None
+        record = ctx.model_source.first_use
         try:
-            manifest = build_manifest(ctx.model_source.model_dir, params.sha256 or None, READ_BY_LOAD)
+            manifest = build_manifest(ctx.model_source.model_dir, params.sha256 or None, READ_BY_LOAD, record)
             with ctx.progress.task("verify shards", manifest.total_bytes) as advance:
-                cache = None if params.rehash or params.hashes == "off" else HashCache(manifest.model_dir)
+                # A first-use folder is the user's: its hash cache lives with the record, in the cache.
+                where = record.parent if record is not None and manifest.first_use else manifest.model_dir
+                cache = None if params.rehash or params.hashes == "off" else HashCache(where)
                 report = verify(manifest, params.hashes, advance, cache)
         except IntegrityError as bad:
             raise StageFailure(str(bad)) from None
@@ -76,7 +76,7 @@ class LoadVerify(Stage):
         if model_dir is None:
             return
         try:
-            manifest = build_manifest(model_dir, params.sha256 or None, READ_BY_LOAD)
+            manifest = build_manifest(model_dir, params.sha256 or None, READ_BY_LOAD, deep.facts.get("first_use"))
             verify(manifest, params.hashes)
         except IntegrityError as bad:
             deep.problem(str(bad))

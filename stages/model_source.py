@@ -1,13 +1,17 @@
 """`model.source`: find the model — an HF-format directory, a GGUF file, or a file inside a package.
 
 A GGUF is imported once into an HF-format directory under the cache (config, tokenizer, sharded
-safetensors, SHA256SUMS), atomically; later runs reuse it.
+safetensors, SHA256SUMS), atomically; later runs reuse it. A directory without SHA256SUMS is, with
+`trust_on_first_use` (what `--model DIR` sets), hashed the first time and checked against that record
+afterwards (llm/first_use.py); the record lives in the cache, never in the user's folder.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
+import sys
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -18,10 +22,18 @@ from pydantic import Field, model_validator
 from llmplan.cache_home import cache_home
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
+from llmplan.llm.checkpoint import IntegrityError, files_read_by_load
+from llmplan.llm.first_use import FirstUseError, trust_on_first_use
 from llmplan.llm.manifest import MANIFEST_NAME, ManifestError, manifest_fingerprint
+from llmplan.llm.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
+from .load_shard_stream import CONVERTED_MARKER
 from .slots import InferenceContext
 from .types import ModelSource
+
+READ_BY_LOAD = ("config.json", TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, CONVERTED_MARKER)
+"""Files besides the shards and the index that load stages read when present: with a SHA256SUMS (or a
+first-use record), each is in it."""
 
 
 def default_cache_dir() -> Path:
@@ -43,6 +55,11 @@ class SourceParams(Params):
     file: str | None = Field(None, description="the file inside `package`")
     cache_dir: str | None = Field(None, description="where GGUF imports go (default $LLMPLAN_CACHE or ~/.cache)")
     shard_mb: int = Field(200, ge=1, le=100_000, description="shard size of a GGUF import")
+    trust_on_first_use: bool = Field(
+        False,
+        description="a directory without SHA256SUMS: hash its files on first use, refuse any later change "
+        "(the record is kept in the cache, not in the directory; `--model DIR` turns this on)",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> SourceParams:
@@ -73,8 +90,10 @@ def locate(params: SourceParams) -> Path:
     raise StageFailure(f"package {params.package!r} has no file {params.file!r}")
 
 
-def fingerprint(model_dir: Path) -> str:
+def fingerprint(model_dir: Path, first_use: Path | None = None) -> str:
     sums = model_dir / MANIFEST_NAME
+    if not sums.is_file() and first_use is not None:
+        sums = first_use
     if sums.is_file():
         try:
             return manifest_fingerprint(sums)
@@ -101,6 +120,8 @@ class ModelSourceStage(Stage):
         ctx.metrics.set("model_dir", str(ctx.model_source.model_dir))
         ctx.metrics.set("origin", ctx.model_source.origin)
         ctx.metrics.set("fingerprint", ctx.model_source.fingerprint)
+        if ctx.model_source.first_use is not None:
+            ctx.metrics.set("first_use_record", str(ctx.model_source.first_use))
 
     def check(self, params: Any, deep: DeepCheck) -> None:
         try:
@@ -109,6 +130,12 @@ class ModelSourceStage(Stage):
             deep.problem(str(bad), "path" if params.path else "package")
             return
         deep.facts["model_dir"] = source.model_dir
+        deep.facts["first_use"] = source.first_use
+
+    @classmethod
+    def model_params(cls, path: str) -> dict[str, Any]:
+        """`--model PATH`: this path in place of the plan's source; a folder without SHA256SUMS trusted on first use."""
+        return {"path": path, "package": None, "file": None, "trust_on_first_use": True}
 
 
 def _bars(ctx: InferenceContext | None, bars: ExitStack, name: str) -> Callable[[str, int, int], None] | None:
@@ -153,4 +180,40 @@ def resolve_source(params: SourceParams, ctx: InferenceContext | None) -> ModelS
         raise StageFailure(f"{path}: not a regular file or a directory (a FIFO, socket or device); refused")
     if not (path / "config.json").is_file():
         raise StageFailure(f"{path}: no config.json (not an HF-format model directory)")
-    return ModelSource(path, origin, fingerprint(path))
+    record = None
+    if params.trust_on_first_use and not os.path.lexists(path / MANIFEST_NAME):
+        record = first_use_record(path, ctx)
+    return ModelSource(path, origin, fingerprint(path, record), first_use=record)
+
+
+def first_use_record(model_dir: Path, ctx: InferenceContext | None) -> Path:
+    """The folder's first-use record: made now (hashing every file the load reads, said once) or found."""
+    try:
+        names = files_read_by_load(model_dir, READ_BY_LOAD)
+    except IntegrityError as bad:
+        raise StageFailure(str(bad)) from None
+    with ExitStack() as bars:
+        step: list[Callable[[float], None]] = []
+
+        def progress(nbytes: int) -> None:
+            if ctx is None:
+                return
+            if not step:  # the bar appears only when there is something to hash: on first use
+                total = sum((model_dir / name).stat().st_size for name in names)
+                step.append(bars.enter_context(ctx.progress.task(f"hash {model_dir.name} (first use)", total)))
+            step[0](nbytes)
+
+        try:
+            done = trust_on_first_use(model_dir, names, cache_home(), progress)
+        except FirstUseError as bad:
+            raise StageFailure(str(bad)) from None
+    if done.created:
+        print(
+            f"{model_dir}: no {MANIFEST_NAME}, so trusted on first use: {done.files} files "
+            f"({done.nbytes / 1e6:.1f} MB) hashed and recorded in {done.record}; a later change to any is refused",
+            file=sys.stderr,
+            flush=True,
+        )
+        if ctx is not None and ctx.log is not None:
+            ctx.log.info("first_use_recorded", model_dir=str(model_dir), record=str(done.record), files=done.files)
+    return done.record

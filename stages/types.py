@@ -30,6 +30,7 @@ class ModelSource:
     origin: str  # "hf-dir" | "gguf" | "package"
     fingerprint: str  # hash of SHA256SUMS when present, else of the shard names and sizes
     gguf_file: Path | None = None
+    first_use: Path | None = None  # a first-use record (llm/first_use.py) standing in for SHA256SUMS
 
 
 @dataclass

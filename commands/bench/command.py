@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from llmplan.commands.arguments import positive
-from llmplan.engine.cli import CliError
+from llmplan.engine.cli import CliError, add_model_option, settle_plan
 from llmplan.engine.memory import rss_bytes
 from llmplan.ownership import check_writable, write_file
 
@@ -34,7 +34,7 @@ from .stats import PeakRSS, summary
 
 def register(subparsers: Any) -> None:
     bench = subparsers.add_parser("bench", help="measure load, prefill, decode and memory of a plan's model")
-    bench.add_argument("plan")
+    bench.add_argument("plan", nargs="?", help="the plan (with --model and no plan: the default plan)")
     bench.add_argument("--prompt-tokens", type=positive, default=128, help="prompt length (random ids)")
     bench.add_argument("--gen-tokens", type=positive, default=128, help="tokens generated per row (EOS ignored)")
     bench.add_argument("--batch", type=_int_list, default=[1, 4, 16], help="batch sizes, e.g. 1,4,16")
@@ -61,6 +61,7 @@ def register(subparsers: Any) -> None:
     bench.add_argument("--max-step-tokens", type=positive, default=512, help="--mix: scheduler tokens per step")
     bench.add_argument("--mix-prompts", type=_range, default=(16, 512), metavar="LO-HI", help="--mix: prompt lengths")
     bench.add_argument("--mix-outputs", type=_range, default=(16, 256), metavar="LO-HI", help="--mix: output lengths")
+    add_model_option(bench)
     bench.set_defaults(handler=cmd_bench)
 
 
@@ -113,6 +114,7 @@ def write_pair(prefix: Path, json_text: str, markdown: str) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    settle_plan(args)
     if not Path(args.plan).is_file():
         raise CliError(f"{args.plan}: no such plan file")
     if args.out:
