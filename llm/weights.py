@@ -87,6 +87,11 @@ def expected_hf_names(cfg: ModelConfig) -> set[str]:
     return set(_hf_shapes(cfg))
 
 
+def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The HF tensor names a checkpoint for `cfg` must contain, each with its shape (for importers)."""
+    return _hf_shapes(cfg)
+
+
 def unused_hf_names(sd: dict[str, Tensor], cfg: ModelConfig) -> list[str]:
     """Names in `sd` the model does not use (a tied checkpoint's `lm_head.weight` counts as unused)."""
     wanted = expected_hf_names(cfg)

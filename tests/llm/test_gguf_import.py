@@ -437,7 +437,7 @@ def test_unpermute_inverts_llama_cpp_and_preserves_rope_attention() -> None:
 def test_leftover_temp_dir_is_never_taken_for_an_import(tiny, tmp_path: Path) -> None:
     # A SIGKILLed import cannot clean up; its hidden temp dir must not be mistaken for a finished one.
     path, _ = tiny
-    name = f"{sha256_file(path)[:16]}-{path.stem}"
+    name = gguf_import.import_dir_name(sha256_file(path), path)
     stale = tmp_path / f".{name}{gguf_import._TEMP_MARK}999999-deadbeef"
     stale.mkdir()
     (stale / "config.json").write_text("{}")
@@ -448,7 +448,7 @@ def test_leftover_temp_dir_is_never_taken_for_an_import(tiny, tmp_path: Path) ->
 
 def test_half_made_target_is_refused(tiny, tmp_path: Path) -> None:
     path, _ = tiny
-    target = tmp_path / f"{sha256_file(path)[:16]}-{path.stem}"
+    target = tmp_path / gguf_import.import_dir_name(sha256_file(path), path)
     target.mkdir()
     with pytest.raises(GGUFImportError, match="not a finished import"):
         import_gguf(path, tmp_path)
