@@ -72,8 +72,9 @@ class RequestGate:
         max_body_bytes: int,
         body_timeout_s: float,
         count: Callable[[str, str], None],
+        open_paths: frozenset[str] = OPEN_PATHS,
     ) -> None:
-        self.app = app
+        self.app, self.open_paths = app, open_paths
         self.key = None if api_key is None else key_digest(f"Bearer {api_key}")
         self.max_body_bytes, self.body_timeout_s, self.count = max_body_bytes, body_timeout_s, count
 
@@ -98,7 +99,7 @@ class RequestGate:
         await self.app(scope, receive, send)
 
     def _check_key(self, scope: Scope) -> None:
-        if self.key is None or scope["path"] in OPEN_PATHS:
+        if self.key is None or scope["path"] in self.open_paths:
             return
         given = b""
         for name, value in scope["headers"]:

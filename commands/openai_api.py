@@ -330,15 +330,23 @@ def finish_reason(reason: str) -> str:
     return FINISH.get(reason, "stop")
 
 
+def _special(tok: Any) -> set[int]:
+    return set(getattr(tok, "special_ids", ()))
+
+
 def chat_logprobs(tok: Any, ids: list[int], logprobs: list[float], top: list[Any] | None) -> dict[str, Any]:
-    """`choices[].logprobs` of a chat completion: one entry per token with its top alternatives."""
+    """`choices[].logprobs` of a chat completion: one entry per token of the text with its top alternatives.
+    A special token (the end of turn) is no text: its entry is left out, and as an alternative it reads ""."""
+    special = _special(tok)
 
     def entry(token: int, value: float) -> dict[str, Any]:
-        text = tok.decode([token])
+        text = "" if token in special else tok.decode([token])
         return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
 
     content = []
     for i, (token, value) in enumerate(zip(ids, logprobs, strict=False)):
+        if token in special:
+            continue
         item = entry(token, value)
         item["top_logprobs"] = [entry(t, v) for t, v in (top[i] if top and i < len(top) else [])]
         content.append(item)
@@ -346,17 +354,18 @@ def chat_logprobs(tok: Any, ids: list[int], logprobs: list[float], top: list[Any
 
 
 def completion_logprobs(tok: Any, ids: list[int], logprobs: list[float], top: list[Any] | None) -> dict[str, Any]:
-    """`choices[].logprobs` of a legacy completion: tokens, token_logprobs, top_logprobs, text_offset."""
-    tokens, offsets, offset = [], [], 0
-    for token in ids:
+    """`choices[].logprobs` of a legacy completion: tokens, token_logprobs, top_logprobs, text_offset (special
+    tokens left out, as alternatives too: they are no text)."""
+    special = _special(tok)
+    tokens, values, tops, offsets, offset = [], [], [], [], 0
+    for i, (token, value) in enumerate(zip(ids, logprobs, strict=False)):
+        if token in special:
+            continue
         text = tok.decode([token])
         tokens.append(text)
+        values.append(value)
         offsets.append(offset)
         offset += len(text)
-    tops = [{tok.decode([t]): v for t, v in (top[i] if top and i < len(top) else [])} for i in range(len(ids))]
-    return {
-        "tokens": tokens,
-        "token_logprobs": list(logprobs[: len(ids)]),
-        "top_logprobs": tops,
-        "text_offset": offsets,
-    }
+        alternatives = top[i] if top and i < len(top) else []
+        tops.append({tok.decode([t]): v for t, v in alternatives if t not in special})
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}

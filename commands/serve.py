@@ -1,7 +1,7 @@
 """`llmplan serve PLAN`: keep the plan's model loaded and answer over an OpenAI-compatible HTTP API.
 
     llmplan serve plans/llama-int8.yaml [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--keep-alive 5m]
-        [--max-queue 64] [--strict-model] [--set ID.PARAM=VALUE ...]
+        [--max-queue 64] [--strict-model] [--open-metrics] [--no-access-log] [--set ID.PARAM=VALUE ...]
 
 The plan decides everything, as in `run`: its resident stages load once, its request stages run per request
 (so its precision, sampling defaults, filter, results cache and file sinks apply to served requests too).
@@ -40,6 +40,10 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--api-key", default=os.environ.get("LLMPLAN_API_KEY") or None, help="require this bearer key")
     serve.add_argument("--keep-alive", type=duration, default=None, help="unload after this long idle (5m, 30s)")
     serve.add_argument("--max-queue", type=int, default=64, help="requests in flight before 429")
+    serve.add_argument(
+        "--open-metrics", action="store_true", help="serve /metrics without the API key (it needs it by default)"
+    )
+    serve.add_argument("--no-access-log", action="store_true", help="no JSON line per request on stderr")
     serve.add_argument(
         "--strict-model",
         action="store_true",
@@ -97,7 +101,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host.plan.close()
         raise CliError(f"loading {args.plan} failed: {bad}") from None
     settings = ServerSettings(
-        api_key=args.api_key, max_queue=args.max_queue, keep_alive_s=args.keep_alive, strict_model=args.strict_model
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        keep_alive_s=args.keep_alive,
+        strict_model=args.strict_model,
+        open_metrics=args.open_metrics,
+        access_log=None if args.no_access_log else sys.stderr,
     )
     app = create_app(host, settings)
     name = host.bound.plan.name

@@ -16,12 +16,13 @@ import asyncio
 import contextlib
 import json
 import secrets
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TextIO
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -32,8 +33,9 @@ from starlette.exceptions import HTTPException
 from llmplan.engine.messages import shown
 from llmplan.engine.serving import RequestError, RequestRun
 
+from .access_log import AccessLog
 from .host import ModelHost, RequestFailed
-from .http_guard import RequestGate
+from .http_guard import OPEN_PATHS, RequestGate
 from .http_protocol import protocol_kwargs
 from .model_card import model_card
 from .openai_api import (
@@ -65,6 +67,8 @@ class ServerSettings:
     keep_alive_s: float | None = None
     keep_alive_check_s: float = 1.0
     strict_model: bool = False  # refuse (404) a model name that is not the model's id or an alias
+    open_metrics: bool = False  # /metrics without the API key (a Prometheus scraper on a trusted network)
+    access_log: TextIO | None = field(default_factory=lambda: sys.stderr)  # one JSON line per request; None: off
 
 
 class ApiError(Exception):
@@ -161,7 +165,10 @@ def create_app(host: ModelHost, settings: ServerSettings) -> FastAPI:
         max_body_bytes=settings.max_body_bytes,
         body_timeout_s=settings.body_timeout_s,
         count=lambda endpoint, status: metrics.requests.labels(endpoint, status).inc(),
+        open_paths=OPEN_PATHS | {"/metrics"} if settings.open_metrics else OPEN_PATHS,
     )
+    if settings.access_log is not None:  # outermost: the gate's refusals are logged too
+        app.add_middleware(AccessLog, stream=settings.access_log)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, bad: HTTPException) -> JSONResponse:

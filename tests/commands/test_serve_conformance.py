@@ -4,6 +4,7 @@ own models key for key (openai_shapes.py). One server for the module (a tiny fp3
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import time
@@ -16,7 +17,7 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
-from llmplan.commands.openai_api import CompletionRequest
+from llmplan.commands.openai_api import CompletionRequest, chat_logprobs, completion_logprobs
 from llmplan.commands.request_body import validate
 from llmplan.commands.server import Answering, ServerMetrics, ServerSettings, create_app
 
@@ -28,6 +29,7 @@ PLAN = "conform"
 
 
 CONTEXT = 2048
+ACCESS_LOG = io.StringIO()
 PLAN_MAX_NEW = 40
 
 
@@ -40,7 +42,7 @@ def live(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     (model_dir / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 4096}))
     # The plan's penalty is not marked as a serving default: served requests never get it.
     plan = write_serve_plan(root, model_dir, name=PLAN, context=CONTEXT, repetition_penalty=1.3)
-    with LiveServer(plan, ServerSettings(max_queue=32)) as server:
+    with LiveServer(plan, ServerSettings(max_queue=32, access_log=ACCESS_LOG)) as server:
         yield server
 
 
@@ -263,3 +265,53 @@ def test_omitted_sampling_fields_take_the_api_defaults(live: LiveServer) -> None
     service.defaults = {**service.defaults, "temperature": 1.0}  # as a plan that marks nothing
     assert service._jobs(unmarked)[0][live.host.generate_id]["temperature"] == 1.0
     service.executor.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "headers", "status"),
+    [
+        ("GET", "/v1/nowhere", {}, 404),
+        ("DELETE", "/v1/models", {}, 405),
+        ("GET", "/v1/chat/completions", {}, 405),
+        ("POST", "/v1/completions", {"content-type": "text/plain"}, 415),
+    ],
+)
+def test_every_route_answers_errors_in_openai_shape(
+    live: LiveServer, method: str, path: str, headers: dict[str, str], status: int
+) -> None:
+    answer = httpx.request(method, f"{live.base}{path}", headers=headers, content=b"{}", timeout=10)
+    assert answer.status_code == status and set(answer.json()) == {"error"}, answer.text
+    conforms("error", answer.json()["error"])
+
+
+def test_metrics_need_the_key_unless_opened(live: LiveServer) -> None:
+    keyed = TestClient(create_app(live.host, ServerSettings(api_key="k3y", access_log=None)))
+    refused = keyed.get("/metrics")
+    assert refused.status_code == 401 and conforms("error", refused.json()["error"]).type == "authentication_error"
+    assert "llmplan_slots" in keyed.get("/metrics", headers={"authorization": "Bearer k3y"}).text
+    opened = TestClient(create_app(live.host, ServerSettings(api_key="k3y", open_metrics=True, access_log=None)))
+    assert opened.get("/metrics").status_code == 200 and opened.get("/v1/models").status_code == 401
+
+
+def test_one_access_log_line_per_request(live: LiveServer) -> None:
+    before = len(ACCESS_LOG.getvalue().splitlines())
+    post(live, "/completions", {"prompt": "keys", "max_tokens": 2, "stream": True})
+    httpx.get(f"{live.base}/v1/nowhere?api_key=secret", timeout=10)
+    lines = [json.loads(line) for line in ACCESS_LOG.getvalue().splitlines()[before:]]
+    assert [(e["event"], e["method"], e["path"], e["status"]) for e in lines] == [
+        ("http_request", "POST", "/v1/completions", 200),
+        ("http_request", "GET", "/v1/nowhere", 404),  # the query string (a key, maybe) is not logged
+    ]
+    assert lines[0]["bytes"] > 100 and lines[0]["ms"] > 0 and "timestamp" in lines[0]
+
+
+def test_logprobs_never_hold_special_tokens_text(live: LiveServer) -> None:
+    tok = live.host.context.tokenizer
+    word = tok.encode("keys", add_bos=False)
+    ids = [*word, tok.eos_id]
+    top = [[(tok.eos_id, -0.5), (word[0], -1.0)] for _ in ids]
+    chat = chat_logprobs(tok, ids, [-0.1] * len(ids), top)["content"]
+    assert len(chat) == len(word) and "".join(e["token"] for e in chat) == "keys"
+    assert all(alt["token"] in ("", tok.decode([word[0]])) for e in chat for alt in e["top_logprobs"])
+    legacy = completion_logprobs(tok, ids, [-0.1] * len(ids), top)
+    assert "".join(legacy["tokens"]) == "keys" and all(len(t) == 1 for t in legacy["top_logprobs"])
