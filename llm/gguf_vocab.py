@@ -48,10 +48,111 @@ _IGNORE_MERGES = {"llama3"}
 def hf_tokenizer(meta: GGUFMetadata) -> tuple[str, dict[str, Any]]:
     """tokenizer.json (as text) and tokenizer_config.json for the file's vocabulary."""
     kind = meta.text("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise fail(meta.path, f"tokenizer.ggml.model {shown(kind)} is not supported (only byte-level BPE 'gpt2')")
-    tok, tokens = _byte_level_bpe(meta)
-    return tok.to_str(pretty=False), _tokenizer_config(meta, tokens, add_bos_default=False)
+    if kind == "gpt2":
+        tok, tokens = _byte_level_bpe(meta)
+        return tok.to_str(pretty=False), _tokenizer_config(meta, tokens, add_bos_default=False)
+    if kind == "llama":
+        tok, tokens = _sentencepiece_bpe(meta)
+        # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise
+        return tok.to_str(pretty=False), _tokenizer_config(meta, tokens, add_bos_default=True)
+    raise fail(
+        meta.path,
+        f"tokenizer.ggml.model {shown(kind)} is not supported (supported: 'gpt2' byte-level BPE, "
+        "'llama' SentencePiece)",
+    )
+
+
+_GEMMA = ("gemma", "gemma2", "gemma3")
+SPACE = "\u2581"  # SentencePiece's visible space
+
+
+def _sentencepiece_bpe(meta: GGUFMetadata) -> tuple[Any, list[str]]:
+    """A SentencePiece-style BPE with byte fallback (`<0xNN>` tokens), built as transformers' GGUF converter
+    builds it (its loader is this import's oracle):
+
+    * merges come from the file or, where it has none (the usual case), are recovered from the vocabulary:
+      every split of a token into two tokens is a merge, ranked by the token's score (Gemma: by its
+      position in the file, which is its merge order; its scores are not);
+    * Gemma files spell a token of spaces with real spaces; it is respelled with `▁` as its text is;
+    * the space handling per family: Gemma turns spaces into `▁` and adds none in front; Phi-3 adds one
+      in front of every piece of text; the others (Llama, Mistral) one in front of the text, as
+      `tokenizer.ggml.add_space_prefix` says (default true).
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    path = meta.path
+    arch = meta.get("general.architecture")
+    tokens, types = _tokens_and_types(meta)
+    if arch in _GEMMA:
+        tokens = [SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+        ranks: dict[str, float] = dict(zip(tokens, (-float(i) for i in range(len(tokens))), strict=True))
+    else:
+        scores = meta.numbers("tokenizer.ggml.scores")
+        if scores is None:
+            raise fail(path, "metadata tokenizer.ggml.scores is missing (a SentencePiece vocabulary needs them)")
+        if len(scores) != len(tokens):
+            raise fail(path, f"tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
+        ranks = dict(zip(tokens, scores, strict=True))
+    # A respelled or repeated token keeps its last id, as transformers' vocabulary does.
+    vocab = {token: i for i, token in enumerate(tokens)}
+    if "tokenizer.ggml.merges" in meta:
+        merges = [_split_merge(meta, m) for m in meta.strings("tokenizer.ggml.merges")]
+    else:
+        merges = merges_from_ranks(vocab, ranks)
+    unk = _token(meta, tokens, "unknown_token_id")
+    try:
+        bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, unk_token=unk)
+    except Exception as bad:  # tokenizers raises a bare Exception (a merge of tokens not in the vocabulary)
+        raise fail(path, f"tokenizer.ggml.merges: {bad}") from None
+    tok = Tokenizer(bpe)
+    pieces = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if arch in _GEMMA:
+        tok.normalizer = normalizers.Replace(" ", SPACE)
+        tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    elif arch == "phi3":
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)])
+        pieces.append(decoders.Strip(content=" ", left=1))
+    else:
+        prefix = meta.boolean("tokenizer.ggml.add_space_prefix", True)
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement=SPACE, prepend_scheme="first" if prefix else "never", split=False
+        )
+        if prefix:
+            pieces.append(decoders.Strip(content=" ", left=1))
+    tok.decoder = decoders.Sequence(pieces)
+    # user-defined tokens are matched whole only where their own spelling is a token (not a respelled one)
+    _add_typed_tokens(
+        tok,
+        tokens,
+        [
+            k if k != USER_DEFINED or t in vocab else 1
+            for t, k in zip(meta.strings("tokenizer.ggml.tokens"), types, strict=True)
+        ],
+    )
+    bos = _token(meta, tokens, "bos_token_id")
+    if meta.boolean("tokenizer.ggml.add_bos_token", True) and bos is not None:
+        _prepend_bos(tok, bos, vocab[bos])
+    return tok, tokens
+
+
+def merges_from_ranks(vocab: dict[str, int], ranks: dict[str, float]) -> list[tuple[str, str]]:
+    """The merges a BPE over `vocab` needs to build each token: every way to cut a token into two tokens,
+    best-ranked token first; among one token's cuts the lower ids first, among equal ranks the longer
+    left part, then the longer right part (transformers' `generate_merges` order, so the two agree)."""
+    found: list[tuple[str, str, float]] = []
+    for token, rank in ranks.items():
+        cuts = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        cuts.sort(key=lambda cut: (vocab[cut[0]], vocab[cut[1]]))
+        found += [(left, right, rank) for left, right in cuts]
+    found.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in found]
+
+
+def _split_merge(meta: GGUFMetadata, merge: str) -> tuple[str, str]:
+    left, sep, right = merge.partition(" ")
+    if not sep or not left or not right:
+        raise fail(meta.path, f"tokenizer.ggml.merges: malformed merge {shown(merge)}")
+    return left, right
 
 
 def _byte_level_bpe(meta: GGUFMetadata) -> tuple[Any, list[str]]:
@@ -68,12 +169,7 @@ def _byte_level_bpe(meta: GGUFMetadata) -> tuple[Any, list[str]]:
     vocab = {token: i for i, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise fail(path, "tokenizer.ggml.tokens has duplicate entries")
-    merges: list[tuple[str, str]] = []
-    for merge in meta.strings("tokenizer.ggml.merges"):
-        left, sep, right = merge.partition(" ")
-        if not sep or not left or not right:
-            raise fail(path, f"tokenizer.ggml.merges: malformed merge {shown(merge)}")
-        merges.append((left, right))
+    merges = [_split_merge(meta, m) for m in meta.strings("tokenizer.ggml.merges")]
 
     try:
         bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=style in _IGNORE_MERGES)

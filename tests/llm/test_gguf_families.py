@@ -16,6 +16,7 @@ or a wrong norm offset moves them by far more than 0.1).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch
 from tiny import load_tiny
 
 from llmplan.llm.gguf_import import GGUFImportError, import_gguf
+from llmplan.llm.tokenizer import Tokenizer
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -94,6 +96,42 @@ _SCALE_OFFSETS = {
 }
 
 
+@dataclass(frozen=True)
+class Vocab:
+    tokens: list[str]
+    types: list[int]
+    scores: list[float]
+
+
+def sentencepiece_vocab(seed: int = 0) -> Vocab:
+    """A SentencePiece-style vocabulary as llama.cpp writes one: <unk>, two control tokens, the 256 byte
+    tokens, pieces of a few words (every piece's halves are pieces too, so merges can be recovered), runs of
+    spaces spelled with spaces (as Gemma files have them) and user-defined tokens."""
+    rng = np.random.default_rng(seed)
+    words = ["the", "hello", "world", "token", "print", "def", "return", "über", "日本"]
+    pieces = sorted(
+        {w[i:j] for w in (f"\u2581{w}" for w in words) for i in range(len(w)) for j in range(i + 1, len(w) + 1)}
+    )
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces, "  ", "   ", "<think>", "\n\n"]
+    types = [2, 3, 3, *[6] * 256, *[1] * len(pieces), 1, 1, 4, 4]
+    scores = [0.0, 0.0, 0.0, *[0.0] * 256, *(-len(p) - rng.random() for p in pieces), -2.0, -3.0, 0.0, 0.0]
+    return Vocab(tokens, types, [float(x) for x in scores])
+
+
+TOKENIZER_STRINGS = [
+    "the world",
+    "hello world, hello token",
+    " leading space and  two   three",
+    "print(the)\n\nreturn def",
+    "über 日本 日本語 emoji 😀",
+    "<think>the</think> <s> literal",
+    "\ttab\r\nnewline  ",
+    "",
+    "   ",
+    "xyz unknown q",
+]
+
+
 def _byte_alphabet() -> list[str]:
     printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
     extra = iter(range(256, 512))
@@ -119,14 +157,14 @@ def raw_blocks(rng: np.random.Generator, shape: tuple[int, ...], qtype: Q) -> np
     return blocks.reshape(*shape[:-1], shape[-1] // block * size)
 
 
-def make_model(family: str, seed: int = 0) -> Any:
+def make_model(family: str, seed: int = 0, vocab_size: int = 256) -> Any:
     prefix, _, fields = FAMILIES[family]
     config_cls = getattr(transformers, f"{prefix}Config")
     model_cls = getattr(transformers, f"{prefix.removesuffix('Text')}ForCausalLM")
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": ROPE_THETA[family]}
     if family == "gemma3":  # sliding layers at llama.cpp's fixed local base
         rope = {"full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
-    config = config_cls(**{**COMMON, **fields, "rope_parameters": rope})
+    config = config_cls(**{**COMMON, **fields, "rope_parameters": rope, "vocab_size": vocab_size})
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     with torch.no_grad():  # norms start at 1 (Gemma's at 0) and biases at 0: a mis-mapped one would not show
@@ -136,7 +174,9 @@ def make_model(family: str, seed: int = 0) -> Any:
     return model
 
 
-def write_gguf(path: Path, family: str, model: Any, types: dict[str, Q], seed: int = 0) -> None:
+def write_gguf(
+    path: Path, family: str, model: Any, types: dict[str, Q], seed: int = 0, vocab: Vocab | None = None
+) -> None:
     """`model` as llama.cpp's converter writes it; `types` picks a block type per GGUF tensor kind (the part
     of the name after the layer number), F32 for the rest. Quantized tensors are gguf-py's blocks of the
     model's values (legacy types) or random blocks (K/IQ types: the test then compares with transformers)."""
@@ -163,11 +203,21 @@ def write_gguf(path: Path, family: str, model: Any, types: dict[str, Q], seed: i
     if family == "gemma2":
         writer.add_attn_logit_softcapping(fields["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(fields["final_logit_softcapping"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")
-    writer.add_token_list([*_byte_alphabet()[:255], "he"])  # one merge's result in place of byte 0xFF
-    writer.add_token_types([1] * 256)
-    writer.add_token_merges(["h e"])
+    if vocab is None:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("gpt2")
+        writer.add_token_list([*_byte_alphabet()[:255], "he"])  # one merge's result in place of byte 0xFF
+        writer.add_token_types([1] * 256)
+        writer.add_token_merges(["h e"])
+    else:
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(vocab.tokens)
+        writer.add_token_types(vocab.types)
+        writer.add_token_scores(vocab.scores)
+        writer.add_unk_token_id(0)
+        if family == "gemma3":
+            writer.add_add_space_prefix(False)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
 
@@ -317,3 +367,22 @@ def test_unknown_architecture_is_one_line_and_leaves_nothing(tmp_path: Path) -> 
     message = str(info.value)
     assert message.startswith(f"{bad}: unsupported architecture 'mamba'") and "\n" not in message
     assert not cache.exists() or list(cache.iterdir()) == []
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "phi3"])
+def test_sentencepiece_vocabulary_equals_transformers(family: str, tmp_path: Path) -> None:
+    """tokenizer.ggml.model 'llama': the import's tokenizer encodes (BOS included) and decodes as transformers'
+    tokenizer from the same GGUF, for the three space conventions (Llama, Gemma, Phi-3)."""
+    vocab = sentencepiece_vocab()
+    path = tmp_path / f"{family}-spm.gguf"
+    write_gguf(path, family, make_model(family, vocab_size=len(vocab.tokens)), {}, vocab=vocab)
+    ours = Tokenizer.from_dir(import_gguf(path, tmp_path / "cache"))
+    theirs = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    assert ours.add_bos_token and ours.bos_id == 1
+    for text in TOKENIZER_STRINGS:
+        ids = ours.encode(text)
+        assert ids == theirs(text).input_ids, text
+        assert ours.decode(ids[1:]) == theirs.decode(ids[1:], skip_special_tokens=False), text
+    prefix = [] if family == "gemma3" else [vocab.tokens.index("\u2581")]  # Gemma adds no space in front
+    assert ours.encode("q", add_bos=False) == [*prefix, vocab.tokens.index("<0x71>")]  # no piece: byte fallback
+    assert ours.encode("<think>", add_bos=False) == [vocab.tokens.index("<think>")]
