@@ -121,6 +121,7 @@ class _Request(_Sampling):  # type: ignore[misc, valid-type]
     user: str | None = None
     ignore_eos: bool | None = None  # llama.cpp's and vLLM's extra (benchmarks)
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # vLLM's: keep the prompt's last k tokens
+    logit_bias: dict[str, float] | None = None  # refused unless empty (no sampler step for it yet)
 
     @model_validator(mode="before")
     @classmethod
@@ -135,6 +136,8 @@ class _Request(_Sampling):  # type: ignore[misc, valid-type]
         """Fields valid alone but not together (OpenAI refuses these too)."""
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "only allowed when stream is true")
+        if self.logit_bias:  # refused by name rather than ignored: the answer would not be what was asked
+            raise FieldError("logit_bias", "not supported by this server; leave it out")
 
     @property
     def sampling_seed(self) -> int | None:
@@ -288,6 +291,12 @@ class CompletionRequest(_Request):
     prompt: str | list[str]
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
+    suffix: str | None = None  # fill-in-the-middle: refused unless empty
+
+    def check_combination(self) -> None:
+        super().check_combination()
+        if self.suffix:
+            raise FieldError("suffix", "not supported (no fill-in-the-middle here); leave it out")
 
     @property
     def prompt_count(self) -> int:

@@ -1,7 +1,7 @@
 """`llmplan serve PLAN`: keep the plan's model loaded and answer over an OpenAI-compatible HTTP API.
 
     llmplan serve plans/llama-int8.yaml [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--keep-alive 5m]
-        [--max-queue 64] [--strict-model] [--open-metrics] [--no-access-log] [--set ID.PARAM=VALUE ...]
+        [--max-queue 64] [--slots N] [--strict-model] [--open-metrics] [--no-access-log] [--set ID.PARAM=VALUE ...]
 
 The plan decides everything, as in `run`: its resident stages load once, its request stages run per request
 (so its precision, sampling defaults, filter, results cache and file sinks apply to served requests too).
@@ -28,6 +28,7 @@ from llmplan.engine.serving import ServeError
 
 from .host import ModelHost
 
+PLACE = "load.to_device"
 DURATION = re.compile(r"^(-?\d+(?:\.\d+)?)([smh]?)$")
 API_KEY = re.compile(r"[\x21-\x7e]{1,256}")
 
@@ -42,6 +43,14 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--max-queue", type=int, default=64, help="requests in flight before 429")
     serve.add_argument(
         "--open-metrics", action="store_true", help="serve /metrics without the API key (it needs it by default)"
+    )
+    serve.add_argument(
+        "--slots",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests decoded at once: the KV cache gets N rows of kv_cache.max_tokens each (memory grows "
+        "with N; `validate --deep` shows it); default: the plan's place.max_batch",
     )
     serve.add_argument("--no-access-log", action="store_true", help="no JSON line per request on stderr")
     serve.add_argument(
@@ -65,12 +74,23 @@ def duration(text: str) -> float | None:
 
 
 def build_host(
-    plan: str, overrides: list[str], *, keep_alive_s: float | None, quiet: bool = True, run_dir: Path | None = None
+    plan: str,
+    overrides: list[str],
+    *,
+    keep_alive_s: float | None,
+    quiet: bool = True,
+    run_dir: Path | None = None,
+    slots: int | None = None,
 ) -> ModelHost:
     from llmplan.engine.console import print_stage
 
     registry = discover()
     bound = load_plan(plan, registry, overrides)
+    if slots is not None:  # the placing stage's max_batch: its KV cache gets that many rows, one per request
+        place = next((b.id for b in bound.stages if b.spec.uses == PLACE), None)
+        if place is None:
+            raise CliError(f"--slots: {plan} has no {PLACE} stage to size the KV cache of")
+        bound = load_plan(plan, registry, [*overrides, f"{place}.max_batch={slots}"])
     try:
         return ModelHost(
             bound,
@@ -92,9 +112,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError(  # clients send it in an HTTP header: an empty key, a space or a non-ASCII one cannot work
             "--api-key (or LLMPLAN_API_KEY) must be 1-256 printable ASCII characters without spaces"
         )
+    if args.slots is not None and not 1 <= args.slots <= 4096:
+        raise CliError(f"--slots {args.slots}: must be 1-4096")
     _check_port(args.host, args.port)
     settle_plan(args)
-    host = build_host(args.plan, args.set, keep_alive_s=args.keep_alive, quiet=args.quiet)
+    host = build_host(args.plan, args.set, keep_alive_s=args.keep_alive, quiet=args.quiet, slots=args.slots)
     try:
         host.load()
     except StageFailure as bad:

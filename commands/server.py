@@ -391,6 +391,9 @@ class Answering:
         self.metrics.output_tokens.inc(len(generation.tokens))
         return run
 
+    def _tokenizer(self, run: RequestRun) -> Any:
+        return self.host.context.tokenizer if self.host.context is not None else run.context.tokenizer
+
     def _choice_parts(self, run: RequestRun) -> tuple[str, str, Any]:
         ctx = run.context
         generation = ctx.generations[0]
@@ -410,27 +413,32 @@ class Answering:
         completion = sum(len(g.tokens) for g in gens)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
+    @staticmethod
+    def _logprobs(body: Any, tok: Any, gen: Any) -> dict[str, Any] | None:
+        """A choice's `logprobs` in its endpoint's shape, when the request asked for them."""
+        if body.logprobs_wanted() is None:
+            return None
+        shape = chat_logprobs if isinstance(body, ChatRequest) else completion_logprobs
+        return shape(tok, gen.tokens, gen.logprobs, gen.top_logprobs)
+
     def _response(self, body: Any, jobs: list[Any], runs: list[RequestRun]) -> dict[str, Any]:
-        tok = self.host.context.tokenizer if self.host.context is not None else runs[0].context.tokenizer
+        tok = self._tokenizer(runs[0])
         choices = []
         for index, run in enumerate(runs):
             text, reason, gen = self._choice_parts(run)
-            top = gen.top_logprobs
             if isinstance(body, ChatRequest):
                 choice: dict[str, Any] = {
                     "index": index,
                     "message": {"role": "assistant", "content": text, "refusal": None},
                     "finish_reason": reason,
-                    "logprobs": chat_logprobs(tok, gen.tokens, gen.logprobs, top) if body.logprobs else None,
+                    "logprobs": self._logprobs(body, tok, gen),
                 }
             else:
                 choice = {
                     "index": index,
                     "text": text,
                     "finish_reason": reason,
-                    "logprobs": completion_logprobs(tok, gen.tokens, gen.logprobs, top)
-                    if body.logprobs is not None
-                    else None,
+                    "logprobs": self._logprobs(body, tok, gen),
                 }
             choices.append(choice)
         chat = isinstance(body, ChatRequest)
@@ -521,11 +529,14 @@ class Answering:
                     yield f"data: {json.dumps(error_body(str(bad), bad.kind, bad.param))}\n\n"
                     continue
                 runs[index] = run
-                text, reason, _ = self._choice_parts(run)
+                text, reason, gen = self._choice_parts(run)
                 # The final text is the answer: send what the stream has not shown yet (the whole text for a
                 # results-cache replay, which streams nothing; a character completed only at the end).
                 if text.startswith(streamed[index]) and len(text) > len(streamed[index]):
                     yield chunk([delta(index, text[len(streamed[index]) :])])
+                logprobs = self._logprobs(body, self._tokenizer(run), gen)
+                if logprobs is not None:  # the choice's logprobs, all tokens in one chunk before its last
+                    yield chunk([delta(index, None) | {"logprobs": logprobs}])
                 yield chunk([delta(index, None, reason)])
             done = [r for r in runs if r is not None]
             if body.include_usage and done:

@@ -315,3 +315,45 @@ def test_logprobs_never_hold_special_tokens_text(live: LiveServer) -> None:
     assert all(alt["token"] in ("", tok.decode([word[0]])) for e in chat for alt in e["top_logprobs"])
     legacy = completion_logprobs(tok, ids, [-0.1] * len(ids), top)
     assert "".join(legacy["tokens"]) == "keys" and all(len(t) == 1 for t in legacy["top_logprobs"])
+
+
+@pytest.mark.parametrize("path", ["/chat/completions", "/completions"])
+def test_streamed_logprobs_equal_the_whole_answers(live: LiveServer, path: str) -> None:
+    chat = path == "/chat/completions"
+    asked = {"logprobs": True, "top_logprobs": 2} if chat else {"logprobs": 2}
+    body = {"max_tokens": 8, "temperature": 0, **asked, **({"messages": CHAT} if chat else {"prompt": "keys"})}
+    whole = post(live, path, body)[0]["choices"][0]["logprobs"]
+    chunks = post(live, path, body | {"stream": True})
+    parts = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+    if chat:
+        assert [e for p in parts for e in p["content"]] == whole["content"] and len(whole["content"]) == 8
+    else:
+        assert [t for p in parts for t in p["tokens"]] == whole["tokens"] and len(whole["tokens"]) == 8
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "value"),
+    [
+        ("/completions", "suffix", " end."),
+        ("/completions", "logit_bias", {"5": 10}),
+        ("/chat/completions", "logit_bias", {"5": -100}),
+    ],
+)
+def test_fields_not_honoured_are_refused_by_name(live: LiveServer, path: str, field: str, value: Any) -> None:
+    body = {field: value, **({"messages": CHAT} if path == "/chat/completions" else {"prompt": "keys"})}
+    answer = httpx.post(f"{live.url}{path}", json=body, timeout=30)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == field, answer.text
+    empty = {field: "" if field == "suffix" else {}, "max_tokens": 2}
+    assert post(live, path, {**body, **empty})[0]["usage"]["completion_tokens"] == 2  # empty: nothing asked
+
+
+def test_slots_size_the_kv_cache(tiny_model: Path, tmp_path: Path) -> None:
+    from llmplan.commands.serve import build_host
+
+    plan = write_serve_plan(tmp_path, tiny_model, name="slotted", slots=1)
+    host = build_host(str(plan), [], keep_alive_s=None, run_dir=tmp_path / "run", slots=3)
+    try:
+        host.load()
+        assert host.scheduler is not None and host.scheduler.cache.slots == 3
+    finally:
+        host.close()
