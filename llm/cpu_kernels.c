@@ -624,18 +624,19 @@ typedef struct {
     const float *post_attn_norm, *post_ffn_norm;  // [dim]: norms of the attention's and MLP's outputs (Gemma)
     const float *rope_cos, *rope_sin;          // this layer's tables (Gemma 3's sliding layers: their own base)
     int64_t window;                            // > 0: attend to the last `window` slots only (sliding window)
+    void *k_cache, *v_cache;                   // this layer's K/V [max_batch, n_kv_heads, rows, head_dim]
+    int64_t rows;                              // slots it holds: max_tokens, or a sliding layer's ring (slot % rows)
 } Layer;
 
 typedef struct {
     int64_t n_layers, dim, n_heads, n_kv_heads, head_dim, hidden, vocab;
-    int64_t max_batch, max_tokens;       // KV cache geometry: [n_layers, max_batch, n_kv_heads, max_tokens, head_dim]
+    int64_t max_batch, max_tokens;       // KV cache geometry: rows per layer (Layer.rows), slots per row
     float eps;
     const float *embed;                  // [vocab, dim]
     const float *rope_cos, *rope_sin;    // [max_positions, head_dim / 2]
     const float *norm;                   // [dim]
     Linear head;
     const Layer *layers;                 // [n_layers]
-    void *k_cache, *v_cache;             // KV_F32: float; KV_F16 / KV_BF16: uint16 bit patterns
     const uint8_t *valid;                // [max_batch, max_tokens]: slot holds a real token of that row
     int64_t *layer_ns;                   // NULL, or [2 n_layers + 2] CLOCK_MONOTONIC marks (see step_clock)
     int64_t kv_format;                   // KV_F32, KV_F16 or KV_BF16
@@ -655,10 +656,10 @@ int64_t decode_layout(int64_t *out, int64_t cap) {
         offsetof(Layer, wo), offsetof(Layer, w13), offsetof(Layer, w2), offsetof(Layer, qkv_bias),
         offsetof(Layer, q_norm), offsetof(Layer, k_norm), offsetof(Layer, post_attn_norm),
         offsetof(Layer, post_ffn_norm), offsetof(Layer, rope_cos), offsetof(Layer, rope_sin), offsetof(Layer, window),
-        sizeof(DecodeModel),
+        offsetof(Layer, k_cache), offsetof(Layer, v_cache), offsetof(Layer, rows), sizeof(DecodeModel),
         offsetof(DecodeModel, max_batch), offsetof(DecodeModel, eps), offsetof(DecodeModel, embed),
         offsetof(DecodeModel, norm), offsetof(DecodeModel, head), offsetof(DecodeModel, layers),
-        offsetof(DecodeModel, k_cache), offsetof(DecodeModel, v_cache), offsetof(DecodeModel, valid),
+        offsetof(DecodeModel, valid),
         offsetof(DecodeModel, layer_ns), offsetof(DecodeModel, kv_format), offsetof(DecodeModel, gelu),
         offsetof(DecodeModel, embed_scale), offsetof(DecodeModel, attn_scale), offsetof(DecodeModel, attn_softcap),
         offsetof(DecodeModel, final_softcap),
@@ -914,6 +915,39 @@ static void attend_chunk(const float *q, const float *kc, const float *vc, const
     }
 }
 
+// attend_chunk over n slots of layer L's cache starting at element `at` (validity `ok`, per slot): straight
+// from an fp32 cache, or through this thread's fp32 copy `wide` (2 span hd floats) of a 16-bit one.
+static void attend_piece(const DecodeModel *m, const Layer *L, const float *q, int64_t at, const uint8_t *ok,
+                         int64_t n, int64_t hd, int64_t rep, float scale, float *scores, float *wide, int64_t span,
+                         float *part) {
+    if (wide) {  // widen the slots (hd % 8 == 0), then attend over the copy
+        const int f16 = m->kv_format == KV_F16;
+        widen_half((const uint16_t *)L->k_cache + at, wide, n * hd, f16);
+        widen_half((const uint16_t *)L->v_cache + at, wide + span * hd, n * hd, f16);
+        attend_chunk(q, wide, wide + span * hd, ok, 0, n, hd, rep, scale, m->attn_softcap, scores, part, part + rep,
+                     part + 2 * rep);
+    } else {
+        attend_chunk(q, (const float *)L->k_cache + at, (const float *)L->v_cache + at, ok, 0, n, hd, rep, scale,
+                     m->attn_softcap, scores, part, part + rep, part + 2 * rep);
+    }
+}
+
+// Two pieces' unnormalized partials (top, total, out as attend_chunk leaves them) into the first, rescaled to
+// their common max: what the caller's merge across chunks does, for a ring's piece after its wrap.
+static void merge_partials(float *part, const float *extra, int64_t rep, int64_t hd) {
+    for (int64_t j = 0; j < rep; j++) {
+        const float t1 = part[j], t2 = extra[j];
+        if (t2 == -INFINITY) continue;
+        const float top = t1 > t2 ? t1 : t2;
+        const float w1 = t1 == -INFINITY ? 0.0f : expf(t1 - top), w2 = expf(t2 - top);
+        part[j] = top;
+        part[rep + j] = w1 * part[rep + j] + w2 * extra[rep + j];
+        float *o = part + 2 * rep + j * hd;
+        const float *e = extra + 2 * rep + j * hd;
+        for (int64_t i = 0; i < hd; i++) o[i] = w1 * o[i] + w2 * e[i];
+    }
+}
+
 // fp32 to bf16 with round-to-nearest-even, as torch casts (NaN stays a quiet NaN).
 static inline uint16_t to_bf16(float x) {
     uint32_t bits;
@@ -922,15 +956,15 @@ static inline uint16_t to_bf16(float x) {
     return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
-// One token's K and V of one KV head (hd floats each) into the cache at element `at`, in the cache's format
-// (fp16 and bf16 rounded to nearest even, as torch casts, so both paths store the same bits).
-static void store_kv(const DecodeModel *m, int64_t at, const float *k, const float *v, int64_t hd) {
+// One token's K and V of one KV head (hd floats each) into layer L's cache at element `at`, in the cache's
+// format (fp16 and bf16 rounded to nearest even, as torch casts, so both paths store the same bits).
+static void store_kv(const DecodeModel *m, const Layer *L, int64_t at, const float *k, const float *v, int64_t hd) {
     if (m->kv_format == KV_F32) {
-        memcpy((float *)m->k_cache + at, k, hd * sizeof(float));
-        memcpy((float *)m->v_cache + at, v, hd * sizeof(float));
+        memcpy((float *)L->k_cache + at, k, hd * sizeof(float));
+        memcpy((float *)L->v_cache + at, v, hd * sizeof(float));
         return;
     }
-    uint16_t *kc = (uint16_t *)m->k_cache + at, *vc = (uint16_t *)m->v_cache + at;
+    uint16_t *kc = (uint16_t *)L->k_cache + at, *vc = (uint16_t *)L->v_cache + at;
     for (int64_t i = 0; i < hd; i++) {
         if (m->kv_format == KV_F16) {
             kc[i] = _cvtss_sh(k[i], _MM_FROUND_TO_NEAREST_INT);
@@ -993,8 +1027,8 @@ void forward_pass(const DecodeModel *m, const int64_t *tokens, const int64_t *po
             const float *c = L->rope_cos + positions[r] * half, *s = L->rope_sin + positions[r] * half;
             for (int64_t j = 0; j < H + KV; j++) rope(q + j * hd, c, s, half);  // q heads, then k heads
             for (int64_t g = 0; g < KV; g++) {
-                const int64_t at = (((l * m->max_batch + rows[r]) * KV + g) * T + slots[r]) * hd;
-                store_kv(m, at, k + g * hd, v + g * hd, hd);
+                const int64_t at = ((rows[r] * KV + g) * L->rows + slots[r] % L->rows) * hd;
+                store_kv(m, L, at, k + g * hd, v + g * hd, hd);
             }
         }
 #pragma omp parallel
@@ -1002,6 +1036,8 @@ void forward_pass(const DecodeModel *m, const int64_t *tokens, const int64_t *po
             float *scores = (float *)malloc((size_t)rep * span * sizeof(float));  // this thread's
             // a 16-bit cache: this thread's fp32 copies of an item's keys and values
             float *wide = m->kv_format == KV_F32 ? NULL : (float *)malloc((size_t)2 * span * hd * sizeof(float));
+            // a ring's second piece (its slots wrap past the last row): this thread's partials of it
+            float *extra = L->rows < T ? (float *)malloc((size_t)rep * (hd + 2) * sizeof(float)) : NULL;
             // Round-robin: a prompt chunk's later inputs attend over more slots than its first ones.
 #pragma omp for schedule(static, 1)
             for (int64_t item = 0; item < items; item++) {
@@ -1009,24 +1045,23 @@ void forward_pass(const DecodeModel *m, const int64_t *tokens, const int64_t *po
                 int64_t t0 = c * span, t1 = t0 + span < slots[r] + 1 ? t0 + span : slots[r] + 1;
                 if (L->window > 0 && t0 < slots[r] + 1 - L->window) t0 = slots[r] + 1 - L->window;  // slides
                 t1 = t1 > t0 ? t1 : t0;
-                const int64_t base = ((l * m->max_batch + rows[r]) * KV + g) * T * hd;
+                const int64_t base = (rows[r] * KV + g) * L->rows * hd;
                 float *part = parts + item * rep * (hd + 2);
                 const float *q = qkv + r * qkv_w + g * rep * hd;
-                if (wide) {  // widen slots t0..t1 (hd % 8 == 0), then attend over the copy
-                    const uint16_t *kc = (const uint16_t *)m->k_cache + base, *vc = (const uint16_t *)m->v_cache + base;
-                    const int f16 = m->kv_format == KV_F16;
-                    widen_half(kc + t0 * hd, wide, (t1 - t0) * hd, f16);
-                    widen_half(vc + t0 * hd, wide + span * hd, (t1 - t0) * hd, f16);
-                    attend_chunk(q, wide, wide + span * hd, m->valid + rows[r] * T + t0, 0, t1 - t0, hd, rep, scale,
-                                 m->attn_softcap, scores, part, part + rep, part + 2 * rep);
-                } else {
-                    attend_chunk(q, (const float *)m->k_cache + base, (const float *)m->v_cache + base,
-                                 m->valid + rows[r] * T, t0, t1, hd, rep, scale, m->attn_softcap, scores, part,
-                                 part + rep, part + 2 * rep);
+                const uint8_t *ok = m->valid + rows[r] * T;
+                // Slots t0..t1 sit at rows t0 % rows.. of the layer: one piece, or two where a ring wraps (a
+                // sliding layer reads at most `window` < rows slots, so never more).
+                const int64_t at = t0 % L->rows, first = at + (t1 - t0) <= L->rows ? t1 - t0 : L->rows - at;
+                attend_piece(m, L, q, base + at * hd, ok + t0, first, hd, rep, scale, scores, wide, span, part);
+                if (first < t1 - t0) {
+                    attend_piece(m, L, q, base, ok + t0 + first, t1 - t0 - first, hd, rep, scale, scores, wide, span,
+                                 extra);
+                    merge_partials(part, extra, rep, hd);
                 }
             }
             free(scores);
             free(wide);
+            free(extra);
         }
 #pragma omp parallel for schedule(static) if (many)
         for (int64_t r = 0; r < M; r++)  // merge the chunks: rescale each to the common max

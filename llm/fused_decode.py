@@ -67,6 +67,9 @@ class _Layer(ctypes.Structure):
         ("rope_cos", ctypes.c_void_p),
         ("rope_sin", ctypes.c_void_p),
         ("window", ctypes.c_int64),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+        ("rows", ctypes.c_int64),
     ]
 
 
@@ -78,8 +81,6 @@ class _Model(ctypes.Structure):
         *((name, ctypes.c_void_p) for name in ("embed", "rope_cos", "rope_sin", "norm")),
         ("head", _Linear),
         ("layers", ctypes.POINTER(_Layer)),
-        ("k_cache", ctypes.c_void_p),
-        ("v_cache", ctypes.c_void_p),
         ("valid", ctypes.c_void_p),
         ("layer_ns", ctypes.c_void_p),  # a LayerClock's buffer while one observes, else NULL
         ("kv_format", ctypes.c_int64),
@@ -128,11 +129,11 @@ def mirror_layout() -> list[int]:
         _Linear: ("w", "scale", "zero", "n", "k", "group"),
         _Layer: (
             *("ffn_norm", "wqkv", "wo", "w13", "w2", "qkv_bias", "q_norm", "k_norm"),
-            *("post_attn_norm", "post_ffn_norm", "rope_cos", "rope_sin", "window"),
+            *("post_attn_norm", "post_ffn_norm", "rope_cos", "rope_sin", "window", "k_cache", "v_cache", "rows"),
         ),
         _Model: (
             *("max_batch", "eps", "embed", "norm", "head", "layers"),
-            *("k_cache", "v_cache", "valid", "layer_ns", "kv_format", "gelu"),
+            *("valid", "layer_ns", "kv_format", "gelu"),
             *("embed_scale", "attn_scale", "attn_softcap", "final_softcap"),
         ),
     }
@@ -209,10 +210,11 @@ class FusedDecoder:
             raise NotFused(problem)
         if model.device.type != "cpu" or model.dtype != torch.float32:
             raise NotFused(f"activations are {model.dtype} on {model.device}")
-        kv_format = _KV_FORMATS.get(cache.k.dtype)
-        if kv_format is None or cache.v.dtype != cache.k.dtype or cache.k.device.type != "cpu":
-            raise NotFused(f"the KV cache is {cache.k.dtype} on {cache.k.device}")
-        if not (cache.k.is_contiguous() and cache.v.is_contiguous()):
+        store = cache.store
+        kv_format = _KV_FORMATS.get(store.dtype)
+        if kv_format is None or store.device.type != "cpu":
+            raise NotFused(f"the KV cache is {store.dtype} on {store.device}")
+        if not all(t.is_contiguous() for t in (*store.k, *store.v)):
             raise NotFused("the KV cache is not contiguous")
         if cfg.head_dim % 2 or cfg.n_heads % cfg.n_kv_heads:
             raise NotFused("odd head_dim or heads not grouped evenly")
@@ -242,6 +244,9 @@ class FusedDecoder:
                 _ptr(cos, keep),  # type: ignore[arg-type]
                 _ptr(sin, keep),  # type: ignore[arg-type]
                 attention.window,
+                store.k[i].data_ptr(),  # [max_batch, kv_heads, rows, head_dim] of this layer
+                store.v[i].data_ptr(),
+                store.rows[i],
             )
         valid = cache.valid
         keep.append(valid)
@@ -262,8 +267,6 @@ class FusedDecoder:
             _ptr(model.norm.weight, keep),
             _native_linear(model.output, keep),
             layers,
-            cache.k.data_ptr(),
-            cache.v.data_ptr(),
             valid.data_ptr(),
             None,
             kv_format,
@@ -273,7 +276,7 @@ class FusedDecoder:
             cfg.attn_softcap or 0.0,
             cfg.final_softcap or 0.0,
         )
-        keep += [cache.k, cache.v]
+        keep += [t for group in store.groups for t in group]
         self.clock: LayerClock | None = None  # set by the model runner before each pass
         self._layers = layers
         self._keep = keep

@@ -142,7 +142,7 @@ class _StaticBatch:
         tokens = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
         valid = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts], device=device)
         positions = (valid.cumsum(1) - 1).clamp(min=0)  # padding does not advance positions
-        chunk = prefill_chunk or width
+        chunk = min(prefill_chunk or width, cache.max_write)  # a sliding layer's ring takes max_write a write
         if cache.policy == "slide":
             chunk = min(chunk, cache.max_tokens - cache.sink_tokens)
         logits: Tensor | None = None

@@ -1,6 +1,8 @@
 """A static, preallocated KV cache with per-row validity (left padding) and a policy for when it is full.
 
-Layout: k, v are [layers, batch, kv_heads, max_tokens, head_dim]. All rows share one write pointer
+Layout: per layer, K/V [batch, kv_heads, rows, head_dim] (llm/kv_layers.py): rows = max_tokens for a
+full-attention layer, window + chunk for a sliding-window one, which keeps slot s at row s % rows (a ring),
+so one write adds at most `max_write` tokens to a row. All rows share one write pointer
 (`length`): a batch is left-padded, so slot order is time order for every row, and one slice write per layer
 stores a step. Each row has its own `valid` mask (padding is never attended) and its own RoPE positions
 (`pos`), which skip padding.
@@ -13,7 +15,8 @@ Policies when a step does not fit:
   Positions: as in StreamingLLM, a token's RoPE position is its rank among the row's cached tokens, not its
   index in the text, so positions stay < max_tokens however long generation runs. On eviction the kept keys
   (stored already rotated) are rotated back by the number of tokens dropped before them, and the next
-  token's position becomes the row's cached-token count.
+  token's position becomes the row's cached-token count. Eviction moves slots, which a ring cannot
+  follow: under "slide" every layer keeps all max_tokens rows.
 """
 
 from __future__ import annotations
@@ -23,12 +26,34 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import Tensor
 
+from .kv_layers import DEFAULT_CHUNK, LayerKV, layer_rows, ring_mask, ring_slots
 from .model import apply_rope, attention_mask
 
 if TYPE_CHECKING:
+    from .config import ModelConfig
     from .model import Transformer
 
 CachePolicy = Literal["stop", "slide"]
+
+
+def planned_bytes(
+    cfg: ModelConfig,
+    max_batch: int,
+    max_tokens: int,
+    dtype: torch.dtype,
+    *,
+    policy: CachePolicy = "stop",
+    chunk: int | None = None,
+) -> int:
+    """The bytes `KVCache.for_model` allocates with these settings, without allocating them: each layer's K/V
+    by its kind (every slot of a full layer, window + chunk of a sliding one, see llm/kv_layers.py), with the
+    architecture's own kv heads and head_dim, plus the per-slot validity and positions."""
+    ring = policy == "stop"  # "slide" keeps every layer full
+    rows = layer_rows(cfg.layer_windows, cfg.n_layers, max_tokens, DEFAULT_CHUNK if chunk is None else chunk, ring=ring)
+    element = torch.empty(0, dtype=dtype).element_size()
+    kv = 2 * max_batch * cfg.n_kv_heads * cfg.head_dim * element * sum(rows)
+    bool_size, long_size = 1, 8
+    return kv + max_batch * max_tokens * (bool_size + long_size) + max_batch * long_size
 
 
 class CacheFullError(RuntimeError):
@@ -50,7 +75,11 @@ class KVCache:
         sink_tokens: int = 4,
         evict_chunk: int | None = None,
         inv_freq: Tensor | None = None,
+        windows: tuple[int, ...] = (),
+        chunk: int | None = None,
     ) -> None:
+        """windows: each layer's sliding window (a config's `layer_windows`; 0 or empty: full attention);
+        chunk: the most tokens one write adds to a row, which sizes the sliding layers' rings."""
         if policy not in ("stop", "slide"):
             raise ValueError(f"policy must be 'stop' or 'slide', got {policy!r}")
         if policy == "slide":
@@ -58,9 +87,14 @@ class KVCache:
                 raise ValueError(f"sink_tokens ({sink_tokens}) must leave room in max_tokens ({max_tokens})")
             if inv_freq is None:
                 raise ValueError("policy 'slide' re-rotates keys: pass inv_freq (or use KVCache.for_model)")
-        shape = (n_layers, max_batch, n_kv_heads, max_tokens, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.store = LayerKV(
+            n_layers, max_batch, n_kv_heads, max_tokens, head_dim, windows=windows, chunk=chunk,
+            ring=policy == "stop", dtype=dtype, device=device,
+        )  # fmt: skip
+        # Layer 0's group: every layer's K/V when no layer is a ring (Llama), as [layers, batch, kv, T, hd].
+        self.k, self.v = self.store.groups[0]
+        self.shape = (n_layers, max_batch, n_kv_heads, max_tokens, head_dim)  # as if every layer were full
+        self.max_write = self.store.max_write
         self.valid = torch.zeros(max_batch, max_tokens, dtype=torch.bool, device=device)
         self.pos = torch.zeros(max_batch, max_tokens, dtype=torch.long, device=device)
         self.next_pos = torch.zeros(max_batch, dtype=torch.long, device=device)
@@ -68,7 +102,7 @@ class KVCache:
         self.policy: CachePolicy = policy
         self.sink_tokens = sink_tokens
         self.evict_chunk = evict_chunk or max(1, (max_tokens - sink_tokens) // 8)
-        self.inv_freq = inv_freq.to(device=self.k.device, dtype=torch.float32) if inv_freq is not None else None
+        self.inv_freq = inv_freq.to(device=self.store.device, dtype=torch.float32) if inv_freq is not None else None
         self.batch = max_batch  # active rows: the first `batch` of the preallocated ones
         self.length = 0  # slots in use, the same for every row
         self.evicted = 0  # slots dropped by "slide" since the last reset
@@ -87,8 +121,10 @@ class KVCache:
         policy: CachePolicy = "stop",
         sink_tokens: int = 4,
         evict_chunk: int | None = None,
+        chunk: int | None = None,
     ) -> KVCache:
-        """A cache shaped for `model`, on its device, in its dtype unless `dtype` is given."""
+        """A cache shaped for `model` (its sliding layers as rings sized by `chunk`, see llm/kv_layers.py),
+        on its device, in its dtype unless `dtype` is given."""
         cfg = model.cfg
         if max_tokens > model.max_seq_len:
             raise ValueError(f"max_tokens ({max_tokens}) exceeds the model's max_seq_len ({model.max_seq_len})")
@@ -104,11 +140,13 @@ class KVCache:
             sink_tokens=sink_tokens,
             evict_chunk=evict_chunk,
             inv_freq=model.rope_inv_freq,
+            windows=cfg.layer_windows,
+            chunk=chunk,
         )
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.k, self.v, self.valid, self.pos, self.next_pos))
+        return self.store.nbytes + sum(t.nbytes for t in (self.valid, self.pos, self.next_pos))
 
     @property
     def free(self) -> int:
@@ -147,6 +185,8 @@ class KVCache:
             raise ValueError(f"{positions.shape[0]} rows given, the cache has {self.batch} active rows")
         if self.length + n > self.max_tokens:
             raise CacheFullError(f"{n} tokens do not fit: {self.length}/{self.max_tokens} slots used")
+        if n > self.max_write:
+            raise CacheFullError(f"{n} tokens in one write: the sliding layers' rings take {self.max_write} at most")
         start, end, b = self.length, self.length + n, self.batch
         self.pos[:b, start:end] = positions
         last = positions[:, -1] + 1
@@ -163,10 +203,25 @@ class KVCache:
 
     def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store k, v [batch, kv_heads, T, head_dim] at slots start..; return views of all slots so far."""
-        end = start + k.shape[2]
-        self.k[layer, : self.batch, :, start:end] = k
-        self.v[layer, : self.batch, :, start:end] = v
-        return self.k[layer, : self.batch, :, :end], self.v[layer, : self.batch, :, :end]
+        end, b, store = start + k.shape[2], self.batch, self.store
+        if not store.rings[layer]:
+            self.store.k[layer][:b, :, start:end] = k
+            self.store.v[layer][:b, :, start:end] = v
+        else:
+            store.store(layer, slice(0, b), start, k, v)
+        end = min(end, store.rows[layer])  # a wrapped ring: all its rows, in ring order (see `ring_mask`)
+        return store.k[layer][:b, :, :end], store.v[layer][:b, :, :end]
+
+    def ring_mask(self, layer: int, start: int, seqlen: int) -> Tensor | None:
+        """The mask of a sliding layer whose ring has wrapped (its rows out of time order), for queries at
+        slots start..start+seqlen-1; None where the layer reads as a full one (the usual masks apply)."""
+        end = start + seqlen
+        if not self.store.wrapped(layer, end):
+            return None
+        b, device = self.batch, self.valid.device
+        held = ring_slots(self.store.rows[layer], torch.full((b,), end, device=device))
+        queries = torch.arange(start, end, device=device).expand(b, seqlen)
+        return ring_mask(self.valid[:b], held, queries, self.store.windows[layer])
 
     def attention_mask(self, start: int, seqlen: int) -> Tensor:
         """Bool mask [batch, 1, T, S] for queries in slots start..start+T-1 (S = start + T)."""
@@ -181,9 +236,10 @@ class KVCache:
         rows, b, s = index.shape[0], self.batch, self.length
         if rows > self.max_batch:
             raise ValueError(f"{rows} rows do not fit a cache of {self.max_batch}")
-        for layer in range(self.k.shape[0]):
-            self.k[layer, :rows, :, :s] = self.k[layer, :b, :, :s].index_select(0, index)
-            self.v[layer, :rows, :, :s] = self.v[layer, :b, :, :s].index_select(0, index)
+        for layer, (kl, vl) in enumerate(zip(self.store.k, self.store.v, strict=True)):
+            n = min(s, self.store.rows[layer])  # a wrapped ring: all its rows
+            kl[:rows, :, :n] = kl[:b, :, :n].index_select(0, index)
+            vl[:rows, :, :n] = vl[:b, :, :n].index_select(0, index)
         self.valid[:rows, :s] = self.valid[:b, :s].index_select(0, index)
         self.pos[:rows, :s] = self.pos[:b, :s].index_select(0, index)
         self.next_pos[:rows] = self.next_pos[:b].index_select(0, index)
@@ -194,7 +250,7 @@ class KVCache:
         assert self.inv_freq is not None
         b, s = self.batch, self.length
         keep_n = s - drop
-        slots = torch.arange(s, device=self.k.device)
+        slots = torch.arange(s, device=self.valid.device)
         valid = self.valid[:b, :s]
         rank = valid.cumsum(1) - 1
         sink = valid & (rank < self.sink_tokens)
@@ -208,12 +264,13 @@ class KVCache:
         delta = torch.where(new_valid, new_pos - self.pos[:b, :s].gather(1, keep_idx), 0)
         angles = delta.unsqueeze(-1).float() * self.inv_freq  # [b, keep_n, head_dim/2]
         cos, sin = angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
-        n_kv, head_dim = self.k.shape[2], self.k.shape[4]
+        n_kv, head_dim = self.shape[2], self.shape[4]
         index = keep_idx[:, None, :, None].expand(b, n_kv, keep_n, head_dim)
-        for layer in range(self.k.shape[0]):  # one layer at a time bounds the temporary to one layer
-            k = self.k[layer, :b, :, :s].gather(2, index)
-            self.k[layer, :b, :, :keep_n] = apply_rope(k.float(), cos, sin)
-            self.v[layer, :b, :, :keep_n] = self.v[layer, :b, :, :s].gather(2, index)
+        # One layer at a time bounds the temporary to one layer. No ring under "slide": every layer is full.
+        for kl, vl in zip(self.store.k, self.store.v, strict=True):
+            k = kl[:b, :, :s].gather(2, index)
+            kl[:b, :, :keep_n] = apply_rope(k.float(), cos, sin)
+            vl[:b, :, :keep_n] = vl[:b, :, :s].gather(2, index)
         self.valid[:b, :keep_n] = new_valid
         self.valid[:b, keep_n:s] = False
         self.padded = not bool(new_valid.all())  # padding is dropped first: usually none is left

@@ -203,12 +203,18 @@ class Attention(nn.Module):
         qk = apply_rope_full(qk, cos, sin)
         k = qk[:, :, n_heads:].transpose(1, 2)
         v = qkv[:, :, n_heads + n_kv :].transpose(1, 2)
+        complete = False  # whether `mask` already says everything (a sliding layer's ring, out of time order)
         if cache is not None:
             k, v = cache.write(layer, start, k, v)
             k, v = k.to(x.dtype), v.to(x.dtype)
+            if self.window:
+                ring = cache.ring_mask(layer, start, seqlen)
+                if ring is not None:
+                    mask, complete = ring, True
         if not self.plain:
             q = qk[:, :, :n_heads].transpose(1, 2)
-            return self.wo(self._attend(q, k, v, mask, start).transpose(1, 2).reshape(bsz, seqlen, self.q_size))
+            y = self._attend(q, k, v, mask, start, complete)
+            return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, self.q_size))
         if seqlen == 1:
             # Decode: group the query heads by the KV head they share, [B, kv_heads, n_rep, d], so one plain
             # attention covers them with no GQA expansion; the CPU SDPA with enable_gqa (and a mask) costs
@@ -242,12 +248,17 @@ class Attention(nn.Module):
         mask = window_mask(None, 0, t, t, self.window or t + 1, x.device)[0, 0]
         return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, start: int) -> Tensor:
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, start: int, complete: bool = False
+    ) -> Tensor:
         """Attention of q [B, H, T, d] over k, v [B, KV, S, d] with this layer's window, scale and soft-cap.
 
-        mask: [B, 1, T, S] bool ([B, 1, 1, S] for one query), or None: causal, the queries at the last T slots."""
+        mask: [B, 1, T, S] bool ([B, 1, 1, S] for one query), or None: causal, the queries at the last T slots;
+        complete: the mask has the window in it already (a ring's, llm/kv_layers.py)."""
         seqlen, keys = q.shape[2], k.shape[2]
-        if mask is None:
+        if complete:
+            assert mask is not None
+        elif mask is None:
             start = keys - seqlen
             mask = window_mask(None, start, seqlen, keys, self.window or keys + 1, q.device)
         elif self.window:

@@ -128,5 +128,12 @@ class ModelRunner:
         return out if logits else None
 
     def torch_forward(self, tokens: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
-        """The torch modules alone (beam search's prompt, as transformers computes it), timed when observed."""
-        return self.model(tokens, positions, cache, last_only=True, clock=self.clock)
+        """The torch modules alone (beam search's prompt, as transformers computes it), timed when observed;
+        the last position's logits [B, 1, V]. In pieces of the cache's `max_write` where its sliding layers
+        are rings (in one piece otherwise)."""
+        step = cache.max_write
+        for lo in range(0, tokens.shape[1], step):
+            out = self.model(
+                tokens[:, lo : lo + step], positions[:, lo : lo + step], cache, last_only=True, clock=self.clock
+            )
+        return out

@@ -157,7 +157,6 @@ class NativeKernels:
             return None
         return q, scale
 
-
     def quantize_int4(self, w: Tensor, group: int) -> tuple[Tensor, Tensor, Tensor] | None:
         """(packed uint8 [N, K/2], scale fp16, zero fp16 [N, K/group]), bit-identical to the torch version;
         None when w holds NaN, infinity or values beyond fp16 (the torch version decides what those mean)."""

@@ -112,7 +112,8 @@ class Scheduler:
             # Every step must have room for a prompt chunk beside one token per running row.
             raise ValueError(f"max_step_tokens ({max_step_tokens}) must exceed the running rows ({self.max_running})")
         self.max_step_tokens = max_step_tokens
-        self.prefill_chunk = prefill_chunk or max_step_tokens
+        # A chunk never exceeds what one write may add to a slot (the sliding layers' rings, llm/kv_layers.py).
+        self.prefill_chunk = min(prefill_chunk or max_step_tokens, cache.max_write)
         self.prefix_reuse, self.min_prefix = prefix_reuse, max(1, min_prefix)
         self.stats = SchedulerStats()
         self._lock = threading.Condition()
@@ -255,7 +256,7 @@ class Scheduler:
             if held > reuse:
                 source, reuse = other.slot, held
         reuse = min(reuse, len(prompt) - 1)
-        if reuse < self.min_prefix:
+        if reuse < self.min_prefix or not self.cache.can_resume(source, reuse):  # a ring moved on: recompute
             reuse = 0
         if source != slot and reuse:
             self.cache.copy_prefix(source, slot, reuse)  # type: ignore[arg-type]

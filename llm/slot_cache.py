@@ -1,17 +1,19 @@
 """A KV cache of slots: one row per running request, each row with its own length (continuous batching).
 
-Layout: the same preallocated tensors as `KVCache` — k, v [layers, slots, kv_heads, max_tokens, head_dim] and
-`valid` [slots, max_tokens] — usually the very same memory (`SlotCache.over(kv_cache)`), so a plan allocates
-its cache once whichever discipline runs on it. Where `KVCache` keeps one write pointer for a left-padded
-batch, here each slot keeps its own: a request joins at slot 0 of a free row and leaves when it ends,
-whatever the other rows are doing. Each slot holds up to `max_tokens` (per-slot regions, as llama.cpp's
-server slots, not a shared paged pool): a row is one contiguous stream, so the native decode step reads
-it as it reads a static batch, and there is no page table to keep. The cost is memory reserved for the
-longest request in every slot, which a CPU's RAM affords at this model size.
+Layout: the same preallocated per-layer K/V as `KVCache` (llm/kv_layers.py: every slot of a full layer, a
+ring of window + chunk rows of a sliding one) and `valid` [slots, max_tokens] — usually the very same
+memory (`SlotCache.over(kv_cache)`), so a plan allocates its cache once whichever discipline runs on it.
+Where `KVCache` keeps one write pointer for a left-padded batch, here each slot keeps its own: a request
+joins at slot 0 of a free row and leaves when it ends, whatever the other rows are doing. Each slot holds
+up to `max_tokens` (per-slot regions, as llama.cpp's server slots, not a shared paged pool): a row is one
+contiguous stream, so the native decode step reads it as it reads a static batch, and there is no page
+table to keep. The cost is memory reserved for the longest request in every slot, which a CPU's RAM
+affords at this model size.
 
 Positions are slot indices (no padding inside a slot), so a slot's K/V for tokens [0, n) depend only on
 those tokens: `held` records them, and a request whose prompt starts with the same tokens copies that
-prefix (`copy_prefix`) instead of recomputing it.
+prefix (`copy_prefix`) instead of recomputing it. A ring keeps only the last window + chunk slots: a prefix
+can be resumed there only while the window before its end is still in the ring (`can_resume`).
 
 `rows(...)` gives the torch modules a cache view for one forward over some slots (see `RowsView`).
 """
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from .kv_layers import LayerKV, ring_mask, ring_slots
 from .model import attention_mask
 
 if TYPE_CHECKING:
@@ -31,11 +34,14 @@ if TYPE_CHECKING:
 
 
 class SlotCache:
-    def __init__(self, k: Tensor, v: Tensor, valid: Tensor) -> None:
-        if k.shape != v.shape or k.dim() != 5 or tuple(valid.shape) != (k.shape[1], k.shape[3]):
-            raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)} and valid {tuple(valid.shape)} do not agree")
-        self.k, self.v, self.valid = k, v, valid
-        self.max_batch, self.max_tokens = k.shape[1], k.shape[3]  # the names the native step binds to
+    def __init__(self, store: LayerKV, valid: Tensor) -> None:
+        k = store.groups[0][0]
+        if valid.dim() != 2 or tuple(valid.shape) != (k.shape[1], store.max_tokens):
+            raise ValueError(f"K/V of {k.shape[1]} rows x {store.max_tokens} slots and valid {tuple(valid.shape)}")
+        self.store, self.valid = store, valid
+        self.k, self.v = store.groups[0]  # layer 0's group (every layer's K/V without rings)
+        self.max_batch, self.max_tokens = k.shape[1], store.max_tokens  # the names the native step binds to
+        self.max_write = store.max_write  # tokens one claim may add to a slot
         self.lengths = [0] * self.max_batch  # tokens cached per slot
         self.held: list[list[int]] = [[] for _ in range(self.max_batch)]  # the ids whose K/V each slot holds
         valid.zero_()
@@ -43,18 +49,27 @@ class SlotCache:
     @classmethod
     def over(cls, cache: KVCache) -> SlotCache:
         """Slots on the memory of a static `KVCache` (the cache is reset when it is next used as one)."""
-        return cls(cache.k, cache.v, cache.valid)
+        return cls(cache.store, cache.valid)
 
     @classmethod
     def for_model(
-        cls, model: Transformer, slots: int, max_tokens: int, *, dtype: torch.dtype | None = None
+        cls,
+        model: Transformer,
+        slots: int,
+        max_tokens: int,
+        *,
+        dtype: torch.dtype | None = None,
+        chunk: int | None = None,
     ) -> SlotCache:
+        """chunk: the most tokens one claim adds to a slot, which sizes the sliding layers' rings."""
         cfg = model.cfg
         if max_tokens > model.max_seq_len:
             raise ValueError(f"max_tokens ({max_tokens}) exceeds the model's max_seq_len ({model.max_seq_len})")
-        shape = (cfg.n_layers, slots, cfg.n_kv_heads, max_tokens, cfg.head_dim)
-        k = torch.zeros(shape, dtype=dtype or model.dtype, device=model.device)
-        return cls(k, torch.zeros_like(k), torch.zeros(slots, max_tokens, dtype=torch.bool, device=model.device))
+        store = LayerKV(
+            cfg.n_layers, slots, cfg.n_kv_heads, max_tokens, cfg.head_dim, windows=cfg.layer_windows, chunk=chunk,
+            dtype=dtype or model.dtype, device=model.device,
+        )  # fmt: skip
+        return cls(store, torch.zeros(slots, max_tokens, dtype=torch.bool, device=model.device))
 
     @property
     def slots(self) -> int:
@@ -62,11 +77,11 @@ class SlotCache:
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes + self.valid.nbytes
+        return self.store.nbytes + self.valid.nbytes
 
     @property
     def device(self) -> torch.device:
-        return self.k.device
+        return self.valid.device
 
     def truncate(self, slot: int, keep: int) -> None:
         """Keep the first `keep` tokens of a slot (0 empties it)."""
@@ -84,13 +99,31 @@ class SlotCache:
             n += 1
         return n
 
+    def can_resume(self, slot: int, n: int) -> bool:
+        """Whether the slot's K/V let a request go on from its first `n` tokens: always for full layers; for a
+        ring, while the window before slot n has not been overwritten by the slot's later tokens."""
+        length = self.lengths[slot]
+        if n > length:
+            return False
+        for rows, window, ring in zip(self.store.rows, self.store.windows, self.store.rings, strict=True):
+            # The slots n - window + 1 .. n - 1 are still there when none was overwritten (length <= rows)
+            # or the oldest of them is within `rows` of the newest slot written.
+            if ring and n and length > rows and max(0, n - window + 1) < length - rows:
+                return False
+        return True
+
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        """Slot `dst` becomes the first `n` tokens of slot `src` (K/V copied: one strided copy per tensor)."""
+        """Slot `dst` becomes the first `n` tokens of slot `src` (K/V copied: one strided copy per tensor;
+        a ring layer's rows all, since its slots are not in order)."""
         if n > self.lengths[src]:
             raise ValueError(f"slot {src} holds {self.lengths[src]} tokens, not {n}")
+        if not self.can_resume(src, n):
+            raise ValueError(f"slot {src}'s sliding layers no longer hold the window before token {n}")
         self.truncate(dst, 0)
-        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
-        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        for k, v in self.store.groups:
+            rows = n if k.shape[3] == self.max_tokens else k.shape[3]
+            k[:, dst, :, :rows] = k[:, src, :, :rows]
+            v[:, dst, :, :rows] = v[:, src, :, :rows]
         self.valid[dst, :n] = True
         self.lengths[dst] = n
         self.held[dst] = self.held[src][:n]
@@ -105,6 +138,10 @@ class SlotCache:
             start, end = self.lengths[slot], self.lengths[slot] + len(ids)
             if end > self.max_tokens:
                 raise ValueError(f"slot {slot}: {len(ids)} tokens do not fit ({start}/{self.max_tokens} used)")
+            if len(ids) > self.max_write:
+                raise ValueError(
+                    f"slot {slot}: {len(ids)} tokens in one claim, the sliding layers' rings take {self.max_write}"
+                )
             self.valid[slot, start:end] = True
             self.lengths[slot] = end
             self.held[slot].extend(ids)
@@ -156,15 +193,35 @@ class RowsView:
         return t.index_select(0, self._index)[:, :, :end]
 
     def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        store = self.cache.store
+        kc, vc, rows = store.k[layer], store.v[layer], store.rows[layer]
         if len(self.slots) == 1:
-            slot, end = self.slots[0], start + k.shape[2]
-            kc[slot, :, start:end] = k[0]
-            vc[slot, :, start:end] = v[0]
+            slot = self.slots[0]
+            if store.rings[layer]:
+                store.store(layer, slice(slot, slot + 1), start, k, v)
+            else:
+                kc[slot, :, start : start + k.shape[2]] = k[0]
+                vc[slot, :, start : start + k.shape[2]] = v[0]
         else:
-            kc[self._index, :, self._start_index] = k[:, :, 0]
-            vc[self._index, :, self._start_index] = v[:, :, 0]
-        return self._select(kc, self._end), self._select(vc, self._end)
+            at = self._start_index % rows if store.rings[layer] else self._start_index
+            kc[self._index, :, at] = k[:, :, 0]
+            vc[self._index, :, at] = v[:, :, 0]
+        end = min(self._end, rows)  # a wrapped ring: all its rows, in ring order (see `ring_mask`)
+        return self._select(kc, end), self._select(vc, end)
+
+    def ring_mask(self, layer: int, start: int, seqlen: int) -> Tensor | None:
+        """As `KVCache.ring_mask`, each row at its own slot: None until some row's ring has wrapped."""
+        store = self.cache.store
+        if not store.wrapped(layer, self._end):
+            return None
+        device = self._start_index.device
+        if len(self.slots) == 1:
+            queries = torch.arange(start, start + seqlen, device=device)[None]
+        else:
+            queries = self._start_index[:, None]
+        held = ring_slots(store.rows[layer], queries[:, -1] + 1)
+        valid = self.cache.valid.index_select(0, self._index)
+        return ring_mask(valid, held, queries, store.windows[layer])
 
     def attention_mask(self, start: int, seqlen: int) -> Tensor:
         valid = self.cache.valid.index_select(0, self._index)

@@ -6,6 +6,10 @@ pass sums in another order (blocked GEMMs, chunked softmax, its own exp): measur
 a few ulps per sum through a few layers. 1e-4 is far below any top-two gap that could flip a greedy pick on these wide-init models, and far above
 rounding. Greedy: 32 tokens identical to transformers' own greedy continuation (full recompute each step),
 through `generate` (KV cache, prefill then decode) and through the scheduler beside other requests.
+
+The caches there are built with a small `chunk` (CHUNK tokens a write), so a sliding layer holds a ring of
+WINDOW + CHUNK slots, far fewer than prompt + generated: the ring wraps during the prefill and keeps wrapping
+while generation runs past the window (llm/kv_layers.py).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from llmplan.llm import native
 from llmplan.llm.engine_loop import EngineLoop
 from llmplan.llm.fused_decode import FusedDecoder
 from llmplan.llm.generate import Pick, generate
-from llmplan.llm.kv_cache import KVCache
+from llmplan.llm.kv_cache import CacheFullError, KVCache
 from llmplan.llm.model import Transformer
 from llmplan.llm.model_runner import ModelRunner
 from llmplan.llm.scheduler import GenerationRequest
@@ -31,6 +35,7 @@ from llmplan.llm.slot_cache import SlotCache
 
 TOLERANCE = 1e-4
 PROMPT_LEN, NEW = 64, 32
+CHUNK = 8  # tokens a cache write takes at most: a sliding layer's ring holds WINDOW + CHUNK slots
 NATIVE = native.kernels() is not None
 # With native kernels, every test runs on the AVX2 and on the AVX-512 build (tests/llm/conftest.py).
 pytestmark = [pytest.mark.usefixtures("isa_path")] if NATIVE else []
@@ -118,14 +123,14 @@ def test_native_logits_equal_transformers(family: dict[str, Any]) -> None:
 @pytest.mark.parametrize("path", PATHS)
 def test_greedy_alone_and_batched_equals_transformers(family: dict[str, Any], path: str) -> None:
     model, prompts = family["model"], family["prompts"]
-    cache = KVCache.for_model(model, 1, PROMPT_LEN + NEW)
+    cache = KVCache.for_model(model, 1, PROMPT_LEN + NEW, chunk=CHUNK)
     runner = _runner(model, cache, path)
     alone = generate(
         model, cache, prompts[:1], pickers=[greedy], max_new_tokens=NEW, eos_ids=set(), pad_id=0, runner=runner
     )
     assert alone[0].tokens == family["want"][0]
     # A static batch: the shorter prompts are left-padded, so slots and positions differ.
-    cache = KVCache.for_model(model, 3, PROMPT_LEN + NEW)
+    cache = KVCache.for_model(model, 3, PROMPT_LEN + NEW, chunk=CHUNK)
     runner = _runner(model, cache, path)
     gens = generate(
         model, cache, prompts, pickers=[greedy] * 3, max_new_tokens=NEW, eos_ids=set(), pad_id=0, runner=runner
@@ -136,8 +141,8 @@ def test_greedy_alone_and_batched_equals_transformers(family: dict[str, Any], pa
 @pytest.mark.parametrize("path", PATHS)
 def test_scheduler_with_other_requests_equals_transformers(family: dict[str, Any], path: str) -> None:
     model = family["model"]
-    cache = SlotCache.for_model(model, 2, 128)
-    sched = EngineLoop(_runner(model, cache, path), cache, max_step_tokens=12)  # prompts in chunks
+    cache = SlotCache.for_model(model, 2, 128, chunk=10)
+    sched = EngineLoop(_runner(model, cache, path), cache, max_step_tokens=12)  # prompts in chunks of 10
     seqs, pending, step = [], list(family["prompts"]), 0
     while pending or sched.pending:
         if pending and step % 3 == 0:
@@ -145,6 +150,91 @@ def test_scheduler_with_other_requests_equals_transformers(family: dict[str, Any
         sched.step()
         step += 1
     assert [s.generation.tokens for s in seqs] == family["want"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_logits_through_a_wrapping_ring_equal_transformers(family: dict[str, Any], path: str) -> None:
+    """Every position's logits of the prompt fed CHUNK tokens a pass into a cache whose sliding layers keep
+    WINDOW + CHUNK slots (the ring wraps from the second pass on), against transformers over the whole prompt."""
+    model, ids = family["model"], family["prompts"][0]
+    cache = SlotCache.for_model(model, 2, PROMPT_LEN, chunk=CHUNK)
+    for layer, window in enumerate(model.cfg.layer_windows):
+        assert cache.store.rows[layer] == (WINDOW + CHUNK if window else PROMPT_LEN)
+    runner = _runner(model, cache, path)
+    got = []
+    with torch.no_grad():
+        for lo in range(0, PROMPT_LEN, CHUNK):
+            piece = ids[lo : lo + CHUNK]
+            n = torch.arange(lo, lo + len(piece))
+            cache.claim([1], [piece])
+            if runner.backend == "native":
+                assert runner.native is not None
+                got.append(runner.native.run(torch.tensor(piece), n, torch.ones_like(n), n, n - lo))
+            else:
+                got.append(model(torch.tensor([piece]), n[None], cache.rows([1], [lo]))[0])
+        want = family["hf"](torch.tensor([ids])).logits[0]
+    assert (torch.cat(got) - want).abs().max().item() <= TOLERANCE
+
+
+def test_a_sliding_layer_holds_window_plus_chunk_rows(family: dict[str, Any]) -> None:
+    """The cache's bytes, measured from its tensors: a sliding layer holds WINDOW + CHUNK slots per row, a
+    full layer every slot; the slot cache over it shares that memory."""
+    model = family["model"]
+    cfg = model.cfg
+    max_tokens, rows = 128, 3
+    cache = KVCache.for_model(model, rows, max_tokens, chunk=CHUNK)
+    per_slot = 2 * rows * cfg.n_kv_heads * cfg.head_dim * 4  # K and V, fp32
+    windows = cfg.layer_windows or (0,) * cfg.n_layers
+    for layer, window in enumerate(windows):
+        k, v = cache.store.k[layer], cache.store.v[layer]
+        assert k.nbytes + v.nbytes == per_slot * (WINDOW + CHUNK if window else max_tokens)
+    held = sum(k.nbytes + v.nbytes for k, v in cache.store.groups)
+    assert held == per_slot * sum(WINDOW + CHUNK if w else max_tokens for w in windows)
+    assert cache.nbytes == held + sum(t.nbytes for t in (cache.valid, cache.pos, cache.next_pos))
+    assert SlotCache.over(cache).store is cache.store
+    if any(windows):
+        assert held < per_slot * cfg.n_layers * max_tokens and cache.max_write == CHUNK
+        with pytest.raises(CacheFullError, match="one write"):
+            cache.append(torch.zeros(rows, CHUNK + 1, dtype=torch.long))
+    else:
+        assert cache.max_write == max_tokens  # no ring: any write that fits
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_prefix_is_reused_only_while_the_ring_holds_its_window(family: dict[str, Any], path: str) -> None:
+    """Prefix reuse with rings: a prompt that extends what a slot just computed goes on from it; the same
+    prompt after a long generation (the ring has moved past its window) is recomputed. Both equal transformers."""
+    model, ids, want = family["model"], family["prompts"][0], family["want"][0]
+    cache = SlotCache.for_model(model, 1, 128, chunk=10)
+    loop = EngineLoop(_runner(model, cache, path), cache, max_step_tokens=12)
+    loop.submit(GenerationRequest(prompt=ids[:40], picker=greedy, max_new_tokens=1))
+    loop.run()
+    full = loop.submit(GenerationRequest(prompt=ids, picker=greedy, max_new_tokens=NEW))
+    loop.run()
+    again = loop.submit(GenerationRequest(prompt=ids, picker=greedy, max_new_tokens=NEW))
+    loop.run()
+    assert full.reused == 40 and full.generation.tokens == want
+    ring = any(cache.store.rings)
+    assert again.reused == (0 if ring else PROMPT_LEN - 1) and again.generation.tokens == want
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_beams_reorder_rings_as_whole_rows(family: dict[str, Any], path: str) -> None:
+    """Beam search through ring caches (the beams' rows reordered each step) picks what it picks with every
+    layer full."""
+    from llmplan.llm.beam_search import beam_search
+
+    model, ids = family["model"], family["prompts"][1]
+    found = []
+    for chunk in (CHUNK, None):
+        cache = KVCache.for_model(model, 3, 64, chunk=chunk)
+        runner = _runner(model, cache, path)
+        found.append(
+            [(c.tokens, round(c.score, 4)) for c in beam_search(
+                model, cache, ids, num_beams=3, max_new_tokens=24, eos_ids=set(), num_return_sequences=3, runner=runner
+            )]
+        )  # fmt: skip
+    assert found[0] == found[1]
 
 
 def test_native_pass_refuses_what_it_does_not_compute(family: dict[str, Any]) -> None:

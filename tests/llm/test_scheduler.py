@@ -22,6 +22,7 @@ from llmplan.llm.flat_batch import FlatBatch
 from llmplan.llm.fused_decode import FusedDecoder
 from llmplan.llm.generate import Generation, Pick, generate
 from llmplan.llm.kv_cache import KVCache
+from llmplan.llm.kv_layers import LayerKV
 from llmplan.llm.linear import make_linear
 from llmplan.llm.model import Transformer
 from llmplan.llm.model_runner import ModelRunner
@@ -349,7 +350,8 @@ class FakeRunner:
 def test_the_scheduler_decides_and_a_fake_runner_computes() -> None:
     """The loop with no model at all: the scheduler hands out tokens for rows, the runner gets them as one
     flat batch per step (decode rows first, then prompt chunks in budget), the post-step picks and ends."""
-    cache = SlotCache(torch.zeros(1, 2, 1, 16, 2), torch.zeros(1, 2, 1, 16, 2), torch.zeros(2, 16, dtype=torch.bool))
+    store = LayerKV(1, 2, 1, 16, 2, dtype=torch.float32)
+    cache = SlotCache(store, torch.zeros(2, 16, dtype=torch.bool))
     runner = FakeRunner()
     loop = EngineLoop(runner, cache, max_step_tokens=6, prefix_reuse=False)  # type: ignore[arg-type]
     first = loop.submit(request([3, 4, 5], 2))
