@@ -80,6 +80,8 @@ def weight_bytes(cfg: ModelConfig, precision: str, group_size: int, head: str = 
         for d in shape:
             count *= d
         kind = (head if head != "same" else precision) if name == "output.weight" else precision
+        if name == "output.weight" and cfg.tie_word_embeddings and kind == "fp32":
+            continue  # the tied head is the fp32 embedding table itself (converted_bytes counts it once)
         if not is_linear_weight(name):
             total += count * 4  # fp32 until load.to_device
         elif kind in ("fp32",):

@@ -16,7 +16,8 @@ from pydantic import Field
 from llmplan.engine import heap
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
-from llmplan.llm.kv_cache import KVCache
+from llmplan.llm.kv_cache import KVCache, planned_bytes
+from llmplan.llm.kv_layers import DEFAULT_CHUNK
 from llmplan.llm.linear import kernel_paths, make_linear
 from llmplan.llm.model import Transformer
 from llmplan.llm.model_runner import ModelRunner
@@ -34,6 +35,12 @@ class KVCacheParams(Params):
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="auto = the activation dtype")
     policy: Literal["stop", "slide"] = Field("stop", description="when full: stop (cache_full) or slide")
     sink_tokens: int = Field(4, ge=0, le=1024, description="slide: first tokens always kept (attention sinks)")
+    chunk: int = Field(
+        DEFAULT_CHUNK,
+        ge=1,
+        le=1 << 20,
+        description="sliding-window layers keep window + chunk tokens; prompts are prefilled chunk tokens a pass",
+    )
 
 
 class ToDeviceParams(Params):
@@ -42,18 +49,21 @@ class ToDeviceParams(Params):
 
 
 def kv_cache_bytes(cfg: Any, params: ToDeviceParams, act: torch.dtype) -> int:
-    dtype = CACHE_DTYPES.get(params.kv_cache.dtype, act)
-    per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
-    return per_token * params.kv_cache.max_tokens * params.max_batch
+    """What `run` allocates for the KV cache (llm/kv_cache.py `planned_bytes`: each layer by its kind)."""
+    kv = params.kv_cache
+    dtype = CACHE_DTYPES.get(kv.dtype, act)
+    return planned_bytes(cfg, params.max_batch, kv.max_tokens, dtype, policy=kv.policy, chunk=kv.chunk)
 
 
 def work_buffer_bytes(cfg: Any, max_tokens: int) -> int:
     """The model's own buffers besides weights and KV cache: the fp32 RoPE tables (cos and sin,
-    [max_tokens, head_dim/2] each, and inv_freq [head_dim/2]) — what llm/model.py setup_rope builds.
+    [max_tokens, head_dim/2] each, and inv_freq [head_dim/2]), and the sliding layers' own cos and sin where
+    they rotate by another base (Gemma 3) — what llm/model.py setup_rope builds.
     The one formula for both `validate --deep` and what `place` reports (checked against the real
     buffers in tests/trust/test_deep_checks.py)."""
     half = cfg.head_dim // 2
-    return 4 * (2 * max_tokens * half + half)
+    tables = 2 if cfg.rope_local_theta is not None and any(cfg.layer_windows) else 1
+    return 4 * (tables * 2 * max_tokens * half + half)
 
 
 def attention_problems(plan: Any, cfg: Any) -> list[tuple[str, str]]:
@@ -107,7 +117,13 @@ class ToDevice(Stage):
         ctx.trace.add("build the model on the device", "load", began, built)
         try:
             cache = KVCache.for_model(
-                model, params.max_batch, kv.max_tokens, dtype=cache_dtype, policy=kv.policy, sink_tokens=kv.sink_tokens
+                model,
+                params.max_batch,
+                kv.max_tokens,
+                dtype=cache_dtype,
+                policy=kv.policy,
+                sink_tokens=kv.sink_tokens,
+                chunk=kv.chunk,
             )
         except (ValueError, torch.OutOfMemoryError) as bad:
             raise StageFailure(f"kv_cache: {bad}") from None
@@ -131,7 +147,8 @@ class ToDevice(Stage):
         # each linear module's kernel path, chosen by prepack() above: e.g. {"native-avx512-int8": 151}
         ctx.metrics.set("linear_kernels", kernel_paths(model))
         ctx.metrics.set("activation_dtype", str(model.dtype).removeprefix("torch."))
-        ctx.metrics.set("kv_cache_shape", list(cache.k.shape))
+        ctx.metrics.set("kv_cache_shape", list(cache.shape))  # as if every layer were full
+        ctx.metrics.set("kv_cache_layer_tokens", list(cache.store.rows))  # what each layer keeps
         # The loader's tensors are gone: from here on every step's tensors are reused from the heap.
         ctx.metrics.set("heap_for_decoding", heap.for_decoding())
 

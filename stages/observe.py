@@ -134,7 +134,8 @@ def model_summary(model: Transformer, kv_cache: KVCache | None = None) -> dict[s
     }
     if kv_cache is not None:
         summary["kv_cache"] = {
-            "shape": list(kv_cache.k.shape),
+            "shape": list(kv_cache.shape),  # as if every layer were full; `layer_tokens`: what each keeps
+            "layer_tokens": list(kv_cache.store.rows),
             "axes": ["layer", "batch", "kv_head", "token", "head_dim"],
             "dtype": _dtype(kv_cache.k.dtype),
             "bytes": kv_cache.nbytes,

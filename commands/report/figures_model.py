@@ -184,6 +184,9 @@ def _cache_line(m: dict[str, Any]) -> str:
     cache = m.get("kv_cache")
     if not cache:
         return "no KV cache recorded"
-    return (
+    line = (
         f"[{', '.join(map(str, cache['shape']))}] {cache['dtype']} ({mib(cache.get('bytes'))}, {cache.get('policy')})"
     )
+    shape = cache["shape"]
+    rings = [n for n in sorted(set(cache.get("layer_tokens") or [])) if len(shape) == 5 and n < shape[3]]
+    return line + (f"; sliding layers keep {', '.join(map(str, rings))} tokens" if rings else "")

@@ -10,6 +10,7 @@ import yaml
 from llmplan.engine.cli import deep_check
 from llmplan.engine.plan import load_plan
 from llmplan.engine.registry import discover
+from tests.llm.archs import FAMILIES
 from tests.pipeline.conftest import run_plan
 
 from .checkpoints import make_checkpoint, plan_for
@@ -71,3 +72,54 @@ def test_work_buffer_estimate_is_what_place_reports(model_dir: Path, tmp_path: P
     model = result.context.model
     real = sum(b.nbytes for name, b in model.named_buffers() if name.startswith("rope_"))
     assert estimate["work_buffers"] == reported == real
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_plan(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A plan over a tiny checkpoint of each family transformers made (tests/llm/archs.py), its cache small
+    enough that the sliding layers' rings (window 16 + chunk 8 tokens) are smaller than the 64-token rows."""
+    from tests.llm.archs import make_tiny
+    from tests.stages.tiny_run import load_stages, make_tokenizer
+
+    root = tmp_path_factory.mktemp(f"deep-{request.param}")
+    model_dir, _ = make_tiny(root, request.param)
+    make_tokenizer(model_dir)
+    place = {"kv_cache": {"max_tokens": 64, "chunk": 8}, "max_batch": 2}
+    plan = {
+        "name": f"deep-{request.param}",
+        "device": "cpu",
+        "seed": 0,
+        "threads": 1,
+        "observe": {"memory_interval_ms": 0},
+        "stages": [
+            *load_stages(model_dir, place=place),
+            {"id": "prompt", "uses": "compute.tokenize", "with": {"messages": [{"role": "user", "content": "Hi"}]}},
+            {"id": "generate", "uses": "compute.generate", "with": {"max_new_tokens": 24, "ignore_eos": True}},
+        ],
+    }
+    path = root / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def test_each_familys_estimate_is_what_it_allocates(family_plan: Path, tmp_path: Path) -> None:
+    """`validate --deep` sizes weights, KV cache and work buffers per architecture (a sliding layer's window +
+    chunk, Gemma's head_dim, biases and q/k norms, Gemma 3's local RoPE tables): each equals what `run`
+    allocated, counted from the tensors themselves; and the plan generates through its rings."""
+    found, estimate = deep_messages(family_plan)
+    assert found == []
+    result = run_plan(family_plan, tmp_path / "run")
+    assert result.status == "ok", result.message
+    regions = result.context.metrics.get("place", "regions")
+    model, cache = result.context.model, result.context.kv_cache
+    held = sum(k.nbytes + v.nbytes for k, v in cache.store.groups)
+    real_cache = held + sum(t.nbytes for t in (cache.valid, cache.pos, cache.next_pos))
+    assert estimate["kv_cache"] == regions["kv_cache"] == real_cache
+    cfg = model.cfg
+    full = 2 * 2 * cfg.n_kv_heads * cfg.head_dim * 4 * 64 * cfg.n_layers  # every layer's 64 slots, fp32
+    assert (held < full) == any(cfg.layer_windows)  # the sliding layers keep 24 of 64
+    assert estimate["work_buffers"] == regions["work_buffers"]
+    assert regions["work_buffers"] == sum(b.nbytes for name, b in model.named_buffers() if name.startswith("rope_"))
+    # fp32: every linear, norm and bias, once per storage (a tied head is the embedding table itself)
+    model_bytes = sum({p.data_ptr(): p.nbytes for p in model.parameters()}.values())
+    assert estimate["weights"] == regions["weights"] == model_bytes
