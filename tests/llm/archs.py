@@ -72,8 +72,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def make_tiny(tmp_path: Path, family: str, seed: int = 0) -> tuple[Path, Any]:
+def make_tiny(tmp_path: Path, family: str, seed: int = 0, **changes: Any) -> tuple[Path, Any]:
     """Save a random fp32 model of `family` in 3+ safetensors shards; return (dir, the transformers model).
+    changes: config fields over the family's (a vocab_size that fits a test's tokenizer).
 
     Norm weights and biases start at 1 / 0 (Gemma's norms at 0, i.e. scale 1): they are perturbed so a
     mis-mapped one cannot pass unnoticed."""
@@ -82,7 +83,7 @@ def make_tiny(tmp_path: Path, family: str, seed: int = 0) -> tuple[Path, Any]:
     prefix, fields = FAMILIES[family]
     config_cls = getattr(transformers, f"{prefix}Config")
     model_cls = getattr(transformers, f"{prefix.removesuffix('Text')}ForCausalLM")
-    config = config_cls(**{**COMMON, **fields})
+    config = config_cls(**{**COMMON, **fields, **changes})
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     with torch.no_grad():

@@ -82,7 +82,8 @@ def family_plan(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     from tests.stages.tiny_run import load_stages, make_tokenizer
 
     root = tmp_path_factory.mktemp(f"deep-{request.param}")
-    model_dir, _ = make_tiny(root, request.param)
+    vocab = make_tokenizer(root / "tok-probe")  # the model's vocabulary covers the tokenizer's
+    model_dir, _ = make_tiny(root, request.param, vocab_size=vocab)
     make_tokenizer(model_dir)
     place = {"kv_cache": {"max_tokens": 64, "chunk": 8}, "max_batch": 2}
     plan = {
