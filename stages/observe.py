@@ -89,6 +89,23 @@ def describe_module(module: nn.Module) -> dict[str, Any]:
     return info
 
 
+def architecture_summary(cfg: Any) -> dict[str, Any]:
+    """Where the family departs from Llama (llm/architecture.py and the config), for the model graph."""
+    arch = cfg.arch
+    return {
+        "mlp": "GeGLU" if arch.activation == "gelu_tanh" else "SwiGLU",
+        "qkv_bias": arch.qkv_bias,
+        "qk_norm": arch.qk_norm,
+        "sandwich_norms": arch.sandwich_norms,
+        "embed_scale": arch.embed_scale,
+        "layer_windows": list(cfg.layer_windows),
+        "attn_scale": cfg.attn_scale,
+        "attn_softcap": cfg.attn_softcap,
+        "final_softcap": cfg.final_softcap,
+        "rope_local_theta": cfg.rope_local_theta,
+    }
+
+
 def model_summary(model: Transformer, kv_cache: KVCache | None = None) -> dict[str, Any]:
     """What the loaded model is: config numbers, layer 0's modules in detail, every layer's linear kinds.
 
@@ -121,6 +138,8 @@ def model_summary(model: Transformer, kv_cache: KVCache | None = None) -> dict[s
         "activation_dtype": _dtype(model.dtype),
         "device": str(model.device),
         "tied_embeddings": output_weight is not None and output_weight.data_ptr() == embed.data_ptr(),
+        "model_type": cfg.model_type,
+        "architecture": architecture_summary(cfg),
         "modules": {
             "tok_embeddings": describe_module(model.tok_embeddings),
             **{f"layers.0.{rel}": info for rel, info in layer0.items()},

@@ -48,7 +48,9 @@ def _spread(stats: list[dict[str, float]]) -> tuple[list[float], list[list[float
     return medians, errors
 
 
-def _phase_panel(ax: Any, phase: str, bucket: dict[str, Any], n: int, paths_seen: list[str]) -> str | None:
+def _phase_panel(
+    ax: Any, phase: str, bucket: dict[str, Any], n: int, paths_seen: list[str], mlp_kind: str = "SwiGLU"
+) -> str | None:
     """One phase's bars (attention and MLP per layer, with their spread) on `ax`; the paths it ran on are
     added to `paths_seen`. Returns the phase's summary line, None when it had no passes."""
     passes = bucket.get("passes") or 0
@@ -76,7 +78,7 @@ def _phase_panel(ax: Any, phase: str, bucket: dict[str, Any], n: int, paths_seen
         yerr=mlp_err,
         capsize=2,
         color="#ff922b",
-        label="MLP (norm, SwiGLU, residual)",
+        label=f"MLP (norm, {mlp_kind}, residual)",
     )
     paths = bucket.get("paths") or {}
     paths_seen.extend([p for p in paths if p not in paths_seen])
@@ -110,10 +112,11 @@ def draw_layer_timings(run: RunData, out_dir: Path) -> list[Figure]:
     n = data["n_layers"]
     if "attention_ms" not in (data.get("decode") or {}):
         return [Figure("layers", "Per-layer timings", None, notes=["layer_timings.json is of an older format"])]
+    mlp_kind = ((run.model or {}).get("architecture") or {}).get("mlp", "SwiGLU")  # the family's (model.json)
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), layout="constrained")
     summary, paths_seen = [], []
     for ax, phase in zip(axes, ("prefill", "decode"), strict=True):
-        line = _phase_panel(ax, phase, data.get(phase) or {}, n, paths_seen)
+        line = _phase_panel(ax, phase, data.get(phase) or {}, n, paths_seen, mlp_kind)
         if line is not None:
             summary.append(line)
     handles = next((ax.get_legend_handles_labels() for ax in axes if ax.get_legend_handles_labels()[0]), None)

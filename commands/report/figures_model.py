@@ -104,8 +104,10 @@ def draw_model_graph(run: RunData, out_dir: Path) -> list[Figure]:
     ax.set_xlim(0, 13.8)
     ax.set_ylim(-1.6, top + 1.0)
     ax.axis("off")
+    family = f" ({m['model_type']})" if m.get("model_type") else ""
     ax.set_title(
-        f"Model as loaded: {m['n_layers']} layers, dim {dim}, {heads} query / {kv} KV heads of {hd}", fontsize=12
+        f"Model as loaded{family}: {m['n_layers']} layers, dim {dim}, {heads} query / {kv} KV heads of {hd}",
+        fontsize=12,
     )
     path = save(fig, out_dir / "model_graph.svg")
     return [
@@ -125,36 +127,68 @@ def _module_line(m: dict[str, Any], name: str) -> tuple[str, str]:
     return weight_line(info), _fmt(info.get("format", ""))
 
 
+def _arch(m: dict[str, Any]) -> dict[str, Any]:
+    """The family's departures from Llama (model.json `architecture`; a run written before it: Llama's)."""
+    return {"mlp": "SwiGLU", "layer_windows": [], **(m.get("architecture") or {})}
+
+
+def _attention_items(m: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The attention's split/RoPE and attend boxes, saying what this family adds (q/k norms, windows, scale,
+    soft-cap)."""
+    heads, kv, hd = m["n_heads"], m["n_kv_heads"], m["head_dim"]
+    arch = _arch(m)
+    windows = [w for w in arch["layer_windows"] if w]
+    sliding = [i for i, w in enumerate(arch["layer_windows"]) if w]
+    how = ["causal"] + ([f"GQA {heads // kv}:1"] if heads != kv else [])
+    if windows:
+        every = len(sliding) == m["n_layers"]
+        how.append(f"window {max(windows)}" + ("" if every else f" on {len(sliding)} of {m['n_layers']} layers"))
+    scale = f"{arch['attn_scale']:.4g}" if arch.get("attn_scale") else f"1/√{hd}"
+    scores = f"Q Kᵀ·{scale}"
+    if arch.get("attn_softcap"):
+        scores = f"{arch['attn_softcap']:g}·tanh({scores}/{arch['attn_softcap']:g})"
+    split = "split, q/k RMSNorm, RoPE" if arch.get("qk_norm") else "split + RoPE"
+    if arch.get("rope_local_theta") and windows:
+        split += f" (sliding layers: base {arch['rope_local_theta']:g})"
+    return [
+        (split, f"Q [B, {heads}, T, {hd}] · K, V [B, {kv}, T, {hd}]", OP_COLOR),
+        ("KV cache write", _cache_line(m), OP_COLOR),
+        (f"attention ({', '.join(how)})", f"softmax({scores}) V → [B, T, {heads * hd}]", OP_COLOR),
+    ]
+
+
 def _layer_items(m: dict[str, Any]) -> list[tuple[str, str, str]]:
     """One decoder layer's boxes (title, detail, colour), in forward order, read from layer 0's modules."""
-    dim, heads, kv, hd = m["dim"], m["n_heads"], m["n_kv_heads"], m["head_dim"]
-    inter, act = m["intermediate_size"], m["activation_dtype"]
+    dim, inter, act = m["dim"], m["intermediate_size"], m["activation_dtype"]
+    arch = _arch(m)
 
     def mod(name: str) -> tuple[str, str]:
         return _module_line(m, name)
 
+    def norm(name: str) -> tuple[str, str, str]:
+        return (f"RMSNorm ({name})", mod(f"layers.0.{name}")[0], NORM_COLOR)
+
     x_act = f"[B, T, {dim}] {act}"
+    sandwich = bool(arch.get("sandwich_norms"))
+    gate = "gelu_tanh(gate) · up" if arch["mlp"] == "GeGLU" else "silu(gate) · up"
+    wqkv = "wqkv: fused Q/K/V projection" + (" + bias" if arch.get("qkv_bias") else "")
     return [
         ("x", x_act, ACT_COLOR),
-        ("RMSNorm (attention_norm)", mod("layers.0.attention_norm")[0], NORM_COLOR),
-        ("wqkv: fused Q/K/V projection", mod("layers.0.attention.wqkv")[0], mod("layers.0.attention.wqkv")[1]),
-        ("split + RoPE", f"Q [B, {heads}, T, {hd}] · K, V [B, {kv}, T, {hd}]", OP_COLOR),
-        ("KV cache write", _cache_line(m), OP_COLOR),
-        (
-            "SDPA (causal" + (f", GQA {heads // kv}:1)" if heads != kv else ")"),
-            f"softmax(Q Kᵀ/√{hd}) V → [B, T, {heads * hd}]",
-            OP_COLOR,
-        ),
+        norm("attention_norm"),
+        (wqkv, mod("layers.0.attention.wqkv")[0], mod("layers.0.attention.wqkv")[1]),
+        *_attention_items(m),
         ("wo: output projection", mod("layers.0.attention.wo")[0], mod("layers.0.attention.wo")[1]),
+        *([norm("post_attention_norm")] if sandwich else []),
         ("+ residual", x_act, ACT_COLOR),
-        ("RMSNorm (ffn_norm)", mod("layers.0.ffn_norm")[0], NORM_COLOR),
+        norm("ffn_norm"),
         (
             "w13: gate | up",
             mod("layers.0.feed_forward.w13")[0] + f" → [B, T, 2×{inter}]",
             mod("layers.0.feed_forward.w13")[1],
         ),
-        ("SwiGLU: silu(gate) · up", f"[B, T, {inter}] {act}", OP_COLOR),
+        (f"{arch['mlp']}: {gate}", f"[B, T, {inter}] {act}", OP_COLOR),
         ("w2: down projection", mod("layers.0.feed_forward.w2")[0], mod("layers.0.feed_forward.w2")[1]),
+        *([norm("post_ffn_norm")] if sandwich else []),
         ("+ residual", x_act, ACT_COLOR),
     ]
 
@@ -162,21 +196,33 @@ def _layer_items(m: dict[str, Any]) -> list[tuple[str, str, str]]:
 def _stack_items(m: dict[str, Any]) -> list[tuple[str, str, str]]:
     """The whole model's boxes: embedding, the layers as one box, final norm, head, logits."""
     vocab, act = m["vocab_size"], m["activation_dtype"]
+    arch = _arch(m)
 
     def mod(name: str) -> tuple[str, str]:
         return _module_line(m, name)
 
+    logits = f"[B, T, {vocab}] {act} (last position only in prefill)"
+    if arch.get("final_softcap"):
+        logits = f"{arch['final_softcap']:g}·tanh(x/{arch['final_softcap']:g}) · " + logits
     return [
         ("token ids", "[B, T] int64", ACT_COLOR),
-        ("embedding", mod("tok_embeddings")[0], mod("tok_embeddings")[1]),
-        (f"{m['n_layers']} × decoder layer", "attention + SwiGLU MLP, each with RMSNorm and a residual  →", "#fff3bf"),
+        (
+            "embedding" + (" × √dim" if arch.get("embed_scale") else ""),
+            mod("tok_embeddings")[0],
+            mod("tok_embeddings")[1],
+        ),
+        (
+            f"{m['n_layers']} × decoder layer",
+            f"attention + {arch['mlp']} MLP, each with RMSNorm and a residual  →",
+            "#fff3bf",
+        ),
         ("RMSNorm (norm)", mod("norm")[0], NORM_COLOR),
         (
             "head (output)" + (" — tied to the embedding" if m.get("tied_embeddings") else ""),
             mod("output")[0],
             mod("output")[1],
         ),
-        ("logits", f"[B, T, {vocab}] {act} (last position only in prefill)", ACT_COLOR),
+        ("logits", logits, ACT_COLOR),
     ]
 
 
