@@ -121,7 +121,7 @@ class _Request(_Sampling):  # type: ignore[misc, valid-type]
     user: str | None = None
     ignore_eos: bool | None = None  # llama.cpp's and vLLM's extra (benchmarks)
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # vLLM's: keep the prompt's last k tokens
-    logit_bias: dict[str, float] | None = None  # refused unless empty (no sampler step for it yet)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's JSON) -> bias in [-100, 100]
 
     @model_validator(mode="before")
     @classmethod
@@ -136,8 +136,19 @@ class _Request(_Sampling):  # type: ignore[misc, valid-type]
         """Fields valid alone but not together (OpenAI refuses these too)."""
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "only allowed when stream is true")
-        if self.logit_bias:  # refused by name rather than ignored: the answer would not be what was asked
-            raise FieldError("logit_bias", "not supported by this server; leave it out")
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isascii() or not key.isdigit() or len(key) > 9:
+                raise FieldError("logit_bias", f"keys are token ids (digits), got {key[:20]!r}")
+            if not -100 <= bias <= 100:
+                raise FieldError("logit_bias", f"a bias is in [-100, 100], got {bias} for token {key}")
+
+    def bias(self, vocab: int | None) -> dict[int, float]:
+        """`logit_bias` by token id, each id checked against the vocabulary (OpenAI refuses unknown ids too)."""
+        out = {int(key): bias for key, bias in (self.logit_bias or {}).items()}
+        outside = [token for token in out if vocab is not None and token >= vocab]
+        if outside:
+            raise FieldError("logit_bias", f"token {outside[0]} is not in the vocabulary (0 .. {vocab - 1})")
+        return out
 
     @property
     def sampling_seed(self) -> int | None:

@@ -223,6 +223,7 @@ class Answering:
         # The context one request has: its slot's rows of the KV cache (a prompt leaves room for one token).
         self.context_tokens = ctx.kv_cache.max_tokens if ctx is not None and ctx.kv_cache is not None else None
         self.model_context = ctx.model_config.max_position_embeddings if ctx is not None and ctx.model_config else None
+        self.vocab = ctx.model_config.vocab_size if ctx is not None and ctx.model_config else None
         marked = set(host.generate_params.serving_defaults)
         self.defaults = {name: value for name, value in api_defaults().items() if name not in marked}
         self.admitted = threading.Semaphore(settings.max_queue)
@@ -332,6 +333,12 @@ class Answering:
         limit = self._prompt_limit(body)
         prompts = [prompt | limit for prompt in prompts]
         generate = self.defaults | body.generate_overrides() | {"stream": True}
+        try:
+            bias = body.bias(self.vocab)
+        except FieldError as bad:
+            raise ApiError(400, str(bad), param=bad.field) from None
+        if bias:
+            generate["logit_bias"] = bias
         top = body.logprobs_wanted()
         if top is not None:
             generate["logprobs"] = top

@@ -167,6 +167,25 @@ class Sampler(Protocol):
 
 
 @dataclass(frozen=True)
+class LogitBias:
+    """OpenAI's `logit_bias`: a number added to chosen tokens' logits before anything else (-100 bans a
+    token, +100 all but forces it); ids past the vocabulary are the caller's to refuse, skipped here."""
+
+    bias: tuple[tuple[int, float], ...]
+    warps: ClassVar[bool] = False  # it moves the argmax: greedy applies it too
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> LogitBias | None:
+        return cls(params.logit_bias) if params.logit_bias else None
+
+    def apply(self, logits: Tensor, ctx: StepContext) -> Tensor:
+        for token, value in self.bias:
+            if 0 <= token < logits.numel():
+                logits[token] += value
+        return logits
+
+
+@dataclass(frozen=True)
 class RepetitionPenalty:
     penalty: float
     warps: ClassVar[bool] = False
@@ -261,6 +280,7 @@ class MinP:
 
 
 ORDER: tuple[type, ...] = (  # each with `of(params) -> sampler | None`
+    LogitBias,
     RepetitionPenalty,
     FrequencyPresence,
     NoRepeatNGram,

@@ -76,13 +76,18 @@ class SamplingParams:
     # "" would stop before the first token
     stop: tuple[str, ...] = setting((), "stop strings (on decoded text)", max_items=16, min_chars=1)
     logprobs_top_n: int = setting(0, "best tokens by raw log-prob returned per pick", ge=0, request=False)
+    # (token id, bias) pairs added to the logits first; the caller's knob (the API's logit_bias, validated there)
+    logit_bias: tuple[tuple[int, float], ...] = setting(
+        (), "added to the token's logit: (id, bias) pairs", request=False
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             problem = _refusal(getattr(self, f.name), kinds(type(self))[f.name], f.metadata["limit"])
             if problem is not None:
                 raise ValueError(f"{f.name}: {problem}")
-        object.__setattr__(self, "stop", tuple(self.stop))  # a list given: kept hashable, as frozen promises
+        for name in ("stop", "logit_bias"):  # a list given: kept hashable, as frozen promises
+            object.__setattr__(self, name, _frozen(name, getattr(self, name)))
 
     @classmethod
     def trusted(cls, **values: Any) -> SamplingParams:
@@ -94,7 +99,7 @@ class SamplingParams:
         made = object.__new__(cls)
         for f in dataclasses.fields(cls):
             value = values.get(f.name, f.default)
-            object.__setattr__(made, f.name, tuple(value) if f.name == "stop" else value)
+            object.__setattr__(made, f.name, _frozen(f.name, value))
         return made
 
     @property
@@ -119,8 +124,24 @@ def kinds(source: type) -> dict[str, Any]:
     return typing.get_type_hints(source)
 
 
+def _frozen(name: str, value: Any) -> Any:
+    if name == "stop":
+        return tuple(value)
+    if name == "logit_bias":
+        return tuple((int(token), float(bias)) for token, bias in value)
+    return value
+
+
 def _refusal(value: Any, kind: Any, limit: Limit) -> str | None:
     """Why `value` does not fit the field's type and limits, or None."""
+    if kind == tuple[tuple[int, float], ...]:
+        pairs = value if isinstance(value, tuple | list) else None
+        if pairs is None or not all(
+            isinstance(p, tuple | list) and len(p) == 2 and isinstance(p[0], int) and isinstance(p[1], int | float)
+            for p in pairs
+        ):
+            return f"must be (token id, bias) pairs (got {value!r})"
+        return None
     if kind == int | None:
         if value is None:
             return None

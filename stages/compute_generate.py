@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -60,6 +60,9 @@ class GenerateParams(RequestSettings):
     )
     prefix_reuse: bool = Field(True, description="start a prompt from cached K/V of the same leading tokens")
     stream: bool = Field(True, description="print text as it is generated (single request, terminal)")
+    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] = Field(
+        default_factory=dict, description="token id -> a number added to its logit (-100 bans it); OpenAI's logit_bias"
+    )
     serving_defaults: list[str] = Field(
         default_factory=list,
         description="settings of this stage a served request takes when it omits them (others: the API's defaults)",
@@ -88,7 +91,10 @@ def settings_for(request: Request, params: GenerateParams, plan_seed: int) -> di
 
 def picker_for(settings: dict[str, Any], params: GenerateParams, prompt_len: int) -> TokenPicker:
     """The request's token picker, from its effective settings."""
-    return build_picker(sampling_params(settings, logprobs_top_n=max(params.logprobs, ALTERNATIVES)), prompt_len)
+    bias = tuple(sorted(params.logit_bias.items()))
+    return build_picker(
+        sampling_params(settings, logprobs_top_n=max(params.logprobs, ALTERNATIVES), logit_bias=bias), prompt_len
+    )
 
 
 @dataclass

@@ -44,11 +44,15 @@ RequestSettings = settings_model()
 SAMPLING_FIELDS: tuple[str, ...] = tuple(n for n in RequestSettings.model_fields if n not in ("max_new_tokens", "stop"))
 
 
-def sampling_params(settings: dict[str, Any], logprobs_top_n: int) -> SamplingParams:
+def sampling_params(
+    settings: dict[str, Any], logprobs_top_n: int, logit_bias: tuple[tuple[int, float], ...] = ()
+) -> SamplingParams:
     """A request's effective settings (a validated plan's, then a validated request line's) for the library:
     checked already, so built as they are."""
     return SamplingParams.trusted(
-        **{name: settings[name] for name in RequestSettings.model_fields}, logprobs_top_n=logprobs_top_n
+        **{name: settings[name] for name in RequestSettings.model_fields},
+        logprobs_top_n=logprobs_top_n,
+        logit_bias=logit_bias,
     )
 
 

@@ -331,20 +331,36 @@ def test_streamed_logprobs_equal_the_whole_answers(live: LiveServer, path: str) 
         assert [t for p in parts for t in p["tokens"]] == whole["tokens"] and len(whole["tokens"]) == 8
 
 
+def test_suffix_is_refused_by_name(live: LiveServer) -> None:
+    answer = httpx.post(f"{live.url}/completions", json={"prompt": "keys", "suffix": " end."}, timeout=30)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "suffix", answer.text
+    empty = {"prompt": "keys", "suffix": "", "max_tokens": 2}  # nothing asked
+    assert post(live, "/completions", empty)[0]["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("path", ["/chat/completions", "/completions"])
+def test_logit_bias_is_honoured(live: LiveServer, path: str) -> None:
+    tok = live.host.context.tokenizer
+    forced = tok.encode(" keys", add_bos=False)[-1]
+    prompt = {"messages": CHAT} if path == "/chat/completions" else {"prompt": "The cache keeps"}
+    greedy = {**prompt, "max_tokens": 6, "temperature": 0, "extra": 1}
+    plain = post(live, path, greedy)[0]
+    pushed = post(live, path, {**greedy, "logit_bias": {str(forced): 100}})[0]
+    text = pushed["choices"][0].get("text") or pushed["choices"][0]["message"]["content"]
+    assert text == tok.decode([forced] * 6)  # +100: that token every time
+    first = tok.encode(plain["choices"][0].get("text") or plain["choices"][0]["message"]["content"], add_bos=False)[0]
+    banned = post(live, path, {**greedy, "logit_bias": {str(first): -100}})[0]
+    again = banned["choices"][0].get("text") or banned["choices"][0]["message"]["content"]
+    assert tok.encode(again, add_bos=False)[:1] != [first]  # -100: never that token
+
+
 @pytest.mark.parametrize(
-    ("path", "field", "value"),
-    [
-        ("/completions", "suffix", " end."),
-        ("/completions", "logit_bias", {"5": 10}),
-        ("/chat/completions", "logit_bias", {"5": -100}),
-    ],
+    ("bias", "says"), [({"x": 1}, "token ids"), ({"5": 101}, "[-100, 100]"), ({"99999999": 1}, "vocabulary")]
 )
-def test_fields_not_honoured_are_refused_by_name(live: LiveServer, path: str, field: str, value: Any) -> None:
-    body = {field: value, **({"messages": CHAT} if path == "/chat/completions" else {"prompt": "keys"})}
-    answer = httpx.post(f"{live.url}{path}", json=body, timeout=30)
-    assert answer.status_code == 400 and answer.json()["error"]["param"] == field, answer.text
-    empty = {field: "" if field == "suffix" else {}, "max_tokens": 2}
-    assert post(live, path, {**body, **empty})[0]["usage"]["completion_tokens"] == 2  # empty: nothing asked
+def test_a_bad_logit_bias_is_refused_by_name(live: LiveServer, bias: dict[str, float], says: str) -> None:
+    answer = httpx.post(f"{live.url}/completions", json={"prompt": "keys", "logit_bias": bias}, timeout=30)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "logit_bias", answer.text
+    assert says in answer.json()["error"]["message"]
 
 
 def test_slots_size_the_kv_cache(tiny_model: Path, tmp_path: Path) -> None:
