@@ -1,0 +1,252 @@
+"""`llmplan eval PLAN... [--text FILE] [--ref PLAN]` — what a precision costs in quality.
+
+Each plan's model is loaded through its own stages (as `llmplan bench` does: the plan's precision, kernels and
+threads), then scored on the same tokens as the reference (default: the first plan in fp32): perplexity, the
+KL-divergence of the next-token distributions (mean, p99), top-1 agreement, per-layer hidden-state drift, and
+the same-token rate of free-running greedy continuations. See llm/quality.py for what each figure means.
+
+The default text ships with the installed Python itself — the documentation topics of `pydoc_data` — so every
+machine scores the same words without fetching anything; `--text FILE` scores the user's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+GREEDY_PROMPT_TOKENS = 64
+
+
+def register(sub: Any) -> None:
+    parser = sub.add_parser(
+        "eval",
+        help="perplexity and divergence from a reference plan (what a precision costs in quality)",
+        description=(
+            "Score plans on the same text: perplexity, KL-divergence from a reference (default: the first plan "
+            "in fp32), top-1 agreement, per-layer drift and the greedy same-token rate.\n\n"
+            "example: llmplan eval plans/llama-int8.yaml plans/llama-int4.yaml --chunks 4"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("plans", nargs="+", metavar="PLAN")
+    parser.add_argument("--text", metavar="FILE", help="UTF-8 text to score (default: Python's pydoc_data topics)")
+    parser.add_argument("--ref", metavar="PLAN", help="the reference plan (default: the first PLAN in fp32)")
+    parser.add_argument("--context", type=int, default=512, metavar="N", help="tokens per chunk (default 512)")
+    parser.add_argument("--chunks", type=int, default=8, metavar="N", help="chunks scored (default 8)")
+    parser.add_argument(
+        "--greedy", type=int, default=32, metavar="N", help="greedy tokens per prompt for the same-token rate (0: off)"
+    )
+    parser.add_argument("--prompts", type=int, default=4, metavar="N", help="greedy prompts (default 4)")
+    parser.add_argument(
+        "--dtypes", metavar="LIST", help="also score the first plan with these weight dtypes (e.g. bf16,int8,int4)"
+    )
+    parser.add_argument(
+        "--kv-dtypes", metavar="LIST", help="also score the first plan with these KV cache dtypes (fp32,bf16,fp16)"
+    )
+    parser.add_argument("--format", choices=["md", "json"], default="md")
+    parser.add_argument("--set", action="append", default=[], metavar="ID.PARAM=VALUE", help="override every plan")
+    parser.set_defaults(handler=run)
+
+
+def default_text() -> str:
+    """Python's own documentation topics, in a fixed order (the same text on every machine of one Python)."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[name] for name in sorted(topics))
+
+
+def read_text(path: str | None) -> tuple[str, str]:
+    """(text, where it came from)."""
+    from llmplan.engine.cli import CliError
+
+    if path is None:
+        return default_text(), f"pydoc_data.topics (Python {sys.version.split()[0]})"
+    try:
+        return Path(path).read_text(encoding="utf-8"), path
+    except (OSError, UnicodeDecodeError) as bad:
+        raise CliError(f"{path}: cannot read the text ({bad.__class__.__name__}: {bad})") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from llmplan.engine.cli import CliError
+
+    for flag, value, low in (("--context", args.context, 4), ("--chunks", args.chunks, 1)):
+        if value < low:
+            raise CliError(f"{flag}: must be at least {low} (got {value})")
+    if args.greedy < 0 or args.prompts < 0:
+        raise CliError("--greedy and --prompts: must not be negative")
+    text, source = read_text(args.text)
+    report = evaluate(args, text, source)
+    if args.format == "json":
+        print(json.dumps(report, indent=2))
+    else:
+        print(markdown(report))
+    return 0
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One model to score: a plan, with what is changed in it for this row."""
+
+    plan: str
+    overrides: tuple[str, ...] = ()
+    change: str = ""  # shown beside the plan's name: "weights int4", "kv bf16"
+
+
+def variants(args: argparse.Namespace) -> tuple[Variant, list[Variant]]:
+    """The reference and the rows: every PLAN as written, then the first plan at each --dtypes / --kv-dtypes."""
+    from llmplan.commands.bench.measure import CONVERT, PLACE, stage_ids
+    from llmplan.engine.cli import CliError
+
+    first = args.plans[0]
+    ids = stage_ids(first, args.set)
+    rows = [Variant(plan) for plan in args.plans]
+    for flag, values, stage, key, what in (
+        ("--dtypes", args.dtypes, CONVERT, "dtype", "weights"),
+        ("--kv-dtypes", args.kv_dtypes, PLACE, "kv_cache.dtype", "kv"),
+    ):
+        if not values:
+            continue
+        if stage not in ids:
+            raise CliError(f"{flag}: {first} has no {stage} stage")
+        for value in (v.strip() for v in values.split(",") if v.strip()):
+            rows.append(Variant(first, (f"{ids[stage]}.{key}={value}",), f"{what} {value}"))
+    if args.ref:
+        return Variant(args.ref), rows
+    if CONVERT not in ids:
+        raise CliError(f"{first}: no {CONVERT} stage to make the fp32 reference from; give --ref PLAN")
+    return Variant(first, (f"{ids[CONVERT]}.dtype=fp32",), "weights fp32"), rows
+
+
+def _load(variant: Variant, overrides: list[str], max_tokens: int) -> Any:
+    from llmplan.commands.bench.measure import bench_overrides, load
+
+    wanted = [*overrides, *variant.overrides]
+    return load(variant.plan, bench_overrides(variant.plan, wanted, dtype=None, max_batch=1, max_tokens=max_tokens))
+
+
+def _label(variant: Variant, loaded: Any) -> dict[str, Any]:
+    cache = loaded.cache
+    return {
+        "plan": loaded.bound.plan.name,
+        "change": variant.change,
+        "weights": str(loaded.metric("load.convert", "dtype") or "as stored"),
+        "activations": str(loaded.model.dtype).removeprefix("torch."),
+        "kv_cache": str(cache.k.dtype).removeprefix("torch.") if cache is not None else None,
+    }
+
+
+def evaluate(args: argparse.Namespace, text: str, source: str) -> dict[str, Any]:
+    """Load the reference and every plan, score them chunk by chunk on the same tokens, summarise."""
+    from llmplan.commands.tokenize import load_tokenizer
+    from llmplan.engine.cli import CliError
+    from llmplan.engine.console import RichProgress
+    from llmplan.llm import quality
+
+    need = max(args.context, GREEDY_PROMPT_TOKENS + args.greedy + 1)
+    ref_variant, rows_wanted = variants(args)
+    ref = _load(ref_variant, args.set, need)
+    models = [_load(variant, args.set, need) for variant in rows_wanted]
+    # Loading stops at `load.to_device`, which does not need the tokenizer: each plan's is loaded on its own.
+    tok = load_tokenizer(ref_variant.plan, args.set)
+    ids = tok.encode(text, add_bos=False, special=False)
+    probe = ids[:256]
+    tokenizers = {ref_variant.plan: tok}
+    for variant, loaded in zip(rows_wanted, models, strict=True):
+        if variant.plan not in tokenizers:
+            tokenizers[variant.plan] = load_tokenizer(variant.plan, args.set)
+        theirs = tokenizers[variant.plan].encode(tok.decode(probe), add_bos=False, special=False)
+        if loaded.model.cfg.vocab_size != ref.model.cfg.vocab_size or theirs != probe:
+            raise CliError(f"{variant.plan}: its tokenizer differs from the reference's: nothing to compare")
+    pieces = quality.chunks(ids, args.context, args.chunks)
+    if not pieces:
+        raise CliError(f"{source}: {len(ids)} tokens, fewer than one chunk of --context {args.context}")
+    perplexity = [quality.Perplexity() for _ in models]
+    ref_perplexity = quality.Perplexity()
+    divergence = [quality.Divergence() for _ in models]
+    progress = RichProgress()
+    with progress.task("scoring", total=len(pieces) * (len(models) + 1)) as advance:
+        for chunk in pieces:
+            ref_pass = quality.score_chunk(ref.model, chunk, ref.cache)
+            ref_perplexity.add(ref_pass, chunk)
+            advance(1)
+            for i, loaded in enumerate(models):
+                ours = quality.score_chunk(loaded.model, chunk, loaded.cache)
+                perplexity[i].add(ours, chunk)
+                divergence[i].add(ours, ref_pass)
+                advance(1)
+    prompts = [chunk[:GREEDY_PROMPT_TOKENS] for chunk in pieces[: args.prompts]] if args.greedy else []
+    ref_greedy = _greedy(ref, prompts, args.greedy)
+    rows = []
+    for i, (variant, loaded) in enumerate(zip(rows_wanted, models, strict=True)):
+        row = {**_label(variant, loaded), **perplexity[i].summary(), **divergence[i].summary()}
+        row["same_token_rate"] = quality.same_token_rate(_greedy(loaded, prompts, args.greedy), ref_greedy)
+        rows.append(row)
+    return {
+        "text": source,
+        "context": args.context,
+        "chunks": len(pieces),
+        "reference": {**_label(ref_variant, ref), **ref_perplexity.summary()},
+        "plans": rows,
+    }
+
+
+def _greedy(loaded: Any, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    """Free-running greedy continuations, one prompt at a time (batch 1: no padding to differ on)."""
+    from llmplan.commands.bench.measure import greedy
+    from llmplan.llm.generate import generate
+
+    out = []
+    for prompt in prompts:
+        (gen,) = generate(
+            loaded.model,
+            loaded.cache,
+            [prompt],
+            pickers=[greedy],
+            max_new_tokens=tokens,
+            eos_ids=set(),
+            pad_id=0,
+            runner=loaded.ctx.model_runner,
+        )
+        out.append(list(gen.tokens))
+    return out
+
+
+def _num(value: Any, digits: int = 4) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
+
+
+def _name(row: dict[str, Any]) -> str:
+    return f"{row['plan']} ({row['change']})" if row["change"] else row["plan"]
+
+
+def markdown(report: dict[str, Any]) -> str:
+    ref = report["reference"]
+    lines = [
+        f"Text: {report['text']}; {report['chunks']} chunks of {report['context']} tokens, "
+        f"{ref['tokens_scored']} tokens scored (the second half of each chunk).",
+        f"Reference: {_name(ref)} ({ref['weights']} weights, {ref['kv_cache']} KV cache) — perplexity "
+        f"{_num(ref['perplexity'], 6)}.",
+        "",
+        "| plan | weights | activations | KV cache | perplexity | Δ ppl | KL mean | KL p99 | top-1 agree | "
+        "same greedy | max layer drift |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in report["plans"]:
+        drift = [d for d in row["layer_drift"] if not math.isnan(d)]
+        delta = (row["perplexity"] / ref["perplexity"] - 1) * 100
+        lines.append(
+            f"| {_name(row)} | {row['weights']} | {row['activations']} | {row['kv_cache']} | "
+            f"{_num(row['perplexity'], 6)} | "
+            f"{delta:+.2f} % | {_num(row['kl_mean'])} | {_num(row['kl_p99'])} | "
+            f"{_num(row['top1_agreement'] * 100, 4)} % | {_num(row['same_token_rate'] * 100, 4)} % | "
+            f"{_num(max(drift) if drift else math.nan)} |"
+        )
+    return "\n".join(lines)
