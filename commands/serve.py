@@ -27,6 +27,7 @@ from llmplan.engine.registry import discover
 from llmplan.engine.serving import ServeError
 
 from .host import ModelHost
+from .slot_sizing import auto_slots
 
 PLACE = "load.to_device"
 DURATION = re.compile(r"^(-?\d+(?:\.\d+)?)([smh]?)$")
@@ -46,11 +47,13 @@ def register(subparsers: Any) -> None:
     )
     serve.add_argument(
         "--slots",
-        type=int,
-        default=None,
+        type=slot_count,
+        default="auto",
         metavar="N",
-        help="requests decoded at once: the KV cache gets N rows of kv_cache.max_tokens each (memory grows "
-        "with N; `validate --deep` shows it); default: the plan's place.max_batch",
+        help="requests decoded at once: the KV cache gets N rows of kv_cache.max_tokens each (`validate --deep` "
+        "shows the memory). Default (auto): the plan's place.max_batch where it sets one, else as many slots as "
+        "fit in a quarter of the free memory (GPU, or available RAM) at start, sized at the cache's dtype "
+        "(fp32 for auto), 1 to 16",
     )
     serve.add_argument("--no-access-log", action="store_true", help="no JSON line per request on stderr")
     serve.add_argument(
@@ -62,6 +65,14 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--quiet", action="store_true", help="no progress on stderr")
     add_model_option(serve)
     serve.set_defaults(handler=cmd_serve)
+
+
+def slot_count(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if not text.isdigit() or not 1 <= int(text) <= 4096:
+        raise argparse.ArgumentTypeError(f"expected auto or a number of slots 1-4096, got {text!r}")
+    return int(text)
 
 
 def duration(text: str) -> float | None:
@@ -80,12 +91,19 @@ def build_host(
     keep_alive_s: float | None,
     quiet: bool = True,
     run_dir: Path | None = None,
-    slots: int | None = None,
+    slots: int | str | None = None,
 ) -> ModelHost:
+    """The host of `plan`; `slots`: N rows of KV cache, "auto" (sized from memory unless the plan sets
+    place.max_batch: slot_sizing.py), or None (the plan's)."""
     from llmplan.engine.console import print_stage
 
     registry = discover()
     bound = load_plan(plan, registry, overrides)
+    if slots == "auto":
+        choice = auto_slots(bound)
+        slots = None if choice is None else choice.slots
+        if choice is not None and not quiet:
+            print(f"slots: {choice.why} (--slots N to choose)", file=sys.stderr)
     if slots is not None:  # the placing stage's max_batch: its KV cache gets that many rows, one per request
         place = next((b.id for b in bound.stages if b.spec.uses == PLACE), None)
         if place is None:
@@ -112,8 +130,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError(  # clients send it in an HTTP header: an empty key, a space or a non-ASCII one cannot work
             "--api-key (or LLMPLAN_API_KEY) must be 1-256 printable ASCII characters without spaces"
         )
-    if args.slots is not None and not 1 <= args.slots <= 4096:
-        raise CliError(f"--slots {args.slots}: must be 1-4096")
     _check_port(args.host, args.port)
     settle_plan(args)
     host = build_host(args.plan, args.set, keep_alive_s=args.keep_alive, quiet=args.quiet, slots=args.slots)

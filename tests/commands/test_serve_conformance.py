@@ -373,3 +373,25 @@ def test_slots_size_the_kv_cache(tiny_model: Path, tmp_path: Path) -> None:
         assert host.scheduler is not None and host.scheduler.cache.slots == 3
     finally:
         host.close()
+
+
+def test_slots_default_to_what_the_memory_allows_unless_the_plan_sets_them(tiny_model: Path, tmp_path: Path) -> None:
+    from llmplan.commands.serve import build_host
+    from llmplan.commands.slot_sizing import MAX_AUTO_SLOTS, auto_slots
+    from llmplan.engine.plan import load_plan
+    from llmplan.engine.registry import discover
+
+    chosen = write_serve_plan(tmp_path, tiny_model, name="chosen", slots=2)
+    free = tmp_path / "free.yaml"  # the same plan without place.max_batch
+    free.write_text(chosen.read_text().replace("max_batch: 2,", "").replace("max_batch: 2", ""))
+    assert "max_batch" not in free.read_text()
+    assert auto_slots(load_plan(str(chosen), discover(), [])) is None  # the plan's choice stands
+    choice = auto_slots(load_plan(str(free), discover(), []))
+    assert choice is not None and choice.slots == MAX_AUTO_SLOTS  # a tiny model's cache: the cap
+    assert "quarter" in choice.why and "128 tokens" in choice.why
+    host = build_host(str(free), [], keep_alive_s=None, run_dir=tmp_path / "run", slots="auto")
+    try:
+        host.load()
+        assert host.scheduler is not None and host.scheduler.cache.slots == MAX_AUTO_SLOTS
+    finally:
+        host.close()
