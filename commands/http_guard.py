@@ -34,7 +34,7 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/metrics")
 OPEN_PATHS = frozenset({"/health"})  # load balancers probe it without credentials
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 

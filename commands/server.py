@@ -52,6 +52,7 @@ from .openai_api import (
     now,
 )
 from .request_body import BodyError, parse_body, validate
+from .responses_api import ResponsesRequest, response_body, response_events
 
 # Stage parameter names back to the request's own, for error messages.
 FIELD_NAMES = {"max_new_tokens": "max_tokens", "messages": "messages", "text": "prompt", "logprobs": "top_logprobs"}
@@ -207,6 +208,10 @@ def create_app(host: ModelHost, settings: ServerSettings) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await service.answer(request, "/v1/completions", CompletionRequest)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await service.answer(request, "/v1/responses", ResponsesRequest)
+
     return app
 
 
@@ -275,12 +280,17 @@ class Answering:
                         self.admitted.release()
 
                 stream = self._stream(body, jobs, queue, cancels, seen, endpoint, on_end)
+                if isinstance(body, ResponsesRequest):
+                    stream = response_events(stream, body, self.card.shown_name(body.model))
                 return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             runs = await self._run_all(request, jobs, arrived)
             self.metrics.requests.labels(endpoint, "200").inc()
             replayed = all(r.context.generations[0].from_cache for r in runs)
             # A replay from the plan's results cache says so (the body keeps OpenAI's shape).
-            return JSONResponse(self._response(body, jobs, runs), headers={"X-Llmplan-Replayed": str(replayed).lower()})
+            answer = self._response(body, jobs, runs)
+            if isinstance(body, ResponsesRequest):
+                answer = response_body(answer, body)
+            return JSONResponse(answer, headers={"X-Llmplan-Replayed": str(replayed).lower()})
         except ApiError as bad:
             self.metrics.requests.labels(endpoint, str(bad.status)).inc()
             return bad.response({"Retry-After": "1"} if bad.status == 429 else None)

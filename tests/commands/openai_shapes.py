@@ -14,8 +14,9 @@ from typing import Any, Literal
 
 from openai.types import Completion, CompletionChoice, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.responses import Response, ResponseStreamEvent
 from openai.types.shared import ErrorObject
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
 
 
 class StreamedCompletionChoice(CompletionChoice):
@@ -36,7 +37,18 @@ KINDS: dict[str, type[BaseModel]] = {
     "text_completion.chunk": CompletionChunk,
     "model": Model,
     "error": ErrorObject,
+    "response": Response,
 }
+EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
+
+
+def conforms_event(body: dict[str, Any]) -> Any:
+    """A Responses streaming event, validated against the SDK's union of events (by its `type`)."""
+    made = EVENTS.validate_python(body)
+    _walk(type(made), body, body["type"])
+    return made
+
+
 EXTRA = {Model: {"llmplan"}}  # the plan behind the model, as metadata
 
 

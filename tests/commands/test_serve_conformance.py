@@ -22,7 +22,7 @@ from llmplan.commands.request_body import validate
 from llmplan.commands.server import Answering, ServerMetrics, ServerSettings, create_app
 
 from .conftest import LiveServer, write_serve_plan
-from .openai_shapes import conforms, stream_bodies
+from .openai_shapes import conforms, conforms_event, stream_bodies
 
 CHAT = [{"role": "user", "content": "Hello model, tokens and layers."}]
 PLAN = "conform"
@@ -395,3 +395,50 @@ def test_slots_default_to_what_the_memory_allows_unless_the_plan_sets_them(tiny_
         assert host.scheduler is not None and host.scheduler.cache.slots == MAX_AUTO_SLOTS
     finally:
         host.close()
+
+
+def test_responses_answer_text_in_openai_shapes(live: LiveServer) -> None:
+    c = sdk(live)
+    chat = c.chat.completions.create(
+        model=PLAN,
+        messages=[{"role": "system", "content": "Be brief."}, *CHAT],
+        max_tokens=6,
+        temperature=0,
+    )
+    made = httpx.post(
+        f"{live.url}/responses",
+        json={"model": PLAN, "input": CHAT[0]["content"], "instructions": "Be brief.", "max_output_tokens": 6},
+        timeout=60,
+    )
+    assert made.status_code == 200, made.text
+    response = conforms("response", made.json())
+    assert response.output_text == chat.choices[0].message.content  # the same chat underneath
+    assert response.usage.input_tokens == chat.usage.prompt_tokens and response.usage.output_tokens == 6
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    parts = [{"type": "input_text", "text": CHAT[0]["content"]}]
+    again = c.responses.create(
+        model=PLAN,
+        input=[{"role": "user", "content": parts}],
+        instructions="Be brief.",
+        max_output_tokens=6,
+        temperature=0,
+    )
+    assert again.output_text == response.output_text and again.created_at > 0
+
+
+def test_responses_stream_their_events(live: LiveServer) -> None:
+    body = {"model": PLAN, "input": "keys and layers", "max_output_tokens": 5, "stream": True}
+    with httpx.stream("POST", f"{live.url}/responses", json=body, timeout=60) as answer:
+        assert answer.status_code == 200
+        lines = list(answer.iter_lines())
+    events = [json.loads(line[len("data: ") :]) for line in lines if line.startswith("data: ")]
+    for e in events:
+        conforms_event(e)
+    kinds = [e["type"] for e in events]
+    assert kinds[:3] == ["response.created", "response.output_item.added", "response.content_part.added"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert deltas == events[-1]["response"]["output"][0]["content"][0]["text"]
+    streamed = sdk(live).responses.create(model=PLAN, input="keys and layers", max_output_tokens=5, stream=True)
+    assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == deltas
