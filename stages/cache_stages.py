@@ -58,7 +58,7 @@ from .results_store import (
     open_existing,
 )
 from .slots import InferenceContext
-from .types import Candidate, Request, Result, candidate_records
+from .types import Candidate, Generation, Request, Result, candidate_records
 
 DEFAULT_DB = "runs/results.sqlite"
 # Generation params that change how output is shown, never what is generated: not part of the key.
@@ -313,17 +313,20 @@ def _source(request: Request, row: dict[str, Any]) -> dict[str, Any]:
 
 def _replay(request: Request, row: dict[str, Any], gen_params: dict[str, Any]) -> Result:
     usage = row.get("usage") or {}
-    return Result(
-        request_id=request.id,
+    # The record's generation; not its timings: the original run's speed says nothing about this one.
+    gen = Generation(
         prompt_tokens=int(usage.get("prompt_tokens", len(request.prompt_ids))),
         tokens=[int(t) for t in row["tokens"]],
-        finish_reason=row["finish_reason"],
         logprobs=[float(x) if x is not None else float("-inf") for x in row.get("logprobs") or []],
+        finish_reason=row["finish_reason"],
+    )
+    return Result(
+        request.id,
+        gen,
         candidates=[
             Candidate([int(t) for t in c.get("tokens", [])], float(c.get("score") or 0.0), c.get("finish_reason"))
             for c in row.get("candidates") or []
         ],
-        timings={},  # the original run's speed says nothing about this one
         params=gen_params,
         from_cache=True,
     )

@@ -244,7 +244,7 @@ class Generate(Stage):
         for request, seq, settings in submitted:
             gen = seq.generation
             computed = gen.prompt_tokens - seq.reused
-            result = _result(request, gen, gen.prompt_tokens, settings, stats.busy_max, computed, params.logprobs)
+            result = _result(request, gen, settings, stats.busy_max, computed, params.logprobs)
             result.streamed = stream
             if gen.finish_reason == "error":
                 ctx.log.warning("generation_error", request=request.id, error=gen.error)
@@ -303,8 +303,9 @@ class Generate(Stage):
             shown.end()
             ctx.stream("\n")
         out = []
-        for request, gen, prompt, s in zip(group, gens, prompts, settings, strict=True):
-            result = _result(request, gen, len(prompt), s, len(group), sum(len(p) for p in prompts), params.logprobs)
+        batch_prompt = sum(len(p) for p in prompts)
+        for request, gen, s in zip(group, gens, settings, strict=True):
+            result = _result(request, gen, s, len(group), batch_prompt, params.logprobs)
             result.streamed = stream
             if gen.finish_reason == "error":
                 ctx.log.warning("generation_error", request=request.id, error=gen.error)
@@ -378,17 +379,17 @@ class Generate(Stage):
                 )
         except (torch.OutOfMemoryError, RuntimeError) as bad:
             ctx.log.warning("generation_error", request=request.id, error=str(bad))
-            return Result(request.id, len(prompt), [], "error", error=plain_error(bad))
+            return Result.failed(request.id, len(prompt), plain_error(bad))
         wall = time.perf_counter() - start
         best = candidates[0]
+        # A beam search is timed as a whole (one wall clock): its rows share every pass.
+        gen = Generation(len(prompt), list(best.tokens), finish_reason=best.finish_reason, decode_s=wall)
         return Result(
-            request_id=request.id,
-            prompt_tokens=len(prompt),
-            tokens=list(best.tokens),
-            finish_reason=best.finish_reason,
+            request.id,
+            gen,
             candidates=list(candidates),
-            timings={"wall_s": wall, "decode_tokens_per_s": len(best.tokens) / wall if wall > 0 else 0.0},
             params=settings | {"num_beams": params.num_beams, "length_penalty": params.length_penalty},
+            timed_as="search",
         )
 
 
@@ -436,34 +437,13 @@ def serving_loop(ctx: InferenceContext, params: GenerateParams) -> EngineLoop:
 def _result(
     request: Request,
     gen: Generation,
-    prompt_len: int,
     settings: dict[str, Any],
     batch: int,
     batch_prompt: int,
     logprobs: int,
 ) -> Result:
-    """Per-request timings. batch_prompt: the prompt tokens the prefill time covers (a static batch's prefill
-    is one pass for all its rows; a scheduled request's is its own, less any reused prefix)."""
-    decoded = max(len(gen.tokens) - 1, 0)
-    timings = {
-        "queue_s": gen.queued_s,  # submitted -> admitted into a slot (0 for a static batch)
-        "prefill_s": gen.prefill_s,
-        "ttft_s": gen.ttft_s if gen.ttft_s is not None else 0.0,
-        "decode_s": gen.decode_s,
-        "prefill_tokens_per_s": batch_prompt / gen.prefill_s if gen.prefill_s > 0 else 0.0,
-        "decode_tokens_per_s": decoded / gen.decode_s if gen.decode_s > 0 else 0.0,
-        "batch": float(batch),
-    }
+    """batch_prompt: the prompt tokens the prefill time covers (a static batch's prefill is one pass for all its
+    rows; a scheduled request's is its own, less any reused prefix)."""
     return Result(
-        request_id=request.id,
-        prompt_tokens=prompt_len,
-        tokens=list(gen.tokens),
-        finish_reason=gen.finish_reason or "length",
-        logprobs=list(gen.logprobs),
-        top_logprobs=[(t or [])[:logprobs] for t in gen.top_logprobs] if logprobs and any(gen.top_logprobs) else None,
-        error=gen.error,
-        timings=timings,
-        params=settings,
-        alternatives=[t or [] for t in gen.top_logprobs] if any(gen.top_logprobs) else None,
-        token_times=list(gen.token_times),
+        request.id, gen, top_n=logprobs, params=settings, timed_as="phases", batch=batch, batch_prompt=batch_prompt
     )

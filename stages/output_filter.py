@@ -218,7 +218,7 @@ def apply_filter(completion: Result, entries: list[Entry] | Matcher, action: str
             note = f"rejected: {_plural(max(shown, behind), 'blocklist match')}"
             completion.text = ""
             completion.candidate_texts = ["" for _ in completion.candidate_texts]
-            completion.error = REJECTED
+            completion.rejected = REJECTED
         else:
             note = f"masked {_plural(shown, 'blocklist match')}" if shown else "token data withheld"
             completion.text = matcher.mask(completion.text, MASK)
@@ -239,25 +239,21 @@ def apply_filter(completion: Result, entries: list[Entry] | Matcher, action: str
 
 def _redact_tokens(completion: Result) -> None:
     # The ids (and their logprobs and alternatives) spell the text that was masked or rejected: keep none of
-    # them. New lists, not edits in place: the same lists may still be held by `generations` or `answers`.
+    # them. `redacted_tokens` hides the generation's (which `generations` still holds); the rest are new lists,
+    # not edits in place: the same lists may still be held by `answers`.
     completion.redacted_tokens = completion.completion_tokens
-    completion.tokens, completion.ids, completion.logprobs, completion.token_logprobs = [], [], [], None
-    completion.top_logprobs, completion.alternatives = None, None
+    completion.ids, completion.token_logprobs = [], None
     completion.candidates = [replace(cand, tokens=[]) for cand in completion.candidates]
     completion.candidate_ids = [[] for _ in completion.candidate_ids]
 
 
 def _drop_alternatives(completion: Result, withheld: list[set[int]]) -> None:
-    def kept(steps: list[list[tuple[int, float]]] | None) -> list[list[tuple[int, float]]] | None:
-        if steps is None:
-            return None
-        return [
-            [(t, lp) for t, lp in (step or []) if i >= len(withheld) or int(t) not in withheld[i]]
-            for i, step in enumerate(steps)
-        ]
-
-    completion.top_logprobs = kept(completion.top_logprobs)
-    completion.alternatives = kept(completion.alternatives)
+    # top_logprobs and alternatives leave out what `withheld` names (the generation keeps them for the record)
+    before = completion.withheld or []
+    steps = max(len(before), len(withheld))
+    completion.withheld = [
+        (before[i] if i < len(before) else set()) | (withheld[i] if i < len(withheld) else set()) for i in range(steps)
+    ]
     if completion.token_logprobs is not None:
         completion.token_logprobs = [
             {

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from llmplan.llm.beam_search import Candidate  # stated once, where beam search makes them
 from llmplan.llm.generate import FinishReason  # stated once, where generation ends sequences
+from llmplan.llm.generation import Generation  # one row's output, as every generation loop makes it
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,9 @@ class Request:
     noticed_truncation: int = 0  # how much of `truncated` was already reported (ctx.notice)
 
 
+TimedAs = Literal["phases", "search"]
+
+
 @dataclass
 class Result:
     """One request's result, the one type carried from generation to the sinks.
@@ -79,26 +83,25 @@ class Result:
     compute.generate (or cache.lookup, replaying) fills the first part and writes `generations`;
     output.postprocess copies each result and adds the ids a reader gets (`answers`); output.detokenize
     copies again and adds the text (`completions`), which output.filter may edit before the sinks.
-    Each stage writes new objects, so a slot never changes under a stage that already read it.
+    Each stage writes new objects, so a slot never changes under a stage that already read it: the
+    `Generation` is shared by those copies and never edited; what the filter takes away it states
+    (`redacted_tokens`, `withheld`, `rejected`) and the views below apply it.
     """
 
     # compute.generate
     request_id: str
-    prompt_tokens: int
-    tokens: list[int]  # generated ids as produced (EOS included), aligned with logprobs
-    finish_reason: FinishReason
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    error: str | None = None
+    generation: Generation  # the row as the generation loop left it: ids, logprobs, alternatives, timings
+    top_n: int = 0  # `logprobs: N`: how many alternatives per token the answer shows (the record keeps more)
     candidates: list[Candidate] = field(default_factory=list)  # beams, as generated
-    timings: dict[str, float] = field(default_factory=dict)
     params: dict[str, Any] = field(default_factory=dict)
+    # How `generation` was timed: "phases" (queue, prefill, decode: the engine loop or a static batch of
+    # `batch` rows whose one prefill covered `batch_prompt` tokens), "search" (beam search: one wall clock, in
+    # decode_s), None (replayed or failed before generating: nothing to report).
+    timed_as: TimedAs | None = None
+    batch: int = 1
+    batch_prompt: int = 0
     from_cache: bool = False
     streamed: bool = False  # the text was already shown through ctx.stream as it was generated
-    # For the run's own record (generations.json), not the answer: the best few tokens at each step, and
-    # when each token was picked (perf_counter seconds).
-    alternatives: list[list[tuple[int, float]]] | None = None
-    token_times: list[float] = field(default_factory=list)
     # output.postprocess: special, template and invalid ids removed
     ids: list[int] = field(default_factory=list)
     dropped_invalid: list[int] = field(default_factory=list)
@@ -110,7 +113,85 @@ class Result:
     # With `logprobs: N`: per generated token {token, id, logprob, top_logprobs: [{token, id, logprob}]}.
     token_logprobs: list[dict[str, Any]] | None = None
     flagged: list[str] = field(default_factory=list)
-    redacted_tokens: int | None = None  # output.filter dropped `tokens`; this many were generated
+    redacted_tokens: int | None = None  # output.filter dropped the token data; this many were generated
+    withheld: list[set[int]] | None = None  # output.filter: per step, the alternatives it left out
+    rejected: str | None = None  # output.filter rejected the answer: this is its error
+
+    @classmethod
+    def failed(cls, request_id: str, prompt_tokens: int, error: str, **extra: Any) -> Result:
+        """A request that produced nothing: its error, no timings."""
+        return cls(request_id, Generation(prompt_tokens, finish_reason="error", error=error), **extra)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.generation.prompt_tokens
+
+    @property
+    def finish_reason(self) -> FinishReason:
+        return self.generation.finish_reason or "length"
+
+    @property
+    def error(self) -> str | None:
+        return self.rejected if self.rejected is not None else self.generation.error
+
+    @property
+    def tokens(self) -> list[int]:
+        """Generated ids as produced (EOS included), aligned with logprobs."""
+        return [] if self.redacted_tokens is not None else self.generation.tokens
+
+    @property
+    def logprobs(self) -> list[float]:
+        return [] if self.redacted_tokens is not None else self.generation.logprobs
+
+    @property
+    def token_times(self) -> list[float]:
+        """When each token was picked (perf_counter seconds), for the run's record."""
+        return self.generation.token_times
+
+    @property
+    def top_logprobs(self) -> list[list[tuple[int, float]]] | None:
+        """The N best alternatives at each step, with `logprobs: N`."""
+        tops = self.generation.top_logprobs
+        if self.redacted_tokens is not None or not self.top_n or not any(tops):
+            return None
+        return self._kept([(t or [])[: self.top_n] for t in tops])
+
+    @property
+    def alternatives(self) -> list[list[tuple[int, float]]] | None:
+        """For the run's record (generations.json), not the answer: the best few tokens at each step."""
+        tops = self.generation.top_logprobs
+        if self.redacted_tokens is not None or not any(tops):
+            return None
+        return self._kept([t or [] for t in tops])
+
+    def _kept(self, steps: list[list[tuple[int, float]]]) -> list[list[tuple[int, float]]]:
+        withheld = self.withheld
+        if withheld is None:
+            return steps
+        return [
+            [(t, lp) for t, lp in step if i >= len(withheld) or int(t) not in withheld[i]]
+            for i, step in enumerate(steps)
+        ]
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """The generation's timings as the sinks write them (seconds and rates, by name)."""
+        gen = self.generation
+        if self.timed_as == "search":
+            wall = gen.decode_s
+            return {"wall_s": wall, "decode_tokens_per_s": len(gen.tokens) / wall if wall > 0 else 0.0}
+        if self.timed_as is None:
+            return {}
+        decoded = max(len(gen.tokens) - 1, 0)
+        return {
+            "queue_s": gen.queued_s,  # submitted -> admitted into a slot (0 for a static batch)
+            "prefill_s": gen.prefill_s,
+            "ttft_s": gen.ttft_s if gen.ttft_s is not None else 0.0,
+            "decode_s": gen.decode_s,
+            "prefill_tokens_per_s": self.batch_prompt / gen.prefill_s if gen.prefill_s > 0 else 0.0,
+            "decode_tokens_per_s": decoded / gen.decode_s if gen.decode_s > 0 else 0.0,
+            "batch": float(self.batch),
+        }
 
     @property
     def completion_tokens(self) -> int:

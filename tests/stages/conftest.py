@@ -4,6 +4,7 @@ inside the real engine."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from llmplan.stages.output_postprocess import OutputPostprocess
 from llmplan.stages.output_release import OutputRelease
 from llmplan.stages.output_write import OutputWrite
 from llmplan.stages.slots import InferenceContext
-from llmplan.stages.types import ModelSource, Request, Result
+from llmplan.stages.types import Generation, ModelSource, Request, Result
 from tests.stages.tiny_run import train_byte_bpe
 
 SPECIALS = ["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
@@ -64,12 +65,24 @@ def ctx(tokenizer: Tokenizer) -> InferenceContext:
     return context
 
 
-def make_generation(tokenizer: Tokenizer, request_id: str, text: str, *, finish: str = "eos", **extra: Any) -> Result:
+GENERATION_FIELDS = {f.name for f in dataclasses.fields(Generation)}
+TIMING_FIELDS = {"queued_s", "prefill_s", "ttft_s", "decode_s"}
+
+
+def make_generation(
+    tokenizer: Tokenizer, request_id: str, text: str, *, finish: str = "eos", prompt_tokens: int = 5, **extra: Any
+) -> Result:
+    """A result as compute.generate makes it: Generation's fields (logprobs, ttft_s, …) go to its generation,
+    the rest to the Result; given a timing, it was timed by phases."""
     ids = tokenizer.encode(text)
     if finish == "eos":
         assert tokenizer.eos_id is not None
         ids = [*ids, tokenizer.eos_id]
-    return Result(request_id, prompt_tokens=5, tokens=ids, finish_reason=finish, **extra)  # type: ignore[arg-type]
+    row = {k: extra.pop(k) for k in list(extra) if k in GENERATION_FIELDS}
+    if TIMING_FIELDS & set(row):
+        extra.setdefault("timed_as", "phases")
+    generation = Generation(prompt_tokens, ids, finish_reason=finish, **row)  # type: ignore[arg-type]
+    return Result(request_id, generation, **extra)
 
 
 def make_request(tokenizer: Tokenizer, request_id: str, prompt: str, **overrides: Any) -> Request:
@@ -134,13 +147,15 @@ class FakeGenerate(Stage):
                 ctx.tokenizer,
                 r.id,
                 f"{params.answer} ({r.id})",
+                prompt_tokens=len(r.prompt_ids),
                 logprobs=[-0.5] * (len(ctx.tokenizer.encode(f"{params.answer} ({r.id})")) + 1),
-                timings={"ttft_s": 0.01, "decode_tokens_per_s": 100.0, "prefill_tokens_per_s": 500.0},
+                ttft_s=0.01,
+                prefill_s=0.01,
+                decode_s=0.05,
+                batch_prompt=5,
             )
             for r in ctx.requests
         ]
-        for gen in ctx.generations:
-            gen.prompt_tokens = len(next(r for r in ctx.requests if r.id == gen.request_id).prompt_ids)
 
 
 OUTPUT_STAGES = (

@@ -134,7 +134,7 @@ def test_errors_are_stored_but_never_replayed(ctx, make_plan, tokenizer, tokeniz
     ctx.plan = make_plan(_plan_text(tokenizer_dir, db))
     ctx.model_source = ModelSource(tmp_path, "hf-dir", "fp")
     ctx.requests = [req(tokenizer, "a", "hi")]
-    ctx.completions = [Result("a", 1, [], "error", error="out of memory", prompt="hi")]
+    ctx.completions = [Result.failed("a", 1, "out of memory", prompt="hi")]
     OutputCache().run(ctx, StoreParams(db=str(db)))
     assert ctx.cache_record["keys"] == [None] and ctx.cache_record["results"] == 1
     CacheLookup().run(ctx, LookupParams(db=str(db)))

@@ -17,7 +17,7 @@ from llmplan.engine.stage import Params, Phase, Stage
 from llmplan.stages.output_filter import MASK, apply_filter, load_blocklist
 from llmplan.stages.slots import InferenceContext
 from llmplan.stages.text_match import Matcher, StreamGuard, normalize
-from llmplan.stages.types import Candidate, Result
+from llmplan.stages.types import Candidate, Generation, Result
 
 BLOCKED = ["secret", "straße", "launch code"]
 
@@ -153,7 +153,8 @@ def test_unbounded_regex_holds_the_stream_until_the_end(tmp_path):
 def test_flagged_completion_keeps_no_token_data(blocklist):
     matcher = Matcher(load_blocklist(blocklist))
     for action in ("mask", "reject"):
-        c = Result("a", 3, [1, 2, 3, 4], "eos", logprobs=[-1.0] * 4, prompt="p", text="the ѕесrеt")
+        generated = Generation(3, [1, 2, 3, 4], [-1.0] * 4, finish_reason="eos")
+        c = Result("a", generated, prompt="p", text="the ѕесrеt")
         c.token_logprobs = [{"token": "x", "id": 1, "logprob": -1.0, "top_logprobs": []}]
         c.candidates, c.candidate_texts = [Candidate([1, 2], -1.0, "eos")], ["the secret"]
         assert apply_filter(c, matcher, action)
@@ -188,7 +189,9 @@ class StreamingGenerate(Stage):
             ctx.stream(ctx.tokenizer.decode(ids[: i + 1])[len(ctx.tokenizer.decode(ids[:i])) :])
         ctx.stream("\n")
         ctx.generations = [
-            Result(r.id, len(r.prompt_ids), list(ids), "length", logprobs=[-0.5] * len(ids), streamed=True)
+            Result(
+                r.id, Generation(len(r.prompt_ids), list(ids), [-0.5] * len(ids), finish_reason="length"), streamed=True
+            )
             for r in ctx.requests
         ]
         finish_observing(ctx, ctx.generations)

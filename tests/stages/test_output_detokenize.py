@@ -39,16 +39,29 @@ def test_completion_fields(ctx, tokenizer, gen, req):
         "a",
         "Hello world.",
         logprobs=[-0.1] * 4,
-        timings={"ttft_s": 0.02, "decode_tokens_per_s": 50.0},
+        prompt_tokens=7,
+        ttft_s=0.02,
+        prefill_s=0.01,
+        decode_s=0.06,
+        batch_prompt=7,
         from_cache=True,
         streamed=True,
     )
-    g.prompt_tokens = 7
     (c,) = _complete(ctx, [g], [req(tokenizer, "a", "Say hello")])
     assert c.request_id == "a" and c.prompt == "Say hello" and c.finish_reason == "eos"
     assert c.prompt_tokens == 7 and c.completion_tokens == len(g.tokens) and c.tokens == g.tokens
     assert c.logprobs == [-0.1] * 4
-    assert c.timings == {"ttft_s": 0.02, "decode_tokens_per_s": 50.0}
+    assert c.generation is g.generation  # shared, never copied: the timings stay typed until a sink writes them
+    decoded = len(g.tokens) - 1
+    assert c.timings == {
+        "queue_s": 0.0,
+        "prefill_s": 0.01,
+        "ttft_s": 0.02,
+        "decode_s": 0.06,
+        "prefill_tokens_per_s": 7 / 0.01,
+        "decode_tokens_per_s": decoded / 0.06,
+        "batch": 1.0,
+    }
     assert c.from_cache and c.streamed and c.error is None
 
 
@@ -87,8 +100,9 @@ def test_top_logprobs_reach_the_result(ctx, tokenizer, gen, req):
     from llmplan.stages.output_format import result_object
 
     g = gen(tokenizer, "t", "The sky", finish="length")
-    g.logprobs = [-0.1 * (i + 1) for i in range(len(g.tokens))]
-    g.top_logprobs = [[(t, lp), (t + 1, lp - 1.0)] for t, lp in zip(g.tokens, g.logprobs, strict=True)]
+    g.generation.logprobs = [-0.1 * (i + 1) for i in range(len(g.tokens))]
+    g.generation.top_logprobs = [[(t, lp), (t + 1, lp - 1.0)] for t, lp in zip(g.tokens, g.logprobs, strict=True)]
+    g.top_n = 2
     (c,) = _complete(ctx, [g], [req(tokenizer, "t", "p")])
     entries = result_object(c)["token_logprobs"]
     assert [e["id"] for e in entries] == g.tokens

@@ -4,11 +4,11 @@ import pytest
 
 from llmplan.engine.findings import StageFailure
 from llmplan.stages.output_filter import FilterParams, OutputFilter
-from llmplan.stages.types import Candidate, Result
+from llmplan.stages.types import Candidate, Generation, Result
 
 
 def _completion(text: str, **kw) -> Result:
-    return Result("a", 3, [1, 2, 3, 4], "eos", prompt="prompt", text=text, **kw)
+    return Result("a", Generation(3, [1, 2, 3, 4], finish_reason="eos"), prompt="prompt", text=text, **kw)
 
 
 @pytest.fixture

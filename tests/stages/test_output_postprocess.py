@@ -21,7 +21,8 @@ def test_specials_and_template_tokens_are_dropped(ctx, tokenizer, gen):
     start, end = tokenizer.token_to_id("<|im_start|>"), tokenizer.token_to_id("<|im_end|>")
     body = tokenizer.encode("Hello world.")
     g = gen(tokenizer, "a", "x")
-    g.tokens = [tokenizer.bos_id, start, *body, end, tokenizer.pad_id, tokenizer.eos_id, *tokenizer.encode("after")]
+    tok = tokenizer
+    g.generation.tokens = [tok.bos_id, start, *body, end, tok.pad_id, tok.eos_id, *tok.encode("after")]
     (answer,) = _run(ctx, [g])
     assert answer.ids == body  # everything after EOS is gone, specials anywhere are gone
     assert answer.dropped_invalid == []
@@ -30,7 +31,7 @@ def test_specials_and_template_tokens_are_dropped(ctx, tokenizer, gen):
 def test_invalid_ids_are_dropped_with_a_warning(ctx, tokenizer, gen):
     body = tokenizer.encode("Hello world.")
     g = gen(tokenizer, "a", "x", finish="length")
-    g.tokens = [*body[:2], -1, tokenizer.vocab_size, *body[2:], 10**9]
+    g.generation.tokens = [*body[:2], -1, tokenizer.vocab_size, *body[2:], 10**9]
     g.candidates = [Candidate([*body, tokenizer.vocab_size + 7], -1.0, "length")]
     with capture_logs() as logs:
         (answer,) = _run(ctx, [g])
@@ -80,11 +81,11 @@ def test_length_cut_inside_an_emoji_leaves_no_replacement_char(ctx, tokenizer, g
     full = tokenizer.encode("more 🦄")  # not in the training corpus: one byte token per UTF-8 byte
     assert tokenizer.decode(full[:-1]).endswith("\ufffd"), "the test needs an emoji spread over byte tokens"
     g = gen(tokenizer, "a", "x", finish="length")
-    g.tokens = full[:-1]  # cut in the middle of the emoji's bytes
+    g.generation.tokens = full[:-1]  # cut in the middle of the emoji's bytes
     (answer,) = _run(ctx, [g])
     text = _text(tokenizer, answer.ids)
     assert "\ufffd" not in text and text.rstrip() == "more"  # the space may share a token with the first byte
-    g.tokens = full  # complete: untouched
+    g.generation.tokens = full  # complete: untouched
     (answer,) = _run(ctx, [g])
     assert _text(tokenizer, answer.ids) == "more 🦄"
 

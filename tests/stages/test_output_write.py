@@ -10,7 +10,7 @@ from llmplan.engine.findings import StageFailure
 from llmplan.stages import output_format, output_write
 from llmplan.stages.output_format import RESULT_KEYS, SCHEMA
 from llmplan.stages.output_write import OutputWrite, WriteParams
-from llmplan.stages.types import Candidate, ModelSource, Result
+from llmplan.stages.types import Candidate, Generation, ModelSource, Result
 
 PLAN = """
 name: write-test
@@ -25,12 +25,10 @@ stages:
 
 
 def _completion(rid: str = "r0", text: str = "Hello world.", **kw) -> Result:
-    base = {
-        "timings": {"ttft_s": 0.125, "decode_tokens_per_s": 42.5, "prefill_tokens_per_s": 300.0},
-        "logprobs": [-0.25, -0.5, -1.0],
-    }
-    base.update(kw)
-    return Result(rid, 3, [5, 6, 2], "eos", prompt="Say hello", text=text, **base)
+    # 2 tokens decoded at 42.5 tokens/s; 3 prompt tokens prefilled in 0.01 s: 300 tokens/s
+    gen = Generation(3, [5, 6, 2], [-0.25, -0.5, -1.0], finish_reason="eos", prefill_s=0.01, ttft_s=0.125)
+    gen.decode_s = 2 / 42.5
+    return Result(rid, gen, timed_as="phases", batch_prompt=3, prompt="Say hello", text=text, **kw)
 
 
 def _beam() -> Result:
@@ -81,9 +79,13 @@ def test_json_mode_prints_only_json_lines(ctx, make_plan, capsys):
     assert first["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
     assert first["timings"] == {
         "load_s": 3.5,
+        "queue_s": 0.0,
+        "prefill_s": 0.01,
         "ttft_s": 0.125,
+        "decode_s": 2 / 42.5,
         "prefill_tokens_per_s": 300.0,
         "decode_tokens_per_s": 42.5,
+        "batch": 1.0,
     }
     assert first["tokens"] == [5, 6, 2] and first["logprobs"] == [-0.25, -0.5, -1.0] and first["candidates"] == []
     assert [c["score"] for c in beam["candidates"]] == [-1.5, None]  # -inf is not JSON: null
