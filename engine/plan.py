@@ -245,16 +245,17 @@ def bind(source: Source, registry: Registry, overrides: list[str] | None = None)
         # Schema errors elsewhere must not hide errors in stage parameters: validate those we can.
         for index, raw in enumerate(data.get("stages") or [] if isinstance(data.get("stages"), list) else []):
             if isinstance(raw, dict) and isinstance(raw.get("uses"), str):
-                findings += _stage_findings(index, raw.get("uses"), raw.get("with") or {}, source, registry, overridden)
+                _, problems = _stage_params(index, raw.get("uses"), raw.get("with") or {}, source, registry, overridden)
+                findings += problems
         raise PlanError(_dedupe(findings))
 
     bound: list[BoundStage] = []
     for index, spec in enumerate(plan.stages):
         stage_cls = registry.get(spec.uses)
-        problems = _stage_findings(index, spec.uses, spec.with_, source, registry, overridden)
+        params, problems = _stage_params(index, spec.uses, spec.with_, source, registry, overridden)
         findings += problems
         if stage_cls is not None and not problems:
-            bound.append(BoundStage(index, spec, stage_cls, stage_cls.Params.model_validate(spec.with_)))
+            bound.append(BoundStage(index, spec, stage_cls, params))
     if not findings:
         findings += link_findings(bound, source, registry)
     dag = None
@@ -266,28 +267,28 @@ def bind(source: Source, registry: Registry, overrides: list[str] | None = None)
     return BoundPlan(plan=plan, stages=bound, source=source, raw=data, graph=PlanGraph(dag))
 
 
-def _stage_findings(
+def _stage_params(
     index: int,
     uses: Any,
     params: Any,
     source: Source,
     registry: Registry,
     overridden: set[tuple[str, ...]],
-) -> list[Finding]:
+) -> tuple[Any, list[Finding]]:
+    """A stage's `with:` validated once, by its Params: the parameters, or None and what is wrong with them."""
     stage_cls = registry.get(uses) if isinstance(uses, str) else None
     where: FieldPath = ("stages", index)
     if stage_cls is None:
         if isinstance(uses, str) and uses in registry.broken:
-            return [source.finding((*where, "uses"), f"plugin {uses!r} failed to load: {registry.broken[uses]}")]
+            return None, [source.finding((*where, "uses"), f"plugin {uses!r} failed to load: {registry.broken[uses]}")]
         hint = suggest(str(uses), registry.names())
-        return [source.finding((*where, "uses"), f"unknown stage {uses!r}{hint}; see `llmplan stages`")]
+        return None, [source.finding((*where, "uses"), f"unknown stage {uses!r}{hint}; see `llmplan stages`")]
     if not isinstance(params, dict):
-        return [source.finding((*where, "with"), f"must be a mapping (got {type(params).__name__})")]
+        return None, [source.finding((*where, "with"), f"must be a mapping (got {type(params).__name__})")]
     try:
-        stage_cls.Params.model_validate(params)
+        return stage_cls.Params.model_validate(params), []
     except ValidationError as bad:
-        return _findings(bad, source, (*where, "with"), stage_cls.Params, params, overridden, stage_index=index)
-    return []
+        return None, _findings(bad, source, (*where, "with"), stage_cls.Params, params, overridden, stage_index=index)
 
 
 def _findings(
