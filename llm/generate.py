@@ -75,9 +75,9 @@ class _StaticBatch:
     re-rotated). Cost is no reason to keep it: evicting 64 of 512 slots row by row measured no dearer than
     all 8 rows at once (SmolLM2-135M fp32 cache, 2 shared CPU threads, median of 7, two runs: 125 and
     582 ms for 8 single rows, 157 and 3792 ms for the batch), so once the slot cache evicts per slot, slide
-    becomes a request setting of the loop and this class can go. `generate()` also serves benchmarks and tests as the reference static
-    batch. The ending rules are the loop's (llm/ending.py); beam search is apart for its own measured
-    reason (llm/beam_search.py)."""
+    becomes a request setting of the loop and this class can go. `generate()` also serves benchmarks and
+    tests as the reference static batch. The ending rules are the loop's (llm/ending.py); beam search is
+    apart for its own measured reason (llm/beam_search.py)."""
 
     def __init__(
         self,
