@@ -1,9 +1,9 @@
 """What `/v1/models` says about the served model: its own name (not the plan's), its aliases, the plan as metadata.
 
-The model's id is the name its files give it: a GGUF's `general.name`, else the HF config's `_name_or_path`
-(its last part), else the model directory's name. The plan's name and the GGUF file's stem are aliases: a
-server started with `--strict-model` answers to those and the id only; otherwise every name is accepted, as
-llama-server does (clients send `gpt-4o-mini` or `gpt-3.5-turbo-instruct` by default).
+The model's id is the name its files give it: a GGUF's `general.name` (else its file's stem), or for an HF
+directory its config's `_name_or_path` (the last part), else the directory's name. The plan's name and the
+GGUF file's stem are aliases: a server started with `--strict-model` answers to those and the id only;
+otherwise every name is accepted, as llama-server does (clients send `gpt-4o-mini` by default).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def model_card(source: Any, plan_name: str, created: int) -> ModelCard:
     if gguf is not None:
         names += [n for n in (_gguf_name(Path(gguf)), Path(gguf).stem) if n]
     model_dir = getattr(source, "model_dir", None)
-    if model_dir is not None:
+    if model_dir is not None and gguf is None:  # an imported GGUF's directory is the cache's (a hash in its name)
         names += [n for n in (_config_name(Path(model_dir)), Path(model_dir).name) if n]
     names.append(plan_name)
     unique = list(dict.fromkeys(names))

@@ -442,3 +442,47 @@ def test_responses_stream_their_events(live: LiveServer) -> None:
     assert deltas == events[-1]["response"]["output"][0]["content"][0]["text"]
     streamed = sdk(live).responses.create(model=PLAN, input="keys and layers", max_output_tokens=5, stream=True)
     assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == deltas
+
+
+def test_the_sdk_end_to_end_with_every_field_at_once(live: LiveServer) -> None:
+    """The `openai` client's own calls (raw bodies checked too): n, stop, seed, logprobs, logit_bias,
+    stream_options, explicit nulls and unknown fields together, on chat and completions, whole and streamed."""
+    c = sdk(live)
+    tok = live.host.context.tokenizer
+    ban = tok.encode(" the", add_bos=False)[-1]
+    fields = dict(n=2, seed=11, temperature=0.8, stop=["\n\n"], logit_bias={str(ban): -100}, max_tokens=6)
+    extra = {"user": None, "x_vendor": {"a": 1}}
+    raw = c.chat.completions.with_raw_response.create(
+        model="gpt-4o-mini", messages=CHAT, logprobs=True, top_logprobs=2, extra_body=extra, **fields
+    )
+    conforms("chat.completion", json.loads(raw.text))
+    chat = raw.parse()
+    assert len(chat.choices) == 2 and all(len(ch.logprobs.content) <= 6 for ch in chat.choices)
+    assert all(ban not in tok.encode(ch.message.content or "", add_bos=False) for ch in chat.choices)
+    again = c.chat.completions.create(model="gpt-4o-mini", messages=CHAT, extra_body=extra, **fields)
+    assert [ch.message.content for ch in again.choices] == [ch.message.content for ch in chat.choices]  # seed
+    chunks = list(
+        c.completions.create(
+            model="davinci-002",
+            prompt="keys",
+            stream=True,
+            stream_options={"include_usage": True},
+            logprobs=1,
+            **fields,
+        )
+    )
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    texts = {i: "".join(ch.choices[0].text for ch in chunks if ch.choices and ch.choices[0].index == i) for i in (0, 1)}
+    whole = c.completions.create(model="davinci-002", prompt="keys", **fields)
+    assert [texts[0], texts[1]] == [ch.text for ch in whole.choices]  # streamed = whole, choice by choice
+
+
+def test_an_imported_gguf_is_named_by_its_file_not_the_cache_directory(tmp_path: Path) -> None:
+    from llmplan.commands.model_card import model_card
+    from llmplan.stages.types import ModelSource
+
+    imported = tmp_path / "b179c9523d0e6a0f-f2-Model.Q8_0"  # the importer's cache directory
+    source = ModelSource(imported, "package", "fp", gguf_file=tmp_path / "Model.Q8_0.gguf")  # unreadable: no name
+    card = model_card(source, "my-plan", 0)
+    assert card.id == "Model.Q8_0" and card.aliases == ("my-plan",)
+    assert card.answers_to("my-plan") and not card.answers_to(imported.name)
