@@ -75,6 +75,63 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120.0
     raise RuntimeError(f"llama-server not ready after {timeout_s:g} s")
 
 
+def measure_levels(
+    client: httpx.Client, url: str, args: argparse.Namespace, levels: list[int]
+) -> tuple[int, list[LoadSummary]]:
+    """Against a ready server: the chat template's token count, a warm-up request, then each concurrency level."""
+    results: list[LoadSummary] = []
+
+    def tokens(text: str) -> int:
+        r = client.post("/tokenize", json={"content": text})
+        r.raise_for_status()
+        return len(r.json()["tokens"])
+
+    # The chat template's tokens, measured once: usage.prompt_tokens minus the bare text's tokens.
+    probe = "count these words"
+    r = client.post("/v1/chat/completions", json={
+        "model": "smollm2-q8_0", "max_tokens": 1, "messages": [{"role": "user", "content": probe}]})
+    r.raise_for_status()
+    overhead = r.json()["usage"]["prompt_tokens"] - tokens(probe)
+
+    counts = [max(args.min_requests, 2 * c) for c in levels]
+    prompts = build_prompts(1 + sum(counts), args.prompt_tokens, lambda t: tokens(t) + overhead, seed=14)
+    warm = run_load(url, "smollm2-q8_0", prompts[:1], max_tokens=args.max_tokens, requests=1)
+    print("warm-up:", format_summary(warm), file=sys.stderr)
+    start = 1
+    for c, n in zip(levels, counts, strict=True):
+        s = run_load(url, "smollm2-q8_0", prompts[start:start + n], max_tokens=args.max_tokens,
+                     concurrency=c, requests=n, time_limit_s=args.time_limit)
+        start += n
+        print(format_summary(s), file=sys.stderr)
+        results.append(s)
+    return overhead, results
+
+
+def run_meta(
+    args: argparse.Namespace, load_before: tuple[float, float, float], server_bin: str, model: str, version: str,
+    cmd: list[str], overhead: int,
+) -> dict[str, Any]:
+    """What the figures were measured on: the machine, the llama.cpp build, the model, the server command."""
+    root = Path(server_bin).parent.parent
+    return {
+        "loadavg_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": cpu_info(),
+        "threads": args.threads,
+        "llama_server_version": version,
+        "llama_cpp_python_sdist": root.name,
+        "llama_cpp_commit": (root / "LLAMA_CPP_COMMIT").read_text().strip() if (root / "LLAMA_CPP_COMMIT").exists()
+        else None,
+        "build_flags": (root / "BUILD_FLAGS").read_text().strip() if (root / "BUILD_FLAGS").exists() else None,
+        "model": model,
+        "model_source": Path(model + ".source").read_text().strip(),
+        "server_command": " ".join(["llama-server", "-m", Path(model).name, *cmd[3:]]),
+        "prompt_tokens_target": args.prompt_tokens,
+        "template_tokens": overhead,
+        "max_tokens": args.max_tokens,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--levels", default="1,4,16", help="concurrent clients per level")
@@ -101,35 +158,14 @@ def main(argv: list[str] | None = None) -> int:
            "-c", str(args.ctx_per_slot * args.parallel), "-t", str(args.threads), "--alias", "smollm2-q8_0"]
     log_path = root / "llama-server-baseline.log"  # the server's own log, kept out of the repository
     results: list[LoadSummary] = []
+    overhead = 0
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         client = httpx.Client(base_url=url, trust_env=False, timeout=30)
         try:
             wait_ready(url, proc)
 
-            def tokens(text: str) -> int:
-                r = client.post("/tokenize", json={"content": text})
-                r.raise_for_status()
-                return len(r.json()["tokens"])
-
-            # The chat template's tokens, measured once: usage.prompt_tokens minus the bare text's tokens.
-            probe = "count these words"
-            r = client.post("/v1/chat/completions", json={
-                "model": "smollm2-q8_0", "max_tokens": 1, "messages": [{"role": "user", "content": probe}]})
-            r.raise_for_status()
-            overhead = r.json()["usage"]["prompt_tokens"] - tokens(probe)
-
-            counts = [max(args.min_requests, 2 * c) for c in levels]
-            prompts = build_prompts(1 + sum(counts), args.prompt_tokens, lambda t: tokens(t) + overhead, seed=14)
-            warm = run_load(url, "smollm2-q8_0", prompts[:1], max_tokens=args.max_tokens, requests=1)
-            print("warm-up:", format_summary(warm), file=sys.stderr)
-            start = 1
-            for c, n in zip(levels, counts, strict=True):
-                s = run_load(url, "smollm2-q8_0", prompts[start:start + n], max_tokens=args.max_tokens,
-                             concurrency=c, requests=n, time_limit_s=args.time_limit)
-                start += n
-                print(format_summary(s), file=sys.stderr)
-                results.append(s)
+            overhead, results = measure_levels(client, url, args, levels)
         finally:
             client.close()
             proc.terminate()
@@ -138,23 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
 
-    meta = {
-        "loadavg_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpu": cpu_info(),
-        "threads": args.threads,
-        "llama_server_version": version,
-        "llama_cpp_python_sdist": root.name,
-        "llama_cpp_commit": (root / "LLAMA_CPP_COMMIT").read_text().strip() if (root / "LLAMA_CPP_COMMIT").exists()
-        else None,
-        "build_flags": (root / "BUILD_FLAGS").read_text().strip() if (root / "BUILD_FLAGS").exists() else None,
-        "model": model,
-        "model_source": Path(model + ".source").read_text().strip(),
-        "server_command": " ".join(["llama-server", "-m", Path(model).name, *cmd[3:]]),
-        "prompt_tokens_target": args.prompt_tokens,
-        "template_tokens": overhead,
-        "max_tokens": args.max_tokens,
-    }
+    meta = run_meta(args, load_before, server_bin, model, version, cmd, overhead)
     Path(args.out + ".json").write_text(json.dumps({"meta": meta, "levels": [s.as_dict() for s in results]},
                                                    indent=2) + "\n")
     Path(args.out + ".md").write_text(markdown(meta, results))

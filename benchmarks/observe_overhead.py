@@ -107,30 +107,10 @@ def interleaved(plan: str, tokens: int, prompt_tokens: int = 128) -> dict[str, A
     }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--plan", default="plans/llama-int8.yaml")
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--interleaved-tokens", type=int, default=256)
-    parser.add_argument("--out", default=str(HERE / "observe-overhead"))
-    args = parser.parse_args()
-    rows: list[dict[str, Any]] = []
-    started = time.time()
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds):
-            order = (False, True) if r % 2 == 0 else (True, False)
-            for observed in order:
-                row = run_once(args.plan, args.tokens, observed, Path(tmp) / f"{r}-{int(observed)}")
-                row["round"] = r
-                rows.append(row)
-                print(
-                    f"round {r} {'observed' if observed else 'plain   '} {row['decode_tokens_per_s']:7.2f} tok/s "
-                    f"load {row['load_average']['start'][0] if row['load_average'] else '?'}",
-                    file=sys.stderr,
-                )
-    inner = interleaved(args.plan, args.interleaved_tokens)
-    print(f"interleaved in one process: {inner}", file=sys.stderr)
+def summarize(
+    args: argparse.Namespace, rows: list[dict[str, Any]], inner: dict[str, Any], started: float
+) -> dict[str, Any]:
+    """The rounds' speeds, their ratios and the machine's load, as benchmarks/observe-overhead.json holds them."""
     plain = [r["decode_tokens_per_s"] for r in rows if not r["observed"]]
     observed = [r["decode_tokens_per_s"] for r in rows if r["observed"]]
     ratio = statistics.median(observed) / statistics.median(plain)
@@ -141,7 +121,7 @@ def main() -> int:
     ]
     loads = [r["load_average"]["start"][0] for r in rows if r.get("load_average")]
     paths = {json.dumps(r["decode_paths"]) for r in rows if r["observed"]}
-    summary = {
+    return {
         "plan": args.plan,
         "tokens": args.tokens,
         "rounds": args.rounds,
@@ -156,8 +136,15 @@ def main() -> int:
         "wall_s": time.time() - started,
         "runs": rows,
     }
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+
+
+def markdown(args: argparse.Namespace, summary: dict[str, Any]) -> list[str]:
+    """benchmarks/observe-overhead.md: the per-round table, the medians, the interleaved ratio, the machine."""
+    rows, inner, ratio = summary["runs"], summary["interleaved"], summary["ratio_observed_to_plain"]
+    plain = [r["decode_tokens_per_s"] for r in rows if not r["observed"]]
+    observed = [r["decode_tokens_per_s"] for r in rows if r["observed"]]
+    loads = [r["load_average"]["start"][0] for r in rows if r.get("load_average")]
+    paths = summary["observed_decode_paths"]
     lines = [
         "# Decode speed with per-layer timings on, against off",
         "",
@@ -198,6 +185,37 @@ def main() -> int:
             "rerun the one-liner above on a quiet machine for the process-level one.",
             "",
         ]
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--plan", default="plans/llama-int8.yaml")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--interleaved-tokens", type=int, default=256)
+    parser.add_argument("--out", default=str(HERE / "observe-overhead"))
+    args = parser.parse_args()
+    rows: list[dict[str, Any]] = []
+    started = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            order = (False, True) if r % 2 == 0 else (True, False)
+            for observed in order:
+                row = run_once(args.plan, args.tokens, observed, Path(tmp) / f"{r}-{int(observed)}")
+                row["round"] = r
+                rows.append(row)
+                print(
+                    f"round {r} {'observed' if observed else 'plain   '} {row['decode_tokens_per_s']:7.2f} tok/s "
+                    f"load {row['load_average']['start'][0] if row['load_average'] else '?'}",
+                    file=sys.stderr,
+                )
+    inner = interleaved(args.plan, args.interleaved_tokens)
+    print(f"interleaved in one process: {inner}", file=sys.stderr)
+    summary = summarize(args, rows, inner, started)
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    lines = markdown(args, summary)
     out.with_suffix(".md").write_text("\n".join(lines), encoding="utf-8")
     print("\n".join(lines))
     return 0
