@@ -23,6 +23,8 @@ from llmplan.plain_errors import plain_error
 from .context import Context
 from .executors import Executor
 from .findings import Finding, PlanError
+from .memory import mib
+from .memory_fit import MemoryPlan, parse_size, plan_memory
 from .plan import BoundPlan, bind, load_plan
 from .registry import Registry, discover
 from .stage import DeepCheck
@@ -114,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--set", action="append", default=[], metavar="ID.PARAM=VALUE")
     add_model_option(validate)
     validate.add_argument("--deep", action="store_true", help="also check files, hashes and memory fit")
+    validate.add_argument(
+        "--memory",
+        type=_memory_size,
+        metavar="BYTES",
+        help="--deep: the memory the plan must fit in, e.g. 8G, 512MiB (default: the device's free memory)",
+    )
     validate.add_argument("--format", choices=["text", "json"], default="text")
     validate.set_defaults(handler=cmd_validate)
 
@@ -135,6 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
         except Exception as bad:  # a broken plugin command must not break the CLI
             _err(f"warning: command plugin {point.name!r} failed to load: {bad}")
     return parser
+
+
+def _memory_size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as bad:
+        raise argparse.ArgumentTypeError(str(bad)) from None
 
 
 def _add_plan_options(parser: argparse.ArgumentParser) -> None:
@@ -374,6 +389,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     registry = _registry()
     findings: list[Finding] = []
     estimates: dict[str, dict[str, int]] = {}
+    memory: dict[str, MemoryPlan] = {}
+    if args.memory is not None and not args.deep:
+        raise CliError("validate: --memory needs --deep (the memory plan reads the model's files)")
     if args.model is not None and not os.path.lexists(args.model):
         raise CliError(f"--model {args.model}: not found (an HF-format directory or a .gguf file)")
     if not args.plans:
@@ -392,17 +410,25 @@ def cmd_validate(args: argparse.Namespace) -> int:
             findings.append(Finding(path, 1, 1, "", "nesting too deep to check; refused"))
             continue
         if args.deep:
-            problems, estimate = deep_check(bound)
+            problems, estimate, planned = deep_memory_check(bound, args.memory)
             findings += problems
             estimates[path] = estimate
+            if planned is not None:
+                memory[path] = planned
     if args.format == "json":
-        print(json.dumps({"ok": not findings, "findings": [f.to_dict() for f in findings], "estimates": estimates}))
+        out = {"ok": not findings, "findings": [f.to_dict() for f in findings], "estimates": estimates}
+        print(json.dumps(out | {"memory": {path: plan.to_dict() for path, plan in memory.items()}}))
     else:
         for finding in findings:
             print(str(finding))
         for path, estimate in estimates.items():
             if estimate:
-                parts = ", ".join(f"{k} {v / (1 << 20):.1f} MiB" for k, v in estimate.items() if k != "available")
+                parts = ", ".join(f"{k} {mib(v)}" for k, v in estimate.items() if k != "available")
+                planned = memory.get(path)
+                if planned is not None:
+                    peaks = "".join(f", peak while {k} {mib(v)}" for k, v in planned.peaks.items())
+                    parts += f"{peaks}; predicted peak {mib(planned.peak)} of {mib(planned.available)}"
+                    parts += f" ({planned.available_from})"
                 print(f"{path}: memory estimate: {parts}", file=sys.stderr)
         if not findings:
             print(f"ok: {len(args.plans)} plan(s) valid", file=sys.stderr)
@@ -410,6 +436,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def deep_check(bound: BoundPlan) -> tuple[list[Finding], dict[str, int]]:
+    findings, estimates, _ = deep_memory_check(bound)
+    return findings, estimates
+
+
+def deep_memory_check(
+    bound: BoundPlan, memory: int | None = None
+) -> tuple[list[Finding], dict[str, int], MemoryPlan | None]:
+    """The stages' deep checks, and the memory plan against `memory` bytes (default: the device's free memory)."""
     deep = DeepCheck(bound)
     for stage in bound.stages:
         deep.current = stage.id
@@ -417,13 +451,16 @@ def deep_check(bound: BoundPlan) -> tuple[list[Finding], dict[str, int]]:
             stage.cls().check(stage.params, deep)
         except Exception as bad:
             deep.problem(f"check failed: {plain_error(bad)}")
-    total = sum(deep.estimates.values())
-    if deep.capacity is not None and total > deep.capacity[1]:
-        what, available = deep.capacity
-        deep.current = bound.stages[0].id
-        deep.problem(
-            f"estimated memory {total / (1 << 20):.0f} MiB does not fit {what} ({available / (1 << 20):.0f} MiB)"
-        )
+    capacity = ("--memory", memory) if memory is not None else deep.capacity
+    planned = None
+    if capacity is not None and deep.estimates:
+        sizing = deep.facts.get("kv_sizing")
+        planned = plan_memory(deep.estimates, deep.peaks, capacity, sizing)
+        if not planned.fits:  # one line per plan, on the KV cache's stage when the KV cache is what to change
+            moment = planned.transient()
+            deep.current = deep.peak_stages.get(moment or "") or planned.kv_stage or bound.stages[0].id
+            field = "kv_cache.max_tokens" if planned.max_tokens is not None else ""
+            deep.problem(planned.verdict(), field)
     findings = []
     index = {b.id: b.index for b in bound.stages}
     for stage_id, field, message in deep.problems:
@@ -431,7 +468,7 @@ def deep_check(bound: BoundPlan) -> tuple[list[Finding], dict[str, int]]:
         if not field:
             path = ("stages", index.get(stage_id, 0), "uses")
         findings.append(bound.source.finding(path, message))
-    return findings, deep.estimates
+    return findings, deep.estimates, planned
 
 
 # --- graph, stages, schema -----------------------------------------------------------------------

@@ -104,6 +104,8 @@ class DeepCheck:
         self.problems: list[tuple[str, str, str]] = []  # (stage id, field path inside `with`, message)
         self.estimates: dict[str, int] = {}
         self.capacity: tuple[str, int] | None = None  # (what, bytes) the estimates must fit in
+        self.peaks: dict[str, int] = {}  # transient peaks (e.g. while converting), beside the steady regions
+        self.peak_stages: dict[str, str] = {}  # the stage each peak belongs to, where a finding about it points
         self.current: str = ""
 
     def problem(self, message: str, field: str = "") -> None:
@@ -111,3 +113,8 @@ class DeepCheck:
 
     def estimate(self, region: str, nbytes: int) -> None:
         self.estimates[region] = self.estimates.get(region, 0) + int(nbytes)
+
+    def peak(self, moment: str, nbytes: int) -> None:
+        """Bytes held at once during one moment of the load (not added to the steady regions)."""
+        self.peaks[moment] = max(self.peaks.get(moment, 0), int(nbytes))
+        self.peak_stages[moment] = self.current

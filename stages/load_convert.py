@@ -35,10 +35,11 @@ from llmplan.llm.weight_formats import (
     value_problem,
     value_range,
 )
-from llmplan.llm.weights import fusion_table, internal_shapes
+from llmplan.llm.weights import expected_hf_names, fusion_table, internal_shapes
 from llmplan.ownership import NotOurs
 
-from .load_shard_stream import CONVERTED_MARKER
+from .load_peak import converting_peak, shard_tensor_bytes
+from .load_shard_stream import CONVERTED_MARKER, read_converted_marker
 from .slots import InferenceContext
 from .types import ConvertedWeights
 
@@ -74,25 +75,44 @@ def activation_dtype(precision: str, device_type: str = "cpu") -> torch.dtype:
 
 def weight_bytes(cfg: ModelConfig, precision: str, group_size: int, head: str = "same") -> int:
     """Bytes of the converted weights, for `validate --deep` (same rules as the conversion)."""
-    total = 0
+    return sum(tensor_bytes(cfg, precision, group_size, head).values())
+
+
+def tensor_bytes(cfg: ModelConfig, precision: str, group_size: int, head: str = "same") -> dict[str, int]:
+    """Each converted tensor's bytes (0 for the tied fp32 head: it is the embedding table itself)."""
+    sizes = {}
     for name, shape in internal_shapes(cfg).items():
         count = 1
         for d in shape:
             count *= d
         kind = (head if head != "same" else precision) if name == "output.weight" else precision
         if name == "output.weight" and cfg.tie_word_embeddings and kind == "fp32":
-            continue  # the tied head is the fp32 embedding table itself (converted_bytes counts it once)
-        if not is_linear_weight(name):
-            total += count * 4  # fp32 until load.to_device
-        elif kind in ("fp32",):
-            total += count * 4
+            sizes[name] = 0  # converted_bytes counts the shared storage once
+        elif not is_linear_weight(name) or kind == "fp32":
+            sizes[name] = count * 4  # fp32 (norms and embeddings stay so until load.to_device)
         elif kind in ("fp16", "bf16"):
-            total += count * 2
+            sizes[name] = count * 2
         elif kind == "int8":
-            total += count + shape[0] * 4
+            sizes[name] = count + shape[0] * 4
         else:  # int4: half a byte per weight, fp16 scale and zero per group
-            total += count // 2 + (count // group_size) * 4
-    return total
+            sizes[name] = count // 2 + (count // group_size) * 4
+    return sizes
+
+
+def predicted_peak(manifest: Any, cfg: ModelConfig, sizes: dict[str, int], buffer_shards: int) -> int | None:
+    """Bytes held at once while the shards stream through the conversion (stages/load_peak.py)."""
+    try:
+        converted = read_converted_marker(manifest.model_dir)
+    except StageFailure:
+        return None  # load.shard_stream reports a bad marker
+    if converted is not None:  # a saved conversion: every tensor is kept as it is read
+        shards = shard_tensor_bytes(manifest, set(manifest.tensor_to_shard))
+        if shards is None:
+            return None
+        stored = {name: size for shard in shards for name, size in shard.items()}
+        return converting_peak(shards, {name: [name] for name in stored}, stored, buffer_shards)
+    shards = shard_tensor_bytes(manifest, expected_hf_names(cfg))
+    return None if shards is None else converting_peak(shards, fusion_table(cfg), sizes, buffer_shards)
 
 
 def group_size_problem(cfg: ModelConfig, group_size: int) -> str | None:
@@ -350,5 +370,11 @@ class Convert(Stage):
         problem = group_size_problem(cfg, params.group_size) if params.dtype == "int4" else None
         if problem:
             deep.problem(problem, "group_size")
-        deep.estimate("weights", weight_bytes(cfg, params.dtype, params.group_size, params.head))
+        sizes = tensor_bytes(cfg, params.dtype, params.group_size, params.head)
+        deep.estimate("weights", sum(sizes.values()))
         deep.facts["activation_dtype"] = activation_dtype(params.dtype)
+        manifest = deep.facts.get("manifest")
+        if manifest is not None:
+            peak = predicted_peak(manifest, cfg, sizes, deep.facts.get("buffer_shards", 1))
+            if peak is not None:
+                deep.peak("converting", peak)

@@ -18,7 +18,7 @@ from pydantic import Field
 from torch import Tensor
 
 from llmplan.engine.findings import StageFailure
-from llmplan.engine.stage import Params, Phase, Stage
+from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
 from llmplan.llm.checkpoint import IntegrityError, ShardManifest, read_safetensors_header
 from llmplan.llm.config import ModelConfig
 from llmplan.llm.files import FileProblem, read_json_limited
@@ -139,3 +139,6 @@ class ShardStream(Stage):
         )
         ctx.metrics.set("tensors_wanted", len(wanted))
         ctx.metrics.set("buffer_shards", params.buffer_shards)
+
+    def check(self, params: Any, deep: DeepCheck) -> None:
+        deep.facts["buffer_shards"] = params.buffer_shards  # for load.convert's peak while converting

@@ -15,6 +15,7 @@ from pydantic import Field
 
 from llmplan.engine import heap
 from llmplan.engine.findings import StageFailure
+from llmplan.engine.memory_fit import KVSizing
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
 from llmplan.llm.kv_cache import KVCache, planned_bytes
 from llmplan.llm.kv_layers import DEFAULT_CHUNK
@@ -64,6 +65,32 @@ def work_buffer_bytes(cfg: Any, max_tokens: int) -> int:
     half = cfg.head_dim // 2
     tables = 2 if cfg.rope_local_theta is not None and any(cfg.layer_windows) else 1
     return 4 * (tables * 2 * max_tokens * half + half)
+
+
+def kv_sizing(stage: str, cfg: Any, params: ToDeviceParams, act: torch.dtype) -> KVSizing:
+    """How this stage's bytes (KV cache + work buffers) follow max_batch and max_tokens, for the fit search."""
+
+    def bytes_for(max_batch: int, max_tokens: int) -> int:
+        kv = params.kv_cache.model_copy(update={"max_tokens": max_tokens})
+        other = params.model_copy(update={"max_batch": max_batch, "kv_cache": kv})
+        return kv_cache_bytes(cfg, other, act) + work_buffer_bytes(cfg, max_tokens)
+
+    limits = ToDeviceParams.model_fields["max_batch"].metadata, KVCacheParams.model_fields["max_tokens"].metadata
+    return KVSizing(
+        stage=stage,
+        max_batch=params.max_batch,
+        max_tokens=params.kv_cache.max_tokens,
+        token_limit=min(cfg.max_position_embeddings, _bound(limits[1], "le")),
+        batch_limit=_bound(limits[0], "le"),
+        bytes_for=bytes_for,
+        min_tokens=_bound(limits[1], "ge"),
+        min_batch=_bound(limits[0], "ge"),
+    )
+
+
+def _bound(metadata: list[Any], name: str) -> int:
+    """A field's `ge`/`le` bound, as its pydantic Field declares it (the one statement of the limits)."""
+    return next(int(getattr(m, name)) for m in metadata if hasattr(m, name))
 
 
 def attention_problems(plan: Any, cfg: Any) -> list[tuple[str, str]]:
@@ -166,6 +193,7 @@ class ToDevice(Stage):
             )
         deep.facts["max_batch"] = params.max_batch
         deep.facts["max_tokens"] = params.kv_cache.max_tokens
+        deep.facts["kv_sizing"] = kv_sizing(deep.current, cfg, params, act)
         for bound in getattr(deep.plan, "stages", []):
             beams = getattr(bound.params, "num_beams", 1) if bound.spec.uses == "compute.generate" else 1
             if beams > params.max_batch:  # the rule compute.generate applies at run time
