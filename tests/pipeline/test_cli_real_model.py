@@ -35,7 +35,8 @@ def test_validate_deep_checks_files_and_prints_the_memory_estimate(
     estimate = report["estimates"][str(PLANS / "llama-int8.yaml")]
     # int8 linears (106M weights + scales) + fp32 embeddings and norms (28.3M) ~ 240 MB; KV 2048 tokens fp32 94 MB
     assert 200e6 < estimate["weights"] < 280e6
-    assert estimate["kv_cache"] == 2 * 30 * 3 * 64 * 4 * 2048
+    # and each slot's validity (bool) and position (int64) per token, and its next position
+    assert estimate["kv_cache"] == 2 * 30 * 3 * 64 * 4 * 2048 + 2048 * (1 + 8) + 8
 
 
 def test_validate_deep_refuses_a_plan_that_does_not_fit(smollm2_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
