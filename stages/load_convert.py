@@ -226,7 +226,7 @@ class Convert(Stage):
     phase = Phase.LOAD
     Params = ConvertParams
     reads = ("host_weights", "model_config")
-    optional_reads = ("model_source",)
+    optional_reads = ("model_source", "shard_manifest")
     writes = ("weights",)
 
     def prepare(self, ctx: InferenceContext, params: Any) -> None:
@@ -244,6 +244,7 @@ class Convert(Stage):
         where = _where(ctx)
         if params.dtype == "int4" and (problem := group_size_problem(cfg, params.group_size)):
             raise StageFailure(problem)
+        self._record_prediction(ctx, params, cfg, host.buffer_shards)
         if host.converted is not None:
             self._load_converted(ctx, params, cfg, host)
             return
@@ -326,6 +327,15 @@ class Convert(Stage):
             ctx.metrics.set("quant_error_mean", sum(errors.values()) / len(errors))
             ctx.metrics.set("quant_error_by_tensor", errors)
 
+    def _record_prediction(self, ctx: InferenceContext, params: Any, cfg: ModelConfig, buffer_shards: int) -> None:
+        """What `validate --deep` predicts for this load, so the report can put it beside what happened."""
+        sizes = tensor_bytes(cfg, params.dtype, params.group_size, params.head)
+        ctx.metrics.set("predicted_bytes", sum(sizes.values()))
+        if ctx.shard_manifest is not None:
+            peak = predicted_peak(ctx.shard_manifest, cfg, sizes, buffer_shards)
+            if peak is not None:
+                ctx.metrics.set("predicted_peak_bytes", peak)
+
     def _load_converted(self, ctx: InferenceContext, params: Any, cfg: ModelConfig, host: Any) -> None:
         """A checkpoint this stage saved earlier: rebuild its weights, no conversion work."""
         marker = host.converted
@@ -372,7 +382,9 @@ class Convert(Stage):
             deep.problem(problem, "group_size")
         sizes = tensor_bytes(cfg, params.dtype, params.group_size, params.head)
         deep.estimate("weights", sum(sizes.values()))
-        deep.facts["activation_dtype"] = activation_dtype(params.dtype)
+        # the device's own activation dtype: on a GPU an fp16/bf16 plan's KV cache is fp16/bf16, not fp32
+        device = str(deep.facts.get("device") or "cpu")
+        deep.facts["activation_dtype"] = activation_dtype(params.dtype, device.split(":")[0])
         manifest = deep.facts.get("manifest")
         if manifest is not None:
             peak = predicted_peak(manifest, cfg, sizes, deep.facts.get("buffer_shards", 1))

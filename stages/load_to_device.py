@@ -170,6 +170,9 @@ class ToDevice(Stage):
         # are counted under weights (summing all buffers reported 129.5 MiB of "work buffers").
         work = work_buffer_bytes(cfg, kv.max_tokens)
         ctx.metrics.set("regions", {"weights": weights.nbytes, "kv_cache": cache.nbytes, "work_buffers": work})
+        # What `validate --deep` predicts for the cache, for the report to put beside what was allocated.
+        predicted_kv = kv_cache_bytes(cfg, params, activation_dtype(weights.dtype, torch.device(ctx.device).type))
+        ctx.metrics.set("predicted_regions", {"kv_cache": predicted_kv, "work_buffers": work})
         ctx.metrics.set("device", str(model.device))
         # each linear module's kernel path, chosen by prepack() above: e.g. {"native-avx512-int8": 151}
         ctx.metrics.set("linear_kernels", kernel_paths(model))

@@ -20,6 +20,7 @@ from .figures_flow import draw_flows
 from .figures_generation import draw_decode_steps, draw_generation
 from .figures_layers import draw_layer_timings, load_line
 from .figures_memory import draw_memory
+from .figures_memory_plan import draw_memory_plan
 from .figures_model import draw_model_graph
 from .figures_plan import draw_plan_graph
 from .html import render_page
@@ -32,6 +33,7 @@ DRAWERS: list[tuple[str, str, Drawer]] = [
     ("flows", "Data flow", draw_flows),
     ("model", "Model graph", draw_model_graph),
     ("memory", "Memory over time", draw_memory),
+    ("memory_plan", "Memory: predicted and measured", draw_memory_plan),
     ("layers", "Per-layer timings", draw_layer_timings),
     ("decode", "Decode speed over the run", draw_decode_steps),
     ("attention", "Attention heatmaps", draw_attention),

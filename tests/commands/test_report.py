@@ -18,6 +18,7 @@ from llmplan.commands.report.figures_generation import step_rates
 from llmplan.commands.report.figures_memory import stage_spans
 from llmplan.commands.report.figures_plan import stage_label
 from llmplan.commands.report.tokens import token_labels
+from llmplan.engine.memory import mib
 from tests.commands.browser import Browser, find_chromium
 from tests.stages.tiny_run import make_tiny_model_dir, run_plan, wire_observers, write_plan
 
@@ -250,3 +251,26 @@ def test_replayed_run_says_so_and_shows_the_source_runs_pictures(tmp_path: Path)
     assert "skipped: answers replayed" in html  # the plan graph's label, not "not run"
     assert "not in plan / not run" not in html
     assert (second / "report" / "source" / "layer_timings.svg").is_file()
+
+
+def test_memory_predicted_beside_measured(runs: dict[str, Path], page: Path, tmp_path: Path) -> None:
+    """Issue 27: each region's prediction (validate --deep's formulas, recorded by the run) beside the bytes the
+    run held, and the predicted peaks beside the RSS the run reached."""
+    from llmplan.commands.report.figures_memory_plan import draw_memory_plan
+    from llmplan.commands.report.run_data import RunData
+
+    run = RunData.load(runs["observed"])
+    (figure,) = draw_memory_plan(run, tmp_path)
+    rows = {
+        cells[0]: cells[1:]
+        for cells in (re.findall(r"<t[hd]>([^<]*)</t[hd]>", row) for row in figure.html.split("<tr>")[2:])
+    }
+    regions = run.metrics_of("load.to_device")["regions"]
+    for name, size in regions.items():
+        predicted, measured, diff = rows[name.replace("_", " ")]
+        assert measured == escape(mib(size)) and predicted == measured and diff == "+0.0%"
+    convert = run.metrics_of("load.convert")
+    assert convert["predicted_bytes"] == regions["weights"]  # the formula against the tensors themselves
+    predicted, measured, _ = rows["peak while converting"]
+    assert predicted == mib(convert["predicted_peak_bytes"]) and measured != "-"
+    assert "Memory: predicted and measured" in page.read_text(encoding="utf-8")

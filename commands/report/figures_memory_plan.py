@@ -1,0 +1,80 @@
+"""Memory predicted beside measured: what `validate --deep` predicts for each region and for the peak while
+converting, next to what the run allocated and the RSS it reached (issue 27's "a memory plan that holds")."""
+
+from __future__ import annotations
+
+from html import escape
+from pathlib import Path
+from typing import Any
+
+from .common import Figure, mib
+from .figures_memory import stage_spans
+from .run_data import RunData
+
+LOADERS = ("load.shard_stream", "load.convert", "load.to_device")
+
+
+def draw_memory_plan(run: RunData, out_dir: Path) -> list[Figure]:
+    convert = run.metrics_of("load.convert") or {}
+    place = run.metrics_of("load.to_device") or {}
+    regions = place.get("regions") or {}
+    if not regions:
+        return [Figure("memory_plan", "Memory: predicted and measured", None, notes=["no load.to_device stage ran"])]
+    predicted = dict(place.get("predicted_regions") or {})
+    if convert.get("predicted_bytes") is not None:
+        predicted["weights"] = convert["predicted_bytes"]
+    rows = [(name.replace("_", " "), predicted.get(name), regions.get(name)) for name in regions]
+    rows.append(("steady state (sum)", _sum(predicted, regions), sum(regions.values())))
+    notes = [
+        "measured regions: the bytes load.to_device holds (tensors counted); peaks: host RSS above the RSS "
+        "before the first loading stage, from memory.json's samples"
+    ]
+    rss = _rss_in(run, ("load.convert",))
+    if rss is not None:
+        rows.append(("peak while converting", convert.get("predicted_peak_bytes"), rss))
+    load = _rss_in(run, LOADERS)
+    if load is not None:
+        steady = _sum(predicted, regions)
+        peak = None if steady is None else max(steady, convert.get("predicted_peak_bytes") or 0)
+        rows.append(("peak of the load", peak, load))
+    if rss is not None:
+        every = (run.memory or {}).get("interval_ms")
+        notes.append(
+            f"RSS sampled every {every} ms (and at stage edges): a shorter peak can be missed, which "
+            "`llmplan bench` (every 2 ms) does not"
+        )
+    if (place.get("device") or "cpu") != "cpu":
+        notes.append("the model is on a GPU: the regions are device memory, the RSS peaks host memory")
+    caption = "What `llmplan validate --deep` predicts for this plan, beside what this run held."
+    return [Figure("memory_plan", "Memory: predicted and measured", None, caption, notes, html=_table(rows))]
+
+
+def _sum(predicted: dict[str, Any], regions: dict[str, Any]) -> int | None:
+    if any(predicted.get(name) is None for name in regions):
+        return None
+    return sum(int(predicted[name]) for name in regions)
+
+
+def _rss_in(run: RunData, uses: tuple[str, ...]) -> int | None:
+    """The highest RSS sampled while these stages ran, above the RSS when the first loading stage began."""
+    memory = run.memory or {}
+    samples = memory.get("samples") or []
+    spans = [s for s in stage_spans(memory.get("marks") or []) if (run.record(s[0]) or {}).get("uses") in uses]
+    starts = [s for s in stage_spans(memory.get("marks") or []) if (run.record(s[0]) or {}).get("uses") in LOADERS]
+    if not samples or not spans or not starts:
+        return None
+    first = min(a for _, a, _ in starts)
+    before = [s["rss"] for s in samples if s["t"] <= first]
+    inside = [s["rss"] for s in samples if any(a <= s["t"] <= b for _, a, b in spans)]
+    if not before or not inside:
+        return None
+    return max(inside) - before[-1]
+
+
+def _table(rows: list[tuple[str, int | None, int | None]]) -> str:
+    head = "<tr><th>region</th><th>predicted</th><th>measured</th><th>difference</th></tr>"
+    cells = []
+    for name, want, got in rows:
+        diff = "-" if want is None or not got else f"{(want - got) / got:+.1%}"
+        cells.append(f"<tr><th>{escape(name)}</th><td>{mib(want)}</td><td>{mib(got)}</td><td>{escape(diff)}</td></tr>")
+    return f"<table>{head}{''.join(cells)}</table>"
