@@ -232,7 +232,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"Text: {report['text']}; {report['chunks']} chunks of {report['context']} tokens, "
         f"{ref['tokens_scored']} tokens scored (the second half of each chunk).",
-        f"Reference: {_name(ref)} ({ref['weights']} weights, {ref['kv_cache']} KV cache) — perplexity "
+        f"Reference: {ref['plan']} with {ref['weights']} weights and a {ref['kv_cache']} KV cache — perplexity "
         f"{_num(ref['perplexity'], 6)}.",
         "",
         "| plan | weights | activations | KV cache | perplexity | Δ ppl | KL mean | KL p99 | top-1 agree | "
