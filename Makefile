@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 PLAN   ?= plans/llama-int8.yaml
 
-.PHONY: setup run test lint validate bench clean
+.PHONY: setup run test test-real lint validate bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,6 +24,11 @@ test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/llmplan validate plans/*.yaml
 	$(VENV)/bin/pytest
+
+# The real models against transformers (slow: ~30 min on 2 cores). The plans fetch and import them first.
+test-real: setup
+	$(VENV)/bin/llmplan validate --deep plans/gemma3-270m-int8.yaml plans/qwen2.5-0.5b-int8.yaml
+	LLMPLAN_REAL_MODELS=1 $(VENV)/bin/pytest -q tests/llm/test_gguf_real.py
 
 validate: setup
 	$(VENV)/bin/llmplan validate --deep plans/*.yaml

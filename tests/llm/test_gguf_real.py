@@ -1,6 +1,8 @@
 """The GGUF import of two real models, against transformers loading the very same files (slow; run alone).
 
-Runs only where the joined files are present: `LLMPLAN_REAL_GGUF_DIR` (default /work/data/gguf) holding
+Opt-in (`make test-real`, which fetches the files through the plans first): runs when LLMPLAN_REAL_MODELS=1,
+on the joined files in `LLMPLAN_REAL_GGUF_DIR` or where the plans' `pieces:` source left them in the model cache
+($LLMPLAN_CACHE/downloads/<sha256[:16]>/<name>), i.e.
 gemma-3-270m-q4_k_m.gguf (gemma3, SentencePiece 262,144 tokens) and
 qwen2.5-coder-0.5b-instruct-q4_k_m.gguf (qwen2, byte-level BPE 151,936 tokens, qwen2 pre-split); each is
 checked against its SHA-256 first. For each model:
@@ -29,13 +31,16 @@ import pytest
 import torch
 from tiny import load_tiny
 
+from llmplan.cache_home import cache_home
 from llmplan.llm.gguf_import import import_gguf
 from llmplan.llm.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-REAL_DIR = Path(os.environ.get("LLMPLAN_REAL_GGUF_DIR", "/work/data/gguf"))
+REAL_DIR = os.environ.get("LLMPLAN_REAL_GGUF_DIR")
+if os.environ.get("LLMPLAN_REAL_MODELS") != "1":
+    pytest.skip("real-model checks are opt-in: make test-real (about 30 minutes on 2 cores)", allow_module_level=True)
 MODELS = {
     "gemma-3-270m-q4_k_m.gguf": "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf": "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
@@ -86,9 +91,11 @@ def _sha256(path: Path) -> str:
 @pytest.fixture(scope="module", params=list(MODELS))
 def real(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     name = request.param
-    path = REAL_DIR / name
+    places = [Path(REAL_DIR) / name] if REAL_DIR else []
+    places.append(cache_home() / "downloads" / MODELS[name][:16] / name)
+    path = next((p for p in places if p.is_file()), places[-1])
     if not path.is_file():
-        pytest.skip(f"{path} is not there (set LLMPLAN_REAL_GGUF_DIR to the folder of the joined real GGUFs)")
+        pytest.skip(f"{path} is not there (make test-real fetches it; or set LLMPLAN_REAL_GGUF_DIR)")
     assert _sha256(path) == MODELS[name], f"{path}: not the pinned file"
     out = import_gguf(path, tmp_path_factory.mktemp("real-gguf"))
     return {"name": name, "path": path, "dir": out}
