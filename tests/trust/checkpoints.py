@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,3 +58,18 @@ def plan_for(
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(plan, sort_keys=False), encoding="utf-8")
     return path
+
+
+def private_cache_home(root: Path) -> Iterator[Path]:
+    """LLMPLAN_CACHE pointed at `root` while the caller's fixture lives (the hash key and records go there), with
+    the compiled kernels copied in so that nothing is rebuilt; the old value restored afterwards."""
+    real = Path(os.environ.get("LLMPLAN_CACHE") or Path.home() / ".cache" / "llmplan") / "kernels"
+    if real.is_dir():
+        shutil.copytree(real, root / "kernels")
+    old = os.environ.get("LLMPLAN_CACHE")
+    os.environ["LLMPLAN_CACHE"] = str(root)
+    yield root
+    if old is None:
+        os.environ.pop("LLMPLAN_CACHE", None)
+    else:
+        os.environ["LLMPLAN_CACHE"] = old

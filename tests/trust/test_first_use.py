@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 from llmplan.engine.cli import main
 from llmplan.llm.first_use import RECORDS_DIR
 from tests.stages.tiny_run import make_tiny_model_dir
+from tests.trust.checkpoints import private_cache_home
 
 TRUSTED = "trusted on first use"
 
@@ -25,17 +25,7 @@ TRUSTED = "trusted on first use"
 @pytest.fixture(scope="module")
 def cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A private LLMPLAN_CACHE (the hash key and the records live there), with the compiled kernels copied in."""
-    home = tmp_path_factory.mktemp("llmplan-cache")
-    real = Path(os.environ.get("LLMPLAN_CACHE") or Path.home() / ".cache" / "llmplan") / "kernels"
-    if real.is_dir():
-        shutil.copytree(real, home / "kernels")
-    old = os.environ.get("LLMPLAN_CACHE")
-    os.environ["LLMPLAN_CACHE"] = str(home)
-    yield home
-    if old is None:
-        os.environ.pop("LLMPLAN_CACHE", None)
-    else:
-        os.environ["LLMPLAN_CACHE"] = old
+    yield from private_cache_home(tmp_path_factory.mktemp("llmplan-cache"))
 
 
 @pytest.fixture(scope="module")

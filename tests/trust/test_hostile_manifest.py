@@ -37,7 +37,7 @@ from llmplan.llm.import_dirs import OWNER_NAME, make_import_dir, remove_stale_im
 from llmplan.llm.manifest import MANIFEST_NAME, read_sha256sums, sha256_file, write_sha256sums
 from tests.stages.tiny_run import load_stages
 
-from .checkpoints import LISTED, make_checkpoint, plan_for
+from .checkpoints import LISTED, make_checkpoint, plan_for, private_cache_home
 from .hostile import Snapshot, assert_clean_message, assert_untouched, memory_bound, refused, snapshot, time_bound
 
 INDEX = "model.safetensors.index.json"
@@ -50,17 +50,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A private LLMPLAN_CACHE (the hash key lives there), with the compiled kernels copied in (no rebuild)."""
-    home = tmp_path_factory.mktemp("llmplan-cache")
-    real = Path(os.environ.get("LLMPLAN_CACHE") or Path.home() / ".cache" / "llmplan") / "kernels"
-    if real.is_dir():
-        shutil.copytree(real, home / "kernels")
-    old = os.environ.get("LLMPLAN_CACHE")
-    os.environ["LLMPLAN_CACHE"] = str(home)
-    yield home
-    if old is None:
-        os.environ.pop("LLMPLAN_CACHE", None)
-    else:
-        os.environ["LLMPLAN_CACHE"] = old
+    yield from private_cache_home(tmp_path_factory.mktemp("llmplan-cache"))
 
 
 @pytest.fixture(scope="module")
