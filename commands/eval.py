@@ -66,10 +66,14 @@ def read_text(path: str | None) -> tuple[str, str]:
 
     if path is None:
         return default_text(), f"pydoc_data.topics (Python {sys.version.split()[0]})"
+    from llmplan.llm.files import describe_os_error
+
     try:
         return Path(path).read_text(encoding="utf-8"), path
-    except (OSError, UnicodeDecodeError) as bad:
-        raise CliError(f"{path}: cannot read the text ({bad.__class__.__name__}: {bad})") from None
+    except OSError as bad:
+        raise CliError(describe_os_error(path, bad)) from None
+    except UnicodeDecodeError as bad:
+        raise CliError(f"{path}: not UTF-8 text (byte {bad.start})") from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from llmplan.commands.eval import default_text, evaluate, markdown
-from llmplan.engine.cli import build_parser
+from llmplan.commands.eval import default_text, evaluate, markdown, read_text
+from llmplan.engine.cli import CliError, build_parser
 from llmplan.llm import quality
 from llmplan.llm.tokenizer import Tokenizer
 
@@ -90,3 +90,12 @@ def test_markdown_names_every_row(report: dict[str, Any]) -> None:
     for change in ("weights int4", "weights bf16", "kv bf16"):
         assert f"llama-fp32 ({change})" in table
     assert "| llama-fp32 | fp32 |" in table
+
+
+def test_a_text_that_cannot_be_read_is_one_line(tmp_path: Path) -> None:
+    binary = tmp_path / "latin1.txt"
+    binary.write_bytes(b"caf\xe9")
+    for path, said in ((tmp_path / "missing.txt", "file not found"), (binary, "not UTF-8 text (byte 3)")):
+        with pytest.raises(CliError) as refused:
+            read_text(str(path))
+        assert str(refused.value) == f"{path}: {said}"
