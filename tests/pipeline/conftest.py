@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 from llmplan.engine.plan import load_plan
 from llmplan.engine.registry import discover
 from llmplan.engine.runner import Runner, RunResult
+from tests.trust.checkpoints import private_cache_home
 
 REPO = Path(__file__).resolve().parents[2]
 PLANS = REPO / "plans"
@@ -26,14 +26,7 @@ def smollm2_gguf() -> Path:
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A private import cache for the session, so tests never depend on (or touch) the user's cache."""
-    root = tmp_path_factory.mktemp("llmplan-cache")
-    old = os.environ.get("LLMPLAN_CACHE")
-    os.environ["LLMPLAN_CACHE"] = str(root)
-    yield root
-    if old is None:
-        os.environ.pop("LLMPLAN_CACHE", None)
-    else:
-        os.environ["LLMPLAN_CACHE"] = old
+    yield from private_cache_home(tmp_path_factory.mktemp("llmplan-cache"))
 
 
 @pytest.fixture(scope="session")
