@@ -1,8 +1,9 @@
 """One forward pass as both backends take it: a flat list of inputs, each a token of one cache row.
 
 Input i is token `tokens[i]` of cache row `rows[i]`, its K/V written at slot `slots[i]`, rotated by RoPE
-position `positions[i]`; `outs` indexes the inputs whose logits are wanted. A decode row is one input; a
-prompt chunk is one row's inputs at consecutive slots, which attend causally to each other. The batch is
+position `positions[i]`; `outs` indexes the inputs whose logits are wanted. A decode row is one input (with
+speculation, its last token and the guesses after it, each one's logits wanted); a prompt chunk is one
+row's inputs at consecutive slots, which attend causally to each other. The batch is
 built from `Part`s (one row's run of inputs each), kept beside the tensors so the torch reference can run a
 part as the module forward it is, and the tensors are made only when a backend asks for them.
 """
@@ -23,7 +24,7 @@ class Part:
     row: int
     start: int
     tokens: list[int]
-    logits: bool  # the logits of its last input are wanted
+    logits: int  # the logits of its last `logits` inputs are wanted (a bool: the last one, or none)
 
 
 @dataclass(eq=False)
@@ -40,8 +41,7 @@ class FlatBatch:
             tokens += part.tokens
             positions += range(part.start, part.start + len(part.tokens))
             rows += [part.row] * len(part.tokens)
-            if part.logits:
-                outs.append(len(tokens) - 1)
+            outs += range(len(tokens) - int(part.logits), len(tokens))
         return tokens, positions, rows, outs
 
     @cached_property
@@ -66,5 +66,5 @@ class FlatBatch:
 
     @property
     def wanted(self) -> list[int]:
-        """The parts whose logits come out, in the order of the logits' rows."""
-        return [i for i, part in enumerate(self.parts) if part.logits]
+        """The part of each logits row, in order (a part with several wanted inputs: as many times)."""
+        return [i for i, part in enumerate(self.parts) for _ in range(int(part.logits))]

@@ -58,7 +58,7 @@ class ModelRunner:
     # --- a flat batch over a slot cache ------------------------------------------------------------
 
     def forward(self, batch: FlatBatch, cache: SlotCache) -> Tensor:
-        """fp32 logits [len(batch.wanted), V] of the wanted parts' last inputs; every input's K/V stored.
+        """fp32 logits [len(batch.wanted), V] of the wanted inputs, in order; every input's K/V stored.
         The slots were claimed (`SlotCache.claim`) by the caller."""
         fused = self._fused()
         if fused is None:
@@ -92,20 +92,26 @@ class ModelRunner:
             if len(part.tokens) == 1:
                 continue
             began = time.perf_counter()
-            n = len(part.tokens)
+            n, last = len(part.tokens), int(part.logits) <= 1  # a verify part wants all its inputs' logits
             tokens = torch.tensor([part.tokens], device=device)
             positions = torch.arange(part.start, part.start + n, device=device)[None]
-            out = model(tokens, positions, cache.rows([part.row], [part.start]), last_only=True, clock=self.clock)
-            pieces.append(([i], out[0, -1:].float()))
+            out = model(tokens, positions, cache.rows([part.row], [part.start]), last_only=last, clock=self.clock)
+            pieces.append(([i], out[0, -max(1, int(part.logits)) :].float()))
             spans[i] = (began, time.perf_counter())
         self.spans = spans
         wanted = batch.wanted
         if len(pieces) == 1 and pieces[0][0] == wanted:
             return pieces[0][1]  # the usual step: decode rows only
-        row_of = {part: (k, j) for k, (idx, _) in enumerate(pieces) for j, part in enumerate(idx)}
         if not wanted:
             return torch.empty(0, model.cfg.vocab_size)
-        return torch.stack([pieces[row_of[i][0]][1][row_of[i][1]] for i in wanted])
+        # Each wanted part's rows, in part order: a one-token part's row of the batched piece, else its own.
+        rows_of: dict[int, Tensor] = {}
+        for idx, logits in pieces:
+            if len(idx) > 1 or len(parts[idx[0]].tokens) == 1:
+                rows_of.update({part: logits[j : j + 1] for j, part in enumerate(idx)})
+            else:
+                rows_of[idx[0]] = logits[logits.shape[0] - int(parts[idx[0]].logits) :]
+        return torch.cat([rows_of[i] for i in dict.fromkeys(wanted)])
 
     # --- a static batch (left padding, one write pointer) ------------------------------------------
 
