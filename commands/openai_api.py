@@ -18,6 +18,8 @@ limits), under the setting's own name, except where OpenAI's request differs (`M
                                                 none empty (the setting's)
     logprobs_top_n   (none: a library knob)     chat's logprobs + top_logprobs (0 .. 20) and a completion's
                                                 logprobs (0 .. 5) set the stage's `logprobs` instead
+    speculative      speculative (an extra)     {method, tokens, ngram}, the setting's;  as a mapping
+                                                unknown keys refused
     every other      its own name               the setting's                            as is
 """
 
@@ -32,7 +34,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-from llmplan.llm.sampling_params import Limit, SamplingParams, request_fields
+from llmplan.llm.sampling_params import Limit, SamplingParams, Speculation, request_fields, setting_kinds
 
 FINISH = {"eos": "stop", "stop_string": "stop", "length": "length", "cache_full": "length", "cancelled": "stop"}
 
@@ -61,8 +63,19 @@ MAPPED: dict[str, Mapped] = {
 }
 
 
+def nested_request_model(source: type) -> type[BaseModel]:
+    """A setting that is a dataclass of settings (`speculative`) as a strict request object; a key it does
+    not know is refused (a typo would otherwise turn the setting off unseen)."""
+    fields = {f.name: (kind, Field(f.default, **f.metadata["limit"].bounds())) for f, kind in setting_kinds(source)}
+    return create_model(  # type: ignore[call-overload, no-any-return]
+        source.__name__, __config__=ConfigDict(extra="forbid", strict=True, allow_inf_nan=False), **fields
+    )
+
+
 def api_field(kind: Any, limit: Limit, mapped: Mapped | None) -> tuple[Any, FieldInfo]:
     """A setting as an optional request field (None: as the plan says), with OpenAI's bounds where MAPPED."""
+    if kind == Speculation | None:
+        return nested_request_model(Speculation) | None, Field(None)
     if kind == tuple[str, ...]:
         return str | list[str] | None, Field(None)  # checked by `_Request._stops`
     bounds = mapped.bounds if mapped is not None and mapped.bounds is not None else limit.bounds()
@@ -175,6 +188,8 @@ class _Request(_Sampling):  # type: ignore[misc, valid-type]
         for f, _, _ in request_fields():
             mapped = MAPPED.get(f.name)
             value = getattr(self, mapped.field if mapped is not None else f.name)
+            if isinstance(value, BaseModel):
+                value = value.model_dump()
             if value is not None:
                 out[f.name] = mapped.to_setting(value) if mapped is not None else value
         limit = self.token_limit  # chat's max_completion_tokens wins over max_tokens

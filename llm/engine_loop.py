@@ -4,7 +4,10 @@ no prefill phase and no decode phase, every step is tokens for rows).
 * the `Scheduler` (llm/scheduler.py) decides which rows get which tokens;
 * the `ModelRunner` (llm/model_runner.py) runs them as one flat batch on the backend chosen at its build;
 * the post-step here picks a token for every row whose logits came out (decode rows, and prompts whose last
-  chunk ran), delivers it (`on_token`) and ends the row the moment it finishes (llm/ending.py).
+  chunk ran), delivers it (`on_token`) and ends the row the moment it finishes (llm/ending.py). A row that
+  speculates ran its last token and its guesses in the pass: its picks go on while they equal the guesses
+  (llm/speculative.py), and its slot is cut back to the tokens delivered (the K/V of rejected guesses are
+  dropped; a ring layer's rows they overwrote were out of every later query's window).
 
 A pass that runs out of memory is retried in halves, so it ends only the rows that fail alone; a row with
 non-finite logits ends alone with "error". Whoever owns the loop steps it: `run` until every request has
@@ -23,10 +26,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from .ending import end_after_token, non_finite, out_of_memory
+from .ending import FinishReason, end_after_token, non_finite, out_of_memory
 from .flat_batch import FlatBatch, Part
-from .generation import finite_rows, is_oom, release_memory
+from .generation import Pick, finite_rows, is_oom, release_memory
 from .scheduler import GenerationRequest, Scheduler, SchedulerStats, Sequence
+from .speculative import accept
 
 if TYPE_CHECKING:
     from .model import Transformer
@@ -44,7 +48,7 @@ class StepRecord:
     prefill: list[tuple[float, float, Any, int]] = field(default_factory=list)  # (start, end, tag, tokens) per chunk
 
 
-Item = tuple[Sequence, int]  # a row and its tokens this step: 1 for a decode row (n == 0 marks one), else a chunk
+Item = tuple[Sequence, int]  # a row and its tokens this step: n == 0 marks a decode row (1 + its draft), else a chunk
 
 
 class EngineLoop:
@@ -127,7 +131,7 @@ class EngineLoop:
         ids = [self._inputs(seq, n) for seq, n in items]
         starts = self.cache.claim(slots, ids)
         parts = [
-            Part(slot, start, part, not n or seq.prefilled + n == len(seq.request.prompt))
+            Part(slot, start, part, len(part) if not n else seq.prefilled + n == len(seq.request.prompt))
             for slot, start, part, (seq, n) in zip(slots, starts, ids, items, strict=True)
         ]
         try:
@@ -147,8 +151,8 @@ class EngineLoop:
 
     @staticmethod
     def _inputs(seq: Sequence, n: int) -> list[int]:
-        """A decode row's last picked token, or the prompt chunk's next `n` tokens."""
-        return seq.request.prompt[seq.prefilled : seq.prefilled + n] if n else [seq.generation.tokens[-1]]
+        """A decode row's last picked token and its guesses, or the prompt chunk's next `n` tokens."""
+        return seq.request.prompt[seq.prefilled : seq.prefilled + n] if n else [seq.generation.tokens[-1], *seq.draft]
 
     def _after_pass(
         self, items: list[Item], logits: Tensor, record: StepRecord | None
@@ -161,6 +165,11 @@ class EngineLoop:
             if not n:
                 seq.generation.decode_steps += 1
                 decoded += 1
+                if seq.draft:  # the last token's logits and each guess's, one row each
+                    width = 1 + len(seq.draft)
+                    picks.append((seq, logits[at : at + width], all(finite[at : at + width])))
+                    at += width
+                    continue
             else:
                 seq.prefilled += n
                 stats.prefill_tokens += n
@@ -179,11 +188,45 @@ class EngineLoop:
         return picks
 
     def _pick(self, seq: Sequence, logits: Tensor, finite: bool) -> None:
+        """The row's next token; a decode row with guesses (`logits` [1 + guesses, V]): its tokens up to the
+        first pick that is not its guess."""
         gen, request = seq.generation, seq.request
         if not finite:
             self.scheduler.finish(seq, "error", non_finite(len(gen.tokens)))
             return
-        pick = request.picker(logits, seq.seen)
+        if not seq.draft:
+            reason = self._deliver(seq, request.picker(logits, seq.seen))
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            return
+        draft, seq.draft, generated = seq.draft, [], len(gen.tokens)
+        start = self.cache.lengths[seq.slot] - len(draft) - 1  # type: ignore[index]
+        ended: list[FinishReason] = []
+
+        def deliver(pick: Pick) -> bool:
+            reason = self._deliver(seq, pick)
+            ended.extend([reason] if reason is not None else [])
+            return reason is None
+
+        delivered = accept(request.picker, logits, draft, seq.seen, deliver)
+        # All picks but the last were accepted guesses; the last one too where it equals its guess.
+        last = delivered - 1
+        accepted = last + (last < len(draft) and gen.tokens[-1] == draft[last])
+        # Keep the K/V of the inputs now part of the text (the last token, the guesses delivered before the
+        # last pick): the slot ends where a row without speculation would.
+        self.cache.truncate(seq.slot, start + delivered)  # type: ignore[arg-type]
+        assert seq.speculator is not None
+        seq.speculator.record(generated, len(draft), accepted)
+        gen.guessed, gen.accepted = seq.speculator.guessed, seq.speculator.accepted
+        stats = self.scheduler.stats
+        stats.guessed_tokens += len(draft)
+        stats.accepted_tokens += accepted
+        if ended:
+            self.scheduler.finish(seq, ended[0])
+
+    def _deliver(self, seq: Sequence, pick: Pick) -> FinishReason | None:
+        """Add a picked token to the row and hand it on; why the row ends after it (the caller ends it), or None."""
+        gen, request = seq.generation, seq.request
         gen.add(pick)
         gen.token_times.append(time.perf_counter())
         seq.seen.append(pick.token)
@@ -192,6 +235,4 @@ class EngineLoop:
             gen.ttft_s = seq.first_token_at - seq.submitted_at
         if request.on_token is not None:
             request.on_token(pick.token)
-        reason = end_after_token(pick.token, gen.tokens, request.eos_ids, request.stop, request.max_new_tokens)
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
+        return end_after_token(pick.token, gen.tokens, request.eos_ids, request.stop, request.max_new_tokens)

@@ -42,6 +42,9 @@ class Generation:
     decode_s: float = 0.0  # first token -> this row's last token
     decode_steps: int = 0  # decode forward passes this row took part in
     token_times: list[float] = field(default_factory=list)  # engine loop: perf_counter when each token was picked
+    guessed: int = 0  # speculative decoding: guesses verified (llm/speculative.py)
+    accepted: int = 0  # of those, accepted
+    speculation: list[tuple[int, int, int]] = field(default_factory=list)  # (generated before, guessed, accepted)
 
     def add(self, pick: Pick) -> None:
         self.tokens.append(pick.token)

@@ -14,9 +14,9 @@ import functools
 import math
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["Limit", "SamplingParams", "request_fields", "setting"]
+__all__ = ["Limit", "SamplingParams", "Speculation", "request_fields", "setting", "setting_kinds"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,34 @@ def setting(default: Any, description: str, **limits: Any) -> Any:
 
 
 @dataclass(frozen=True)
+class Speculation:
+    """Speculative decoding (llm/speculative.py): guess the next tokens, verify them all in one pass. The
+    answers are those of plain decoding (greedy: token for token; sampled: the same distribution)."""
+
+    method: Literal["prompt_lookup"] = setting("prompt_lookup", "prompt_lookup: guesses copied from the text so far")
+    tokens: int = setting(4, "guessed tokens verified per pass, at most", ge=1, le=16)
+    ngram: int = setting(3, "the longest suffix looked up in the prompt and output", ge=1, le=8)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            problem = _refusal(getattr(self, f.name), kinds(type(self))[f.name], f.metadata["limit"])
+            if problem is not None:
+                raise ValueError(f"speculative.{f.name}: {problem}")
+
+    @classmethod
+    def of(cls, value: Speculation | dict[str, Any] | None) -> Speculation | None:
+        """A setting as given (a plan's or request's mapping, or built already); None: no speculation."""
+        if value is None or isinstance(value, Speculation):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative: must be a mapping {{method, tokens, ngram}} (got {value!r})")
+        unknown = sorted(set(value) - kinds(cls).keys())
+        if unknown:
+            raise ValueError(f"speculative: unknown field {', '.join(unknown)} (known: method, tokens, ngram)")
+        return cls(**value)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """One request's generation settings. The sampler chain reads temperature .. no_repeat_ngram_size, seed and
     logprobs_top_n; max_new_tokens and stop end the request (the caller hands them to the loop)."""
@@ -76,6 +104,10 @@ class SamplingParams:
     # "" would stop before the first token
     stop: tuple[str, ...] = setting((), "stop strings (on decoded text)", max_items=16, min_chars=1)
     logprobs_top_n: int = setting(0, "best tokens by raw log-prob returned per pick", ge=0, request=False)
+    # None by default, else a frozen Speculation: immutable either way
+    speculative: Speculation | None = setting(  # noqa: RUF009
+        None, "guess tokens and verify them in one pass: {method: prompt_lookup, tokens, ngram}; null = off"
+    )
     # (token id, bias) pairs added to the logits first; the caller's knob (the API's logit_bias, validated there)
     logit_bias: tuple[tuple[int, float], ...] = setting(
         (), "added to the token's logit: (id, bias) pairs", request=False
@@ -86,7 +118,7 @@ class SamplingParams:
             problem = _refusal(getattr(self, f.name), kinds(type(self))[f.name], f.metadata["limit"])
             if problem is not None:
                 raise ValueError(f"{f.name}: {problem}")
-        for name in ("stop", "logit_bias"):  # a list given: kept hashable, as frozen promises
+        for name in ("stop", "logit_bias", "speculative"):  # kept hashable, as frozen promises
             object.__setattr__(self, name, _frozen(name, getattr(self, name)))
 
     @classmethod
@@ -118,6 +150,11 @@ def request_fields(source: type = SamplingParams) -> list[tuple[dataclasses.Fiel
     return out
 
 
+def setting_kinds(source: type) -> list[tuple[dataclasses.Field[Any], Any]]:
+    """(field, resolved type) of every field of a dataclass of settings."""
+    return [(f, kinds(source)[f.name]) for f in dataclasses.fields(source)]
+
+
 @functools.cache
 def kinds(source: type) -> dict[str, Any]:
     """Each field's type, resolved (this module's annotations are strings)."""
@@ -125,6 +162,8 @@ def kinds(source: type) -> dict[str, Any]:
 
 
 def _frozen(name: str, value: Any) -> Any:
+    if name == "speculative":
+        return Speculation.of(value)
     if name == "stop":
         return tuple(value)
     if name == "logit_bias":
@@ -134,6 +173,13 @@ def _frozen(name: str, value: Any) -> Any:
 
 def _refusal(value: Any, kind: Any, limit: Limit) -> str | None:
     """Why `value` does not fit the field's type and limits, or None."""
+    if kind == Speculation | None:
+        if value is None or isinstance(value, Speculation | dict):
+            return None  # a mapping's own fields are checked as it is built (`Speculation.of`)
+        return f"must be a mapping {{method, tokens, ngram}} (got {value!r})"
+    if typing.get_origin(kind) is Literal:
+        choices = typing.get_args(kind)
+        return None if value in choices else f"must be one of {', '.join(map(repr, choices))} (got {value!r})"
     if kind == tuple[tuple[int, float], ...]:
         pairs = value if isinstance(value, tuple | list) else None
         if pairs is None or not all(

@@ -13,9 +13,10 @@ A `Scheduler` owns the bookkeeping of a `SlotCache` (which slot holds which toke
    is a prefill pass; sharing blocks would need a paged cache and a page table in the native step, for no
    gain at these sizes. The free slot that already holds the longest prefix is taken first (no copy at all).
 3. Spends the step's token budget (`max_step_tokens`): one decode token for every running row first, then
-   prompt chunks of the admitted requests in arrival order. A long prompt thus holds the decoding rows
-   back by one chunk per step, never by its whole prefill. A decode row whose slot is full ends with
-   "cache_full".
+   the guesses of the rows that speculate (llm/speculative.py: verified in the same pass, as many as
+   their slot, their token limit and the budget leave room for), then prompt chunks of the admitted
+   requests in arrival order. A long prompt thus holds the decoding rows back by one chunk per step,
+   never by its whole prefill. A decode row whose slot is full ends with "cache_full".
 
 The `StepPlan` it returns is tokens for rows; the loop runs them as one flat batch (decode rows and prompt
 chunks in one native pass: vLLM's chunked prefill), picks, and ends rows through `finish`, which frees the
@@ -33,8 +34,10 @@ from typing import TYPE_CHECKING, Any
 
 from .ending import FinishReason
 from .generation import Generation, TokenPicker
+from .speculative import Speculator
 
 if TYPE_CHECKING:
+    from .sampling_params import Speculation
     from .slot_cache import SlotCache
 
 
@@ -51,6 +54,7 @@ class GenerationRequest:
     on_finish: Callable[[Sequence], None] | None = None  # once, when it ends (any reason), on the stepping thread
     tag: Any = None  # the caller's own handle (a request id)
     cancel: threading.Event | None = None  # once set, the request ends at the next step with "cancelled"
+    speculation: Speculation | None = None  # guess tokens and verify them with each decode pass
 
 
 @dataclass(eq=False)
@@ -67,6 +71,8 @@ class Sequence:
     admitted_at: float = 0.0
     first_token_at: float = 0.0
     done: threading.Event = field(default_factory=threading.Event)
+    speculator: Speculator | None = None  # the request's prompt lookup, when it speculates
+    draft: list[int] = field(default_factory=list)  # this step's guesses, verified after the last token
 
     @property
     def decoding(self) -> bool:
@@ -79,6 +85,8 @@ class SchedulerStats:
     decode_tokens: int = 0  # rows decoded, summed over steps
     prefill_tokens: int = 0  # prompt tokens computed
     reused_tokens: int = 0  # prompt tokens copied from a cached prefix instead
+    guessed_tokens: int = 0  # speculative guesses verified
+    accepted_tokens: int = 0  # of those, accepted
     finished: int = 0
     cancelled: int = 0
     busy_max: int = 0
@@ -138,6 +146,10 @@ class Scheduler:
             raise ValueError(f"a prompt of {len(request.prompt)} tokens does not fit a slot of {self.cache.max_tokens}")
         seq = Sequence(request, Generation(prompt_tokens=len(request.prompt)), time.perf_counter())
         seq.seen = list(request.prompt)
+        spec = request.speculation
+        if spec is not None:
+            seq.speculator = Speculator(spec.tokens, spec.ngram)
+            seq.generation.speculation = seq.speculator.steps
         with self._lock:
             self._incoming.append(seq)
             self._lock.notify_all()
@@ -202,8 +214,10 @@ class Scheduler:
             return StepPlan([], []) if cancelled else None
         self.stats.steps += 1
         self.stats.busy_max = max(self.stats.busy_max, len(self._running))
-        decode = [s for s in self._running if s.decoding]
+        decode = self._with_room([s for s in self._running if s.decoding])
         budget = self.max_step_tokens - len(decode)
+        for seq in decode:
+            budget -= self._draft(seq, budget)
         chunks: list[tuple[Sequence, int]] = []
         for seq in self._running:
             if seq.decoding:
@@ -213,7 +227,7 @@ class Scheduler:
                 break
             chunks.append((seq, n))
             budget -= n
-        return StepPlan(self._with_room(decode), chunks)
+        return StepPlan(decode, chunks)
 
     def _take_cancelled(self) -> list[Sequence]:
         with self._lock:
@@ -261,6 +275,22 @@ class Scheduler:
         if source != slot and reuse:
             self.cache.copy_prefix(source, slot, reuse)  # type: ignore[arg-type]
         return slot, reuse
+
+    def _draft(self, seq: Sequence, budget: int) -> int:
+        """The row's guesses for this step (none without speculation); how many. Each guess takes a slot and
+        a token of the budget, and no more are made than the request's token limit can still use."""
+        seq.draft = []
+        if seq.speculator is None:
+            return 0
+        length = self.cache.lengths[seq.slot]  # type: ignore[index]
+        room = min(
+            self.cache.max_tokens - length - 1,
+            self.cache.max_write - 1,  # the last token and its guesses are one write (the rings)
+            seq.request.max_new_tokens - len(seq.generation.tokens) - 1,
+            budget - 1,  # a step keeps room for a prompt chunk beside the decode rows
+        )
+        seq.draft = seq.speculator.propose(seq.seen, room) if room > 0 else []
+        return len(seq.draft)
 
     def _with_room(self, rows: list[Sequence]) -> list[Sequence]:
         """The decode rows whose slot has room for one more token; the others end with "cache_full"."""

@@ -13,7 +13,9 @@ affords at this model size.
 Positions are slot indices (no padding inside a slot), so a slot's K/V for tokens [0, n) depend only on
 those tokens: `held` records them, and a request whose prompt starts with the same tokens copies that
 prefix (`copy_prefix`) instead of recomputing it. A ring keeps only the last window + chunk slots: a prefix
-can be resumed there only while the window before its end is still in the ring (`can_resume`).
+can be resumed there only while the window before its end is still in the ring (`can_resume`), counted
+from the furthest slot ever written (`reach`): a slot cut back (speculative guesses rejected, llm/
+speculative.py) keeps in its rings what the cut slots overwrote.
 
 `rows(...)` gives the torch modules a cache view for one forward over some slots (see `RowsView`).
 """
@@ -43,6 +45,7 @@ class SlotCache:
         self.max_batch, self.max_tokens = k.shape[1], store.max_tokens  # the names the native step binds to
         self.max_write = store.max_write  # tokens one claim may add to a slot
         self.lengths = [0] * self.max_batch  # tokens cached per slot
+        self.reach = [0] * self.max_batch  # the end of the furthest slot written since the slot was emptied
         self.held: list[list[int]] = [[] for _ in range(self.max_batch)]  # the ids whose K/V each slot holds
         valid.zero_()
 
@@ -89,6 +92,8 @@ class SlotCache:
             self.valid[slot, keep : self.lengths[slot]] = False
         self.lengths[slot] = min(keep, self.lengths[slot])
         del self.held[slot][keep:]
+        if keep == 0:
+            self.reach[slot] = 0  # whatever the rings still hold lies outside every later query's window
 
     def common_prefix(self, slot: int, tokens: list[int]) -> int:
         """How many leading `tokens` the slot already holds K/V for."""
@@ -102,13 +107,13 @@ class SlotCache:
     def can_resume(self, slot: int, n: int) -> bool:
         """Whether the slot's K/V let a request go on from its first `n` tokens: always for full layers; for a
         ring, while the window before slot n has not been overwritten by the slot's later tokens."""
-        length = self.lengths[slot]
-        if n > length:
+        if n > self.lengths[slot]:
             return False
+        reach = self.reach[slot]
         for rows, window, ring in zip(self.store.rows, self.store.windows, self.store.rings, strict=True):
-            # The slots n - window + 1 .. n - 1 are still there when none was overwritten (length <= rows)
+            # The slots n - window + 1 .. n - 1 are still there when none was overwritten (reach <= rows)
             # or the oldest of them is within `rows` of the newest slot written.
-            if ring and n and length > rows and max(0, n - window + 1) < length - rows:
+            if ring and n and reach > rows and max(0, n - window + 1) < reach - rows:
                 return False
         return True
 
@@ -126,6 +131,7 @@ class SlotCache:
             v[:, dst, :, :rows] = v[:, src, :, :rows]
         self.valid[dst, :n] = True
         self.lengths[dst] = n
+        self.reach[dst] = max(n, self.reach[src]) if any(self.store.rings) else n  # the rings came whole
         self.held[dst] = self.held[src][:n]
 
     def claim(self, slots: list[int], tokens: list[list[int]]) -> list[int]:
@@ -144,6 +150,7 @@ class SlotCache:
                 )
             self.valid[slot, start:end] = True
             self.lengths[slot] = end
+            self.reach[slot] = max(self.reach[slot], end)
             self.held[slot].extend(ids)
             starts.append(start)
         return starts

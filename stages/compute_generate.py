@@ -29,6 +29,7 @@ from llmplan.llm.engine_loop import EngineLoop
 from llmplan.llm.generate import Generation, TokenPicker, generate
 from llmplan.llm.model_runner import ModelRunner
 from llmplan.llm.sampling import build_picker
+from llmplan.llm.sampling_params import Speculation
 from llmplan.llm.scheduler import GenerationRequest, Sequence
 from llmplan.llm.slot_cache import SlotCache
 from llmplan.llm.stop_strings import StopStringStream, stop_checker
@@ -37,7 +38,7 @@ from llmplan.plain_errors import plain_error
 
 from .compute_tokenize import truncate
 from .observe import finish_observing, record_steps
-from .request_settings import RequestSettings, sampling_params
+from .request_settings import RequestSettings, plain_settings, sampling_params
 from .slots import InferenceContext
 from .types import Request, Result
 
@@ -74,6 +75,8 @@ class GenerateParams(RequestSettings):
             raise ValueError(f"num_return_sequences ({self.num_return_sequences}) exceeds num_beams ({self.num_beams})")
         if self.num_beams > 1 and self.temperature > 0:
             raise ValueError("beam search is deterministic here: use temperature 0 with num_beams > 1")
+        if self.num_beams > 1 and self.speculative is not None:
+            raise ValueError("speculative decoding runs in the engine loop, beam search apart: not both")
         unknown = [name for name in self.serving_defaults if name not in RequestSettings.model_fields]
         if unknown:
             known = ", ".join(RequestSettings.model_fields)
@@ -83,7 +86,7 @@ class GenerateParams(RequestSettings):
 
 def settings_for(request: Request, params: GenerateParams, plan_seed: int) -> dict[str, Any]:
     """The request's effective generation settings: the stage's, then the request's own overrides."""
-    settings = {name: getattr(params, name) for name in RequestSettings.model_fields}
+    settings = plain_settings({name: getattr(params, name) for name in RequestSettings.model_fields})
     settings["seed"] = plan_seed if params.seed is None else params.seed
     settings.update(request.overrides)
     return settings
@@ -137,6 +140,8 @@ class Generate(Stage):
             size = min(params.batch_size or cache.max_batch, cache.max_batch)
             stream = params.stream and len(requests) == 1 and not ctx.json_mode
             if cache.policy == "slide":
+                if any(settings_for(r, params, seed)["speculative"] for r in requests):
+                    raise StageFailure('speculative decoding runs in the engine loop: not under the "slide" policy')
                 pad = cfg.pad_token_id if cfg.pad_token_id is not None else (tok.pad_id or 0)
                 results = []
                 for first in range(0, len(requests), size):
@@ -195,6 +200,7 @@ class Generate(Stage):
                     on_finish=ended.one,
                     tag=request.id,
                     cancel=cancel,
+                    speculation=Speculation.of(settings["speculative"]),
                 )
             )
             submitted.append((request, seq, settings))

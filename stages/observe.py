@@ -500,6 +500,8 @@ def generation_records(
                 "temperature": result.params.get("temperature"),
                 "num_beams": result.params.get("num_beams", 1),
                 "timings": dict(result.timings),
+                # speculative decoding: (generated before, guessed, accepted) per verify pass (the report's picture)
+                "speculation": [list(step) for step in result.generation.speculation],
             }
         )
     return records

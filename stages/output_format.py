@@ -24,7 +24,8 @@ A result object (one per request; one line each on stdout under `llmplan run --j
                   "decode_tokens_per_s": float|null, ...other timings of the generator},
       "error": str | null,
       "from_cache": bool,
-      "flagged": [str]              # what the output filter withheld, and how much (never the entries matched)
+      "flagged": [str],             # what the output filter withheld, and how much (never the entries matched)
+      "speculative": {"guessed": int, "accepted": int} | null   # speculative decoding's guesses; null: off
     }
 
 A JSON file holds {"schema": "llmplan.result/v1", "plan", "model", "created", "results": [result objects]}.
@@ -60,6 +61,7 @@ RESULT_KEYS = (
     "from_cache",
     "flagged",
     "token_logprobs",
+    "speculative",
 )
 
 
@@ -104,6 +106,7 @@ def result_object(
             }
             for t in c.token_logprobs
         ],
+        "speculative": c.speculative,
     }
 
 

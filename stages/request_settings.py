@@ -17,11 +17,23 @@ from pydantic import Field, StringConstraints, create_model
 from pydantic.fields import FieldInfo
 
 from llmplan.engine.stage import Params
-from llmplan.llm.sampling_params import Limit, SamplingParams, request_fields
+from llmplan.llm.sampling_params import Limit, SamplingParams, Speculation, request_fields, setting_kinds
+
+
+def nested_model(source: type) -> type[Params]:
+    """A setting that is itself a dataclass of settings (`speculative`) as a pydantic model, field by field."""
+    return create_model(  # type: ignore[call-overload, no-any-return]
+        source.__name__,
+        __base__=Params,
+        __doc__=source.__doc__,
+        **{f.name: plan_field(f, kind, f.metadata["limit"]) for f, kind in setting_kinds(source)},
+    )
 
 
 def plan_field(f: dataclasses.Field[Any], kind: Any, limit: Limit) -> tuple[Any, FieldInfo]:
     """A dataclass field as a pydantic field: the same default, limits and description."""
+    if kind == Speculation | None:
+        return nested_model(Speculation) | None, Field(None, description=limit.description)
     if kind == tuple[str, ...]:  # a YAML list of strings; the dataclass keeps them as a tuple
         item = Annotated[str, StringConstraints(min_length=limit.min_chars)]
         return list[item], Field(default_factory=list, max_length=limit.max_items, description=limit.description)
@@ -42,6 +54,11 @@ RequestSettings = settings_model()
 
 # The settings that go to the sampler chain; the others end a request.
 SAMPLING_FIELDS: tuple[str, ...] = tuple(n for n in RequestSettings.model_fields if n not in ("max_new_tokens", "stop"))
+
+
+def plain_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """Settings as plain data (a nested setting's model as its mapping): what results and cache keys record."""
+    return {name: v.model_dump() if isinstance(v, Params) else v for name, v in settings.items()}
 
 
 def sampling_params(

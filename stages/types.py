@@ -194,6 +194,13 @@ class Result:
         }
 
     @property
+    def speculative(self) -> dict[str, int] | None:
+        """Speculative decoding's guesses verified and accepted; None where the request did not speculate."""
+        if not self.params.get("speculative") or self.timed_as != "phases":
+            return None
+        return {"guessed": self.generation.guessed, "accepted": self.generation.accepted}
+
+    @property
     def completion_tokens(self) -> int:
         """What the model generated (usage), also after output.filter redacted the ids."""
         return len(self.tokens) if self.redacted_tokens is None else self.redacted_tokens

@@ -25,6 +25,17 @@ PROBES: dict[str, list[Any]] = {
     "no_repeat_ngram_size": [-1, 0, 64, 65, 1000],
     "seed": [-1, 0, 2**40],
     "stop": [[], [""], ["a"], ["a"] * 16, ["a"] * 17, "a"],
+    "speculative": [
+        None,
+        {},
+        {"method": "prompt_lookup", "tokens": 4, "ngram": 3},
+        *({"tokens": k} for k in (0, 1, 16, 17, True, "3")),
+        *({"ngram": n} for n in (0, 1, 8, 9)),
+        {"method": "draft"},
+        {"tokenz": 2},
+        5,
+        "prompt_lookup",
+    ],
 }
 
 

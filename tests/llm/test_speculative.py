@@ -1,0 +1,332 @@
+"""Speculative decoding (llm/speculative.py) through the engine loop, against the same loop without it.
+
+Exactness: a row's answer must not depend on whether it speculated. The tiny random models here seldom
+repeat themselves, so most rows pick with `echo`: the token PERIOD back (text that quotes itself, which
+prompt lookup guesses right) unless the model's argmax is a multiple of 4, then that argmax (which it
+guesses wrong). Its tokens thus depend on the logits of every position, the K/V of rejected guesses
+included if they leaked, and its logprobs are the model's: both must equal the plain loop's (1e-5, the
+summation-order noise of other batch shapes). Pure greedy rows run beside them.
+
+Distribution: sampled answers with and without speculation (different seeds) have next-token histograms
+within a total-variation distance that sampling noise stays far below, and a wrong acceptance rule (take a
+guess whenever the sampler would allow it) lands far above it.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+from archs import make_tiny
+from tiny import load_tiny, make_tiny_llama
+from torch import Tensor
+
+from llmplan.llm import engine_loop, native
+from llmplan.llm.engine_loop import EngineLoop
+from llmplan.llm.flat_batch import FlatBatch
+from llmplan.llm.generate import Pick
+from llmplan.llm.kv_layers import LayerKV
+from llmplan.llm.linear import make_linear
+from llmplan.llm.model import Transformer
+from llmplan.llm.model_runner import ModelRunner
+from llmplan.llm.sampling import build_picker
+from llmplan.llm.sampling_params import SamplingParams, Speculation
+from llmplan.llm.scheduler import GenerationRequest, Sequence
+from llmplan.llm.slot_cache import SlotCache
+from llmplan.llm.speculative import NgramIndex, Speculator
+from llmplan.llm.weight_formats import quantize_weight
+
+NATIVE = native.kernels() is not None
+PATHS = ["torch", pytest.param("native", marks=pytest.mark.skipif(not NATIVE, reason="native kernels unavailable"))]
+PERIOD = 5
+PROMPTS = [
+    [1, 17, 99, 4, 250, 31, 8, 40, 41, 9, 12],
+    [1, 5, 9, 60, 61, 62, 63, 5, 9],
+    [1, 200, 13, 77, 3, 3],
+    [1, 44] * 10,
+]
+SPEC = Speculation(tokens=4, ngram=3)
+
+
+def echo(logits: Tensor, seen: list[int]) -> Pick:
+    best = int(logits.argmax())
+    token = seen[-PERIOD] if best % 4 else best
+    return Pick(token=token, logprob=float(logits.log_softmax(-1)[token]))
+
+
+def greedy(logits: Tensor, seen: list[int]) -> Pick:
+    token = int(logits.argmax())
+    return Pick(token=token, logprob=float(logits.log_softmax(-1)[token]))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path, _ = make_tiny_llama(tmp_path_factory.mktemp("spec"), n_layers=3, heads=8, kv_heads=2, seed=11)
+    return path
+
+
+@pytest.fixture(scope="module")
+def fp32(tiny_dir: Path) -> Transformer:
+    return load_tiny(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def int8(tiny_dir: Path) -> Transformer:
+    from safetensors.torch import load_file
+
+    from llmplan.llm.config import ModelConfig
+    from llmplan.llm.weights import fuse_hf_state_dict
+
+    cfg = ModelConfig.from_file(tiny_dir / "config.json")
+    weights = fuse_hf_state_dict({k: v for f in tiny_dir.glob("*.safetensors") for k, v in load_file(f).items()}, cfg)
+    linear = ("wqkv.weight", "wo.weight", "w13.weight", "w2.weight", "output.weight")
+    quantized = {n: quantize_weight(w, "int8") if n.endswith(linear) else w for n, w in weights.items()}
+    return Transformer.from_weights(cfg, quantized, linear_factory=functools.partial(make_linear, kernel="auto"))
+
+
+def run_all(
+    model: Transformer,
+    requests: list[GenerationRequest],
+    *,
+    path: str = "torch",
+    slots: int = 3,
+    max_tokens: int = 128,
+    chunk: int | None = None,
+    every: int = 2,
+    **scheduling: int,
+) -> tuple[list[Sequence], EngineLoop]:
+    """Submit one request every `every` steps while the others run (rows join and leave mid-speculation)."""
+    cache = SlotCache.for_model(model, slots, max_tokens, chunk=chunk)
+    loop = EngineLoop(ModelRunner(model, cache, native=path == "native"), cache, **scheduling)
+    if path == "native" and loop.runner.backend != "native":
+        pytest.skip(f"the native pass refuses {model.cfg.model_type}")
+    seqs, pending, step = [], list(requests), 0
+    while pending or loop.pending:
+        if pending and step % every == 0:
+            seqs.append(loop.submit(pending.pop(0)))
+        loop.step()
+        step += 1
+    return seqs, loop
+
+
+def requests(spec: Speculation | None, new: int = 40, **kw) -> list[GenerationRequest]:
+    pickers = [echo, echo, greedy, echo]
+    return [
+        GenerationRequest(prompt=p, picker=pick, max_new_tokens=new, speculation=spec, **kw)
+        for p, pick in zip(PROMPTS, pickers, strict=True)
+    ]
+
+
+def assert_same(plain: list[Sequence], spec: list[Sequence]) -> None:
+    for want, got in zip(plain, spec, strict=True):
+        assert got.generation.tokens == want.generation.tokens
+        assert got.generation.finish_reason == want.generation.finish_reason
+        assert got.generation.logprobs == pytest.approx(want.generation.logprobs, abs=1e-5)
+
+
+# --- the proposer and its back-off ------------------------------------------------------------------------
+
+
+def test_lookup_copies_what_followed_the_latest_longest_match() -> None:
+    index = NgramIndex(3)
+    seen = [7, 1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 6, 8, 2, 3]
+    # suffix (8?) 2, 3: the 3-gram [8, 2, 3] never occurred; [2, 3] last ended at position 9: 4, 5, 6 follow
+    assert index.guesses(seen, 3) == [4, 5, 6]
+    assert index.guesses([*seen, 4], 2) == [5, 6]  # grown by one token: the 3-gram [2, 3, 4] matches
+    assert NgramIndex(2).guesses([5, 6, 7], 4) == []  # nothing repeats: no guess
+    assert NgramIndex(1).guesses([5, 6, 5], 4) == [6, 5]  # only as many as there are after the match
+
+
+def test_low_acceptance_shrinks_then_pauses_and_retries() -> None:
+    spec = Speculator(tokens=8, ngram=2)
+    seen = [1, 2, 3, 4, 5, 6, 7, 8, 9] * 3
+    assert len(spec.propose(seen, 100)) == 8
+    for _ in range(3):
+        spec.record(0, 8, 1)
+    assert 1 <= spec.budget < 8  # acceptance stayed low: fewer guesses
+    while not spec.pause:
+        spec.record(0, spec.budget, 0)
+    first = spec.pause
+    assert all(spec.propose(seen, 100) == [] for _ in range(first))  # paused: plain decoding
+    assert spec.propose(seen, 100)  # and it tries again
+    while not spec.pause:
+        spec.record(0, spec.budget, 0)
+    assert spec.pause == 2 * first  # failing again pauses longer
+    assert spec.propose(seen, 0) == [] or spec.pause  # never more than the room
+
+
+# --- exactness --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_answers_equal_the_plain_loop_batched(fp32: Transformer, int8: Transformer, path: str, precision: str) -> None:
+    model = fp32 if precision == "fp32" else int8
+    if precision == "int8" and path == "torch":
+        pytest.skip("int8 linears run on the native kernels either way; the native pass is the one to check")
+    plain, _ = run_all(model, requests(None), path=path, max_step_tokens=12)
+    spec, loop = run_all(model, requests(SPEC), path=path, max_step_tokens=12)
+    assert_same(plain, spec)
+    gens = [s.generation for s in spec]
+    assert all(g.guessed > 0 for g in gens)
+    assert 0 < loop.stats.accepted_tokens < loop.stats.guessed_tokens  # guesses kept and guesses rejected
+    assert sum(g.decode_steps for g in gens) < sum(s.generation.decode_steps for s in plain)  # fewer passes
+    for g in gens:
+        assert (g.guessed, g.accepted) == tuple(map(sum, zip(*[(k, a) for _, k, a in g.speculation], strict=True)))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_batch_one_equals_the_plain_loop_and_the_slot_ends_where_it_would(fp32: Transformer, path: str) -> None:
+    for prompt in PROMPTS:
+        req = functools.partial(GenerationRequest, prompt=prompt, picker=echo, max_new_tokens=30)
+        (plain,), plain_loop = run_all(fp32, [req()], path=path, slots=1)
+        (spec,), spec_loop = run_all(fp32, [req(speculation=SPEC)], path=path, slots=1)
+        assert_same([plain], [spec])
+        # the rejected guesses' K/V are gone: the slot holds what a row without speculation leaves
+        assert spec_loop.cache.held[0] == plain_loop.cache.held[0] == prompt + spec.generation.tokens[:-1]
+        assert spec_loop.cache.lengths[0] == len(prompt) + len(spec.generation.tokens) - 1
+        assert int(spec_loop.cache.valid[0].sum()) == spec_loop.cache.lengths[0]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_sliding_window_rings_stay_correct(tmp_path: Path, path: str) -> None:
+    """Gemma 3's sliding layers as rings of window 16 + chunk 8 slots, wrapped many times over 40 + 60
+    tokens, each pass writing the last token and up to 7 guesses (the most one write takes)."""
+    model = load_tiny(make_tiny(tmp_path, "gemma3_text")[0])
+    reqs = functools.partial(requests, new=60)
+    plain, _ = run_all(model, reqs(None), path=path, chunk=8, max_step_tokens=16)
+    spec, loop = run_all(model, reqs(Speculation(tokens=16, ngram=2)), path=path, chunk=8, max_step_tokens=16)
+    assert any(loop.cache.store.rings)
+    assert_same(plain, spec)
+    assert loop.stats.accepted_tokens > 0
+    assert max(k for s in spec for _, k, _ in s.generation.speculation) <= 7  # max_write - 1
+
+
+def test_stop_rules_apply_to_accepted_tokens_exactly(fp32: Transformer) -> None:
+    """EOS among the guesses, a stop condition, and every token limit end a row where the plain loop ends it;
+    streaming delivers the same tokens in the same order."""
+    plain_run, _ = run_all(fp32, requests(None, new=40))
+    pattern = plain_run[0].generation.tokens
+    eos = frozenset({pattern[17]})
+    pair = pattern[23:25]
+
+    def stop(ids: list[int]) -> bool:
+        return ids[-2:] == pair
+
+    for kw in ({"eos_ids": eos}, {"stop": stop}, *({"new": n} for n in (1, 2, 3, 6, 11))):
+        new = kw.pop("new", 40)
+        streams: dict[bool, list[list[int]]] = {False: [[] for _ in PROMPTS], True: [[] for _ in PROMPTS]}
+        outs = {}
+        for speculating in (False, True):
+            reqs = requests(SPEC if speculating else None, new=new, **kw)
+            for req, stream in zip(reqs, streams[speculating], strict=True):
+                req.on_token = stream.append
+            outs[speculating], _ = run_all(fp32, reqs)
+        assert_same(outs[False], outs[True])
+        assert streams[True] == streams[False] == [s.generation.tokens for s in outs[True]]
+        assert all(len(s.generation.tokens) <= new for s in outs[True])
+    assert outs[True][0].generation.finish_reason == "length"
+
+
+def test_a_full_slot_gets_no_guesses_past_its_end(fp32: Transformer) -> None:
+    prompt = [1, 44] * 10
+    plain, _ = run_all(
+        fp32, [GenerationRequest(prompt=prompt, picker=echo, max_new_tokens=100)], slots=1, max_tokens=32
+    )
+    spec, _ = run_all(
+        fp32,
+        [GenerationRequest(prompt=prompt, picker=echo, max_new_tokens=100, speculation=SPEC)],
+        slots=1,
+        max_tokens=32,
+    )
+    assert_same(plain, spec)
+    assert spec[0].generation.finish_reason == "cache_full"
+
+
+# --- the distribution of sampled answers --------------------------------------------------------------------
+
+VOCAB, SAMPLES, NEW_SAMPLED = 6, 4000, 4
+# next | last: a + 1 with probability 0.5, a + 2 with 0.2, each other token 0.1 (as logits)
+BIGRAM = torch.tensor([[{1: 0.5, 2: 0.2}.get((b - a) % VOCAB, 0.1) for b in range(VOCAB)] for a in range(VOCAB)]).log()
+
+
+class BigramRunner:
+    """A model runner whose logits at an input are BIGRAM's row of that input's token: the exact distribution
+    of every generated position is then known (a Markov chain), so the samples are checked against it."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[float, float]] = []
+        self.model = torch.nn.Module()  # the loop asks only for its device, on out-of-memory
+
+    def forward(self, batch: FlatBatch, cache: SlotCache) -> Tensor:
+        self.spans = [(0.0, 0.0)] * len(batch.parts)
+        return BIGRAM[batch.tokens[batch.outs]]
+
+
+def exact(last: int, position: int) -> Tensor:
+    """The distribution of generated token `position` (0 first) after a prompt ending in `last`."""
+    step = BIGRAM.softmax(-1)
+    return torch.linalg.matrix_power(step, position + 1)[last]
+
+
+def sampled(prompt: list[int], spec: Speculation | None, seeds: range) -> tuple[list[list[int]], EngineLoop]:
+    store = LayerKV(1, 32, 1, 128, 2, dtype=torch.float32)
+    cache = SlotCache(store, torch.zeros(32, 128, dtype=torch.bool))
+    loop = EngineLoop(BigramRunner(), cache, prefix_reuse=False)  # type: ignore[arg-type]
+    seqs = [
+        loop.submit(
+            GenerationRequest(
+                prompt=prompt,
+                picker=build_picker(SamplingParams(temperature=1.0, seed=seed), len(prompt)),
+                max_new_tokens=NEW_SAMPLED,
+                speculation=spec,
+            )
+        )
+        for seed in seeds
+    ]
+    loop.run()
+    return [s.generation.tokens for s in seqs], loop
+
+
+def tv_from_exact(samples: list[list[int]], last: int, position: int) -> float:
+    counts = torch.bincount(torch.tensor([s[position] for s in samples]), minlength=VOCAB).float()
+    return 0.5 * float((counts / len(samples) - exact(last, position)).abs().sum())
+
+
+def wrong_accept(draw: torch.Generator, pick, logits, guesses, seen, deliver):  # type: ignore[no-untyped-def]
+    """A broken verifier (the control), the classic slip: accept guess g with probability p(g), but on a
+    rejection draw from p itself instead of p without g, so g comes out more often than p(g)."""
+    delivered = 0
+    for i in range(len(guesses) + 1):
+        taken = i < len(guesses) and float(torch.rand(1, generator=draw)) < float(logits[i].softmax(-1)[guesses[i]])
+        chosen = Pick(guesses[i], 0.0) if taken else pick(logits[i], seen)
+        delivered += 1
+        if not deliver(chosen) or i == len(guesses) or chosen.token != guesses[i]:
+            break
+    return delivered
+
+
+# 0 1 2 3 4 5 0 1 ...: the guess after a is a + 1, the likeliest token, accepted about half the time.
+PAIRS_PROMPT = list(range(VOCAB)) * 4
+
+
+def test_sampled_answers_keep_the_distribution_of_plain_sampling() -> None:
+    """Every generated position after the first (those come from verify passes) against its exact
+    distribution: sampling noise at 4000 draws over 6 tokens is ~0.015 in TV; the bound is 0.04, and the
+    wrong rule below lands above 0.08."""
+    last = PAIRS_PROMPT[-1]
+    plain, _ = sampled(PAIRS_PROMPT, None, range(SAMPLES))
+    spec, loop = sampled(PAIRS_PROMPT, Speculation(tokens=3, ngram=1), range(SAMPLES, 2 * SAMPLES))
+    rate = loop.stats.accepted_tokens / loop.stats.guessed_tokens
+    assert loop.stats.guessed_tokens > SAMPLES and 0.3 < rate < 0.7  # both branches of the rule, often
+    for position in range(NEW_SAMPLED):
+        assert tv_from_exact(plain, last, position) < 0.04
+        assert tv_from_exact(spec, last, position) < 0.04
+
+
+def test_the_check_catches_a_wrong_acceptance_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_loop, "accept", functools.partial(wrong_accept, torch.Generator().manual_seed(0)))
+    spec, _ = sampled(PAIRS_PROMPT, Speculation(tokens=3, ngram=1), range(SAMPLES, 2 * SAMPLES))
+    assert max(tv_from_exact(spec, PAIRS_PROMPT[-1], p) for p in range(1, NEW_SAMPLED)) > 0.08
