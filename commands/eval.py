@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmplan.commands import eval_store
+
 GREEDY_PROMPT_TOKENS = 64
 
 
@@ -49,6 +51,13 @@ def register(sub: Any) -> None:
         "--kv-dtypes", metavar="LIST", help="also score the first plan with these KV cache dtypes (fp32,bf16,fp16)"
     )
     parser.add_argument("--format", choices=["md", "json"], default="md")
+    parser.add_argument(
+        "--db",
+        default=None,
+        metavar="PATH",
+        help="results database the figures are stored in (default runs/results.sqlite)",
+    )
+    parser.add_argument("--no-store", action="store_true", help="do not store the figures in the results database")
     parser.add_argument("--set", action="append", default=[], metavar="ID.PARAM=VALUE", help="override every plan")
     parser.set_defaults(handler=run)
 
@@ -85,12 +94,24 @@ def run(args: argparse.Namespace) -> int:
     if args.greedy < 0 or args.prompts < 0:
         raise CliError("--greedy and --prompts: must not be negative")
     text, source = read_text(args.text)
+    db = _db(args)
+    if db is not None:
+        eval_store.check_db(db)  # before the models load: a database that cannot take the figures is one line
     report = evaluate(args, text, source)
+    if db is not None:
+        ids = eval_store.store(db, report, text)
+        print(f"eval: stored in {db} (evals {', '.join(map(str, ids))})", file=sys.stderr)
     if args.format == "json":
         print(json.dumps(report, indent=2))
     else:
         print(markdown(report))
     return 0
+
+
+def _db(args: argparse.Namespace) -> str | None:
+    from llmplan.stages.cache_stages import DEFAULT_DB
+
+    return None if getattr(args, "no_store", False) else (getattr(args, "db", None) or DEFAULT_DB)
 
 
 @dataclass(frozen=True)
@@ -134,10 +155,12 @@ def _load(variant: Variant, overrides: list[str], max_tokens: int) -> Any:
     return load(variant.plan, bench_overrides(variant.plan, wanted, dtype=None, max_batch=1, max_tokens=max_tokens))
 
 
-def _label(variant: Variant, loaded: Any) -> dict[str, Any]:
+def _label(variant: Variant, loaded: Any, overrides: list[str]) -> dict[str, Any]:
     cache = loaded.cache
     return {
         "plan": loaded.bound.plan.name,
+        "plan_file": str(variant.plan),
+        "plan_hash": eval_store.plan_hash(variant.plan, [*overrides, *variant.overrides]),
         "change": variant.change,
         "weights": str(loaded.metric("load.convert", "dtype") or "as stored"),
         "activations": str(loaded.model.dtype).removeprefix("torch."),
@@ -188,14 +211,14 @@ def evaluate(args: argparse.Namespace, text: str, source: str) -> dict[str, Any]
     ref_greedy = _greedy(ref, prompts, args.greedy)
     rows = []
     for i, (variant, loaded) in enumerate(zip(rows_wanted, models, strict=True)):
-        row = {**_label(variant, loaded), **perplexity[i].summary(), **divergence[i].summary()}
+        row = {**_label(variant, loaded, args.set), **perplexity[i].summary(), **divergence[i].summary()}
         row["same_token_rate"] = quality.same_token_rate(_greedy(loaded, prompts, args.greedy), ref_greedy)
         rows.append(row)
     return {
         "text": source,
         "context": args.context,
         "chunks": len(pieces),
-        "reference": {**_label(ref_variant, ref), **ref_perplexity.summary()},
+        "reference": {**_label(ref_variant, ref, args.set), **ref_perplexity.summary()},
         "plans": rows,
     }
 

@@ -40,7 +40,10 @@ from .results_file import (
     refusal,
 )
 
-SCHEMA_VERSION = 1  # also the file's PRAGMA user_version
+SCHEMA_VERSION = 2  # also the file's PRAGMA user_version
+# v2 adds `evals` (what `llmplan eval` measured). A v1 file is read as it is and gains the table, and its
+# version, in the same transaction as its first stored evaluation: a command that only reads never writes.
+V2_TABLE = "evals"
 # v2: the key covers every stage upstream of generation, the model files' content identity, the
 # device and the precision. Rows stored under v1 keys (generation params only) can never match a v2
 # key, so an old database is never misread: its rows stay as history and are simply not replayed.
@@ -81,6 +84,21 @@ CREATE TABLE IF NOT EXISTS results (
 );
 CREATE INDEX IF NOT EXISTS results_cache_key ON results(cache_key);
 CREATE INDEX IF NOT EXISTS results_run ON results(run_id);
+CREATE TABLE IF NOT EXISTS evals (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    time TEXT NOT NULL,
+    plan TEXT NOT NULL,
+    plan_file TEXT,
+    plan_hash TEXT NOT NULL,
+    change TEXT NOT NULL,
+    reference TEXT NOT NULL,
+    reference_hash TEXT NOT NULL,
+    text_source TEXT NOT NULL,
+    text_hash TEXT NOT NULL,
+    settings TEXT NOT NULL,
+    figures TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS evals_plan_hash ON evals(plan_hash);
 """
 
 
@@ -133,6 +151,22 @@ class ResultRow:
     logprobs: list[float] | None = None
     error: str | None = None
     from_cache: bool = False
+
+
+@dataclass
+class EvalRow:
+    """One plan's quality figures (`llmplan eval`), keyed by the hash of the plan as it was scored."""
+
+    plan: str
+    plan_file: str | None
+    plan_hash: str
+    change: str
+    reference: str
+    reference_hash: str
+    text_source: str
+    text_hash: str
+    settings: dict[str, Any]
+    figures: dict[str, Any]
 
 
 def _is_busy(error: sqlite3.OperationalError) -> bool:
@@ -225,13 +259,15 @@ def identify(path: Path) -> str:
 
 
 def check_contents(conn: sqlite3.Connection, path: Path) -> None:
-    """Our tables with our columns, and a schema version this llmplan reads."""
+    """Our tables with our columns (those of v2, or of v1: v2 less `evals`), and a schema version this llmplan
+    reads."""
     shape = _shape(conn)
     ours = _our_shape()
-    if shape != ours:
+    v1 = {name: columns for name, columns in ours.items() if name != V2_TABLE}
+    if shape not in (ours, v1):
         if not shape:
             reason = "it is an SQLite database without tables, which llmplan did not write"
-        elif set(shape) == set(ours):
+        elif set(shape) in (set(ours), set(v1)):
             reason = "its tables are not shaped as llmplan's (another program's database, or altered)"
         elif set(shape) & set(ours):
             reason = "its tables are not llmplan's (another program's database, or altered)"
@@ -397,6 +433,18 @@ class ResultsStore:
             ],
         )
 
+    def record_evals(self, rows: Sequence[EvalRow]) -> list[int]:
+        """Store evaluations in one transaction (a v1 file gains the `evals` table first); returns their ids."""
+        with self._write() as conn:
+            for statement in _statements():
+                if V2_TABLE in statement:  # the table and its index: IF NOT EXISTS, so a v2 file is unchanged
+                    conn.execute(statement)
+            if (conn.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] or 0) < SCHEMA_VERSION:
+                conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
+                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            now = _now()
+            return [int(conn.execute(_EVAL_INSERT, (now, *_eval_values(r))).lastrowid or 0) for r in rows]
+
     # --- reading ---------------------------------------------------------------------------------
 
     def lookup(self, key: str) -> dict[str, Any] | None:
@@ -443,8 +491,22 @@ class ResultsStore:
         )
         return None if row is None else _shown(row)
 
+    def evals(self, plan_hash: str | None = None, limit: int = 20) -> list[dict[str, Any]]:
+        """The newest stored evaluations (of one plan hash, if given); a v1 file has none. A row whose JSON does
+        not decode is {id, plan, damaged: why}."""
+
+        def read(conn: sqlite3.Connection) -> list[sqlite3.Row]:
+            known = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
+            if not conn.execute(known, (V2_TABLE,)).fetchone():
+                return []
+            where, values = ("WHERE plan_hash = ?", (plan_hash,)) if plan_hash else ("", ())
+            query = f"SELECT * FROM evals {where} ORDER BY id DESC LIMIT ?"
+            return conn.execute(query, (*values, int(limit))).fetchall()
+
+        return [_eval_shown(r) for r in self._read(read)]
+
     def count(self, table: str = "results") -> int:
-        if table not in ("results", "runs"):
+        if table not in ("results", "runs", V2_TABLE):
             raise ValueError(table)
         return int(self._read(lambda conn: conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]))
 
@@ -489,3 +551,27 @@ def _shown(row: sqlite3.Row) -> dict[str, Any]:
         data = dict(row)
         keep = ("id", "run_id", "run_time", "plan", "model_fingerprint", "created")
         return {**{k: data[k] for k in keep if k in data}, "damaged": str(bad)}
+
+
+_EVAL_INSERT = (
+    "INSERT INTO evals (time, plan, plan_file, plan_hash, change, reference, reference_hash, text_source, text_hash,"
+    " settings, figures) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+
+
+def _eval_values(r: EvalRow) -> tuple[Any, ...]:
+    plain = (r.plan, r.plan_file, r.plan_hash, r.change, r.reference, r.reference_hash, r.text_source, r.text_hash)
+    return (*plain, _dumps(r.settings), _dumps(r.figures))
+
+
+def _eval_shown(row: sqlite3.Row) -> dict[str, Any]:
+    data = dict(row)
+    try:
+        for column in ("settings", "figures"):
+            value = json.loads(data[column])
+            if not isinstance(value, dict):
+                raise ValueError(f"its {column} is not an object")
+            data[column] = value
+    except (TypeError, ValueError) as bad:
+        return {"id": data.get("id"), "plan": data.get("plan"), "damaged": str(bad)}
+    return data

@@ -9,7 +9,15 @@ import pytest
 
 from llmplan.commands import history as history_commands
 from llmplan.engine.cli import CliError
-from llmplan.stages.results_store import SCHEMA_VERSION, ResultRow, ResultsStore, RunRow, StoreError, open_existing
+from llmplan.stages.results_store import (
+    SCHEMA_VERSION,
+    EvalRow,
+    ResultRow,
+    ResultsStore,
+    RunRow,
+    StoreError,
+    open_existing,
+)
 
 
 def _row(i: int, key: str | None = None) -> ResultRow:
@@ -66,7 +74,7 @@ def test_newer_schema_and_non_database_are_refused(tmp_path):
     conn.execute("UPDATE schema_version SET version = 99")
     conn.commit()
     conn.close()
-    with pytest.raises(StoreError, match=r"schema version 99 is newer than this llmplan supports \(1\)"):
+    with pytest.raises(StoreError, match=r"schema version 99 is newer than this llmplan supports \(2\)"):
         ResultsStore(db)
     junk = tmp_path / "junk.sqlite"
     junk.write_bytes(b"this is not a database" * 100)
@@ -135,3 +143,71 @@ def test_missing_db_and_unknown_id_are_one_line(tmp_path):
     ResultsStore(db).close()
     with pytest.raises(CliError, match="no result with id 7"):
         _cli(["show", "7", "--db", str(db)])
+
+
+def _eval(plan_hash: str) -> EvalRow:
+    return EvalRow(
+        plan="p",
+        plan_file="plans/p.yaml",
+        plan_hash=plan_hash,
+        change="weights int8",
+        reference="p (weights fp32)",
+        reference_hash="ref",
+        text_source="pydoc_data",
+        text_hash="txt",
+        settings={"context": 16, "chunks": 2},
+        figures={"kl_mean": 0.01, "perplexity": 12.5, "layer_drift": [0.0, float("nan")]},
+    )
+
+
+def _v1_database(db) -> None:
+    """A results database as llmplan 1 wrote it: the v2 schema less `evals`, stamped version 1, one result."""
+    with ResultsStore(db) as store:
+        store.record_run(_run(), [_row(1, "k1")])
+    conn = sqlite3.connect(db, isolation_level=None)
+    conn.executescript("DROP TABLE evals; UPDATE schema_version SET version = 1; PRAGMA user_version = 1;")
+    conn.close()
+
+
+def test_evals_round_trip_by_plan_hash(tmp_path):
+    with ResultsStore(tmp_path / "r.sqlite") as store:
+        ids = store.record_evals([_eval("aaa"), _eval("bbb")])
+        assert len(ids) == 2 and store.count("evals") == 2
+        (only,) = store.evals("bbb")
+        assert only["id"] == ids[1] and only["settings"] == {"context": 16, "chunks": 2}
+        assert only["figures"]["kl_mean"] == 0.01 and only["figures"]["layer_drift"][0] == 0.0
+        assert [row["plan_hash"] for row in store.evals()] == ["bbb", "aaa"] and store.evals("ccc") == []
+
+
+def test_a_v1_database_is_read_unchanged_and_upgraded_by_its_first_eval(tmp_path):
+    db = tmp_path / "v1.sqlite"
+    _v1_database(db)
+    before = db.read_bytes()
+    with ResultsStore(db, create=False) as store:  # what `history` does: read, write nothing
+        assert store.evals() == [] and store.lookup("k1") is not None
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 1
+    assert conn.execute("SELECT name FROM sqlite_master WHERE name = 'evals'").fetchone() is None
+    conn.close()
+    assert db.read_bytes()[:100] == before[:100]
+    with ResultsStore(db) as store:
+        store.record_evals([_eval("aaa")])
+        assert store.lookup("k1") is not None and store.evals("aaa")[0]["change"] == "weights int8"
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+    assert conn.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] == 2
+    conn.close()
+    with ResultsStore(db) as store:  # and it opens as a v2 database afterwards
+        assert store.count("evals") == 1
+
+
+def test_an_eval_row_that_does_not_decode_is_listed_as_damaged(tmp_path):
+    db = tmp_path / "r.sqlite"
+    with ResultsStore(db) as store:
+        store.record_evals([_eval("aaa")])
+    conn = sqlite3.connect(db, isolation_level=None)
+    conn.execute("UPDATE evals SET figures = '[1, 2'")
+    conn.close()
+    with ResultsStore(db) as store:
+        (row,) = store.evals()
+        assert row["plan"] == "p" and "damaged" in row

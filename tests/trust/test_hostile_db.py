@@ -195,8 +195,8 @@ FOREIGN = [
         id="only-a-results-table",
     ),
     pytest.param(
-        lambda f: _ours(f / "results.sqlite", "PRAGMA user_version = 2"),
-        "schema version 2 is newer",
+        lambda f: _ours(f / "results.sqlite", "PRAGMA user_version = 3"),
+        "schema version 3 is newer",
         id="newer-user-version",
     ),
     pytest.param(
