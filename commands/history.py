@@ -18,8 +18,7 @@ from typing import Any, TypeVar
 
 from llmplan.commands.arguments import positive
 from llmplan.engine.cli import CliError
-from llmplan.stages.cache_stages import DEFAULT_DB
-from llmplan.stages.results_store import ResultsStore, StoreError
+from llmplan.stages.results_store import DEFAULT_DB, ResultsStore, StoreError
 
 T = TypeVar("T")
 _MARKERS = re.compile(r"<\|[^|<>]{1,40}\|>|</?s>")  # chat-template markers, hidden in the listing
@@ -30,13 +29,13 @@ def register(subparsers: Any) -> None:
     history.add_argument("--db", default=DEFAULT_DB, help=f"results database (default {DEFAULT_DB})")
     history.add_argument("--limit", type=positive, default=20, help="how many results, newest first")
     history.add_argument("--json", action="store_true", help="one JSON object per result per line")
-    history.set_defaults(handler=cmd_history)
+    history.set_defaults(handler=cmd_history, needs_stages=False)  # a database read: no torch
 
     show = subparsers.add_parser("show", help="print one stored result")
     show.add_argument("id", type=int, help="result id (the first column of `llmplan history`)")
     show.add_argument("--db", default=DEFAULT_DB, help=f"results database (default {DEFAULT_DB})")
     show.add_argument("--json", action="store_true", help="the result as one JSON object")
-    show.set_defaults(handler=cmd_show)
+    show.set_defaults(handler=cmd_show, needs_stages=False)
 
 
 def _open(path: str) -> ResultsStore:

@@ -24,15 +24,16 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmplan.engine.findings import InputRefused, StageFailure
 from llmplan.engine.plan import BoundPlan
 from llmplan.engine.runner import make_run_dir
 from llmplan.engine.serving import RequestRun, ResidentPlan, ServeError
-from llmplan.llm.engine_loop import EngineLoop
-from llmplan.llm.scheduler import Scheduler
-from llmplan.stages.compute_generate import serving_loop
+
+if TYPE_CHECKING:  # torch comes with these: imported when a model is loaded, not when the CLI starts
+    from llmplan.llm.engine_loop import EngineLoop
+    from llmplan.llm.scheduler import Scheduler
 
 GENERATE, TOKENIZE, WRITE = "compute.generate", "compute.tokenize", "output.write"
 
@@ -157,6 +158,8 @@ class ModelHost:
         self._on_model_thread(self._load)
 
     def _load(self) -> None:
+        from llmplan.stages.compute_generate import serving_loop  # torch: only once a model is loaded
+
         with self._lock:
             if self.plan.state == "ready":
                 return

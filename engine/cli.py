@@ -20,6 +20,7 @@ from typing import Any
 from llmplan.ownership import NotOurs, check_writable, write_file
 from llmplan.plain_errors import plain_error
 
+from .cli_help import Parser, add_examples
 from .context import Context
 from .executors import Executor
 from .findings import Finding, PlanError
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None, *, on_ready: Callable[[], None] | None =
         parser.print_help(sys.stderr)
         return 2
     try:
+        if getattr(args, "needs_stages", True):
+            discover()  # the stage plugins import torch: before on_ready, inside entry.py's deferred Ctrl-C
         if on_ready is not None:
             on_ready()
         return int(args.handler(args) or 0)
@@ -90,7 +93,15 @@ def _err(text: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="llmplan", description="Run LLM inference as a declarative plan.")
+    from llmplan import __version__
+
+    parser = Parser(
+        prog="llmplan",
+        description="Run LLM inference as a declarative plan: a YAML file of typed stages, from checkpoint to text.",
+        epilog="example:\n  llmplan run plans/llama-int8.yaml --prompt \"Why is the sky blue?\"\n"
+        "  llmplan COMMAND --help     # every command's options, defaults and an example",
+    )
+    parser.add_argument("-V", "--version", action="version", version=f"llmplan {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -142,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
             point.load()(sub)
         except Exception as bad:  # a broken plugin command must not break the CLI
             _err(f"warning: command plugin {point.name!r} failed to load: {bad}")
+    add_examples(sub)
     return parser
 
 

@@ -51,10 +51,8 @@ def main(argv: list[str] | None = None) -> int:
             raise KeyboardInterrupt
 
     try:
-        from .cli import main as cli_main
-        from .registry import discover
+        from .cli import main as cli_main  # it loads the stage plugins (torch) after parsing, still deferred
 
-        discover()  # the stage plugins import torch: inside the deferred window too
         code = cli_main(argv, on_ready=ready)
     except KeyboardInterrupt:
         interrupted_exit()

@@ -14,13 +14,13 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
-import networkx as nx
-
 from .findings import Finding
 from .messages import suggest
 from .registry import Registry
 
 if TYPE_CHECKING:
+    import networkx as nx  # imported where a graph is built: `llmplan --help` stays light
+
     from .plan import BoundStage
     from .plan_graph import PlanGraph
     from .yaml_source import Source
@@ -30,6 +30,8 @@ DATA, ORDER, FILL = "data", "after", "fill"
 
 def build_graph(stages: list[BoundStage]) -> nx.DiGraph:
     """Nodes are stage ids (with their BoundStage under 'stage'); edges carry the slots they pass."""
+    import networkx as nx
+
     graph = nx.DiGraph()
     writers: dict[str, list[str]] = defaultdict(list)
     fillers: dict[str, list[str]] = defaultdict(list)
@@ -125,6 +127,8 @@ def link_findings(stages: list[BoundStage], source: Source, registry: Registry) 
 
 def dag_findings(graph: nx.DiGraph, stages: list[BoundStage], source: Source) -> list[Finding]:
     """What the built graph refuses: a cycle, or two writers of a slot with no order between them."""
+    import networkx as nx
+
     findings: list[Finding] = []
     writers: dict[str, list[BoundStage]] = defaultdict(list)
     for bound in stages:
@@ -160,6 +164,8 @@ def execution_order(graph: nx.DiGraph) -> list[str]:
     Stages that may fill a slot (a cache lookup), and what they need, go as early as the graph
     allows: a hit must come before the expensive work it makes unnecessary.
     """
+    import networkx as nx
+
     fillers = [n for n in graph if graph.nodes[n]["stage"].cls.fills]
     early = set(fillers).union(*(nx.ancestors(graph, n) for n in fillers)) if fillers else set()
     index = {node: (0 if node in early else 1, graph.nodes[node]["stage"].index) for node in graph}

@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-import networkx as nx
-
 from .graph import FILL, build_graph, execution_order
 
 if TYPE_CHECKING:
+    import networkx as nx
+
     from .plan import BoundStage
 
 
@@ -59,6 +59,8 @@ class PlanGraph:
     def depends_on(self, stage_id: str) -> set[str]:
         """The stages `stage_id` depends on, less those only joined by fill edges (a cache lookup before a
         stage does not decide what the stage makes)."""
+        import networkx as nx
+
         kept = nx.subgraph_view(self.dag, filter_edge=lambda a, b: self.dag.edges[a, b]["kinds"] != {FILL})
         return set(nx.ancestors(kept, stage_id))
 
@@ -71,10 +73,14 @@ class PlanGraph:
 
     def to_nodes(self, *stage_ids: str) -> PlanGraph:
         """These stages and everything they depend on (`llmplan run --until`)."""
+        import networkx as nx
+
         return self.only(set(stage_ids).union(*(nx.ancestors(self.dag, s) for s in stage_ids)))
 
     def from_nodes(self, *stage_ids: str) -> PlanGraph:
         """These stages and everything that depends on them (a served plan's request part)."""
+        import networkx as nx
+
         return self.only(set(stage_ids).union(*(nx.descendants(self.dag, s) for s in stage_ids)))
 
     def without(self, stage_ids: Iterable[str]) -> PlanGraph:

@@ -22,8 +22,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import structlog
-
 from llmplan.ownership import NotOurs, check_directory_ours, claim, write_file
 from llmplan.plain_errors import plain_error
 
@@ -100,6 +98,8 @@ def check_run_dir(run_dir: Path, what: str = "run directory") -> None:
 
 def event_logger(events: Any, plan_name: str) -> Any:
     """A structlog logger writing one JSON object per event to the open file `events`."""
+    import structlog  # here, not at the top: commands that never run a plan stay quick to start
+
     return structlog.wrap_logger(
         structlog.WriteLogger(events),
         processors=[

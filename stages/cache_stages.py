@@ -48,6 +48,7 @@ from llmplan.llm.manifest import MANIFEST_NAME, ManifestError, read_sha256sums
 from .result_rows import DamagedRow, check_replay
 from .results_file import path_problem
 from .results_store import (
+    DEFAULT_DB,
     ResultRow,
     ResultsStore,
     RunRow,
@@ -60,7 +61,6 @@ from .results_store import (
 from .slots import InferenceContext
 from .types import Candidate, Generation, Request, Result, candidate_records
 
-DEFAULT_DB = "runs/results.sqlite"
 # Generation params that change how output is shown, never what is generated: not part of the key.
 UNKEYED_PARAMS = frozenset({"stream"})
 NOT_REPLAYED = frozenset({"cancelled", "error"})

@@ -53,10 +53,12 @@ def test_no_layer_imports_against_the_direction(layer: str) -> None:
 
 
 def test_the_shared_top_package_imports_no_layer() -> None:
-    """llmplan/*.py (what every layer shares, e.g. the bounded reader) depends on none of the layers."""
+    """llmplan/*.py (what every layer shares, e.g. the bounded reader) depends on none of the layers; its
+    __main__.py (`python -m llmplan`) is the program itself, imported by no layer, so it may start the CLI."""
     wrong = [
         f"{path.relative_to(REPO)}:{line}: imports {target}"
         for path in sorted((REPO / "llmplan").glob("*.py"))
+        if path.name != "__main__.py"
         for target, line in imported_layers(path.read_text(encoding="utf-8"), "llmplan")
     ]
     assert not wrong, "\n".join(wrong)

@@ -5,6 +5,25 @@
 
 from __future__ import annotations
 
-from .build import build_report
+from pathlib import Path
+from typing import Any
+
+
+def build_report(run_dir: Path, out: Path | None = None) -> Any:
+    """The reporter entry point; matplotlib is imported only when a report is drawn (not by `llmplan --help`)."""
+    from .build import build_report as build
+
+    return build(run_dir, out)
+
+
+def __getattr__(name: str) -> Any:
+    """`from llmplan.commands.report import fonts` (a submodule) still works, loaded on first use."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError:
+        raise AttributeError(name) from None
+
 
 __all__ = ["build_report"]
