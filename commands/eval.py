@@ -85,7 +85,8 @@ def read_text(path: str | None) -> tuple[str, str]:
         raise CliError(f"{path}: not UTF-8 text (byte {bad.start})") from None
 
 
-def run(args: argparse.Namespace) -> int:
+def check_args(args: argparse.Namespace) -> None:
+    """The scoring settings `evaluate` needs (eval's and compare's flags alike)."""
     from llmplan.engine.cli import CliError
 
     for flag, value, low in (("--context", args.context, 4), ("--chunks", args.chunks, 1)):
@@ -93,6 +94,10 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"{flag}: must be at least {low} (got {value})")
     if args.greedy < 0 or args.prompts < 0:
         raise CliError("--greedy and --prompts: must not be negative")
+
+
+def run(args: argparse.Namespace) -> int:
+    check_args(args)
     text, source = read_text(args.text)
     db = _db(args)
     if db is not None:

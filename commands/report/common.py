@@ -24,7 +24,7 @@ from llmplan.ownership import write_file
 MISSING = "not recorded"
 plt.rcParams["svg.fonttype"] = "none"  # text stays text: selectable, measurable, sharp
 plt.rcParams["svg.hashsalt"] = "llmplan"  # stable ids: the same run draws the same file
-__all__ = ["MISSING", "PHASE_COLORS", "Figure", "mib", "plt", "rate", "save", "seconds"]
+__all__ = ["MISSING", "PHASE_COLORS", "Figure", "mib", "plt", "rate", "save", "save_as", "seconds"]
 
 
 @dataclass
@@ -69,3 +69,13 @@ def save(fig: Any, path: Path) -> Path:
     fig.savefig(picture, format="svg", bbox_inches="tight")
     plt.close(fig)
     return write_file(path, picture.getvalue())
+
+
+def save_as(fig: Any, path: Path, what: str = "") -> Path:
+    """Write `fig` as SVG or PNG (by the suffix, 144 dpi) onto a path llmplan may write; returns `path`."""
+    kind = "png" if path.suffix.lower() == ".png" else "svg"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    picture = io.BytesIO()
+    fig.savefig(picture, format=kind, bbox_inches="tight", dpi=144)
+    plt.close(fig)
+    return write_file(path, picture.getvalue(), what)
