@@ -25,7 +25,10 @@ def register(sub: Any) -> None:
     parser = sub.add_parser(
         "compare",
         help="weights, KV cache, load, speed and quality of several plans: one table, one Pareto picture",
-        description="example: llmplan compare plans/llama-*.yaml --picture compare.svg",
+        description=(
+            "Per plan: weight and KV bytes, the peak and time of its load, TTFT, decode tok/s per batch size, "
+            "perplexity and KL-divergence from the reference; a table and a Pareto picture."
+        ),
     )
     parser.add_argument("plans", nargs="+", metavar="PLAN")
     parser.add_argument("--picture", default="compare.svg", metavar="PATH", help="the Pareto view (.svg or .png)")

@@ -31,6 +31,10 @@ EXAMPLES: dict[str, list[str]] = {
     ],
     "bench": ["llmplan bench plans/llama-int8.yaml --vs transformers", "llmplan bench plans/llama-int8.yaml --mix 64"],
     "eval": ["llmplan eval plans/llama-int8.yaml plans/llama-int4.yaml --dtypes bf16,int8,int4"],
+    "compare": [
+        "llmplan compare plans/llama-*.yaml --picture compare.svg",
+        "llmplan compare plans/llama-int8.yaml plans/llama-int4.yaml --batch 1,4 --runs 5 --out /tmp/compare",
+    ],
     "serve": [
         "llmplan serve plans/llama-int8.yaml --port 8000",
         "llmplan serve plans/qwen2.5-0.5b-chat.yaml --host 0.0.0.0 --api-key KEY --set generate.temperature=0.2",
