@@ -63,6 +63,7 @@ def _batches(text: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     from llmplan.commands.bench.command import check_out, write_pair
     from llmplan.commands.bench.report import machine
+    from llmplan.commands.bench.traffic import cpu_features
     from llmplan.commands.eval import check_args, evaluate, read_text
     from llmplan.engine.cli import CliError
     from llmplan.ownership import check_writable
@@ -81,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         check_out(Path(args.out))
     text, source = read_text(args.text)
-    info = machine()
+    info = machine() | {"cpu_features": cpu_features()}
     _warm_up(args.plans[0], args)
     rows = [measure(plan, args, batches) for plan in args.plans]
     quality = evaluate(args, text, source)
@@ -187,7 +188,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"{_num(ref['perplexity'], 6)}; text {result['text']}, {result['settings']['chunks']} chunks of "
         f"{result['settings']['context']} tokens. Speed: {result['settings']['prompt_tokens']}-token prompts, "
         f"{result['settings']['gen_tokens']} generated, median of {result['settings']['runs']}. "
-        f"Load average {_load(result['machine'])}; {result['machine']['cpu']}.",
+        f"Load average {_load(result['machine'])}; {result['machine']['cpu']} "
+        f"({', '.join(result['machine'].get('cpu_features') or []) or 'no SIMD features listed'}, "
+        f"{result['machine']['threads']} threads).",
         "",
         f"| plan | weights | KV | weight bytes | KV bytes | load peak | load s | TTFT ms | {speed} | perplexity | "
         "KL mean | KL p99 | top-1 |",
