@@ -29,6 +29,7 @@ def register(subparsers: Any) -> None:
     history.add_argument("--db", default=DEFAULT_DB, help=f"results database (default {DEFAULT_DB})")
     history.add_argument("--limit", type=positive, default=20, help="how many results, newest first")
     history.add_argument("--json", action="store_true", help="one JSON object per result per line")
+    history.add_argument("--evals", action="store_true", help="the stored `llmplan eval` figures instead of results")
     history.set_defaults(handler=cmd_history, needs_stages=False)  # a database read: no torch
 
     show = subparsers.add_parser("show", help="print one stored result")
@@ -65,7 +66,44 @@ def _damaged_note(db: str, rows: list[dict[str, Any]]) -> None:
         )
 
 
+def cmd_evals(args: argparse.Namespace) -> int:
+    """`history --evals`: the newest stored evaluations (plan, its hash, the reference, the main figures)."""
+    rows = _read(args, lambda store: store.evals(limit=args.limit))
+    if args.json:
+        for row in rows:
+            print(json.dumps(row, ensure_ascii=False, default=str))
+        return 0
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=Text(f"evaluations in {args.db}"), box=box.SIMPLE_HEAD)
+    for column in ("id", "time", "plan", "plan hash", "against", "perplexity", "KL mean", "top-1"):
+        right = column in ("id", "perplexity", "KL mean", "top-1")
+        table.add_column(column, justify="right" if right else "left", overflow="fold")  # narrow: folded, not cut
+    for row in rows:
+        figures = row.get("figures") or {}
+        name = f"{row['plan']} ({row['change']})" if row.get("change") else str(row.get("plan"))
+        cells = [str(row["id"]), _short_time(str(row.get("time") or "")), name, str(row.get("plan_hash") or "")[:12]]
+        if "damaged" in row:
+            cells = [str(row["id"]), "", str(row.get("plan")), "", f"damaged: {row['damaged']}", "", "", ""]
+        else:
+            cells += [str(row["reference"]), *(_figure(figures, key) for key in ("perplexity", "kl_mean")),
+                      _figure(figures, "top1_agreement", 100, " %")]  # fmt: skip
+        table.add_row(*(Text(cell) for cell in cells))
+    Console(highlight=False, markup=False, emoji=False).print(table if rows else "no evaluations yet")
+    return 0
+
+
+def _figure(figures: dict[str, Any], key: str, scale: float = 1.0, unit: str = "") -> str:
+    value = figures.get(key)
+    return f"{value * scale:.4g}{unit}" if isinstance(value, int | float) else "-"
+
+
 def cmd_history(args: argparse.Namespace) -> int:
+    if getattr(args, "evals", False):
+        return cmd_evals(args)
     rows = _read(args, lambda store: store.history(args.limit))
     _damaged_note(args.db, rows)
     if args.json:

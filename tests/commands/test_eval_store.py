@@ -31,7 +31,8 @@ def _eval(plan: Path, text: Path, *extra: str) -> list[str]:
     return ["eval", str(plan), "--text", str(text), "--context", "16", "--chunks", "2", "--greedy", "2", *extra]
 
 
-def test_figures_are_stored_with_the_plans_hash(plan: Path, text: Path, tmp_path: Path, capsys) -> None:
+def test_figures_are_stored_with_the_plans_hash(plan: Path, text: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")  # the history table at a terminal's width, not the test's pipe
     db = tmp_path / "results.sqlite"
     assert main([*_eval(plan, text, "--dtypes", "int8", "--db", str(db), "--format", "json")]) == 0
     captured = capsys.readouterr()
@@ -47,6 +48,12 @@ def test_figures_are_stored_with_the_plans_hash(plan: Path, text: Path, tmp_path
     assert as_written["figures"]["kl_mean"] == 0.0 and int8["figures"]["kl_mean"] > 0
     assert int8["figures"]["perplexity"] == report["plans"][1]["perplexity"]
     assert as_written["settings"] == {"context": 16, "chunks": 2} and as_written["text_source"] == str(text)
+    assert main(["history", "--evals", "--db", str(db), "--json"]) == 0
+    listed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [row["change"] for row in listed] == ["weights int8", ""]  # newest first
+    assert main(["history", "--evals", "--db", str(db)]) == 0
+    shown = capsys.readouterr().out
+    assert "evaluations in" in shown and as_written["plan_hash"][:12] in shown and "weights int8" in shown
 
 
 def test_no_store_writes_no_database_and_markdown_is_the_default(plan: Path, text: Path, tmp_path: Path, capsys):
