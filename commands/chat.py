@@ -3,32 +3,31 @@
     llmplan chat plans/llama-int8.yaml [--system TEXT] [--set ID.PARAM=VALUE ...]
 
 Each turn sends the whole history through the chat template (the plan's tokenize stage) and streams the
-answer as it comes. Commands: /reset, /save FILE, /set NAME VALUE (a generate parameter, e.g. /set
-temperature 0.2), /system TEXT, /help, /exit (or Ctrl-D). Ctrl-C stops the current answer, not the program.
-Every turn runs the plan's request stages, so a plan with an `output.cache` stage stores the conversation
-in its results database, turn by turn.
+answer as it comes, word-wrapped to the terminal's width (chat_wrap.py). Lines are edited with history on a
+terminal, and a \"\"\" block is one message over several lines (chat_input.py); the /commands and their help
+are one table (chat_commands.py). Ctrl-C stops the current answer, not the program. Every turn runs the
+plan's request stages, so a plan with an `output.cache` stage stores the conversation in its results
+database, turn by turn.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import signal
 import sys
 import threading
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any, TextIO
-
-import yaml
 
 from llmplan.engine.cli import CliError, add_model_option, settle_plan
 from llmplan.engine.findings import StageFailure
-from llmplan.engine.runner import write_json
 from llmplan.engine.serving import RequestError
 
 from .host import ModelHost, RequestFailed
 from .serve import build_host
 
-HELP = "/reset  /save FILE  /set NAME VALUE  /system TEXT  /help  /exit"
+BANNER = '/help lists the commands, """ begins a message over several lines, Ctrl-D ends'
 
 
 def register(subparsers: Any) -> None:
@@ -43,10 +42,13 @@ def register(subparsers: Any) -> None:
 class Conversation:
     """The history and the per-conversation settings; one turn at a time through a ModelHost."""
 
-    def __init__(self, host: ModelHost, system: str | None, out: TextIO) -> None:
-        self.host, self.system, self.out = host, system, out
+    def __init__(
+        self, host: ModelHost, system: str | None, out: TextIO, width: Callable[[], int | None] = lambda: None
+    ) -> None:
+        self.host, self.system, self.out, self.width = host, system, out, width
         self.history: list[dict[str, str]] = []
         self.settings: dict[str, Any] = {}
+        self.notes: list[str] = []  # more lines for /help (where the input history is kept)
 
     def messages(self, user: str) -> list[dict[str, str]]:
         head = [{"role": "system", "content": self.system}] if self.system else []
@@ -58,14 +60,16 @@ class Conversation:
         if self.system:
             tokenize["system"] = None  # ours is already the first message
         overrides = {self.host.tokenize_id: tokenize, self.host.generate_id: {**self.settings, "stream": True}}
+        from .chat_wrap import WordWrap
+
         shown: list[str] = []
         cancel = threading.Event()
         outcome: dict[str, Any] = {}
+        wrap = WordWrap(self.out, self.width())
 
         def show(piece: str) -> None:
             shown.append(piece)
-            self.out.write(piece)
-            self.out.flush()
+            wrap.write(piece)
 
         def work() -> None:
             try:
@@ -84,9 +88,10 @@ class Conversation:
         finally:
             signal.signal(signal.SIGINT, previous)
         if cancel.is_set():
-            self.out.write(" [stopped]")
+            wrap.write(" [stopped]")
         error = outcome.get("error")
         if isinstance(error, RequestError | RequestFailed | StageFailure):
+            wrap.end()
             self.out.write(f"\nerror: {error}\n")
             return
         if error is not None:
@@ -96,60 +101,17 @@ class Conversation:
         if run is not None and run.context.completions:
             final = run.context.completions[0].text
             if final.startswith(text):  # what the stream had not shown yet (an incomplete last character)
-                self.out.write(final[len(text) :])
+                wrap.write(final[len(text) :])
                 text = final
+        wrap.end()
         self.out.write("\n")
         self.history += [{"role": "user", "content": user}, {"role": "assistant", "content": text}]
 
     def command(self, line: str) -> bool:
         """Run a /command; False when the conversation should end."""
-        name, _, rest = line[1:].partition(" ")
-        rest = rest.strip()
-        if name in ("exit", "quit"):
-            return False
-        if name == "reset":
-            self.history.clear()
-            self.say("(history cleared)")
-        elif name == "save":
-            if not rest:
-                self.say("usage: /save FILE")
-            else:
-                self.save(Path(rest))
-        elif name == "set":
-            self.set(rest)
-        elif name == "system":
-            self.system = rest or None
-            self.say(f"(system prompt {'set' if rest else 'removed'})")
-        else:
-            self.say(HELP)
-        return True
+        from .chat_commands import run_command
 
-    def set(self, text: str) -> None:
-        key, _, value = text.partition(" ")
-        if not key or not value.strip():
-            self.say("usage: /set NAME VALUE (a generate parameter, e.g. /set temperature 0.2)")
-            return
-        try:
-            parsed = yaml.safe_load(value)
-        except yaml.YAMLError:
-            parsed = value.strip()
-        trial = {**self.settings, key: parsed}
-        try:
-            self.host.plan.bind({self.host.generate_id: trial})  # type: ignore[dict-item]
-        except RequestError as bad:
-            self.say(f"error: {bad}")
-            return
-        self.settings = trial
-        self.say(f"({key} = {parsed!r})")
-
-    def save(self, path: Path) -> None:
-        record = {"plan": self.host.bound.plan.name, "system": self.system, "settings": self.settings}
-        try:
-            write_json(path, record | {"messages": self.history})
-        except OSError as bad:
-            self.say(f"error: {path}: {bad.strerror}")
-            return
-        self.say(f"(saved {len(self.history) // 2} turns to {path})")
+        return run_command(self, line)
 
     def say(self, text: str) -> None:
         self.out.write(text + "\n")
@@ -157,6 +119,8 @@ class Conversation:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    from .chat_input import history_path, interactive, make_reader
+
     settle_plan(args)
     host = build_host(args.plan, args.set, keep_alive_s=None, quiet=False)
     try:
@@ -166,22 +130,35 @@ def cmd_chat(args: argparse.Namespace) -> int:
             raise CliError(f"loading {args.plan} failed: {bad}") from None
         if host.plan.stage_by_use("output.cache") is None:
             print("note: this plan has no output.cache stage; the conversation is not stored", file=sys.stderr)
-        conversation = Conversation(host, args.system, sys.stdout)
-        conversation.say(f"chatting with {host.bound.plan.name} ({HELP})")
-        while True:
-            try:
-                line = input("you> ").strip()
-                if not line:
-                    continue
-                if line.startswith("/"):
-                    if not conversation.command(line):
-                        break
-                    continue
-                conversation.turn(line)
-            except EOFError:
-                break
-            except KeyboardInterrupt:  # at the prompt (or between answers): drop the line, as a shell does
-                print()
+        conversation = Conversation(host, args.system, sys.stdout, terminal_width)
+        reader = make_reader(lambda note: print(note, file=sys.stderr))
+        if interactive():
+            conversation.notes.append(f"Up/Down and Ctrl-R: earlier messages (kept in {history_path()})")
+        conversation.say(f"chatting with {host.bound.plan.name} ({BANNER})")
+        talk(conversation, reader.read)
     finally:
         host.close()
     return 0
+
+
+def talk(conversation: Conversation, read: Callable[[], str]) -> None:
+    """Read a message, answer it, until /exit or the end of the input."""
+    while True:
+        try:
+            line = read()
+            if not line:
+                continue
+            if line.startswith("/"):
+                if not conversation.command(line):
+                    break
+                continue
+            conversation.turn(line)
+        except EOFError:
+            break
+        except KeyboardInterrupt:  # at the prompt (or between answers): drop the line, as a shell does
+            print()
+
+
+def terminal_width() -> int | None:
+    """The columns to wrap answers at: the terminal's, asked at each turn (it may have been resized)."""
+    return shutil.get_terminal_size().columns if sys.stdout.isatty() else None
