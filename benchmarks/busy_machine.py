@@ -1,0 +1,127 @@
+"""A busy machine (#30): llmplan and llama.cpp with 0, 1, 2 background CPU-bound spinners (and niced ones).
+
+Usage: python benchmarks/busy_machine.py OUT_PREFIX [--checkout NAME=DIR ...] [--levels 0,1,2,1n]
+           [--rounds N] [--prompt-tokens 118] [--gen-tokens 64]
+
+A level is a number of spinner processes (`while True: pass`), `n` after it runs them under `nice -n 19`.
+Per round and level: spinners start, the load average is recorded, then each checkout's
+`llmplan bench plans/llama-int8.yaml --vs llama.cpp --batch 1,16 --runs 1 --no-cold` runs (decode at batch
+1, prefill, batch-16 aggregate decode; llmplan through the engine, then llama-bench / llama-batched-bench on
+the same model as Q8_0), the checkouts' order flipped every round; spinners stop. Medians over rounds; each
+figure also as a share of the same engine's quiet (level 0) figure. Writes OUT_PREFIX.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ab_checkouts import cpu_flags
+
+SPIN = [sys.executable, "-c", "while True: pass"]
+
+
+def spinners(level: str) -> list[subprocess.Popen[bytes]]:
+    count, niced = int(level.rstrip("n")), level.endswith("n")
+    cmd = ["nice", "-n", "19", *SPIN] if niced else SPIN
+    return [subprocess.Popen(cmd) for _ in range(count)]
+
+
+def bench(checkout: Path, out: Path, prompt: int, gen: int) -> list[dict[str, Any]]:
+    cmd = [
+        str(checkout / ".venv/bin/llmplan"), "bench", "plans/llama-int8.yaml", "--vs", "llama.cpp", "--batch",
+        "1,16", "--runs", "1", "--no-cold", "--prompt-tokens", str(prompt), "--gen-tokens", str(gen),
+        "--format", "json", "--out", str(out),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    subprocess.run(cmd, cwd=checkout, check=True, capture_output=True, text=True, timeout=1800, env=env)
+    return json.loads(out.with_suffix(".json").read_text())["rows"]
+
+
+def measure(args: argparse.Namespace, checkouts: list[tuple[str, Path]], tmp: Path) -> dict[str, Any]:
+    samples: dict[str, list[float]] = {}
+    loads: dict[str, list[float]] = {}
+    for r in range(args.rounds):
+        order = checkouts if r % 2 == 0 else checkouts[::-1]
+        for level in args.levels.split(","):
+            procs = spinners(level)
+            try:
+                loads.setdefault(level, []).append(os.getloadavg()[0])
+                for name, checkout in order:
+                    for row in bench(checkout, tmp / f"{name}-{r}-{level}", args.prompt_tokens, args.gen_tokens):
+                        for engine in ("llmplan", "llama_cpp"):
+                            who = name if engine == "llmplan" else f"llama.cpp (beside {name})"
+                            key = json.dumps([level, who, row["figure"]])
+                            samples.setdefault(key, []).append(row[engine]["median"])
+                    print(f"round {r} level {level} {name} done", file=sys.stderr, flush=True)
+            finally:
+                for proc in procs:
+                    proc.kill()
+                    proc.wait()
+    return {"samples": samples, "loadavg_before": loads}
+
+
+def rows_of(samples: dict[str, list[float]]) -> list[dict[str, Any]]:
+    medians = {tuple(json.loads(k)): statistics.median(v) for k, v in samples.items()}
+    rows = []
+    for (level, who, figure), value in sorted(medians.items()):
+        quiet = medians.get(("0", who, figure))
+        rows.append({"level": level, "engine": who, "figure": figure, "tok_s": value,
+                     "of_quiet": value / quiet if quiet else None,
+                     "samples": samples[json.dumps([level, who, figure])]})  # fmt: skip
+    return rows
+
+
+def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "# A busy machine (#30): tok/s with background CPU-bound spinners",
+        "",
+        f"Machine: {meta['cpu']}; load average (1 min) {meta['loadavg_start'][0]:.2f} at start, "
+        f"{meta['loadavg_end'][0]:.2f} at the end; before each level: {meta['loadavg_before']}.",
+        f"{meta['rounds']} round(s); prompt {meta['prompt_tokens']} tokens, {meta['gen_tokens']} generated; "
+        "spinners `while True: pass` (`n`: under nice -n 19). Medians over rounds; share = of the same "
+        "engine's quiet figure.",
+        "",
+        "| spinners | engine | figure | tok/s | share of quiet |",
+        "|---|---|---|---:|---:|",
+    ]
+    for row in rows:
+        share = f"{row['of_quiet']:.2f}" if row["of_quiet"] is not None else "-"
+        lines.append(f"| {row['level']} | {row['engine']} | {row['figure']} | {row['tok_s']:.1f} | {share} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--checkout", action="append", default=[], metavar="NAME=DIR")
+    ap.add_argument("--levels", default="0,1,2,1n")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--prompt-tokens", type=int, default=118)
+    ap.add_argument("--gen-tokens", type=int, default=64)
+    args = ap.parse_args()
+    here = Path(__file__).resolve().parents[1]
+    checkouts = [(c.split("=", 1)[0], Path(c.split("=", 1)[1])) for c in args.checkout] or [("this", here)]
+    start = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        found = measure(args, checkouts, Path(tmp))
+    meta = {"cpu": cpu_flags(), "rounds": args.rounds, "prompt_tokens": args.prompt_tokens,
+            "gen_tokens": args.gen_tokens, "loadavg_start": start, "loadavg_end": os.getloadavg(),
+            "loadavg_before": found["loadavg_before"]}  # fmt: skip
+    rows = rows_of(found["samples"])
+    Path(args.out + ".json").write_text(json.dumps({"machine": meta, "rows": rows}, indent=2))
+    text = markdown(meta, rows)
+    Path(args.out + ".md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
