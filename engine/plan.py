@@ -286,7 +286,9 @@ def _stage_params(
     if not isinstance(params, dict):
         return None, [source.finding((*where, "with"), f"must be a mapping (got {type(params).__name__})")]
     try:
-        return stage_cls.Params.model_validate(params), []
+        # A parameter may name a file relative to the plan (a format's JSON Schema): the context says where.
+        context = {"plan_dir": str(Path(source.file).resolve().parent)}
+        return stage_cls.Params.model_validate(params, context=context), []
     except ValidationError as bad:
         return None, _findings(bad, source, (*where, "with"), stage_cls.Params, params, overridden, stage_index=index)
 
@@ -303,10 +305,12 @@ def _findings(
     found = []
     for item in error.errors():
         loc = tuple(part for part in item["loc"] if not _is_union_branch(part))
-        path = (*prefix, *loc)
+        # An error may say where inside the value it lies (a schema keyword): `field_path`, under the field.
+        inner = getattr((item.get("ctx") or {}).get("error"), "field_path", ())
+        path = (*prefix, *loc, *inner)
         allowed = _allowed_keys(model, loc[:-1]) if item["type"] == "extra_forbidden" else ()
         message = describe(item, allowed)
-        is_key = item["type"] == "extra_forbidden"
+        is_key = item["type"] == "extra_forbidden" or bool(inner)
         override = _override_for(source, path, overridden, stage_index)
         if override is not None:
             found.append(Finding("--set", 1, 1, override, message))

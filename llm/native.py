@@ -89,6 +89,9 @@ class NativeKernels:
         self._int4 = lib.gemm_int4
         self._int4.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
         self._int4.restype = None
+        self._bitmask = lib.apply_token_bitmask
+        self._bitmask.argtypes = [ptr, ptr, i64]
+        self._bitmask.restype = i64
 
     @staticmethod
     def supports(x: Tensor, weight: Tensor) -> bool:
@@ -169,6 +172,15 @@ class NativeKernels:
         if self._quantize4(*ptrs, n, k, group):
             return None
         return packed, scale, zero
+
+    def apply_token_bitmask(self, logits: Tensor, bits: Tensor) -> int:
+        """Set to -inf, in place, the fp32 CPU logits [V] whose bit is clear in `bits` (int32 [ceil(V / 32)],
+        llguidance's layout); the count of tokens left allowed."""
+        if logits.dtype != torch.float32 or not logits.is_contiguous() or logits.device.type != "cpu":
+            raise ValueError("apply_token_bitmask: logits must be contiguous fp32 on the CPU")
+        if bits.dtype != torch.int32 or bits.numel() * 32 < logits.numel() or not bits.is_contiguous():
+            raise ValueError(f"apply_token_bitmask: bits must be int32 [>= {(logits.numel() + 31) // 32}]")
+        return int(self._bitmask(logits.data_ptr(), bits.data_ptr(), logits.numel()))
 
     def int8_error_terms(self, w: Tensor, qweight: Tensor, scale: Tensor, row_step: int) -> tuple[float, float]:
         """(sum (w - q * scale)^2, sum w^2) over every `row_step`-th row of a 2-D weight."""

@@ -4,6 +4,9 @@ The settings are `SamplingParams` (llm/sampling_params.py, where they and their 
 The chain (llama.cpp-style): each sampler is a small object with `apply(logits [V], ctx) -> logits [V]` that
 edits scores or masks tokens to -inf; the chain is itself one, and its order is data (`ORDER`):
 
+    0. FormatMask         the grammar of `format` (llm/token_mask.py): tokens it forbids get -inf, before
+                          anything else, greedy or not; stateful (one llguidance matcher per row)
+    0b. LogitBias         OpenAI's logit_bias
     1. RepetitionPenalty  over all seen tokens (prompt + generated), HF RepetitionPenaltyLogitsProcessor:
                           a seen token's logit l becomes l / p if l > 0 else l * p
     2. FrequencyPresence  over generated tokens only (OpenAI): l -= frequency * count + presence * (count > 0)
@@ -18,7 +21,8 @@ edits scores or masks tokens to -inf; the chain is itself one, and its order is 
     7. MinP               keep tokens with p >= min_p * p_max, probs after temperature (HF MinPLogitsWarper)
     8. the draw           one draw from softmax(logits) with the picker's own torch.Generator (`Picker`)
 
-If the chain masks every token (e.g. n-gram bans on a tiny vocabulary), the raw logits are used instead.
+If the chain masks every token (e.g. n-gram bans on a tiny vocabulary), the raw logits are used instead:
+with a format, the raw logits under the format's mask (a constraint is never dropped).
 A sampler whose parameter is neutral (penalty 1, 0, k 0, p 1, min_p 0, T 1) is not put in the chain at all.
 
 Prompt length: frequency/presence penalties count generated tokens only, so the picker must know where the
@@ -46,6 +50,7 @@ from torch import Tensor
 
 from .generate import Pick, TokenPicker
 from .sampling_params import SamplingParams
+from .token_mask import FormatMask
 
 __all__ = ["ORDER", "Chain", "Pick", "Sampler", "SamplingParams", "StepContext", "TokenPicker", "build_picker"]
 
@@ -280,6 +285,7 @@ class MinP:
 
 
 ORDER: tuple[type, ...] = (  # each with `of(params) -> sampler | None`
+    FormatMask,
     LogitBias,
     RepetitionPenalty,
     FrequencyPresence,
@@ -318,6 +324,7 @@ class Picker:
     params: SamplingParams
     prompt_len: int | None = None
     _chain: Chain = field(init=False, repr=False)
+    mask: FormatMask | None = field(init=False, default=None)
     _generator: torch.Generator = field(init=False, repr=False)
     _given_prompt_len: int | None = field(init=False, repr=False)
 
@@ -325,6 +332,8 @@ class Picker:
         if self.prompt_len is not None and self.prompt_len < 0:
             raise ValueError(f"prompt_len: must be >= 0 (got {self.prompt_len})")
         self._chain = build_chain(self.params)
+        first = self._chain.samplers[:1]
+        self.mask = first[0] if first and isinstance(first[0], FormatMask) else None
         self._given_prompt_len = self.prompt_len
         self._generator = torch.Generator(device="cpu")
         self.reset()
@@ -332,6 +341,8 @@ class Picker:
     def reset(self, prompt_len: int | None = None) -> None:
         """Start a new request: re-seed the generator; prompt_len as in `build_picker`."""
         self.prompt_len = prompt_len if prompt_len is not None else self._given_prompt_len
+        if self.mask is not None:
+            self.mask.reset()
         if self.params.seed is not None:
             self._generator.manual_seed(self.params.seed)
         else:
@@ -348,7 +359,11 @@ class Picker:
             # the samplers edit in place; the raw row is kept for the logprobs
             logits = self._chain.apply(raw.clone(), StepContext(seen=seen, prompt_len=self.prompt_len))
         if logits is not raw and not torch.isfinite(logits).any():
-            logits = raw  # every token was banned/masked: ignore the chain rather than fail
+            # every token was banned/masked: ignore the chain rather than fail, but never the format's mask
+            logits = raw
+            if self.mask is not None:
+                logits = raw.clone()
+                self.mask.reapply(logits)
         best = None
         if self.params.logprobs_top_n > 0:
             best = torch.topk(raw, min(self.params.logprobs_top_n, raw.numel()))

@@ -16,6 +16,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .output_format import CompiledFormat, OutputFormat
+
 __all__ = ["Limit", "SamplingParams", "Speculation", "request_fields", "setting", "setting_kinds"]
 
 
@@ -108,6 +110,12 @@ class SamplingParams:
     speculative: Speculation | None = setting(  # noqa: RUF009
         None, "guess tokens and verify them in one pass: {method: prompt_lookup, tokens, ngram}; null = off"
     )
+    # the answer's shape (llm/output_format.py), enforced by the first sampler of the chain (llm/token_mask.py)
+    format: OutputFormat | None = setting(  # noqa: RUF009
+        None, "the answer's shape: {json: true}, {json_schema: SCHEMA or FILE}, {regex}, {grammar} or {choice: [..]}"
+    )
+    # `format` compiled against the model's tokenizer (compile_format): the caller's, as only it has the tokenizer
+    grammar: CompiledFormat | None = setting(None, "format compiled for the tokenizer", request=False)  # noqa: RUF009
     # (token id, bias) pairs added to the logits first; the caller's knob (the API's logit_bias, validated there)
     logit_bias: tuple[tuple[int, float], ...] = setting(
         (), "added to the token's logit: (id, bias) pairs", request=False
@@ -118,8 +126,10 @@ class SamplingParams:
             problem = _refusal(getattr(self, f.name), kinds(type(self))[f.name], f.metadata["limit"])
             if problem is not None:
                 raise ValueError(f"{f.name}: {problem}")
-        for name in ("stop", "logit_bias", "speculative"):  # kept hashable, as frozen promises
+        for name in ("stop", "logit_bias", "speculative", "format"):  # kept hashable, as frozen promises
             object.__setattr__(self, name, _frozen(name, getattr(self, name)))
+        if self.format is not None:
+            self.format.check()  # fail closed: what llguidance cannot enforce is refused here too
 
     @classmethod
     def trusted(cls, **values: Any) -> SamplingParams:
@@ -164,6 +174,8 @@ def kinds(source: type) -> dict[str, Any]:
 def _frozen(name: str, value: Any) -> Any:
     if name == "speculative":
         return Speculation.of(value)
+    if name == "format":
+        return OutputFormat.of(value)
     if name == "stop":
         return tuple(value)
     if name == "logit_bias":
@@ -177,6 +189,12 @@ def _refusal(value: Any, kind: Any, limit: Limit) -> str | None:
         if value is None or isinstance(value, Speculation | dict):
             return None  # a mapping's own fields are checked as it is built (`Speculation.of`)
         return f"must be a mapping {{method, tokens, ngram}} (got {value!r})"
+    if kind == OutputFormat | None:
+        if value is None or isinstance(value, OutputFormat | dict):
+            return None  # a mapping is checked as it is built (`OutputFormat.of`)
+        return f"must be a mapping with one of json, json_schema, regex, grammar, choice (got {value!r})"
+    if kind == CompiledFormat | None:
+        return None if value is None or isinstance(value, CompiledFormat) else f"must be compiled (got {value!r})"
     if typing.get_origin(kind) is Literal:
         choices = typing.get_args(kind)
         return None if value in choices else f"must be one of {', '.join(map(repr, choices))} (got {value!r})"

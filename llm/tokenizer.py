@@ -168,6 +168,10 @@ class Tokenizer:
                 yield found.start(), found.end(), found.group()
             own_start = user_end
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizer.json` text (llguidance builds its own view of the vocabulary from it)."""
+        return str(self._backend.to_str())
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         ids = list(ids)
         bad = next((i for i in ids if not 0 <= i < self._vocab_size), None)

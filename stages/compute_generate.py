@@ -28,6 +28,7 @@ from llmplan.llm.beam_search import beam_search
 from llmplan.llm.engine_loop import EngineLoop
 from llmplan.llm.generate import Generation, TokenPicker, generate
 from llmplan.llm.model_runner import ModelRunner
+from llmplan.llm.output_format import CompiledFormat, OutputFormat, UnsupportedFormat, compile_format
 from llmplan.llm.sampling import build_picker
 from llmplan.llm.sampling_params import Speculation
 from llmplan.llm.scheduler import GenerationRequest, Sequence
@@ -92,12 +93,28 @@ def settings_for(request: Request, params: GenerateParams, plan_seed: int) -> di
     return settings
 
 
-def picker_for(settings: dict[str, Any], params: GenerateParams, prompt_len: int) -> TokenPicker:
-    """The request's token picker, from its effective settings."""
+def picker_for(
+    settings: dict[str, Any], params: GenerateParams, prompt_len: int, grammar: CompiledFormat | None = None
+) -> TokenPicker:
+    """The request's token picker, from its effective settings (and its format, compiled: `grammar_for`)."""
     bias = tuple(sorted(params.logit_bias.items()))
-    return build_picker(
-        sampling_params(settings, logprobs_top_n=max(params.logprobs, ALTERNATIVES), logit_bias=bias), prompt_len
-    )
+    top_n = max(params.logprobs, ALTERNATIVES)
+    return build_picker(sampling_params(settings, logprobs_top_n=top_n, logit_bias=bias, grammar=grammar), prompt_len)
+
+
+def grammar_for(ctx: InferenceContext, settings: dict[str, Any], eos: set[int]) -> CompiledFormat | None:
+    """The request's `format` compiled against the model's tokenizer (cached per tokenizer and format), or
+    None. Refused before any token is generated when it cannot be enforced (fail closed)."""
+    fmt = OutputFormat.of(settings.get("format"))
+    if fmt is None:
+        return None
+    if not eos:
+        raise InputRefused("format: a constrained answer ends with its end-of-sequence token (not with ignore_eos)")
+    assert ctx.tokenizer is not None and ctx.model_config is not None
+    try:
+        return compile_format(fmt, ctx.tokenizer, frozenset(eos), ctx.model_config.vocab_size)
+    except UnsupportedFormat as bad:
+        raise InputRefused(f"format: {bad}") from None
 
 
 @dataclass
@@ -179,6 +196,7 @@ class Generate(Stage):
         if served is None:
             loop.timeline = []  # every step's passes, for the trace and the report
         settings_of = [settings_for(r, params, seed) for r in requests]
+        grammars = [grammar_for(ctx, s, eos) for s in settings_of]  # every refusal before the first submit
         decoder = StreamDecoder(tok, skip_special_tokens=True) if stream else None
         shown = _Streaming(
             StopStringStream(ctx.stream, settings_of[0]["stop"] if stream else []), decoder, frozenset(eos)
@@ -187,12 +205,12 @@ class Generate(Stage):
         # Served: a cancel (the client went away) ends the requests at the loop's next step, which wakes us.
         cancel = ctx.cancel if served is not None else None
         submitted = []
-        for request, settings in zip(requests, settings_of, strict=True):
+        for request, settings, grammar in zip(requests, settings_of, grammars, strict=True):
             prompt = self._fit(ctx, request, ctx.kv_cache.max_tokens)
             seq = loop.submit(
                 GenerationRequest(
                     prompt=prompt,
-                    picker=picker_for(settings, params, len(prompt)),
+                    picker=picker_for(settings, params, len(prompt), grammar),
                     max_new_tokens=settings["max_new_tokens"],
                     eos_ids=shown.eos_ids,
                     stop=stop_checker(tok, settings["stop"]),
@@ -274,7 +292,9 @@ class Generate(Stage):
         assert cache is not None
         settings = [settings_for(r, params, seed) for r in group]
         prompts = [self._fit(ctx, r, cache.max_tokens) for r in group]
-        pickers = [picker_for(s, params, len(p)) for s, p in zip(settings, prompts, strict=True)]
+        pickers = [
+            picker_for(s, params, len(p), grammar_for(ctx, s, eos)) for s, p in zip(settings, prompts, strict=True)
+        ]
         stops = [stop_checker(tok, s["stop"]) for s in settings]
         decoders = [StreamDecoder(tok, skip_special_tokens=True) for _ in group] if stream else []
         shown = StopStringStream(ctx.stream, settings[0]["stop"] if stream else [])

@@ -11,13 +11,58 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, StringConstraints, create_model
+from pydantic import (
+    Field,
+    PrivateAttr,
+    StringConstraints,
+    ValidationInfo,
+    create_model,
+    model_serializer,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 
 from llmplan.engine.stage import Params
+from llmplan.llm.output_format import CompiledFormat, OutputFormat
 from llmplan.llm.sampling_params import Limit, SamplingParams, Speculation, request_fields, setting_kinds
+
+
+class FormatSetting(Params):
+    """`format`: the answer's shape (llm/output_format.py), exactly one of these. Checked here, before any
+    model is loaded: a keyword llguidance cannot enforce is refused, named at its own line and column."""
+
+    json_: bool | None = Field(None, alias="json", description="any JSON object")
+    json_schema: dict[str, Any] | bool | str | None = Field(
+        None, description="a JSON Schema, inline or a file (relative to the plan's folder)"
+    )
+    regex: str | None = Field(None, min_length=1, description="a regular expression the whole answer matches")
+    grammar: str | None = Field(None, min_length=1, description="a Lark or GBNF grammar")
+    choice: list[str] | None = Field(None, min_length=1, description="the answer is one of these strings")
+    _format: OutputFormat | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _built(self, info: ValidationInfo) -> FormatSetting:
+        named = {"json": self.json_, "json_schema": self.json_schema, "regex": self.regex, "grammar": self.grammar}
+        given = {name: value for name, value in {**named, "choice": self.choice}.items() if value is not None}
+        base = (info.context or {}).get("plan_dir")
+        fmt = OutputFormat.of(given, Path(base) if base else None)
+        assert fmt is not None
+        fmt.check()  # UnsupportedFormat (a ValueError): its field_path points at the keyword
+        self._format = fmt
+        return self
+
+    @model_serializer(mode="plain")
+    def _inline(self) -> dict[str, Any]:
+        # A schema read from a file is recorded inline: results and cache keys hold what actually ran.
+        return self._format.setting() if self._format is not None else {}
+
+    @property
+    def value(self) -> OutputFormat:
+        assert self._format is not None
+        return self._format
 
 
 def nested_model(source: type) -> type[Params]:
@@ -34,6 +79,8 @@ def plan_field(f: dataclasses.Field[Any], kind: Any, limit: Limit) -> tuple[Any,
     """A dataclass field as a pydantic field: the same default, limits and description."""
     if kind == Speculation | None:
         return nested_model(Speculation) | None, Field(None, description=limit.description)
+    if kind == OutputFormat | None:
+        return FormatSetting | None, Field(None, description=limit.description)
     if kind == tuple[str, ...]:  # a YAML list of strings; the dataclass keeps them as a tuple
         item = Annotated[str, StringConstraints(min_length=limit.min_chars)]
         return list[item], Field(default_factory=list, max_length=limit.max_items, description=limit.description)
@@ -62,14 +109,18 @@ def plain_settings(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def sampling_params(
-    settings: dict[str, Any], logprobs_top_n: int, logit_bias: tuple[tuple[int, float], ...] = ()
+    settings: dict[str, Any],
+    logprobs_top_n: int,
+    logit_bias: tuple[tuple[int, float], ...] = (),
+    grammar: CompiledFormat | None = None,
 ) -> SamplingParams:
     """A request's effective settings (a validated plan's, then a validated request line's) for the library:
-    checked already, so built as they are."""
+    checked already, so built as they are. `grammar`: the request's format compiled for the tokenizer."""
     return SamplingParams.trusted(
         **{name: settings[name] for name in RequestSettings.model_fields},
         logprobs_top_n=logprobs_top_n,
         logit_bias=logit_bias,
+        grammar=grammar,
     )
 
 

@@ -36,6 +36,25 @@ PROBES: dict[str, list[Any]] = {
         5,
         "prompt_lookup",
     ],
+    "format": [
+        None,
+        {"json": True},
+        {"json": False},
+        {"json_schema": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0}}}},
+        {"json_schema": {"type": "array", "uniqueItems": True}},  # cannot be enforced: refused everywhere
+        {"json_schema": 3},
+        {"regex": "[a-z]{2,5}"},
+        {"regex": "a(?=b)"},
+        {"regex": ""},
+        {"grammar": 'root ::= "yes" | "no"'},
+        {"choice": ["red", "green"]},
+        {"choice": []},
+        {"json": True, "regex": "a"},
+        {},
+        {"yaml": True},
+        5,
+        "json",
+    ],
 }
 
 
