@@ -285,6 +285,90 @@ static inline int next_rows(const Blocks *bl, const void *w, int64_t b, int64_t 
         }                                                                                          \
     }
 
+// Up to GROUP activation rows against 2 weight rows, each row's sums in DOT4_ONE's order exactly (chain a over
+// the first VW columns of every 2 VW, chain b over the second, the odd VW into a, the last 8 into b), so a
+// row's result is bitwise the one-row kernel's: a pass that verifies speculative guesses (a few rows) gives
+// each row the logits a one-token decode step would. Each weight vector is loaded and widened once for all
+// `mb` rows: widening (2 uops a vector for int8) is what a second pass over L1-resident rows costs.
+#ifdef __AVX512F__
+#define GROUP 6  // 24 accumulators, 4 weight vectors, 2 activation vectors: 30 of the 32 registers
+#else
+#define GROUP 2  // AVX2's 16 registers: 8 accumulators
+#endif
+#define DOT2_ROWS(NAME, T, LOAD, LOAD8)                                                                        \
+    static inline __attribute__((always_inline)) void dot2_rows_##NAME(                                       \
+        const T *p0, const T *p1, const float *x, int64_t K, const int mb, int64_t ahead, float out[][2]) {    \
+        vf a[2][GROUP], b[2][GROUP];                                                                           \
+        _Pragma("GCC unroll 8") for (int i = 0; i < GROUP; i++) a[0][i] = a[1][i] = b[0][i] = b[1][i] = vzero(); \
+        const int64_t sz = (int64_t)sizeof(T);                                                                 \
+        int64_t k = 0;                                                                                         \
+        for (; k + 2 * VW <= K; k += 2 * VW) {                                                                 \
+            PREFETCH4(p0, p1, p0, p1, k * sz, (k + 2 * VW) * sz, ahead)                                        \
+            const vf w0 = LOAD(p0 + k), w1 = LOAD(p0 + k + VW), v0 = LOAD(p1 + k), v1 = LOAD(p1 + k + VW);     \
+            _Pragma("GCC unroll 8") for (int i = 0; i < mb; i++) {                                             \
+                const vf x0 = vld(x + i * K + k), x1 = vld(x + i * K + k + VW);                                \
+                a[0][i] = vfma(w0, x0, a[0][i]), b[0][i] = vfma(w1, x1, b[0][i]);                              \
+                a[1][i] = vfma(v0, x0, a[1][i]), b[1][i] = vfma(v1, x1, b[1][i]);                              \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (; k + VW <= K; k += VW) {                                                                         \
+            const vf w0 = LOAD(p0 + k), v0 = LOAD(p1 + k);                                                     \
+            _Pragma("GCC unroll 8") for (int i = 0; i < mb; i++) {                                             \
+                const vf x0 = vld(x + i * K + k);                                                              \
+                a[0][i] = vfma(w0, x0, a[0][i]), a[1][i] = vfma(v0, x0, a[1][i]);                              \
+            }                                                                                                  \
+        }                                                                                                      \
+        if (k < K) { /* AVX-512 only: the last 8 columns */                                                    \
+            const vf w0 = LOAD8(p0 + k), v0 = LOAD8(p1 + k);                                                   \
+            _Pragma("GCC unroll 8") for (int i = 0; i < mb; i++) {                                             \
+                const vf x0 = vld8(x + i * K + k);                                                             \
+                b[0][i] = vfma(w0, x0, b[0][i]), b[1][i] = vfma(v0, x0, b[1][i]);                              \
+            }                                                                                                  \
+        }                                                                                                      \
+        _Pragma("GCC unroll 8") for (int i = 0; i < mb; i++)                                                   \
+            out[i][0] = vsum(vadd(a[0][i], b[0][i])), out[i][1] = vsum(vadd(a[1][i], b[1][i]));                \
+    }                                                                                                          \
+    /* mb as a constant in each case: the compiler keeps the accumulators in registers */                     \
+    static void dot2_group_##NAME(const T *p0, const T *p1, const float *x, int64_t K, int mb, int64_t ahead,  \
+                                  float out[][2]) {                                                            \
+        switch (mb) {                                                                                          \
+            case 1: dot2_rows_##NAME(p0, p1, x, K, 1, ahead, out); break;                                      \
+            case 2: dot2_rows_##NAME(p0, p1, x, K, 2, ahead, out); break;                                      \
+            case 3: dot2_rows_##NAME(p0, p1, x, K, GROUP < 3 ? GROUP : 3, ahead, out); break;                  \
+            case 4: dot2_rows_##NAME(p0, p1, x, K, GROUP < 4 ? GROUP : 4, ahead, out); break;                  \
+            case 5: dot2_rows_##NAME(p0, p1, x, K, GROUP < 5 ? GROUP : 5, ahead, out); break;                  \
+            default: dot2_rows_##NAME(p0, p1, x, K, GROUP, ahead, out); break;                                 \
+        }                                                                                                      \
+    }
+
+// A few activation rows (2 .. FEW_ROWS: a decode row and its speculative guesses, a few decode rows) against
+// all N weight rows, the 4-stream blocks of ONE_ROW: a block's rows come from memory once, for the first pair
+// of activation rows, and from L1 for the others; each output is bitwise ONE_ROW's for that row. The several-
+// rows product instead widens each block into a scratch and tiles it (`gemm_widened`): a 2-row int8 product
+// cost 2.5x a 1-row one there, as its 4 streams' prefetch and in-register widening are what decode lives on.
+#define FEW_ROWS 8
+#define FEW(NAME, T)                                                                                            \
+    static void few_rows_##NAME(const T *w, const float *scale, const float *x, float *y, int64_t M, int64_t N, \
+                                int64_t K) {                                                                    \
+        const int64_t L = (N + NB - 1) / NB;                                                                    \
+        _Pragma("omp parallel for schedule(static)")                                                            \
+        for (int64_t b = 0; b < L; b++) {                                                                       \
+            const T *rows[NB];                                                                                  \
+            for (int64_t r = 0; r < NB; r++) rows[r] = w + strided_row(b, r, L, N) * K;                        \
+            for (int64_t m = 0; m < M; m += GROUP) {                                                            \
+                const int mb = (int)(M - m < GROUP ? M - m : GROUP);                                            \
+                const int64_t ahead = m ? 0 : K * (int64_t)sizeof(T); /* later groups read what the first did */ \
+                for (int64_t r0 = 0; r0 < NB; r0 += 2) {                                                        \
+                    float out[GROUP][2];                                                                        \
+                    dot2_group_##NAME(rows[r0], rows[r0 + 1], x + m * K, K, mb, ahead, out);                   \
+                    for (int64_t i = 0; i < mb; i++)                                                            \
+                        for (int64_t r = r0; r < r0 + 2 && b + r * L < N; r++)                                  \
+                            y[(m + i) * N + b + r * L] = out[i][r - r0] * (scale ? scale[b + r * L] : 1.0f);    \
+                }                                                                                               \
+            }                                                                                                   \
+        }                                                                                                       \
+    }
+
 DOT4_ONE(i8, int8_t, vld_i8, vld8_i8)
 DOT4_ONE(f32, float, vld, vld8)
 DOT4_ONE(bf16, uint16_t, vld_bf16, vld8_bf16)
@@ -293,6 +377,14 @@ ONE_ROW(i8, int8_t)
 ONE_ROW(f32, float)
 ONE_ROW(bf16, uint16_t)
 ONE_ROW(f16, uint16_t)
+DOT2_ROWS(i8, int8_t, vld_i8, vld8_i8)
+DOT2_ROWS(f32, float, vld, vld8)
+DOT2_ROWS(bf16, uint16_t, vld_bf16, vld8_bf16)
+DOT2_ROWS(f16, uint16_t, vld_f16, vld8_f16)
+FEW(i8, int8_t)
+FEW(f32, float)
+FEW(bf16, uint16_t)
+FEW(f16, uint16_t)
 
 // Widen int8 codes to fp32 (K % 8 == 0).
 static void widen_i8(const int8_t *q, float *dst, int64_t K) {
@@ -350,6 +442,10 @@ void gemm_int8(const float *x, const int8_t *q, const float *scale, float *y, in
         one_row_i8(q, scale, x, y, N, K);
         return;
     }
+    if (M <= FEW_ROWS) {
+        few_rows_i8(q, scale, x, y, M, N, K);
+        return;
+    }
     const WideRows src = {q, NULL, NULL, K, 0, K, 0, widen_i8_row};
     gemm_widened(&src, x, y, M, N, scale);
 }
@@ -358,6 +454,10 @@ void gemm_int8(const float *x, const int8_t *q, const float *scale, float *y, in
 void gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K) {
     if (M == 1) {
         one_row_f32(w, NULL, x, y, N, K);
+        return;
+    }
+    if (M <= FEW_ROWS) {
+        few_rows_f32(w, NULL, x, y, M, N, K);
         return;
     }
     const int64_t MC = chunk_rows(M, K), row_bytes = K * (int64_t)sizeof(float);
@@ -402,6 +502,13 @@ void gemm_half(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N
             one_row_f16(w, NULL, x, y, N, K);
         else
             one_row_bf16(w, NULL, x, y, N, K);
+        return;
+    }
+    if (M <= FEW_ROWS) {
+        if (f16)
+            few_rows_f16(w, NULL, x, y, M, N, K);
+        else
+            few_rows_bf16(w, NULL, x, y, M, N, K);
         return;
     }
     const WideRows src = {w, NULL, NULL, K, 0, 2 * K, f16, widen_half_row};

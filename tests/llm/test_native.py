@@ -69,6 +69,32 @@ def test_half_kernels_equal_the_exact_product(
     _close(isa_path.linear_half(x, w), x.double() @ w.double().T)
 
 
+# A few activation rows (a decode row and its speculative guesses) must give each row exactly what a one-row
+# product gives it: verification then sees the logits a plain decode step would, so greedy answers cannot
+# part at a near-tie. 2..8 rows take the few-rows kernel (groups of 6 or 2 rows, an odd last group); 9 rows
+# the tiled one, which may differ (it is only checked against the exact product above).
+@needs_native
+@pytest.mark.parametrize("kind", ["int8", "f32", "bf16", "f16"])
+@pytest.mark.parametrize("rows", [2, 3, 5, 7, 8])
+@pytest.mark.parametrize(("n", "k"), [(70, 24), (9, 1536), (1027, 576)])
+def test_a_few_rows_are_bitwise_the_one_row_products(
+    isa_path: native.NativeKernels, kind: str, rows: int, n: int, k: int
+) -> None:
+    gen = torch.Generator().manual_seed(rows * 31 + n)
+    x = torch.randn(rows, k, generator=gen)
+    if kind == "int8":
+        qweight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+        scale = torch.rand(n, generator=gen) + 0.01
+        product = lambda a: isa_path.linear_int8(a, qweight, scale)  # noqa: E731
+    else:
+        dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[kind]
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        product = (lambda a: isa_path.linear_f32(a, w)) if kind == "f32" else (lambda a: isa_path.linear_half(a, w))
+    together = product(x)
+    alone = torch.cat([product(x[i : i + 1]) for i in range(rows)])
+    assert torch.equal(together, alone)
+
+
 @needs_native
 def test_half_kernel_refuses_other_weights(isa_path: native.NativeKernels) -> None:
     with pytest.raises(TypeError, match="bf16 or fp16"):
