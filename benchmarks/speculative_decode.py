@@ -1,7 +1,7 @@
 """Prompt-lookup speculation against plain decoding, greedy, batch 1, alternating in one process.
 
-    .venv/bin/python benchmarks/speculative_decode.py [--plan plans/llama-int8.yaml] [--rounds 6] [--tokens 128]
-                                                      [--spec-tokens 4] [--ngram 3] [--out benchmarks/speculative-decode]
+    .venv/bin/python benchmarks/speculative_decode.py [--plan plans/llama-int8.yaml] [--rounds 6]
+        [--tokens 128] [--spec-tokens 4] [--ngram 3] [--out benchmarks/speculative-decode]
 
 The plan's model is loaded once through the engine (up to `load.to_device`); each prompt is then answered by
 the engine loop twice per round, plain and with `speculative: {method: prompt_lookup}`, the order flipping
@@ -164,6 +164,16 @@ def summarize(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str,
     }  # fmt: skip
 
 
+def features() -> str:
+    """The CPU's SIMD features that the kernels may use, from /proc/cpuinfo."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return "features unknown"
+    wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16")
+    return "features " + ", ".join(f for f in wanted if f in flags.split())
+
+
 def markdown(result: dict[str, Any]) -> str:
     m, spec = result["machine"], result["speculative"]
     lines = [
@@ -171,7 +181,7 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"`{result['plan']}`, `speculative: {{method: prompt_lookup, tokens: {spec['tokens']}, ngram: "
         f"{spec['ngram']}}}`, up to {result['max_tokens']} tokens, {result['rounds']} alternating rounds in one "
-        f"process; {m.get('cpu', '?')}, {m.get('cpus', '?')} CPUs, features {', '.join(m.get('cpu_features', []))}; "
+        f"process; {m.get('cpu', '?')}, {m.get('cores', '?')} CPUs, {features()}; "
         f"load average (1 min) {result['load_1min']['min']:.2f}-{result['load_1min']['max']:.2f}. "
         "Every speculative answer equalled the plain one token for token.",
         "",
