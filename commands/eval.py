@@ -55,7 +55,8 @@ def register(sub: Any) -> None:
         "--db",
         default=None,
         metavar="PATH",
-        help="results database the figures are stored in (default runs/results.sqlite)",
+        help="results database the figures are stored in (default: results.sqlite in the data home, "
+        "$LLMPLAN_HOME or ~/.local/share/llmplan)",
     )
     parser.add_argument("--no-store", action="store_true", help="do not store the figures in the results database")
     parser.add_argument("--set", action="append", default=[], metavar="ID.PARAM=VALUE", help="override every plan")
@@ -114,9 +115,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _db(args: argparse.Namespace) -> str | None:
-    from llmplan.stages.cache_stages import DEFAULT_DB
+    from llmplan.data_home import default_db
 
-    return None if getattr(args, "no_store", False) else (getattr(args, "db", None) or DEFAULT_DB)
+    return None if getattr(args, "no_store", False) else (getattr(args, "db", None) or str(default_db()))
 
 
 @dataclass(frozen=True)

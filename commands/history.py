@@ -17,16 +17,18 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from llmplan.commands.arguments import positive
+from llmplan.data_home import default_db, shown
 from llmplan.engine.cli import CliError
-from llmplan.stages.results_store import DEFAULT_DB, ResultsStore, StoreError
+from llmplan.stages.results_store import ResultsStore, StoreError
 
 T = TypeVar("T")
 _MARKERS = re.compile(r"<\|[^|<>]{1,40}\|>|</?s>")  # chat-template markers, hidden in the listing
 
 
 def register(subparsers: Any) -> None:
+    db_help = f"results database (default: {shown(default_db())}, the data home's; $LLMPLAN_HOME moves it)"
     history = subparsers.add_parser("history", help="list past results from the results database")
-    history.add_argument("--db", default=DEFAULT_DB, help=f"results database (default {DEFAULT_DB})")
+    history.add_argument("--db", default=None, help=db_help)
     history.add_argument("--limit", type=positive, default=20, help="how many results, newest first")
     history.add_argument("--json", action="store_true", help="one JSON object per result per line")
     history.add_argument("--evals", action="store_true", help="the stored `llmplan eval` figures instead of results")
@@ -34,7 +36,7 @@ def register(subparsers: Any) -> None:
 
     show = subparsers.add_parser("show", help="print one stored result")
     show.add_argument("id", type=int, help="result id (the first column of `llmplan history`)")
-    show.add_argument("--db", default=DEFAULT_DB, help=f"results database (default {DEFAULT_DB})")
+    show.add_argument("--db", default=None, help=db_help)
     show.add_argument("--json", action="store_true", help="the result as one JSON object")
     show.set_defaults(handler=cmd_show, needs_stages=False)
 
@@ -48,6 +50,7 @@ def _open(path: str) -> ResultsStore:
 
 
 def _read(args: argparse.Namespace, action: Callable[[ResultsStore], T]) -> T:
+    args.db = str(default_db()) if args.db is None else args.db  # a `--db` is relative to here
     try:
         with _open(args.db) as store:
             return action(store)

@@ -26,6 +26,7 @@ from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any, TextIO
 
+from llmplan.data_home import default_db
 from llmplan.engine.cli import CliError, new_context
 from llmplan.engine.console import RichProgress, print_stage, stderr
 from llmplan.engine.executors import ExecutorJob, ExecutorMissing
@@ -34,7 +35,6 @@ from llmplan.engine.runner import Runner, RunResult, write_json
 from llmplan.ownership import check_writable, claim
 from llmplan.stages import output_format
 from llmplan.stages.cache_stages import (
-    DEFAULT_DB,
     generation_params,
     key_context,
     report_damaged,
@@ -278,7 +278,7 @@ def replica_overrides(bound: BoundPlan) -> list[str]:
 def store_settings(bound: BoundPlan) -> tuple[str, str]:
     """(the results database, the lookup mode): the plan's cache stages decide; without them the default
     database and `reuse`, so that any distributed run can resume."""
-    db, mode = DEFAULT_DB, "reuse"
+    db, mode = str(default_db()), "reuse"
     for stage in bound.stages:
         if stage.spec.uses == "output.cache":
             db = stage.params.db

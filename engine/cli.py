@@ -111,7 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_option(run)
     run.add_argument("--until", metavar="STAGE_ID", help="run only this stage and what it depends on")
     run.add_argument("--json", action="store_true", help="machine-readable results on stdout, nothing else")
-    run.add_argument("--out", metavar="DIR", help="run directory (default: <runs_dir>/<time>-<plan>)")
+    run.add_argument(
+        "--out",
+        metavar="DIR",
+        help="the run directory, new or empty (default: <data home>/runs/<time>-<plan>; the data home is "
+        "$LLMPLAN_HOME, else ~/.local/share/llmplan)",
+    )
     run.add_argument("--quiet", action="store_true", help="no per-stage lines on stderr")
     run.add_argument("--report", action="store_true", help="write the HTML report of the run at the end")
     scale = run.add_argument_group("executor (the plan's `executor:` block, overridden)")
@@ -326,7 +331,8 @@ def _run_dir(out: str | None, bound: BoundPlan) -> Path:
             raise CliError(f"runs_dir {where}: cannot create a run directory there ({bad.strerror or bad})") from None
     run_dir = Path(out)
     if run_dir.is_dir():
-        check_run_dir(run_dir, "--out")
+        check_run_dir(run_dir, "--out")  # a file of the user's in it is named first
+        refuse_earlier_run(run_dir)
         return run_dir
     try:
         run_dir.mkdir(parents=True)
@@ -335,6 +341,16 @@ def _run_dir(out: str | None, bound: BoundPlan) -> Path:
     except OSError as bad:
         raise CliError(f"--out {run_dir}: cannot create the run directory ({bad.strerror or bad})") from None
     return run_dir
+
+
+def refuse_earlier_run(run_dir: Path) -> None:
+    """`--out DIR` is the run directory itself, so it must be new or empty: a second run there would replace the
+    first one's files while the results database still points at them (transformers' scripts refuse a non-empty
+    output_dir the same way; a fresh sub-directory would move the files a script expects at DIR)."""
+    entries = sorted(p.name for p in run_dir.iterdir() if not p.name.startswith("."))
+    if entries:
+        what = "an earlier run" if {"plan.resolved.yaml", "stages.json"} & set(entries) else f"{entries[0]}, …"
+        raise CliError(f"--out {run_dir}: holds {what}; a run never replaces another: give a new or empty directory")
 
 
 def _executor(kind: str) -> Executor | None:

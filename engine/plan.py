@@ -87,7 +87,7 @@ class Plan(_Numbers):
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$")
     seed: int = Field(0, ge=0, le=2**63 - 1)
     threads: int | None = Field(None, ge=1, le=512, description="CPU threads for torch; None = library default")
-    runs_dir: str = "runs"
+    runs_dir: str = Field("runs", description="where run directories go; a relative path is under the data home")
     observe: ObserveSettings = Field(default_factory=ObserveSettings)
     executor: Executor = Field(default_factory=Executor, description="where requests run (llmplan run)")
     stages: list[StageSpec] = Field(min_length=1, max_length=MAX_STAGES)

@@ -22,6 +22,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from llmplan.data_home import in_home
 from llmplan.ownership import NotOurs, check_directory_ours, claim, write_file
 from llmplan.plain_errors import plain_error
 
@@ -63,8 +64,9 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose
 
 
 def make_run_dir(root: str | Path, plan_name: str) -> Path:
+    """A fresh `<time>-<plan>` directory under `root` (a plan's `runs_dir`: relative ones are under the data home)."""
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = Path(root) / f"{stamp}-{plan_name}"
+    base = in_home(root) / f"{stamp}-{plan_name}"
     candidate, n = base, 1
     while True:
         try:

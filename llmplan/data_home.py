@@ -21,7 +21,7 @@ def data_home() -> Path:
     """The data home, read from the environment each time (a test or a caller may change it)."""
     explicit = os.environ.get(HOME_VARIABLE)
     if explicit:
-        return Path(explicit).expanduser()
+        return Path(explicit).expanduser().absolute()  # stored in the database: never relative
     xdg = os.path.expanduser(os.environ.get("XDG_DATA_HOME") or "")
     # A relative XDG_DATA_HOME is invalid by the spec, which says to ignore it.
     base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".local" / "share"

@@ -41,6 +41,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
+from llmplan.data_home import in_home
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
 from llmplan.llm.manifest import MANIFEST_NAME, ManifestError, read_sha256sums
@@ -70,7 +71,8 @@ class StoreParams(Params):
     db: str = Field(
         DEFAULT_DB,
         validate_default=True,
-        description="the SQLite results database (relative to the current directory)",
+        description="the SQLite results database; a relative path is under the data home ($LLMPLAN_HOME, "
+        "else $XDG_DATA_HOME/llmplan or ~/.local/share/llmplan), so every directory finds the same one",
     )
     generate_stage: str = Field("generate", description="id of the plan's generation stage (its params are keyed)")
 
@@ -80,6 +82,9 @@ class StoreParams(Params):
         # Refused at `validate`: an empty path, /dev/null, a directory or a FIFO can never hold the database
         # (SQLite would open a temporary one, or another file, and replay from it).
         problem = path_problem(value)
+        if problem is None and value:  # resolved once, here: lookup, store, history and the report agree
+            value = str(in_home(value))
+            problem = path_problem(value)
         if problem is not None:
             raise ValueError(problem)
         return value

@@ -5,9 +5,10 @@ Sinks (`to:`, a list):
     again), then one summary line per request on stderr (tokens, TTFT, tokens/s);
     `format: markdown | json` prints those forms instead of plain text;
   * `stdout_json` — one JSON result object per request per line on stdout;
-  * `{json: PATH}`, `{text: PATH}`, `{markdown: PATH}` — files; a relative PATH is relative to the
-    current directory. Every file is written atomically (a temp file in the same folder, renamed
-    into place), so an interrupted write leaves the old file or none — never half a file.
+  * `{json: PATH}`, `{text: PATH}`, `{markdown: PATH}` — files; a relative PATH is under the data home
+    (llmplan/data_home.py: `$LLMPLAN_HOME`, else ~/.local/share/llmplan), wherever llmplan is started.
+    Every file is written atomically (a temp file in the same folder, renamed into place), so an
+    interrupted write leaves the old file or none — never half a file.
 
 A sink never destroys data. It writes a new file, or replaces a regular file that llmplan wrote and can
 prove it (llmplan/ownership.py): beside it a marker `.NAME.llmplan` records the file's identity and the
@@ -36,6 +37,7 @@ from typing import Any, Literal
 
 from pydantic import Field, RootModel, field_validator
 
+from llmplan.data_home import in_home
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
 from llmplan.ownership import NotOurs, check_writable, remove_stale_temps, write_file
@@ -94,7 +96,7 @@ class OutputWrite(Stage):
         for sink in params.to:
             if isinstance(sink, FileSink):
                 kind, path_text = next(iter(sink.root.items()))
-                path = Path(path_text).expanduser()
+                path = in_home(path_text)
                 if kind == "json":
                     chunks: Iterable[str] = fmt.json_document_chunks(results, plan=plan, model=model)
                 elif kind == "markdown":
@@ -162,7 +164,7 @@ def file_sinks(params: Any) -> list[tuple[str, Path]]:
     for sink in params.to:
         if isinstance(sink, FileSink):
             kind, path_text = next(iter(sink.root.items()))
-            sinks.append((kind, Path(path_text).expanduser()))
+            sinks.append((kind, in_home(path_text)))
     return sinks
 
 

@@ -40,7 +40,7 @@ from .results_file import (
     refusal,
 )
 
-DEFAULT_DB = "runs/results.sqlite"
+DEFAULT_DB = "results.sqlite"  # relative to the data home (llmplan/data_home.py)
 SCHEMA_VERSION = 2  # also the file's PRAGMA user_version
 # v2 adds `evals` (what `llmplan eval` measured). A v1 file is read as it is and gains the table, and its
 # version, in the same transaction as its first stored evaluation: a command that only reads never writes.

@@ -98,6 +98,6 @@ def test_a_conversation_with_commands_ctrl_c_and_storage(tmp_path: Path, model_c
     saved = json.loads((tmp_path / "talk.json").read_text(encoding="utf-8"))
     assert [m["role"] for m in saved["messages"]] == ["user", "assistant", "user", "assistant"]
     assert "Paris" in saved["messages"][1]["content"] and saved["settings"]["temperature"] == 0
-    with sqlite3.connect(tmp_path / "runs" / "results.sqlite") as db:
+    with sqlite3.connect(tmp_path / "results.sqlite") as db:  # the data home (tests/conftest.py)
         stored = db.execute("SELECT COUNT(*) FROM results").fetchone()[0]
     assert stored >= 1  # the answered turn went through the plan's output.cache stage

@@ -97,14 +97,15 @@ def test_json_mode_prints_only_json_lines(ctx, make_plan, capsys):
     }
 
 
-def test_files_relative_to_cwd(ctx, tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
+def test_relative_files_go_under_the_data_home(ctx, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path / "..")  # where the user stands does not matter
     deliveries = _write(
         ctx,
         [_completion(), _beam()],
         to=[{"json": "out/results.json"}, {"text": "out/answer.txt"}, {"markdown": str(tmp_path / "report.md")}],
     )
-    assert deliveries == ["json:out/results.json", "text:out/answer.txt", f"markdown:{tmp_path / 'report.md'}"]
+    home = tmp_path  # LLMPLAN_HOME, set by tests/conftest.py
+    assert deliveries == [f"json:{home / 'out/results.json'}", f"text:{home / 'out/answer.txt'}", f"markdown:{tmp_path / 'report.md'}"]
     assert capsys.readouterr() == ("", "")  # no terminal sink: nothing printed
     document = json.loads((tmp_path / "out/results.json").read_text(encoding="utf-8"))
     assert document["schema"] == SCHEMA and [r["id"] for r in document["results"]] == ["r0", "beam"]

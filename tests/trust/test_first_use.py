@@ -67,7 +67,6 @@ def test_run_model_with_no_other_flag_uses_the_default_plan_and_trusts_the_folde
     saved: Path, cache_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     model = copy_of(saved, tmp_path)
-    monkeypatch.chdir(tmp_path)  # the default plan writes out/ and runs/ where it is run
     before = listing(model)
     assert main(["run", "--model", str(model)]) == 0
     first = capsys.readouterr().err
@@ -77,7 +76,7 @@ def test_run_model_with_no_other_flag_uses_the_default_plan_and_trusts_the_folde
     listed = {line.split("  ", 1)[1] for line in record.read_text().splitlines()}
     assert listed == {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"}
     assert str(record) in first
-    result = json.loads((tmp_path / "out" / "llama-int8.json").read_text())
+    result = json.loads((tmp_path / "out" / "llama-int8.json").read_text())  # the data home: tests/conftest.py
     assert result["plan"] == "llama-int8" and result["results"][0]["text"]
 
     assert main(["run", "--model", str(model), "--quiet"]) == 0

@@ -206,14 +206,16 @@ def test_out_copied_with_its_markers_proves_nothing(finished_run: Path, plan: Pa
     assert_untouched(before, tmp_path)
 
 
-def test_benign_twin_rerun_into_the_same_out_works(plan: Path, tmp_path: Path, capsys) -> None:
+def test_rerun_into_the_same_out_is_refused_and_the_first_run_kept(plan: Path, tmp_path: Path, capsys) -> None:
+    """(#29) A second run there would replace the first one's files while the results database points at them."""
     out = tmp_path / "run"
-    for _ in range(2):
-        with time_bound(60):
-            assert main(["run", str(plan), "--out", str(out), "--quiet"]) == 0
+    with time_bound(60):
+        assert main(["run", str(plan), "--out", str(out), "--quiet"]) == 0
+    before = snapshot(out)
+    refused(["run", str(plan), "--out", str(out), "--quiet"], capsys, names=[str(out), "earlier run"])
+    assert_untouched(before, out)
     events = (out / "events.jsonl").read_text().splitlines()
-    assert sum('"run_finished"' in line for line in events) == 2  # appended to llmplan's own log
-    assert json.loads((out / "run.json").read_text())["status"] == "ok"
+    assert sum('"run_finished"' in line for line in events) == 1
 
 
 def test_benign_twin_an_empty_directory_of_the_users_works(plan: Path, tmp_path: Path) -> None:

@@ -171,7 +171,7 @@ def test_malformed_plan_is_refused_with_its_position(
         text = mutation(text)
     target = tmp_path / "bad.yaml"
     target.write_bytes(text.encode("utf-8", "surrogateescape"))
-    monkeypatch.chdir(tmp_path)  # relative outputs (runs/, out/) would land here
+    monkeypatch.chdir(tmp_path)  # the data home is tmp_path too (tests/conftest.py): nothing lands elsewhere
     code = main(["run", str(target)])
     captured = capsys.readouterr()
     lines = [line for line in captured.err.splitlines() if line.strip()]
