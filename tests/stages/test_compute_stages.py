@@ -281,3 +281,33 @@ def test_run_prompt_flags_reach_the_tokenize_stage_whatever_its_id(tmp_path: Pat
     path.write_text(yaml.safe_dump(data, allow_unicode=True, sort_keys=False), encoding="utf-8")
     with pytest.raises(CliError, match=r"--prompt: no stage of .* takes prompts"):
         plan_overrides(message, registry, load_file(path))
+
+
+def test_a_format_beside_beams_is_refused_at_validate_naming_the_key(tmp_path: Path, model_dir: Path) -> None:
+    from llmplan.engine.findings import PlanError
+    from llmplan.engine.plan import load_plan
+    from llmplan.engine.registry import discover
+
+    plan = write_plan(tmp_path, model_dir, generate={"num_beams": 2, "format": {"choice": ["yes", "no"]}})
+    with pytest.raises(PlanError) as caught:
+        load_plan(plan, discover())
+    (finding,) = caught.value.findings
+    assert finding.field.endswith(".with.format") and finding.message.startswith("beam search")
+    assert plan.read_text().splitlines()[finding.line - 1].strip().startswith("format:")
+    assert "beam search (num_beams > 1) cannot enforce a format" in finding.message
+
+
+def test_a_request_lines_format_beside_beams_is_refused_before_any_beam_runs(tmp_path: Path, model_dir: Path) -> None:
+    path = prompts_file(
+        tmp_path,
+        [
+            '{"id": "free", "text": "Hello model"}',
+            '{"id": "shaped", "text": "Hello model", "format": {"regex": "[0-9]+"}}',
+        ],
+    )
+    overrides = [f"prompt.prompts_file={path}", "prompt.messages=null", "place.max_batch=2", "generate.num_beams=2"]
+    result = run(tmp_path, model_dir, overrides)
+    assert result.exit_code == 1
+    assert "request shaped: format: beam search (num_beams > 1) cannot enforce a format" in result.message
+    assert "\n" not in result.message.strip() and "Traceback" not in result.message
+    assert result.context.generations is None  # nothing generated, nothing half-written
