@@ -36,5 +36,6 @@ validate: setup
 bench: setup
 	$(VENV)/bin/llmplan bench $(PLAN) --vs transformers
 
+# Only what setup and the tests made here: runs and results live in the data home (llmplan/data_home.py).
 clean:
-	rm -rf $(VENV) runs .pytest_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache *.egg-info

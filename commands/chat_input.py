@@ -2,7 +2,7 @@
 
 On a terminal (stdin and stdout both ttys, TERM not "dumb") the line is read with prompt_toolkit: the arrow
 keys move in the line and go through the history (Ctrl-R searches it), kept in `history_path()` across
-sessions (in the user's data directory, never the working directory). Anywhere else (a pipe, a file, a dumb
+sessions (in the data home, llmplan/data_home.py, never the working directory). Anywhere else (a pipe, a file, a dumb
 terminal) lines are read with input(), so scripts can feed the chat.
 
 A message spans several lines as Ollama's does: it starts with three double quotes and ends at the line that
@@ -22,6 +22,8 @@ from prompt_toolkit import PromptSession
 from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 
+from llmplan.data_home import data_home
+
 PROMPT, MORE = "you> ", "...  "
 QUOTES = '"""'
 
@@ -40,13 +42,8 @@ def message_of(text: str) -> str:
     return body.strip()
 
 
-def data_home() -> Path:
-    """Where llmplan keeps what a person's sessions leave: $XDG_DATA_HOME/llmplan (default ~/.local/share)."""
-    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
-    return Path(base) / "llmplan"
-
-
 def history_path() -> Path:
+    """The input history file, in the one data home (so $LLMPLAN_HOME moves it with the runs)."""
     return data_home() / "chat-history"
 
 

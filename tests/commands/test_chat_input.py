@@ -5,10 +5,11 @@ from __future__ import annotations
 import stat
 from pathlib import Path
 
+import pytest
 from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 
-from llmplan.commands.chat_input import EditingReader, PlainReader, open_history
+from llmplan.commands.chat_input import EditingReader, PlainReader, history_path, open_history
 
 LEFT, UP = "\x1b[D", "\x1b[A"
 
@@ -49,3 +50,11 @@ def test_plain_reader_reads_a_block_line_by_line() -> None:
     reader = PlainReader(lambda prompt: prompts.append(prompt) or next(lines))
     assert reader.read() == "one\ntwo" and reader.read() == "hello"
     assert prompts == ["you> ", "...  ", "...  ", "you> "]
+
+
+def test_history_lives_in_the_data_home(data_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The data home's own rules ($LLMPLAN_HOME first), not a second copy of them.
+    assert history_path() == data_home / "chat-history"
+    monkeypatch.delenv("LLMPLAN_HOME")
+    monkeypatch.setenv("XDG_DATA_HOME", str(data_home / "xdg"))
+    assert history_path() == data_home / "xdg" / "llmplan" / "chat-history"

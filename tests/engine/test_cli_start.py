@@ -60,3 +60,18 @@ def test_help_of_every_command_imports_no_torch_and_shows_an_example() -> None:
     assert "(default: 20)" in helps["history --help"]
     assert "sekrit" not in helps["serve --help"]  # a default read from the environment (the API key) is not shown
     assert "-V, --version" in helps["--help"]
+
+
+def test_make_clean_keeps_the_users_runs() -> None:
+    # `make clean` removes what setup made here, never runs/ (nor the data home, where runs now live).
+    import shutil
+    from pathlib import Path
+
+    import pytest
+
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(["make", "-n", "clean"], cwd=root, capture_output=True, text=True, check=True)
+    removed = {word for line in done.stdout.splitlines() if line.startswith("rm ") for word in line.split()[2:]}
+    assert ".venv" in removed and not removed & {"runs", "runs/", "results.sqlite", "out", "~/.local/share/llmplan"}
