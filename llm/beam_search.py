@@ -31,6 +31,8 @@ from .ending import FinishReason, end_after_token
 from .kv_cache import KVCache
 from .model import Transformer
 from .model_runner import ModelRunner
+from .output_format import CompiledFormat
+from .token_mask import BeamMasks
 
 _NEG = -1.0e9  # transformers' "impossible" score; the same constant keeps tie-breaking identical
 
@@ -54,6 +56,7 @@ def beam_search(
     num_return_sequences: int = 1,
     early_stopping: bool | Literal["never"] = False,
     runner: ModelRunner | None = None,
+    grammar: CompiledFormat | None = None,
 ) -> list[Candidate]:
     """The best `num_return_sequences` finished beams, best first. The cache needs num_beams rows.
 
@@ -61,6 +64,9 @@ def beam_search(
     at its current length, cannot beat the worst finished one; "never" assumes (for length_penalty > 0)
     the running beam could still grow to max_new_tokens, i.e. searches on longer.
     runner: the model runner bound to `cache`'s memory; default: one built here.
+    grammar: a format every beam obeys: each beam's logits are masked by its own matcher before they are
+    scored (so scores are log-probs under the constraint), and only candidates that finished by EOS or at
+    the length limit are returned (a grammar may allow fewer sequences than beams).
 
     Kept apart from the engine loop, with the reason measured at the top of this module.
     """
@@ -75,6 +81,7 @@ def beam_search(
     runner = runner or ModelRunner(model, cache)
     device = model.device
     beams = _Beams(num_beams, max_new_tokens, eos_ids, length_penalty, early_stopping, device)
+    masks = BeamMasks(grammar, num_beams) if grammar is not None else None
     with torch.inference_mode():
         cache.reset(1)
         tokens = torch.tensor([prompt], device=device)
@@ -83,14 +90,19 @@ def beam_search(
         cache.reorder(torch.zeros(num_beams, dtype=torch.long, device=device))  # copy the prompt to every beam
         logits = logits.expand(num_beams, -1)
         for step in range(max_new_tokens):
+            if masks is not None:
+                logits = masks.apply(logits)
             beam_index = beams.advance(step, logits)
             if beam_index is None:
                 break
+            if masks is not None:
+                alive = torch.isfinite(beams.running_scores).tolist()
+                masks.follow(beam_index.tolist(), beams.running[:, step].tolist(), alive)
             cache.reorder(beam_index)
             if not cache.make_room(1):
                 break
             logits = runner.static_decode(beams.running[:, step : step + 1], cache.next_positions(), cache)[:, -1]
-    return beams.best(num_return_sequences, eos_ids, max_new_tokens)
+    return beams.best(num_return_sequences, eos_ids, max_new_tokens, only_finished=masks is not None)
 
 
 class _Beams:
@@ -134,7 +146,10 @@ class _Beams:
         running_candidates = topk_scores + hits.float() * _NEG
         chosen = running_candidates.topk(nb).indices
         self.running, self.running_scores = topk_seqs[chosen], running_candidates[chosen]
-        self._merge_finished(step, topk_seqs, topk_scores, hits & self.top_mask)
+        # A masked (-inf) candidate, or one of a start-up beam (_NEG), never finishes: a grammar may leave
+        # fewer continuations than the top K (with a free vocabulary there are always more).
+        real = topk_scores > _NEG / 2
+        self._merge_finished(step, topk_seqs, topk_scores, hits & self.top_mask & real)
 
         # Can a running beam still beat the worst finished one?
         generated = step + 1
@@ -163,9 +178,14 @@ class _Beams:
         self.finished_scores = torch.cat((self.finished_scores, scores))[merged]
         self.is_finished = torch.cat((self.is_finished, just_finished))[merged]
 
-    def best(self, n: int, eos_ids: set[int], max_new_tokens: int) -> list[Candidate]:
+    def best(self, n: int, eos_ids: set[int], max_new_tokens: int, only_finished: bool = False) -> list[Candidate]:
         out = []
-        for i in range(n):
+        rows = list(range(n))
+        if only_finished:  # a grammar may allow fewer sequences than asked: only those found are returned
+            real = (self.is_finished & (self.finished_scores > _NEG / 2)).tolist()
+            found = [i for i in range(self.nb) if real[i]]
+            rows = found[:n] or [0]
+        for i in rows:
             seq = self.finished[i, : int(self.finished_len[i])].tolist()
             # A finished beam ended with EOS or at the length limit: the rules every loop ends rows by.
             reason = (end_after_token(seq[-1], seq, eos_ids, None, max_new_tokens) if seq else None) or "length"

@@ -2,7 +2,8 @@
 
 Every path that picks a token goes through the row's picker (greedy and sampled rows of the engine loop and
 of static batches, each of `n` choices, speculative verification), so the mask is applied wherever a token
-is chosen. Beams carry one matcher each, copied when a beam takes another's place (llm/beam_search.py).
+is chosen. Beams carry one matcher each, copied when a beam takes another's place (`BeamMasks`, used by
+llm/beam_search.py).
 
 The matcher advances on every token the row accepted: at each call it first consumes the tokens `seen`
 gained since the last call (the previous pick, or a speculative guess accepted), so a rejected guess never
@@ -92,6 +93,40 @@ class FormatMask:
     def done(self) -> bool:
         """The grammar is complete: nothing but the end of the sequence may follow."""
         return bool(self.matcher.is_stopped())
+
+
+class BeamMasks:
+    """The grammar of a beam search: one matcher per running beam. `apply` masks the beams' logits [beams, V]
+    (a CPU fp32 copy); `follow` moves the matchers with the beams after a step: new beam i is a copy of its
+    source beam's matcher advanced by its token (a beam may take another's place, or two may share a source).
+    A beam the search keeps alive at -inf (fewer allowed continuations than beams) keeps an unadvanced copy:
+    its score is -inf, so it never finishes or continues anything."""
+
+    def __init__(self, compiled: CompiledFormat, beams: int) -> None:
+        self.matchers = [compiled.matcher() for _ in range(beams)]
+        self._bits = torch.zeros((beams, (compiled.vocab + 31) // 32), dtype=torch.int32)
+        self.allowed: list[int] = []  # tokens allowed to the best running beam, per step
+
+    def apply(self, logits: Tensor) -> Tensor:
+        rows = logits.detach().to(device="cpu", dtype=torch.float32, copy=True).contiguous()
+        for i, matcher in enumerate(self.matchers):
+            bits = self._bits[i]
+            matcher.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * 4)
+            if matcher.is_error():
+                raise MaskError(f"the grammar failed: {matcher.get_error()}")
+            count = apply_bitmask(rows[i], bits)
+            if i == 0:
+                self.allowed.append(count)
+        return rows.to(logits.device)
+
+    def follow(self, sources: list[int], tokens: list[int], alive: list[bool]) -> None:
+        moved = []
+        for source, token, live in zip(sources, tokens, alive, strict=True):
+            matcher = self.matchers[source].deep_copy()
+            if live and not matcher.consume_token(token):
+                raise MaskError(f"the grammar refused token {token}: {matcher.get_error()}")
+            moved.append(matcher)
+        self.matchers = moved
 
 
 def apply_bitmask(logits: Tensor, bits: Tensor) -> int:

@@ -44,16 +44,6 @@ from .slots import InferenceContext
 from .types import Request, Result
 
 ALTERNATIVES = 5  # best tokens kept per step for the run's record (the report shows them on hover)
-# Fail closed: beam search does not apply the mask yet, so a format beside beams would be silently ignored.
-BEAMS_UNCONSTRAINED = "beam search (num_beams > 1) cannot enforce a format yet; use num_beams: 1"
-
-
-class SettingConflict(ValueError):
-    """A conflict between settings, named at `field_path` (the plan's finding points at that key)."""
-
-    def __init__(self, field_path: tuple[str, ...], message: str) -> None:
-        super().__init__(message)
-        self.field_path = field_path
 
 
 class GenerateParams(RequestSettings):
@@ -88,8 +78,6 @@ class GenerateParams(RequestSettings):
             raise ValueError("beam search is deterministic here: use temperature 0 with num_beams > 1")
         if self.num_beams > 1 and self.speculative is not None:
             raise ValueError("speculative decoding runs in the engine loop, beam search apart: not both")
-        if self.num_beams > 1 and self.format is not None:
-            raise SettingConflict(("format",), BEAMS_UNCONSTRAINED)
         unknown = [name for name in self.serving_defaults if name not in RequestSettings.model_fields]
         if unknown:
             known = ", ".join(RequestSettings.model_fields)
@@ -383,10 +371,12 @@ class Generate(Stage):
                 f"num_beams {params.num_beams} needs {params.num_beams} KV-cache rows; "
                 f"the cache has {cache.max_batch} (set max_batch on the load.to_device stage)"
             )
-        for request in requests:  # a request line's own format, refused before any beam runs (the plan's: at validate)
-            if settings_for(request, params, seed).get("format") is not None:
-                raise InputRefused(f"request {request.id}: format: {BEAMS_UNCONSTRAINED}")
-        return [self._beams(ctx, runner, request, params, eos, seed) for request in requests]
+        # every format compiled (or refused) before the first beam runs
+        grammars = [grammar_for(ctx, settings_for(r, params, seed), eos) for r in requests]
+        return [
+            self._beams(ctx, runner, request, params, eos, seed, grammar)
+            for request, grammar in zip(requests, grammars, strict=True)
+        ]
 
     def _beams(
         self,
@@ -396,6 +386,7 @@ class Generate(Stage):
         params: GenerateParams,
         eos: set[int],
         seed: int,
+        grammar: CompiledFormat | None,
     ) -> Result:
         settings = settings_for(request, params, seed)
         max_new = settings["max_new_tokens"]
@@ -417,6 +408,7 @@ class Generate(Stage):
                     num_return_sequences=params.num_return_sequences,
                     early_stopping=params.early_stopping,
                     runner=runner,
+                    grammar=grammar,
                 )
         except (torch.OutOfMemoryError, RuntimeError) as bad:
             ctx.log.warning("generation_error", request=request.id, error=str(bad))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -283,31 +285,32 @@ def test_run_prompt_flags_reach_the_tokenize_stage_whatever_its_id(tmp_path: Pat
         plan_overrides(message, registry, load_file(path))
 
 
-def test_a_format_beside_beams_is_refused_at_validate_naming_the_key(tmp_path: Path, model_dir: Path) -> None:
-    from llmplan.engine.findings import PlanError
-    from llmplan.engine.plan import load_plan
-    from llmplan.engine.registry import discover
+@pytest.mark.parametrize(
+    ("fmt", "matches"),
+    [
+        ({"regex": "[a-z]{2,5}!"}, lambda text: re.fullmatch("[a-z]{2,5}!", text) is not None),
+        ({"choice": ["hello", "model", "tokens"]}, lambda text: text in ("hello", "model", "tokens")),
+    ],
+)
+def test_every_beam_candidate_obeys_the_format(tmp_path: Path, model_dir: Path, fmt: Any, matches: Any) -> None:
+    # The random model ends nothing by itself: every EOS here is one the grammar forced once it was complete.
+    overrides = ["place.max_batch=4", "generate.num_beams=4", "generate.num_return_sequences=4"]
+    result = run(tmp_path, model_dir, overrides, generate={"format": fmt, "ignore_eos": False, "max_new_tokens": 16})
+    assert result.exit_code == 0, result.message
+    (generation,) = result.context.generations
+    tok = result.context.tokenizer
+    assert generation.candidates and generation.tokens == generation.candidates[0].tokens
+    for candidate in generation.candidates:
+        assert candidate.finish_reason == "eos", candidate
+        assert matches(tok.decode(candidate.tokens, skip_special_tokens=True)), tok.decode(candidate.tokens)
+    scores = [c.score for c in generation.candidates]
+    assert scores == sorted(scores, reverse=True)
 
-    plan = write_plan(tmp_path, model_dir, generate={"num_beams": 2, "format": {"choice": ["yes", "no"]}})
-    with pytest.raises(PlanError) as caught:
-        load_plan(plan, discover())
-    (finding,) = caught.value.findings
-    assert finding.field.endswith(".with.format") and finding.message.startswith("beam search")
-    assert plan.read_text().splitlines()[finding.line - 1].strip().startswith("format:")
-    assert "beam search (num_beams > 1) cannot enforce a format" in finding.message
 
-
-def test_a_request_lines_format_beside_beams_is_refused_before_any_beam_runs(tmp_path: Path, model_dir: Path) -> None:
-    path = prompts_file(
-        tmp_path,
-        [
-            '{"id": "free", "text": "Hello model"}',
-            '{"id": "shaped", "text": "Hello model", "format": {"regex": "[0-9]+"}}',
-        ],
-    )
-    overrides = [f"prompt.prompts_file={path}", "prompt.messages=null", "place.max_batch=2", "generate.num_beams=2"]
-    result = run(tmp_path, model_dir, overrides)
-    assert result.exit_code == 1
-    assert "request shaped: format: beam search (num_beams > 1) cannot enforce a format" in result.message
-    assert "\n" not in result.message.strip() and "Traceback" not in result.message
-    assert result.context.generations is None  # nothing generated, nothing half-written
+def test_unconstrained_beams_break_the_format_the_masked_ones_keep(tmp_path: Path, model_dir: Path) -> None:
+    # The same search without the mask does not end in the grammar: the test above would fail unmasked.
+    overrides = ["place.max_batch=4", "generate.num_beams=4", "generate.num_return_sequences=4"]
+    result = run(tmp_path, model_dir, overrides, generate={"ignore_eos": False, "max_new_tokens": 16})
+    tok = result.context.tokenizer
+    texts = [tok.decode(c.tokens, skip_special_tokens=True) for c in result.context.generations[0].candidates]
+    assert not any(re.fullmatch("[a-z]{2,5}!", text) for text in texts), texts
