@@ -20,6 +20,10 @@ limits), under the setting's own name, except where OpenAI's request differs (`M
                                                 logprobs (0 .. 5) set the stage's `logprobs` instead
     speculative      speculative (an extra)     {method, tokens, ngram}, the setting's;  as a mapping
                                                 unknown keys refused
+    format           response_format, llama.cpp's  one of them; checked as it arrives     the shape asked, as
+                     json_schema / grammar, vLLM's  (structured_output.py: 400 naming      the setting's mapping
+                     guided_*, or format (the      the field and the keyword that cannot
+                     setting's own mapping)        be enforced)
     every other      its own name               the setting's                            as is
 """
 
@@ -31,10 +35,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, create_model, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
+from llmplan.llm.output_format import OutputFormat
 from llmplan.llm.sampling_params import Limit, SamplingParams, Speculation, request_fields, setting_kinds
+
+from .structured_output import Shaped, ShapeError, requested_format
 
 FINISH = {"eos": "stop", "stop_string": "stop", "length": "length", "cache_full": "length", "cancelled": "stop"}
 
@@ -78,6 +85,8 @@ def api_field(kind: Any, limit: Limit, mapped: Mapped | None) -> tuple[Any, Fiel
         return nested_request_model(Speculation) | None, Field(None)
     if kind == tuple[str, ...]:
         return str | list[str] | None, Field(None)  # checked by `_Request._stops`
+    if kind == OutputFormat | None:
+        return dict[str, Any] | None, Field(None)  # the setting's own shape; checked by `requested_format`
     bounds = mapped.bounds if mapped is not None and mapped.bounds is not None else limit.bounds()
     return kind | None, Field(None, **bounds)
 
@@ -127,7 +136,7 @@ def sampling_model(source: type = SamplingParams) -> type[_Fields]:
 _Sampling = sampling_model()
 
 
-class _Request(_Sampling):  # type: ignore[misc, valid-type]
+class _Request(_Sampling, Shaped):  # type: ignore[misc, valid-type]
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -135,6 +144,7 @@ class _Request(_Sampling):  # type: ignore[misc, valid-type]
     ignore_eos: bool | None = None  # llama.cpp's and vLLM's extra (benchmarks)
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # vLLM's: keep the prompt's last k tokens
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's JSON) -> bias in [-100, 100]
+    _shape: OutputFormat | None = PrivateAttr(None)  # the answer's shape, checked (`check_combination`)
 
     @model_validator(mode="before")
     @classmethod
@@ -154,6 +164,15 @@ class _Request(_Sampling):  # type: ignore[misc, valid-type]
                 raise FieldError("logit_bias", f"keys are token ids (digits), got {key[:20]!r}")
             if not -100 <= bias <= 100:
                 raise FieldError("logit_bias", f"a bias is in [-100, 100], got {bias} for token {key}")
+        try:
+            self._shape, _ = requested_format(self)
+        except ShapeError as bad:
+            raise FieldError(bad.field, str(bad).split(": ", 1)[1]) from None
+
+    @property
+    def shape(self) -> OutputFormat | None:
+        """The answer's shape (response_format, json_schema, grammar, ...), once `check_combination` ran."""
+        return self._shape
 
     def bias(self, vocab: int | None) -> dict[int, float]:
         """`logit_bias` by token id, each id checked against the vocabulary (OpenAI refuses unknown ids too)."""
@@ -186,6 +205,8 @@ class _Request(_Sampling):  # type: ignore[misc, valid-type]
         """The generate stage's overrides: each sampling field given, as its setting (MAPPED's way back)."""
         out: dict[str, Any] = {}
         for f, _, _ in request_fields():
+            if f.name == "format":
+                continue  # the request's shape, from whichever field asked for it (`shape`)
             mapped = MAPPED.get(f.name)
             value = getattr(self, mapped.field if mapped is not None else f.name)
             if isinstance(value, BaseModel):
@@ -197,6 +218,8 @@ class _Request(_Sampling):  # type: ignore[misc, valid-type]
             out["max_new_tokens"] = limit
         if self.ignore_eos is not None:
             out["ignore_eos"] = self.ignore_eos
+        if self._shape is not None:
+            out["format"] = self._shape.setting()
         return out
 
     @property
