@@ -38,12 +38,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, create_model, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
+from llmplan.llm.ending import OPENAI_FINISH, openai_finish
 from llmplan.llm.output_format import OutputFormat
 from llmplan.llm.sampling_params import Limit, SamplingParams, Speculation, request_fields, setting_kinds
 
 from .structured_output import Shaped, ShapeError, requested_format
 
-FINISH = {"eos": "stop", "stop_string": "stop", "length": "length", "cache_full": "length", "cancelled": "stop"}
+FINISH = OPENAI_FINISH  # one vocabulary with `run`, --json and the results database (llm/ending.py)
 
 
 # Types are strict, as OpenAI's are: "5" is not an integer, true is not a number, "yes" is not a boolean, and
@@ -385,7 +386,7 @@ def now() -> int:
 
 
 def finish_reason(reason: str) -> str:
-    return FINISH.get(reason, "stop")
+    return openai_finish(reason)
 
 
 def _special(tok: Any) -> set[int]:

@@ -4,7 +4,7 @@ requests runs the plan's request stages (generation through the scheduler) and c
 Ray Data calls it as a callable class (`map_batches`); it imports no Ray itself. The requests arrive already
 tokenized by the driver (`given`), so the tokenize stage does not run here; the stages that write outside the
 replica (output.write's sinks, the results database) and the cache lookup are the driver's (one writer), so
-they do not run here either. Each request comes back as one row: its result object (`llmplan.result/v1`), the
+they do not run here either. Each request comes back as one row: its result object (`llmplan.result/v2`), the
 results-database row with this replica's cache key, and where and how fast it ran.
 """
 

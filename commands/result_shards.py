@@ -1,7 +1,7 @@
 """The driver's one writer of a distributed run: results as they arrive, to JSONL shards in the run directory
 and to the results database, each request exactly once.
 
-Shards are `RUN_DIR/results/part-NNNNN.jsonl` (one `llmplan.result/v1` object per line, a new part every
+Shards are `RUN_DIR/results/part-NNNNN.jsonl` (one `llmplan.result/v2` object per line, a new part every
 `shard_rows` rows), appended and flushed batch by batch. The database gets each batch in one transaction,
 after its lines are flushed, so a crash loses at most the batch in flight: the next run finds every stored
 request by its cache key and generates only the rest. A request id seen twice (a batch Ray ran again after

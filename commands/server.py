@@ -418,7 +418,7 @@ class Answering:
             # The completion, not the generation, for logprobs too: an output filter redacted its tokens and
             # alternatives where they would spell what it withheld.
             completion = ctx.completions[0]
-            return completion.text, finish_reason(generation.finish_reason), completion
+            return completion.text, completion.finish_reason, completion  # content_filter once a filter acted
         # a plan without output stages: the generated ids as text
         text = ctx.tokenizer.decode(generation.tokens, skip_special_tokens=True)
         return text, finish_reason(generation.finish_reason), generation

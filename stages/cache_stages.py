@@ -329,7 +329,12 @@ def _replay(request: Request, row: dict[str, Any], gen_params: dict[str, Any]) -
         request.id,
         gen,
         candidates=[
-            Candidate([int(t) for t in c.get("tokens", [])], float(c.get("score") or 0.0), c.get("finish_reason"))
+            # finish_detail since result/v2; before it, finish_reason held the detail
+            Candidate(
+                [int(t) for t in c.get("tokens", [])],
+                float(c.get("score") or 0.0),
+                c.get("finish_detail") or c.get("finish_reason"),
+            )
             for c in row.get("candidates") or []
         ],
         params=gen_params,
@@ -402,13 +407,13 @@ def result_row(c: Result, key: str | None) -> ResultRow:
         prompt=c.prompt,
         text=c.text,
         tokens=list(c.tokens),
-        finish_reason=c.finish_reason,
+        finish_reason=c.finish_detail,
         usage={"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens},
         timings=dict(c.timings),
         candidates=candidate_records(c),
         # A failed, cancelled or filtered-out generation is history, not something to replay (a cancelled one
         # is cut wherever its client left; a filtered answer has no ids to replay).
-        cache_key=key if c.error is None and not c.flagged and c.finish_reason not in NOT_REPLAYED else None,
+        cache_key=key if c.error is None and not c.flagged and c.finish_detail not in NOT_REPLAYED else None,
         logprobs=list(c.logprobs) if c.logprobs else None,
         error=c.error,
         from_cache=c.from_cache,

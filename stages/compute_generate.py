@@ -173,7 +173,7 @@ class Generate(Stage):
         wall = time.perf_counter() - started
         ctx.metrics.set("generated_tokens", total)
         ctx.metrics.set("tokens_per_s", total / wall if wall > 0 else 0.0)
-        ctx.metrics.set("finish_reasons", [r.finish_reason for r in results])
+        ctx.metrics.set("finish_reasons", [r.finish_detail for r in results])  # the detail: what the report says
         ctx.metrics.set("per_request", [{"id": r.request_id, **r.timings} for r in results])
 
     # --- sampling / greedy, through the engine loop ------------------------------------------------

@@ -496,6 +496,7 @@ def generation_records(
                 "alternatives": alternatives,
                 "step_times": [t - origin for t in result.token_times],
                 "finish_reason": result.finish_reason,
+                "finish_detail": result.finish_detail,
                 "from_cache": result.from_cache,
                 "temperature": result.params.get("temperature"),
                 "num_beams": result.params.get("num_beams", 1),

@@ -7,7 +7,7 @@ into UTF-8 characters (CJK, emoji), and the tokenizer's decoder applies its whit
 `Result.tokens` are the generated ids as produced (with EOS, aligned with `logprobs`), and
 `completion_tokens` counts them: that is what the model generated and what usage reports. `text`
 is the cleaned answer from output.postprocess, without the stop string that ended it (the way
-OpenAI and vLLM return it; finish_reason stays `stop_string`). With `logprobs: N` the result
+OpenAI and vLLM return it; finish_detail stays `stop_string`). With `logprobs: N` the result
 carries `token_logprobs`: per token its text, id, logprob and the N best alternatives.
 """
 
@@ -46,7 +46,7 @@ class OutputDetokenize(Stage):
 def with_text(answer: Result, request: Request | None, tokenizer: Tokenizer) -> Result:
     """A copy of `answer` with its text, its beams' texts and the prompt it answers."""
     text = decode_text(answer.ids, tokenizer)
-    if answer.finish_reason == "stop_string":
+    if answer.finish_detail == "stop_string":
         text = cut_at_stop(text, answer.params.get("stop") or [])
     return replace(
         answer,
@@ -58,7 +58,7 @@ def with_text(answer: Result, request: Request | None, tokenizer: Tokenizer) -> 
 
 
 def cut_at_stop(text: str, stops: list[str]) -> str:
-    """The text before the first stop string (as OpenAI and vLLM return it); finish_reason stays stop_string."""
+    """The text before the first stop string (as OpenAI and vLLM return it); finish_detail stays stop_string."""
     found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
     return text[: min(found)] if found else text
 

@@ -1,16 +1,17 @@
-"""Formatting of completions: text, Markdown, and JSON in the versioned schema "llmplan.result/v1".
+"""Formatting of completions: text, Markdown, and JSON in the versioned schema "llmplan.result/v2".
 
 A result object (one per request; one line each on stdout under `llmplan run --json`):
 
     {
-      "schema": "llmplan.result/v1",
+      "schema": "llmplan.result/v2",
       "id": str,                    # the request id
       "plan": str | null,           # plan name
       "model": str | null,          # model fingerprint (ModelSource.fingerprint)
       "prompt": str,                # the prompt text as sent (after the chat template)
       "text": str,                  # the answer: special tokens removed, filtered if a filter ran
       "tokens": [int],              # generated ids as produced (aligned with "logprobs")
-      "finish_reason": "eos" | "length" | "stop_string" | "cache_full" | "error",
+      "finish_reason": "stop" | "length" | "content_filter" | "error",   # OpenAI's (llm/ending.py)
+      "finish_detail": "eos" | "stop_string" | "cancelled" | "length" | "cache_full" | "error",
       "usage": {"prompt_tokens": int, "completion_tokens": int, "total_tokens": int},
       "logprobs": [float|null] | null,  # per generated token when recorded (null: not finite)
       "token_logprobs": [           # with `logprobs: N` (OpenAI's shape); null otherwise
@@ -18,7 +19,7 @@ A result object (one per request; one line each on stdout under `llmplan run --j
          "top_logprobs": [{"token": str, "id": int, "logprob": float|null}]}
       ] | null,
       "candidates": [               # beam search: every returned beam, best first; [] otherwise
-        {"text": str, "tokens": [int], "score": float | null, "finish_reason": str}
+        {"text": str, "tokens": [int], "score": float | null, "finish_reason": str, "finish_detail": str}
       ],
       "timings": {"load_s": float|null, "ttft_s": float|null, "prefill_tokens_per_s": float|null,
                   "decode_tokens_per_s": float|null, ...other timings of the generator},
@@ -28,8 +29,9 @@ A result object (one per request; one line each on stdout under `llmplan run --j
       "speculative": {"guessed": int, "accepted": int} | null   # speculative decoding's guesses; null: off
     }
 
-A JSON file holds {"schema": "llmplan.result/v1", "plan", "model", "created", "results": [result objects]}.
-Adding keys is a compatible change; removing or retyping one bumps the version.
+A JSON file holds {"schema": "llmplan.result/v2", "plan", "model", "created", "results": [result objects]}.
+Adding keys is a compatible change; removing or retyping one bumps the version (v2: finish_reason took
+OpenAI's words, server and database alike; v1's values, eos and stop_string among them, are finish_detail).
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
+from llmplan.llm.ending import shown_finish
+
 from .types import Result, candidate_records
 
-SCHEMA = "llmplan.result/v1"
+SCHEMA = "llmplan.result/v2"
 TIMING_KEYS = ("load_s", "ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s")
 RESULT_KEYS = (
     "schema",
@@ -53,6 +57,7 @@ RESULT_KEYS = (
     "text",
     "tokens",
     "finish_reason",
+    "finish_detail",
     "usage",
     "logprobs",
     "candidates",
@@ -82,6 +87,7 @@ def result_object(
         "text": c.text,
         "tokens": list(c.tokens),
         "finish_reason": c.finish_reason,
+        "finish_detail": c.finish_detail,
         "usage": {
             "prompt_tokens": c.prompt_tokens,
             "completion_tokens": c.completion_tokens,
@@ -171,8 +177,9 @@ def markdown_chunks(
 
 
 def stats_text(c: Result, load_s: float | None = None) -> str:
-    """`12 prompt + 64 generated tokens · finish length · TTFT 0.120 s · 45.1 tok/s decode`."""
-    parts = [f"{c.prompt_tokens} prompt + {c.completion_tokens} generated tokens", f"finish {c.finish_reason}"]
+    """`12 prompt + 64 generated tokens · finish stop (eos) · TTFT 0.120 s · 45.1 tok/s decode`."""
+    finish = shown_finish(c.finish_reason, c.finish_detail)
+    parts = [f"{c.prompt_tokens} prompt + {c.completion_tokens} generated tokens", f"finish {finish}"]
     if load_s is not None:
         parts.append(f"load {load_s:.2f} s")
     ttft = c.timings.get("ttft_s")

@@ -24,7 +24,7 @@ the umask), not a private 0600.
 
 Under `llmplan run --json` (ctx.json_mode) stdout carries exactly one JSON object per request per
 line and nothing else: `terminal` and `stdout_json` both mean those lines (printed once), and no
-summary goes to stderr. Result objects follow the "llmplan.result/v1" schema (output_format.py).
+summary goes to stderr. Result objects follow the "llmplan.result/v2" schema (output_format.py).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from llmplan.llm.beam_search import Candidate  # stated once, where beam search makes them
+from llmplan.llm.ending import OpenAIFinish, openai_finish
 from llmplan.llm.generate import FinishReason  # stated once, where generation ends sequences
 from llmplan.llm.generation import Generation  # one row's output, as every generation loop makes it
 
@@ -127,8 +128,14 @@ class Result:
         return self.generation.prompt_tokens
 
     @property
-    def finish_reason(self) -> FinishReason:
+    def finish_detail(self) -> FinishReason:
+        """How generation ended (eos, stop_string, cache_full, ...): what the stages decide on."""
         return self.generation.finish_reason or "length"
+
+    @property
+    def finish_reason(self) -> OpenAIFinish:
+        """What a reader is told (OpenAI's vocabulary, llm/ending.py): content_filter once a filter acted."""
+        return openai_finish(self.finish_detail, filtered=bool(self.flagged) or self.rejected is not None)
 
     @property
     def error(self) -> str | None:
@@ -207,13 +214,14 @@ class Result:
 
 
 def candidate_records(result: Result) -> list[dict[str, Any]]:
-    """The beams as sinks and the results database show them: text, tokens, score, finish reason."""
+    """The beams as sinks and the results database show them: text, tokens, score, finish reason and detail."""
     return [
         {
             "text": result.candidate_texts[i] if i < len(result.candidate_texts) else "",
             "tokens": list(cand.tokens),
             "score": cand.score,
-            "finish_reason": cand.finish_reason,
+            "finish_reason": openai_finish(cand.finish_reason),
+            "finish_detail": cand.finish_reason,
         }
         for i, cand in enumerate(result.candidates)
     ]

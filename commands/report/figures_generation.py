@@ -16,6 +16,8 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from llmplan.llm.ending import shown_finish
+
 from .common import Figure, plt, save
 from .run_data import RunData
 from .tokens import token_labels
@@ -107,7 +109,7 @@ def request_html(rec: dict[str, Any]) -> str:
     labels = token_labels(tokens, rec.get("pieces"), rec.get("token_strings"))
     alternatives = rec.get("alternatives") or []
     head = [
-        f"finish: <b>{escape(str(rec.get('finish_reason')))}</b>",
+        f"finish: <b>{escape(shown_finish(rec.get('finish_reason'), rec.get('finish_detail')))}</b>",
         f"{rec.get('prompt_tokens')} prompt tokens",
         f"{len(tokens)} generated",
     ]

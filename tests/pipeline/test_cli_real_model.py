@@ -90,5 +90,5 @@ def test_run_json_prints_only_json_lines(smollm2_dir: Path, tmp_path: Path, caps
     assert len(lines) == 1
     result = json.loads(lines[0])
     assert result["id"] == "prompt" and result["usage"]["completion_tokens"] == len(result["tokens"]) <= 6
-    assert result["finish_reason"] in ("eos", "length")
+    assert (result["finish_reason"], result["finish_detail"]) in (("stop", "eos"), ("length", "length"))
     assert set(result["timings"]) >= {"load_s", "ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s"}

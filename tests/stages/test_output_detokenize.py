@@ -48,7 +48,7 @@ def test_completion_fields(ctx, tokenizer, gen, req):
         streamed=True,
     )
     (c,) = _complete(ctx, [g], [req(tokenizer, "a", "Say hello")])
-    assert c.request_id == "a" and c.prompt == "Say hello" and c.finish_reason == "eos"
+    assert c.request_id == "a" and c.prompt == "Say hello" and (c.finish_reason, c.finish_detail) == ("stop", "eos")
     assert c.prompt_tokens == 7 and c.completion_tokens == len(g.tokens) and c.tokens == g.tokens
     assert c.logprobs == [-0.1] * 4
     assert c.generation is g.generation  # shared, never copied: the timings stay typed until a sink writes them
@@ -89,7 +89,7 @@ def test_error_generation_is_carried(ctx, tokenizer, gen, req):
 def test_stop_string_is_not_part_of_the_text(ctx, tokenizer, gen, req):
     g = gen(tokenizer, "s", "The sky is blue. The grass is", finish="stop_string", params={"stop": ["Is it", "grass"]})
     (c,) = _complete(ctx, [g], [req(tokenizer, "s", "p")])
-    assert c.text == "The sky is blue. The " and c.finish_reason == "stop_string"
+    assert c.text == "The sky is blue. The " and c.finish_detail == "stop_string"
     assert c.tokens == g.tokens  # the ids stay what the model generated
     plain = gen(tokenizer, "l", "The grass is green", finish="length", params={"stop": ["grass"]})
     (c,) = _complete(ctx, [plain], [req(tokenizer, "l", "p")])

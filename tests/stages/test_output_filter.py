@@ -29,8 +29,8 @@ def test_mask(ctx, blocklist):
     _run(ctx, [c, clean], blocklist)
     assert c.text == "A *** of classic *** and *** things 这是***的"  # whole words only for ASCII entries
     assert c.flagged == ["masked 4 blocklist matches"]  # how many, never which entries
-    assert c.error is None and c.finish_reason == "eos"
-    assert clean.text == "nothing here" and clean.flagged == []
+    assert c.error is None and (c.finish_reason, c.finish_detail) == ("content_filter", "eos")  # OpenAI's word
+    assert clean.text == "nothing here" and clean.flagged == [] and clean.finish_reason == "stop"
     assert ctx.metrics.get("run", "flagged") == 1
 
 
@@ -39,8 +39,9 @@ def test_reject_keeps_finish_reason(ctx, blocklist):
     _run(ctx, [c], blocklist, action="reject")
     assert c.text == "" and c.candidate_texts == [""]
     assert (
-        c.error == "rejected by filter" and c.finish_reason == "eos" and c.flagged == ["rejected: 2 blocklist matches"]
+        c.error == "rejected by filter" and c.finish_detail == "eos" and c.flagged == ["rejected: 2 blocklist matches"]
     )
+    assert c.finish_reason == "content_filter"  # what OpenAI says of an answer its filter withheld
 
 
 def test_candidates_are_masked(ctx, blocklist):

@@ -52,7 +52,7 @@ def test_terminal_text_and_summary(ctx, capsys):
     assert out == "Hello world.\n"
     assert (
         err.strip()
-        == "3 prompt + 3 generated tokens · finish eos · TTFT 0.125 s · 300.0 tok/s prefill · 42.5 tok/s decode"
+        == "3 prompt + 3 generated tokens · finish stop (eos) · TTFT 0.125 s · 300.0 tok/s prefill · 42.5 tok/s decode"
     )
 
 
@@ -93,7 +93,8 @@ def test_json_mode_prints_only_json_lines(ctx, make_plan, capsys):
         "text": "The sky is blue.",
         "tokens": [1, 2],
         "score": -1.5,
-        "finish_reason": "eos",
+        "finish_reason": "stop",
+        "finish_detail": "eos",
     }
 
 

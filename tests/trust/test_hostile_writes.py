@@ -384,7 +384,7 @@ def test_benign_twin_sinks_rerun_onto_their_own_files(model: Path, tmp_path: Pat
     sink_plan = _sink_plan(tmp_path, model, [{k: str(p)} for k, p in paths.items()])
     for n in range(2):
         assert main(["run", str(sink_plan), "--out", str(tmp_path / f"run{n}"), "--quiet"]) == 0
-    assert json.loads(paths["json"].read_text())["schema"] == "llmplan.result/v1"
+    assert json.loads(paths["json"].read_text())["schema"] == "llmplan.result/v2"
 
 
 # --- load.convert save_to: a converted checkpoint -------------------------------------------------------------
