@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from llmplan.commands.arguments import positive
 from llmplan.data_home import default_db, shown
 from llmplan.engine.cli import CliError
+from llmplan.llm.ending import shown_finish
 from llmplan.stages.results_store import ResultsStore, StoreError
 
 T = TypeVar("T")
@@ -155,7 +156,7 @@ def _cells(row: dict[str, Any]) -> list[str]:
         _excerpt(row["prompt_excerpt"]),
         f"{usage['prompt_tokens']}+{usage['completion_tokens']}",
         "cache" if row.get("from_cache") else _speed(speed),
-        row["finish_reason"],
+        shown_finish(row["finish_reason"], row["finish_detail"]),
     ]
 
 
@@ -181,7 +182,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     out = sys.stdout
     out.write(f"result {row['id']}  ·  run {row['run_id']} ({row.get('run_time')})  ·  plan {row.get('plan')}\n")
     out.write(f"model {row.get('model_fingerprint') or '-'}  ·  device {row.get('device') or '-'}\n")
-    out.write(f"request {row['request_id']}  ·  finish {row['finish_reason']}")
+    out.write(f"request {row['request_id']}  ·  finish {shown_finish(row['finish_reason'], row['finish_detail'])}")
     out.write(f"  ·  {usage.get('prompt_tokens', 0)} prompt + {usage.get('completion_tokens', 0)} generated tokens\n")
     timings = {k: v for k, v in row["timings"].items() if v is not None}
     if timings:

@@ -323,18 +323,14 @@ def _replay(request: Request, row: dict[str, Any], gen_params: dict[str, Any]) -
         prompt_tokens=int(usage.get("prompt_tokens", len(request.prompt_ids))),
         tokens=[int(t) for t in row["tokens"]],
         logprobs=[float(x) if x is not None else float("-inf") for x in row.get("logprobs") or []],
-        finish_reason=row["finish_reason"],
+        finish_reason=row["finish_detail"],
     )
     return Result(
         request.id,
         gen,
         candidates=[
-            # finish_detail since result/v2; before it, finish_reason held the detail
-            Candidate(
-                [int(t) for t in c.get("tokens", [])],
-                float(c.get("score") or 0.0),
-                c.get("finish_detail") or c.get("finish_reason"),
-            )
+            # finish_detail: the decoded row has it, from whichever version wrote the row (result_rows.py)
+            Candidate([int(t) for t in c.get("tokens", [])], float(c.get("score") or 0.0), c.get("finish_detail"))
             for c in row.get("candidates") or []
         ],
         params=gen_params,
@@ -407,7 +403,8 @@ def result_row(c: Result, key: str | None) -> ResultRow:
         prompt=c.prompt,
         text=c.text,
         tokens=list(c.tokens),
-        finish_reason=c.finish_detail,
+        finish_reason=c.finish_reason,
+        finish_detail=c.finish_detail,
         usage={"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens},
         timings=dict(c.timings),
         candidates=candidate_records(c),

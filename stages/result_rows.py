@@ -6,6 +6,9 @@ anyone uses it: `decode_row` for `history` and `show` (each JSON column decodes 
 `decode_answer` for a replay, which also asks that the row be a complete answer — a finish reason that is
 replayed, as many tokens as its usage says were generated, logprobs aligned with them, beams well formed.
 A row that fails is `DamagedRow`: shown as damaged, and for the cache a miss, never an empty answer.
+
+A row (or beam) written before the results database's v3 has no finish_detail: its finish_reason was the
+detail, and is read as such, with OpenAI's word for it as the finish_reason (llm/ending.py).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import json
 import math
 from collections.abc import Mapping
 from typing import Any
+
+from llmplan.llm.ending import openai_finish
 
 REPLAYED_FINISH = frozenset({"eos", "length", "stop_string", "cache_full"})
 MAX_TOKEN_ID = 2**31 - 1
@@ -35,6 +40,7 @@ def decode_row(row: Mapping[str, Any]) -> dict[str, Any]:
             raise DamagedRow(f"its {column} is not text")
     if data.get("error") is not None and not isinstance(data["error"], str):
         raise DamagedRow("its error is not text")
+    _split_finish(data, "its")
     data["tokens"] = _token_ids(_json(data, "tokens"), "tokens")
     usage = _json(data, "usage")
     if not isinstance(usage, dict) or not all(_is_count(usage.get(k)) for k in ("prompt_tokens", "completion_tokens")):
@@ -56,14 +62,16 @@ def decode_answer(row: Mapping[str, Any]) -> dict[str, Any]:
     tokens = data["tokens"]
     if data["error"] is not None:
         raise DamagedRow("it records an error")
-    if data["finish_reason"] not in REPLAYED_FINISH:
-        raise DamagedRow(f"its finish reason {data['finish_reason'][:40]!r} is not one of a finished answer")
+    if data["finish_detail"] not in REPLAYED_FINISH:
+        raise DamagedRow(f"its finish reason {data['finish_detail'][:40]!r} is not one of a finished answer")
+    if data["finish_reason"] != openai_finish(data["finish_detail"]):
+        raise DamagedRow(f"its finish reason {data['finish_reason'][:40]!r} does not match {data['finish_detail']!r}")
     if data["usage"]["completion_tokens"] != len(tokens):
         raise DamagedRow(
             f"it holds {len(tokens)} tokens where its usage says {data['usage']['completion_tokens']} were generated"
         )
-    if not tokens and data["finish_reason"] != "cache_full":
-        raise DamagedRow(f"it holds no tokens, yet finished with {data['finish_reason']!r}")
+    if not tokens and data["finish_detail"] != "cache_full":
+        raise DamagedRow(f"it holds no tokens, yet finished with {data['finish_detail']!r}")
     if data["logprobs"] is not None and len(data["logprobs"]) != len(tokens):
         raise DamagedRow(f"it holds {len(data['logprobs'])} logprobs for {len(tokens)} tokens")
     return data
@@ -130,4 +138,16 @@ def _candidates(value: Any) -> list[dict[str, Any]]:
         reason = cand.get("finish_reason")
         if reason is not None and not isinstance(reason, str):
             raise DamagedRow("a candidate's finish reason is not text")
+        if reason is not None:
+            _split_finish(cand, "a candidate's")
     return value
+
+
+def _split_finish(data: dict[str, Any], whose: str) -> None:
+    """finish_reason (OpenAI's word) and finish_detail, from a row of any version (see the module's note)."""
+    detail = data.get("finish_detail")
+    if detail is None:  # written before v3: finish_reason was the detail
+        data["finish_detail"] = data["finish_reason"]
+        data["finish_reason"] = openai_finish(data["finish_reason"]) if data["finish_reason"] else ""
+    elif not isinstance(detail, str):
+        raise DamagedRow(f"{whose} finish_detail is not text")

@@ -30,6 +30,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
+from llmplan.llm.ending import OPENAI_FINISH
+
 from .result_rows import DamagedRow, decode_answer, decode_row
 from .results_file import (
     APPLICATION_ID,
@@ -41,10 +43,14 @@ from .results_file import (
 )
 
 DEFAULT_DB = "results.sqlite"  # relative to the data home (llmplan/data_home.py)
-SCHEMA_VERSION = 2  # also the file's PRAGMA user_version
-# v2 adds `evals` (what `llmplan eval` measured). A v1 file is read as it is and gains the table, and its
-# version, in the same transaction as its first stored evaluation: a command that only reads never writes.
+SCHEMA_VERSION = 3  # also the file's PRAGMA user_version
+# v2 adds `evals` (what `llmplan eval` measured); v3 adds `results.finish_detail`: finish_reason holds OpenAI's
+# word (stop, length, ...) and the detail (eos, stop_string, ...) that v1 and v2 kept in finish_reason moves
+# there (llm/ending.py). An older file is read as it is (result_rows.py reads old rows' finish_reason as the
+# detail) and upgraded, tables, old rows and version, in the same transaction as its first write: a command
+# that only reads never writes.
 V2_TABLE = "evals"
+V3_COLUMN = "finish_detail"
 # v2: the key covers every stage upstream of generation, the model files' content identity, the
 # device and the precision. Rows stored under v1 keys (generation params only) can never match a v2
 # key, so an old database is never misread: its rows stay as history and are simply not replayed.
@@ -81,7 +87,8 @@ CREATE TABLE IF NOT EXISTS results (
     candidates TEXT NOT NULL,
     error TEXT,
     from_cache INTEGER NOT NULL DEFAULT 0,
-    created TEXT NOT NULL
+    created TEXT NOT NULL,
+    finish_detail TEXT
 );
 CREATE INDEX IF NOT EXISTS results_cache_key ON results(cache_key);
 CREATE INDEX IF NOT EXISTS results_run ON results(run_id);
@@ -144,7 +151,7 @@ class ResultRow:
     prompt: str
     text: str
     tokens: list[int]
-    finish_reason: str
+    finish_reason: str  # OpenAI's word; a row made with the detail alone is stored as written before v3
     usage: dict[str, int]
     timings: dict[str, Any]
     candidates: list[dict[str, Any]]
@@ -152,6 +159,7 @@ class ResultRow:
     logprobs: list[float] | None = None
     error: str | None = None
     from_cache: bool = False
+    finish_detail: str | None = None
 
 
 @dataclass
@@ -259,13 +267,19 @@ def identify(path: Path) -> str:
     raise AssertionError("unreachable")
 
 
+def _older_shapes() -> tuple[dict[str, list[tuple[Any, ...]]], dict[str, list[tuple[Any, ...]]]]:
+    """v2 (v3 less results.finish_detail) and v1 (v2 less `evals`)."""
+    ours = _our_shape()
+    v2 = {**ours, "results": [c for c in ours["results"] if c[0] != V3_COLUMN]}
+    return v2, {name: columns for name, columns in v2.items() if name != V2_TABLE}
+
+
 def check_contents(conn: sqlite3.Connection, path: Path) -> None:
-    """Our tables with our columns (those of v2, or of v1: v2 less `evals`), and a schema version this llmplan
-    reads."""
+    """Our tables with our columns (those of v3, v2 or v1), and a schema version this llmplan reads."""
     shape = _shape(conn)
     ours = _our_shape()
-    v1 = {name: columns for name, columns in ours.items() if name != V2_TABLE}
-    if shape not in (ours, v1):
+    v2, v1 = _older_shapes()
+    if shape not in (ours, v2, v1):
         if not shape:
             reason = "it is an SQLite database without tables, which llmplan did not write"
         elif set(shape) in (set(ours), set(v1)):
@@ -380,6 +394,7 @@ class ResultsStore:
     def record_run(self, run: RunRow, results: Sequence[ResultRow]) -> int:
         """Insert a run and its results atomically; returns the run's id."""
         with self._write() as conn:
+            _upgrade(conn)
             run_id = self._insert_run(conn, run)
             self._insert_results(conn, run_id, results)
         return run_id
@@ -387,11 +402,13 @@ class ResultsStore:
     def open_run(self, run: RunRow) -> int:
         """Insert a run whose results come later, batch by batch (`add_results`); returns its id."""
         with self._write() as conn:
+            _upgrade(conn)
             return self._insert_run(conn, run)
 
     def add_results(self, run_id: int, results: Sequence[ResultRow]) -> None:
         """One batch of an open run's results, in one transaction: a crash keeps whole batches only."""
         with self._write() as conn:
+            _upgrade(conn)
             self._insert_results(conn, run_id, results)
 
     def set_status(self, run_id: int, status: str) -> None:
@@ -411,8 +428,8 @@ class ResultsStore:
         now = _now()
         conn.executemany(
             "INSERT INTO results (run_id, cache_key, request_id, prompt_excerpt, text, tokens, finish_reason,"
-            " usage, timings, logprobs, candidates, error, from_cache, created)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " usage, timings, logprobs, candidates, error, from_cache, created, finish_detail)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [
                 (
                     run_id,
@@ -429,20 +446,16 @@ class ResultsStore:
                     r.error,
                     int(r.from_cache),
                     now,
+                    r.finish_detail,
                 )
                 for r in results
             ],
         )
 
     def record_evals(self, rows: Sequence[EvalRow]) -> list[int]:
-        """Store evaluations in one transaction (a v1 file gains the `evals` table first); returns their ids."""
+        """Store evaluations in one transaction (an older file is upgraded first); returns their ids."""
         with self._write() as conn:
-            for statement in _statements():
-                if V2_TABLE in statement:  # the table and its index: IF NOT EXISTS, so a v2 file is unchanged
-                    conn.execute(statement)
-            if (conn.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] or 0) < SCHEMA_VERSION:
-                conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
-                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            _upgrade(conn)
             now = _now()
             return [int(conn.execute(_EVAL_INSERT, (now, *_eval_values(r))).lastrowid or 0) for r in rows]
 
@@ -510,6 +523,26 @@ class ResultsStore:
         if table not in ("results", "runs", V2_TABLE):
             raise ValueError(table)
         return int(self._read(lambda conn: conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]))
+
+
+def _upgrade(conn: sqlite3.Connection) -> None:
+    """Bring a v1 or v2 file to v3, inside the caller's write transaction (a v3 file is left as it is)."""
+    for statement in _statements():
+        if V2_TABLE in statement:  # the table and its index: IF NOT EXISTS
+            conn.execute(statement)
+    columns = {row[1] for row in conn.execute("SELECT * FROM pragma_table_info('results')")}
+    if V3_COLUMN not in columns:
+        conn.execute(f"ALTER TABLE results ADD COLUMN {V3_COLUMN} TEXT")
+        # Old rows said the detail in finish_reason: it moves, and finish_reason takes OpenAI's word for it.
+        words = " ".join(f"WHEN '{detail}' THEN '{word}'" for detail, word in OPENAI_FINISH.items())
+        conn.execute(
+            f"UPDATE results SET {V3_COLUMN} = finish_reason,"
+            f" finish_reason = CASE finish_reason {words} ELSE finish_reason END"
+            " WHERE typeof(finish_reason) = 'text'"  # a damaged value stays as it is, and is shown as damaged
+        )
+    if (conn.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] or 0) < SCHEMA_VERSION:
+        conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
 
 def _now() -> str:

@@ -74,7 +74,7 @@ def test_newer_schema_and_non_database_are_refused(tmp_path):
     conn.execute("UPDATE schema_version SET version = 99")
     conn.commit()
     conn.close()
-    with pytest.raises(StoreError, match=r"schema version 99 is newer than this llmplan supports \(2\)"):
+    with pytest.raises(StoreError, match=r"schema version 99 is newer than this llmplan supports \(3\)"):
         ResultsStore(db)
     junk = tmp_path / "junk.sqlite"
     junk.write_bytes(b"this is not a database" * 100)
@@ -160,12 +160,23 @@ def _eval(plan_hash: str) -> EvalRow:
     )
 
 
-def _v1_database(db) -> None:
-    """A results database as llmplan 1 wrote it: the v2 schema less `evals`, stamped version 1, one result."""
+def _v2_database(db, version: int = 2) -> None:
+    """A results database as llmplan wrote it before v3: no finish_detail, the detail in finish_reason."""
     with ResultsStore(db) as store:
         store.record_run(_run(), [_row(1, "k1")])
     conn = sqlite3.connect(db, isolation_level=None)
-    conn.executescript("DROP TABLE evals; UPDATE schema_version SET version = 1; PRAGMA user_version = 1;")
+    conn.executescript(
+        "ALTER TABLE results DROP COLUMN finish_detail; UPDATE results SET finish_reason = 'eos';"
+        f" UPDATE schema_version SET version = {version}; PRAGMA user_version = {version};"
+    )
+    conn.close()
+
+
+def _v1_database(db) -> None:
+    """A results database as llmplan 1 wrote it: the v2 schema less `evals`, stamped version 1, one result."""
+    _v2_database(db, version=1)
+    conn = sqlite3.connect(db, isolation_level=None)
+    conn.executescript("DROP TABLE evals;")
     conn.close()
 
 
@@ -194,10 +205,10 @@ def test_a_v1_database_is_read_unchanged_and_upgraded_by_its_first_eval(tmp_path
         store.record_evals([_eval("aaa")])
         assert store.lookup("k1") is not None and store.evals("aaa")[0]["change"] == "weights int8"
     conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
-    assert conn.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] == 2
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    assert conn.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] == 3
     conn.close()
-    with ResultsStore(db) as store:  # and it opens as a v2 database afterwards
+    with ResultsStore(db) as store:  # and it opens as a v3 database afterwards
         assert store.count("evals") == 1
 
 
@@ -211,3 +222,29 @@ def test_an_eval_row_that_does_not_decode_is_listed_as_damaged(tmp_path):
     with ResultsStore(db) as store:
         (row,) = store.evals()
         assert row["plan"] == "p" and "damaged" in row
+
+
+def test_a_v2_database_reads_in_the_new_vocabulary_and_its_first_write_moves_old_rows(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # the history table on one line per row
+    db = tmp_path / "v2.sqlite"
+    _v2_database(db)
+    before = db.read_bytes()
+    with ResultsStore(db, create=False) as store:  # read as it is: finish_reason eos is the old detail
+        (old,) = store.history()
+        assert (old["finish_reason"], old["finish_detail"]) == ("stop", "eos")
+        assert store.lookup("k1") is not None
+    assert _cli(["show", "1", "--db", str(db)]) == 0 and "finish stop (eos)" in capsys.readouterr().out
+    assert db.read_bytes()[:100] == before[:100]
+    with ResultsStore(db) as store:
+        filtered = _row(2)
+        filtered.finish_reason, filtered.finish_detail = "content_filter", "length"
+        store.record_run(_run(), [filtered])
+        assert store.lookup("k1")["finish_detail"] == "eos"  # the old row still replays
+    conn = sqlite3.connect(db)
+    stored = conn.execute("SELECT request_id, finish_reason, finish_detail FROM results ORDER BY id").fetchall()
+    assert stored == [("r1", "stop", "eos"), ("r2", "content_filter", "length")]  # SQL sees one vocabulary too
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    conn.close()
+    assert _cli(["history", "--db", str(db)]) == 0
+    out = capsys.readouterr().out
+    assert "stop (eos)" in out and "content_filter (length)" in out

@@ -195,8 +195,8 @@ FOREIGN = [
         id="only-a-results-table",
     ),
     pytest.param(
-        lambda f: _ours(f / "results.sqlite", "PRAGMA user_version = 3"),
-        "schema version 3 is newer",
+        lambda f: _ours(f / "results.sqlite", "PRAGMA user_version = 4"),
+        "schema version 4 is newer",
         id="newer-user-version",
     ),
     pytest.param(
@@ -411,7 +411,9 @@ DAMAGED_ROWS = [
     pytest.param("UPDATE results SET usage = '{}'", "usage is not two token counts", id="usage-emptied"),
     pytest.param("UPDATE results SET usage = 'null'", "usage is not two token counts", id="usage-null"),
     pytest.param("UPDATE results SET usage = json_set(usage, '$.completion_tokens', -6)", "usage", id="usage-negative"),
-    pytest.param("UPDATE results SET finish_reason = 'cancelled'", "finish reason", id="finish-cancelled"),
+    pytest.param("UPDATE results SET finish_detail = 'cancelled'", "finish reason", id="finish-cancelled"),
+    pytest.param("UPDATE results SET finish_reason = 'content_filter'", "does not match", id="finish-not-its-detail"),
+    pytest.param("UPDATE results SET finish_detail = X'656f73'", "finish_detail is not text", id="finish-detail-a-blob"),
     pytest.param("UPDATE results SET finish_reason = ''", "finish reason", id="finish-empty"),
     pytest.param("UPDATE results SET finish_reason = X'656f73'", "finish_reason is not text", id="finish-eos-a-blob"),
     pytest.param("UPDATE results SET text = X'00ff'", "text is not text", id="text-a-blob"),
