@@ -670,6 +670,120 @@ static void dequant_int4_row_of(const WideRows *src, int64_t n, float *dst) {
                      (const uint16_t *)src->zero + n * groups, K, src->G, dst);
 }
 
+// Up to GROUP4 activation rows against 4 weight rows, each row's result bitwise dot4_one_int4's (a pass that
+// verifies speculative guesses gives each row the logits a one-token decode step would): the integer sums of a
+// group are exact in any order, and each row's float steps (scale product, FMA per group, horizontal sum, zero
+// term) are the one-row kernel's. Each 16 bytes of codes are loaded and split into nibble planes once for all
+// `mb` rows: that unpacking, not the memory, is what the one-row int4 kernel is bound by.
+#ifdef __AVX512F__
+#define GROUP4 4  // 16 int32 accumulators and 8 x vectors: AVX-512VL's 32 ymm registers
+#else
+#define GROUP4 2  // 8 accumulators, 4 x vectors, the mask and a code plane: AVX2's 16 registers
+#endif
+static inline __attribute__((always_inline)) void dot4_rows_int4(
+    const uint8_t *const p[4], const uint16_t *const sc[4], const uint16_t *const ze[4], const int16_t *xq,
+    const float *xscale, const float *xsum, int64_t K, int64_t G, const int mb, float out[][4]) {
+    const __m256i low = _mm256_set1_epi16(0x0F);
+    const int64_t groups = K / G;
+    __m256 acc[4][GROUP4];
+    for (int r = 0; r < 4; r++)
+        for (int i = 0; i < GROUP4; i++) acc[r][i] = _mm256_setzero_ps();
+    for (int r = 0; r < 4; r++) {
+        _mm_prefetch((const char *)(sc[r] + groups), _MM_HINT_T0);
+        _mm_prefetch((const char *)(ze[r] + groups), _MM_HINT_T0);
+    }
+#ifdef __AVX512VNNI__
+#define PAIRS_ADD(D, A, B) D = _mm256_dpwssd_epi32(D, A, B)
+#else
+#define PAIRS_ADD(D, A, B) D = _mm256_add_epi32(D, _mm256_madd_epi16(A, B))
+#endif
+    float sf[GROUP4][4][8];  // per row: scale * x scale of the next 8 groups, as dot4_one_int4 computes them
+    for (int64_t g = 0; g < groups; g++) {
+        if (g % 8 == 0) {
+            for (int i = 0; i < mb; i++)
+                for (int r = 0; r < 4; r++) {
+                    const float *xs = xscale + i * groups;
+                    if (groups - g >= 8) {
+                        _mm256_storeu_ps(sf[i][r], _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc[r] + g))),
+                                                                 _mm256_loadu_ps(xs + g)));
+                    } else {
+                        for (int64_t j = 0; j < groups - g; j++) sf[i][r][j] = _cvtsh_ss(sc[r][g + j]) * xs[g + j];
+                    }
+                }
+        }
+        __m256i d[4][GROUP4];
+        _Pragma("GCC unroll 8") for (int i = 0; i < GROUP4; i++) d[0][i] = d[1][i] = d[2][i] = d[3][i] = _mm256_setzero_si256();
+        for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
+            const int64_t at = k / 2;
+            if ((at & 63) == 0)
+                for (int r = 0; r < 4; r++) _mm_prefetch((const char *)(p[r] + at + K / 2), _MM_HINT_T0);
+            __m256i xe[GROUP4], xo[GROUP4];
+            _Pragma("GCC unroll 8") for (int i = 0; i < mb; i++) {
+                xe[i] = _mm256_loadu_si256((const __m256i *)(xq + i * K + k));
+                xo[i] = _mm256_loadu_si256((const __m256i *)(xq + i * K + k + 16));
+            }
+            _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++) {
+                const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p[r] + at)));
+                const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_srli_epi16(v, 4);
+                _Pragma("GCC unroll 8") for (int i = 0; i < mb; i++) {
+                    PAIRS_ADD(d[r][i], lo, xe[i]);
+                    PAIRS_ADD(d[r][i], hi, xo[i]);
+                }
+            }
+        }
+        _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++)
+            _Pragma("GCC unroll 8") for (int i = 0; i < mb; i++)
+                acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r][i]), _mm256_broadcast_ss(&sf[i][r][g % 8]), acc[r][i]);
+    }
+#undef PAIRS_ADD
+    for (int i = 0; i < mb; i++)
+        for (int r = 0; r < 4; r++) out[i][r] = hsum(acc[r][i]) + zero_term(ze[r], xsum + i * groups, groups);
+}
+
+// mb as a constant in each case: the compiler keeps the accumulators in registers
+static void dot4_group_int4(const uint8_t *const p[4], const uint16_t *const sc[4], const uint16_t *const ze[4],
+                            const int16_t *xq, const float *xscale, const float *xsum, int64_t K, int64_t G, int mb,
+                            float out[][4]) {
+    switch (mb) {
+        case 1: dot4_rows_int4(p, sc, ze, xq, xscale, xsum, K, G, 1, out); break;
+        case 2: dot4_rows_int4(p, sc, ze, xq, xscale, xsum, K, G, 2, out); break;
+        case 3: dot4_rows_int4(p, sc, ze, xq, xscale, xsum, K, G, GROUP4 < 3 ? GROUP4 : 3, out); break;
+        default: dot4_rows_int4(p, sc, ze, xq, xscale, xsum, K, G, GROUP4, out); break;
+    }
+}
+
+// 2 .. FEW_ROWS activation rows (a decode row and its guesses): each row's x rounded as the one-row kernel
+// rounds it, the 4-stream blocks of the one-row kernel, GROUP4 rows at a time against each block's codes
+// (from memory for the first group, from L1 for the others). Through the dequantizing tiled path a 2-row
+// int4 product cost several times a 1-row one, and its fp32 sums differed from the one-row integer ones.
+static void few_rows_int4(const float *x, const uint8_t *packed, const uint16_t *scale, const uint16_t *zero,
+                          float *y, int64_t M, int64_t N, int64_t K, int64_t G) {
+    const int64_t groups = K / G;
+    int16_t *xq = (int16_t *)malloc(M * K * sizeof(int16_t));
+    float *xscale = (float *)malloc(M * groups * sizeof(float)), *xsum = (float *)malloc(M * groups * sizeof(float));
+    for (int64_t m = 0; m < M; m++) quantize_x16(x + m * K, xq + m * K, xscale + m * groups, xsum + m * groups, K, G);
+    const int64_t L = (N + NB - 1) / NB;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < L; b++) {
+        const uint8_t *p[NB];
+        const uint16_t *sc[NB], *ze[NB];
+        for (int64_t r = 0; r < NB; r++) {
+            const int64_t n = strided_row(b, r, L, N);
+            p[r] = packed + n * (K / 2), sc[r] = scale + n * groups, ze[r] = zero + n * groups;
+        }
+        for (int64_t m = 0; m < M; m += GROUP4) {
+            const int mb = (int)(M - m < GROUP4 ? M - m : GROUP4);
+            float out[GROUP4][4];
+            dot4_group_int4(p, sc, ze, xq + m * K, xscale + m * groups, xsum + m * groups, K, G, mb, out);
+            for (int64_t i = 0; i < mb; i++)
+                for (int64_t r = 0; r < NB && b + r * L < N; r++) y[(m + i) * N + b + r * L] = out[i][r];
+        }
+    }
+    free(xsum);
+    free(xq);
+    free(xscale);
+}
+
 // y[m, n] = sum_k x[m, k] * w[n, k] for int4 groups; packed uint8 [N, K/2], scale/zero fp16 [N, K/G].
 void gemm_int4(const float *x, const uint8_t *packed, const uint16_t *scale, const uint16_t *zero, float *y,
                int64_t M, int64_t N, int64_t K, int64_t G) {
@@ -694,6 +808,10 @@ void gemm_int4(const float *x, const uint8_t *packed, const uint16_t *scale, con
         free(xsum);
         free(xq);
         free(xscale);
+        return;
+    }
+    if (M <= FEW_ROWS) {
+        few_rows_int4(x, packed, scale, zero, y, M, N, K, G);
         return;
     }
     const WideRows src = {packed, scale, zero, K, G, K / 2, 0, dequant_int4_row_of};

@@ -172,9 +172,10 @@ def test_fused_prefill_matches_the_torch_prefill(
         found.append(torch.cat([last, *after], 1))
     torch_path, fused_path = found
     assert sum(calls) == int(valid.sum())  # the real tokens only, padding never computed
-    # int4 where a pass holds a single input (column by column, a column with one real token): the one-row
-    # kernel rounds x to 16 bits per group, the torch path's 3-row product does not (measured 2.4e-4).
-    bound = 1e-3 if precision == "int4" and cap is not None else 1e-5
+    # int4: passes of 1..8 inputs (the 3-row decode steps; column by column, a column with one real token) take
+    # the kernels that round x to 16 bits per group, where an x that differs in its last bit between the paths
+    # may move by a rounding step (measured 2.4e-4 and 2.5e-4); the many-rows products are fp32 in both.
+    bound = 1e-3 if precision == "int4" else 1e-5
     assert (fused_path - torch_path).abs().max() <= bound * torch_path.abs().max()
 
 

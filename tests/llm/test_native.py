@@ -71,10 +71,10 @@ def test_half_kernels_equal_the_exact_product(
 
 # A few activation rows (a decode row and its speculative guesses) must give each row exactly what a one-row
 # product gives it: verification then sees the logits a plain decode step would, so greedy answers cannot
-# part at a near-tie. 2..8 rows take the few-rows kernel (groups of 6 or 2 rows, an odd last group); 9 rows
-# the tiled one, which may differ (it is only checked against the exact product above).
+# part at a near-tie. 2..8 rows take the few-rows kernel (groups of 6 or 2 rows, int4 4 or 2, an odd last
+# group); 9 rows the tiled one, which may differ (it is only checked against the exact product above).
 @needs_native
-@pytest.mark.parametrize("kind", ["int8", "f32", "bf16", "f16"])
+@pytest.mark.parametrize("kind", ["int8", "f32", "bf16", "f16", "int4"])
 @pytest.mark.parametrize("rows", [2, 3, 5, 7, 8])
 @pytest.mark.parametrize(("n", "k"), [(70, 24), (9, 1536), (1027, 576)])
 def test_a_few_rows_are_bitwise_the_one_row_products(
@@ -86,6 +86,10 @@ def test_a_few_rows_are_bitwise_the_one_row_products(
         qweight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
         scale = torch.rand(n, generator=gen) + 0.01
         product = lambda a: isa_path.linear_int8(a, qweight, scale)  # noqa: E731
+    elif kind == "int4":  # groups of 32 columns: K = 24 is no whole group, 64 (two groups) there
+        q = quantize_weight(torch.randn(n, max(k, 64), generator=gen), "int4", 32)
+        x = torch.randn(rows, max(k, 64), generator=gen)
+        product = lambda a: isa_path.linear_int4(a, q.packed, q.scale, q.zero)  # noqa: E731
     else:
         dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[kind]
         w = torch.randn(n, k, generator=gen).to(dtype)
@@ -240,10 +244,11 @@ def test_int4_kernel_equals_the_exact_product(
     assert isinstance(q, Int4Weight)
     x = torch.randn(rows, k, generator=gen)
     w = dequantize(q).double()
-    if rows > 1:  # several rows: the dequantized weights against x in fp32
+    if rows > 8:  # many rows: the dequantized weights against x in fp32
         _close(isa_path.linear_int4(x, q.packed, q.scale, q.zero), x.double() @ w.T)
         return
-    # One row: the codes against x rounded to 16 bits per group; the zero term takes x unrounded
+    # One row and a few (the few-rows kernel): the codes against x rounded to 16 bits per group; the zero term
+    # takes x unrounded
     rounded = _round_x16(x, group)
     zero = q.zero.double().repeat_interleave(group, dim=1)  # [n, k]
     want = rounded @ w.T + (x.double() - rounded) @ zero.T
@@ -299,7 +304,7 @@ def test_int4_modules_read_the_packed_codes_or_fall_back_to_int8(isa_path: nativ
     native_module = make_linear(quantize_weight(w, "int4", 32))
     native_module.prepack()
     assert isinstance(native_module, Int4Linear) and native_module.path == f"native-{isa_path.isa}-int4"
-    x = torch.randn(2, 64)
+    x = torch.randn(9, 64)  # past the few-rows kernel (which rounds x as one row does): the exact product
     _close(native_module(x), x.double() @ dequantize(native_module.quantized_weight()).double().T)
     odd_groups = make_linear(quantize_weight(w, "int4", 16))  # groups of 16: not the kernel's 32-column steps
     odd_groups.prepack()
