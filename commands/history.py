@@ -200,9 +200,13 @@ def _public(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _excerpt(text: str, limit: int = 48) -> str:
-    """The end of the prompt (where a chat prompt's question is), template markers removed."""
+    """The user's words, cut at the end; an older row's templated prompt by its end (the question), unmarked."""
     flat = " ".join(_MARKERS.sub(" ", text).split())
-    return flat if len(flat) <= limit else "…" + flat[-(limit - 1) :]
+    if len(flat) <= limit:
+        return flat
+    if _MARKERS.search(text):  # a row stored before the user's words were: the question ends the template
+        return "…" + flat[-(limit - 1) :]
+    return flat[: limit - 1] + "…"
 
 
 def _short_time(iso: str) -> str:

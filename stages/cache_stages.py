@@ -343,6 +343,7 @@ def stored_result(request: Request, row: dict[str, Any], gen_params: dict[str, A
     executor's resume: made by the post-processing and filter of the run that generated it)."""
     result = _replay(request, row, gen_params)
     result.prompt = request.prompt_text
+    result.user_text = request.user_text
     result.text = row["text"]
     result.candidate_texts = [str(c.get("text", "")) for c in row.get("candidates") or []]
     usage = row.get("usage") or {}
@@ -400,7 +401,7 @@ class OutputCache(Stage):
 def result_row(c: Result, key: str | None) -> ResultRow:
     return ResultRow(
         request_id=c.request_id,
-        prompt=c.prompt,
+        prompt=c.user_text or c.prompt,  # the excerpt `history` and `show` print: the user's words
         text=c.text,
         tokens=list(c.tokens),
         finish_reason=c.finish_reason,

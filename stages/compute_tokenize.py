@@ -293,4 +293,12 @@ class Tokenize(Stage):
             ctx.log.warning("prompt_truncated", request=request_id, dropped=dropped, kept=len(ids), limit=limit)
         if not ids:
             raise InputRefused(f"request {request_id!r}: the prompt is empty after tokenization")
-        return Request(request_id, ids, text, kind, overrides, dropped)
+        return Request(request_id, ids, text, kind, overrides, dropped, user_text=_user_text(line))
+
+
+def _user_text(line: RequestLine) -> str:
+    """What the person asked: the last user message of a chat (the template and the system text are not theirs)."""
+    if line.messages is None:
+        return line.text or ""
+    asked = [m.content for m in line.messages if m.role == "user"]
+    return asked[-1] if asked else line.messages[-1].content

@@ -51,6 +51,7 @@ def with_text(answer: Result, request: Request | None, tokenizer: Tokenizer) -> 
     return replace(
         answer,
         prompt=request.prompt_text if request is not None else "",
+        user_text=request.user_text if request is not None else "",
         text=text,
         candidate_texts=[decode_text(ids, tokenizer) for ids in answer.candidate_ids],
         token_logprobs=token_logprobs(answer, tokenizer),

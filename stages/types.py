@@ -72,6 +72,7 @@ class Request:
     truncated: int = 0  # how many prompt tokens were dropped to fit the context
     source: str = ""  # where it came from, for messages: "prompts.jsonl:3" or "request 'prompt'"
     noticed_truncation: int = 0  # how much of `truncated` was already reported (ctx.notice)
+    user_text: str = ""  # the user's words: a chat's last user message, else the text (what `history` shows)
 
 
 TimedAs = Literal["phases", "search"]
@@ -109,6 +110,7 @@ class Result:
     candidate_ids: list[list[int]] = field(default_factory=list)
     # output.detokenize (and output.filter)
     prompt: str = ""
+    user_text: str = ""  # the request's user_text
     text: str = ""
     candidate_texts: list[str] = field(default_factory=list)
     # With `logprobs: N`: per generated token {token, id, logprob, top_logprobs: [{token, id, logprob}]}.

@@ -64,6 +64,11 @@ def test_runs_outputs_and_history_live_in_the_home_whatever_the_directory(
     monkeypatch.chdir(elsewhere)  # history, show and the results cache find the run from anywhere
     assert main(["history", "--json"]) == 0
     [row] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert row["prompt_excerpt"] == "Hello model, and tokens."  # the user's words, not the template's tail
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["history"]) == 0
+    listed = capsys.readouterr().out
+    assert "Hello model, and tokens." in listed and "assistant" not in listed, listed
     assert main(["show", str(row["id"]), "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["text"] == written["results"][0]["text"]

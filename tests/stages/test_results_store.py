@@ -117,13 +117,14 @@ def _cli(argv: list[str]) -> int:
     return args.handler(args)
 
 
-def test_history_and_show(tmp_path, capsys):
+def test_history_and_show(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # one line per row
     db = tmp_path / "r.sqlite"
     with ResultsStore(db) as store:
         store.record_run(_run("plan-a"), [_row(1), _row(2)])
     assert _cli(["history", "--db", str(db)]) == 0
     out = capsys.readouterr().out
-    assert "plan-a" in out and "82.0" in out and "81.0" in out and "4+3" in out and "…xxx" in out
+    assert "plan-a" in out and "82.0" in out and "81.0" in out and "4+3" in out and "prompt 1" in out and "xxx…" in out
     assert _cli(["history", "--db", str(db), "--json", "--limit", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 and json.loads(lines[0])["request_id"] == "r2"
