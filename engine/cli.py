@@ -286,6 +286,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     source = load_file(args.plan)
     overrides = plan_overrides(args, registry, source)
     bound = bind(source, registry, overrides)
+    if args.report:
+        bound, overrides = _observe_for_report(source, registry, bound, overrides)
     if args.until is not None and bound.plan.executor.kind != "local":
         kind = bound.plan.executor.kind
         raise CliError(f"--until runs part of the plan in this process; it does not go with executor {kind!r}")
@@ -384,6 +386,34 @@ def _run_elsewhere(
         page = write_report(run_dir)
         _err(f"report: {page}" if page else "report: no reporter plugin is installed")
     return code
+
+
+def _observe_for_report(
+    source: Source, registry: Registry, bound: BoundPlan, overrides: list[str]
+) -> tuple[BoundPlan, list[str]]:
+    """`run --report`: turn on, for this run only, what the reporter's pictures need and the plan does not
+    observe (a plan's `observe:` costs time, so runs without a report never pay for it); said in one line."""
+    wanted = {
+        key: (value, label)
+        for key, (value, label) in report_observes().items()
+        if not getattr(bound.plan.observe, key, None) and not any(o.startswith(f"observe.{key}=") for o in overrides)
+    }  # what the plan or the user's own --set already decided stays theirs
+    if not wanted:
+        return bound, overrides
+    added = [f"observe.{key}={json.dumps(value)}" for key, (value, _) in wanted.items()]
+    labels = " and ".join(label for _, label in wanted.values())
+    _err(f"report: this run also records {labels} for its pictures ({', '.join(a.split('=')[0] for a in added)})")
+    overrides = [*added, *overrides]
+    return bind(source, registry, overrides), overrides
+
+
+def report_observes() -> dict[str, tuple[Any, str]]:
+    """What the installed reporter plugin's pictures need observed: its module's REPORT_OBSERVES, {observe key:
+    (value, what it records)}; loading it is cheap (the pictures' imports wait for a report to be drawn)."""
+    for point in entry_points(group=REPORTER_GROUP):
+        point.load()
+        return dict(getattr(sys.modules[point.module], "REPORT_OBSERVES", {}))
+    return {}
 
 
 def write_report(run_dir: Path) -> Path | None:

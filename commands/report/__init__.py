@@ -8,6 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+# What the pictures need that a plan may not observe (it costs time): `run --report` turns these on for its
+# run (engine/cli.py). Attention with its defaults: layer 0, head 0, the first 64 tokens.
+REPORT_OBSERVES: dict[str, tuple[Any, str]] = {
+    "layer_timings": (True, "per-layer timings"),
+    "attention": ({}, "attention weights"),
+}
+
 
 def build_report(run_dir: Path, out: Path | None = None) -> Any:
     """The reporter entry point; matplotlib is imported only when a report is drawn (not by `llmplan --help`)."""

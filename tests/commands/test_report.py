@@ -274,3 +274,29 @@ def test_memory_predicted_beside_measured(runs: dict[str, Path], page: Path, tmp
     predicted, measured, _ = rows["peak while converting"]
     assert predicted == mib(convert["predicted_peak_bytes"]) and measured != "-"
     assert "Memory: predicted and measured" in page.read_text(encoding="utf-8")
+
+
+def test_run_report_turns_on_what_its_pictures_need(
+    runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plain plan (no `observe:`) run with --report: every picture drawn, said in one line; without
+    --report the same plan observes nothing more (runs["plain"])."""
+    from llmplan.engine.cli import main
+
+    wire_observers(monkeypatch)
+    plan = runs["plain"].parent / "plain.yaml"
+    before = plan.read_bytes()
+    capsys.readouterr()
+    assert main(["run", str(plan), "--out", str(tmp_path / "run"), "--quiet", "--report"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    said = [line for line in err if "records" in line]
+    assert said == [
+        "report: this run also records per-layer timings and attention weights for its pictures"
+        " (observe.layer_timings, observe.attention)"
+    ], err
+    page = (tmp_path / "run" / "report" / "index.html").read_text(encoding="utf-8")
+    assert "Not drawn." not in page
+    assert {"layer_timings.svg", "attention.svg"} <= {p.name for p in (tmp_path / "run" / "report").glob("*.svg")}
+    assert plan.read_bytes() == before  # the plan file is not changed, only this run's settings
+    plain = (runs["plain"] / "plan.resolved.yaml").read_text(encoding="utf-8")
+    assert "layer_timings: false" in plain and "attention: null" in plain  # no report, nothing more observed
