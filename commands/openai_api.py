@@ -43,6 +43,7 @@ from llmplan.llm.output_format import OutputFormat
 from llmplan.llm.sampling_params import Limit, SamplingParams, Speculation, request_fields, setting_kinds
 
 from .structured_output import Shaped, ShapeError, requested_format
+from .tool_calls import Tooled, ToolMode, history_turn, tool_mode
 
 FINISH = OPENAI_FINISH  # one vocabulary with `run`, --json and the results database (llm/ending.py)
 
@@ -146,6 +147,7 @@ class _Request(_Sampling, Shaped):  # type: ignore[misc, valid-type]
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # vLLM's: keep the prompt's last k tokens
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's JSON) -> bias in [-100, 100]
     _shape: OutputFormat | None = PrivateAttr(None)  # the answer's shape, checked (`check_combination`)
+    _shape_field: str | None = PrivateAttr(None)
 
     @model_validator(mode="before")
     @classmethod
@@ -166,7 +168,7 @@ class _Request(_Sampling, Shaped):  # type: ignore[misc, valid-type]
             if not -100 <= bias <= 100:
                 raise FieldError("logit_bias", f"a bias is in [-100, 100], got {bias} for token {key}")
         try:
-            self._shape, _ = requested_format(self)
+            self._shape, self._shape_field = requested_format(self)
         except ShapeError as bad:
             raise FieldError(bad.field, str(bad).split(": ", 1)[1]) from None
 
@@ -300,22 +302,42 @@ class ChatMessage(BaseModel):
         return out
 
 
-class ChatRequest(_Request):
+class ChatRequest(_Request, Tooled):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    _tools: ToolMode | None = PrivateAttr(None)
 
     def check_combination(self) -> None:
         super().check_combination()
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldError("top_logprobs", "only allowed when logprobs is true")
+        try:
+            self._tools = tool_mode(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except ShapeError as bad:
+            raise FieldError(bad.field, str(bad).split(": ", 1)[1]) from None
+        if self._tools is not None:
+            if self._shape is not None:  # the calls' format and the answer's cannot both hold
+                raise FieldError(
+                    self._shape_field or "response_format",
+                    "not with tools a call may be made to; send tool_choice: none to keep the shape",
+                )
+            self._shape = self._tools.format
+
+    @property
+    def tool_mode(self) -> ToolMode | None:
+        """How the answer may call the request's tools (None: text), once `check_combination` ran."""
+        return self._tools
 
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def tokenize_overrides(self) -> dict[str, Any]:
+    def tokenize_overrides(self, plan_system: str | None = None, renders_calls: bool = True) -> dict[str, Any]:
+        """The tokenize stage's overrides: the chat as the template reads it. With tools to call, their
+        description ends the system turn (the request's, else the plan's `plan_system`); a template that
+        does not render `tool_calls` (`renders_calls`) gets the history's calls as text (tool_calls.py)."""
         chat = []
         for i, message in enumerate(self.messages):
             lacking = message.missing()
@@ -325,7 +347,13 @@ class ChatRequest(_Request):
                 content = message.text()
             except ValueError as bad:
                 raise FieldError(f"messages.{i}.content", str(bad)) from None
-            chat.append(message.for_template(content))
+            chat.append(history_turn(message.for_template(content), renders_calls))
+        if self._tools is not None:
+            told = self._tools.describe()
+            if chat[0]["role"] == "system":
+                chat[0] = chat[0] | {"content": f"{chat[0]['content']}\n\n{told}"}
+            else:
+                chat.insert(0, {"role": "system", "content": f"{plan_system}\n\n{told}" if plan_system else told})
         out: dict[str, Any] = {"messages": chat, "text": None, "prompts_file": None, "truncation": "error"}
         if any(m["role"] == "system" for m in chat):
             out["system"] = None  # the request's own system message replaces the plan's

@@ -16,10 +16,17 @@ from typing import Any
 
 from pydantic import model_validator
 
-from .openai_api import ChatRequest, new_id, now
+from .openai_api import ChatRequest, FieldError, new_id, now
 
 
 class ResponsesRequest(ChatRequest):
+    responses_tools: Any = None  # the request's `tools`, which are refused
+
+    def check_combination(self) -> None:
+        if self.responses_tools:  # its function calls would be other output items, not a chat message
+            raise FieldError("tools", "not supported on /v1/responses here; call tools through /v1/chat/completions")
+        super().check_combination()
+
     @model_validator(mode="before")
     @classmethod
     def _as_chat(cls, data: Any) -> Any:
@@ -28,6 +35,8 @@ class ResponsesRequest(ChatRequest):
         data = dict(data)
         if data.get("previous_response_id") is not None:
             raise ValueError("previous_response_id: responses are not stored here; send the whole input")
+        if data.get("tools"):  # Responses' tools are another shape: refused by name (`check_combination`)
+            data["responses_tools"] = data.pop("tools")
         given = data.pop("input", None)
         turns = [{"role": "user", "content": given}] if isinstance(given, str) else given
         if isinstance(turns, list):

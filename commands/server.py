@@ -53,6 +53,7 @@ from .openai_api import (
 )
 from .request_body import BodyError, parse_body, validate
 from .responses_api import ResponsesRequest, response_body, response_events
+from .tool_calls import CallStream
 
 # Stage parameter names back to the request's own, for error messages.
 FIELD_NAMES = {"max_new_tokens": "max_tokens", "messages": "messages", "text": "prompt", "logprobs": "top_logprobs"}
@@ -232,6 +233,8 @@ class Answering:
         marked = set(host.generate_params.serving_defaults)
         self.defaults = {name: value for name, value in api_defaults().items() if name not in marked}
         self.admitted = threading.Semaphore(settings.max_queue)
+        template = ctx.tokenizer.chat_template if ctx is not None and ctx.tokenizer is not None else None
+        self.renders_calls = template is not None and "tool_calls" in template  # else calls go in as text
 
     async def answer(
         self, request: Request, endpoint: str, schema: type[ChatRequest] | type[CompletionRequest]
@@ -335,7 +338,9 @@ class Answering:
         """Per choice: the stage overrides it runs with. n choices of one prompt differ by seed."""
         try:
             if isinstance(body, ChatRequest):
-                prompts = [body.tokenize_overrides()]
+                prompts = [
+                    body.tokenize_overrides(self.host.plan.params(self.host.tokenize_id).system, self.renders_calls)
+                ]
             else:
                 prompts = [CompletionRequest.tokenize_overrides(p) for p in body.prompts()]
         except FieldError as bad:
@@ -444,9 +449,14 @@ class Answering:
         for index, run in enumerate(runs):
             text, reason, gen = self._choice_parts(run)
             if isinstance(body, ChatRequest):
+                message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+                calls = body.tool_mode.read(text) if body.tool_mode is not None else None
+                if calls is not None:
+                    message |= {"content": None, "tool_calls": calls}
+                    reason = "tool_calls"
                 choice: dict[str, Any] = {
                     "index": index,
-                    "message": {"role": "assistant", "content": text, "refusal": None},
+                    "message": message,
                     "finish_reason": reason,
                     "logprobs": self._logprobs(body, tok, gen),
                 }
@@ -524,7 +534,9 @@ class Answering:
         replay = list(seen)
         chunks = _StreamChunks(chat, self.card.shown_name(body.model), self.card.plan, body.include_usage)
         chunk, delta = chunks.chunk, chunks.delta
-        streamed = [""] * len(jobs)
+        streamed = [""] * len(jobs)  # the content shown so far
+        mode = body.tool_mode if chat else None
+        calling = [CallStream(mode) if mode is not None else None for _ in jobs]
         runs: list[RequestRun | None] = [None] * len(jobs)
         status = "200"
         try:
@@ -534,9 +546,11 @@ class Answering:
             while remaining:
                 what, index, payload = replay.pop(0) if replay else await queue.get()
                 if what == "text":
-                    if payload:
-                        streamed[index] += payload
-                        yield chunk([delta(index, payload)])
+                    held = calling[index]
+                    shown = held.push(payload) if held is not None else payload
+                    if shown:
+                        streamed[index] += shown
+                        yield chunk([delta(index, shown)])
                     continue
                 remaining -= 1
                 try:
@@ -547,9 +561,19 @@ class Answering:
                     continue
                 runs[index] = run
                 text, reason, gen = self._choice_parts(run)
+                calls = mode.read(text) if mode is not None else None
+                if calls is not None:  # the calls whole, each its header then its arguments (OpenAI's order)
+                    reason = "tool_calls"
+                    for k, call in enumerate(calls):
+                        head = {"index": k, "id": call["id"], "type": "function"}
+                        head["function"] = {"name": call["function"]["name"], "arguments": ""}
+                        yield chunk([delta(index, None) | {"delta": {"tool_calls": [head]}}])
+                        arguments = {"index": k, "function": {"arguments": call["function"]["arguments"]}}
+                        yield chunk([delta(index, None) | {"delta": {"tool_calls": [arguments]}}])
                 # The final text is the answer: send what the stream has not shown yet (the whole text for a
-                # results-cache replay, which streams nothing; a character completed only at the end).
-                if text.startswith(streamed[index]) and len(text) > len(streamed[index]):
+                # results-cache replay, which streams nothing; a character completed only at the end; text
+                # held back as it could have been a call).
+                elif text.startswith(streamed[index]) and len(text) > len(streamed[index]):
                     yield chunk([delta(index, text[len(streamed[index]) :])])
                 logprobs = self._logprobs(body, self._tokenizer(run), gen)
                 if logprobs is not None:  # the choice's logprobs, all tokens in one chunk before its last
