@@ -156,8 +156,19 @@ def _cells(row: dict[str, Any]) -> list[str]:
         _excerpt(row["prompt_excerpt"]),
         f"{usage['prompt_tokens']}+{usage['completion_tokens']}",
         "cache" if row.get("from_cache") else _speed(speed),
-        shown_finish(row["finish_reason"], row["finish_detail"]),
+        _finish(row),
     ]
+
+
+def _finish(row: dict[str, Any]) -> str:
+    """The finish reason; under a format, which one, and whether the length limit cut the answer short."""
+    said = shown_finish(row["finish_reason"], row["finish_detail"])
+    fmt = row.get("format")
+    if not fmt:
+        return said
+    if fmt.get("complete") is False:
+        return f"{said} (cut short: {fmt['kind']} may not parse)"
+    return f"{said} · {fmt['kind']}"
 
 
 def _damaged_cells(row: dict[str, Any]) -> list[str]:
@@ -182,8 +193,11 @@ def cmd_show(args: argparse.Namespace) -> int:
     out = sys.stdout
     out.write(f"result {row['id']}  ·  run {row['run_id']} ({row.get('run_time')})  ·  plan {row.get('plan')}\n")
     out.write(f"model {row.get('model_fingerprint') or '-'}  ·  device {row.get('device') or '-'}\n")
-    out.write(f"request {row['request_id']}  ·  finish {shown_finish(row['finish_reason'], row['finish_detail'])}")
+    out.write(f"request {row['request_id']}  ·  finish {_finish(row)}")
     out.write(f"  ·  {usage.get('prompt_tokens', 0)} prompt + {usage.get('completion_tokens', 0)} generated tokens\n")
+    fmt = row.get("format")
+    if fmt:
+        out.write(f"format {fmt['kind']} {fmt['sha256'][:12]}: {fmt['summary']}\n")
     timings = {k: v for k, v in row["timings"].items() if v is not None}
     if timings:
         out.write("timings " + ", ".join(f"{k}={_number(v)}" for k, v in timings.items()) + "\n")

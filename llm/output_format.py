@@ -6,7 +6,8 @@ Public API (a plan's `format`, a JSONL line's, and the server's `response_format
                                                     # {"choice": ["a", "b"]}; a schema may be a file path
     fmt = OutputFormat.from_json_schema(schema)     # the same from a schema dict (a server's response_format)
     fmt.check()           # raises UnsupportedFormat before any model is loaded: no tokenizer needed
-    fmt.record()          # {"kind": "json_schema", "sha256": "..."}: what results and databases record
+    fmt.record()          # {"kind": "json_schema", "sha256": "...", "summary": "object {name, tags}"}: what
+                          # results and databases record (the summary: a short line to tell formats apart)
     compiled = compile_format(fmt, tokenizer, eos_ids, vocab)  # per (tokenizer, format): cached
     matcher = compiled.matcher()    # a fresh llguidance matcher for one row (llm/token_mask.py uses it)
 
@@ -46,6 +47,7 @@ FormatKind = Literal["json", "json_schema", "regex", "grammar", "choice"]
 KINDS: tuple[str, ...] = ("json", "json_schema", "regex", "grammar", "choice")
 MAX_SCHEMA_BYTES = 1 << 20  # a schema file is read bounded
 MAX_CHOICES = 1024
+SUMMARY_CHARS = 80
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 JsonPath = tuple[str | int, ...]
 
@@ -128,8 +130,20 @@ class OutputFormat:
         return hashlib.sha256(f"{self.kind}\n{self.spec}".encode()).hexdigest()
 
     def record(self) -> dict[str, Any]:
-        """What a result records of the constraint that ran: its kind and a hash of its text."""
-        return {"kind": self.kind, "sha256": self.sha256}
+        """What a result records of the constraint that ran: its kind, a hash of its text, a short summary."""
+        return {"kind": self.kind, "sha256": self.sha256, "summary": self.summary()}
+
+    def summary(self, limit: int = SUMMARY_CHARS) -> str:
+        """One short line saying what the format asks: `object {name, age, tags}`, the regex, the choices."""
+        if self.kind == "json":
+            text = "any JSON object"
+        elif self.kind == "json_schema":
+            text = _schema_summary(json.loads(self.spec))
+        elif self.kind == "choice":
+            text = " | ".join(json.loads(self.spec))
+        else:
+            text = next((line.strip() for line in self.spec.splitlines() if line.strip()), "")
+        return text if len(text) <= limit else text[: limit - 1] + "…"
 
     def setting(self) -> dict[str, Any]:
         """Back to the setting's plain shape (a plan's resolved settings, a cache key)."""
@@ -232,6 +246,28 @@ def explain(fmt: OutputFormat, message: str) -> UnsupportedFormat:
         path = _find(schema, lambda node: isinstance(node.get("$ref"), str) and not node["$ref"].startswith("#"))
         return UnsupportedFormat(fmt.kind, "$ref", (*(path or ()), "$ref"), detail)
     return UnsupportedFormat(fmt.kind, fmt.kind, detail=detail)
+
+
+def _schema_summary(schema: Any) -> str:
+    """The schema's top level in a few words: its type, and an object's property names."""
+    if not isinstance(schema, dict):
+        return "anything" if schema is True else "nothing"
+    for word in ("anyOf", "oneOf", "allOf"):
+        if isinstance(schema.get(word), list):
+            return f"{word} of {len(schema[word])}"
+    if "enum" in schema and isinstance(schema["enum"], list):
+        return f"one of {len(schema['enum'])} values"
+    if "$ref" in schema:
+        return f"$ref {schema['$ref']}"
+    kind = schema.get("type", "object" if "properties" in schema else "any")
+    kind = "/".join(map(str, kind)) if isinstance(kind, list) else str(kind)
+    properties = schema.get("properties")
+    if isinstance(properties, dict) and properties:
+        return f"{kind} {{{', '.join(map(str, properties))}}}"
+    items = schema.get("items")
+    if kind == "array" and isinstance(items, dict):
+        return f"array of {_schema_summary(items)}"
+    return kind
 
 
 def _bad_regex(pattern: str) -> bool:

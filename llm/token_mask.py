@@ -129,6 +129,16 @@ class BeamMasks:
         self.matchers = moved
 
 
+def complete(compiled: CompiledFormat, tokens: list[int]) -> bool:
+    """Whether these generated tokens (EOS included or not) make a whole answer of the format: a row cut by
+    its length limit may stop mid-answer (its text may then not parse). Replayed on a fresh matcher."""
+    matcher = compiled.matcher()
+    for token in tokens:
+        if matcher.is_stopped() or not matcher.consume_token(token):
+            return bool(matcher.is_stopped()) and token in compiled.eos_ids
+    return bool(matcher.is_accepting() or matcher.is_stopped())
+
+
 def apply_bitmask(logits: Tensor, bits: Tensor) -> int:
     """logits [V] (fp32, CPU, contiguous) set to -inf where `bits` is clear; the count left allowed."""
     from .native import kernels

@@ -415,4 +415,5 @@ def result_row(c: Result, key: str | None) -> ResultRow:
         logprobs=list(c.logprobs) if c.logprobs else None,
         error=c.error,
         from_cache=c.from_cache,
+        format=None if c.format_record is None else dict(c.format_record),
     )

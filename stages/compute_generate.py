@@ -34,6 +34,7 @@ from llmplan.llm.sampling_params import Speculation
 from llmplan.llm.scheduler import GenerationRequest, Sequence
 from llmplan.llm.slot_cache import SlotCache
 from llmplan.llm.stop_strings import StopStringStream, stop_checker
+from llmplan.llm.token_mask import complete
 from llmplan.llm.tokenizer import StreamDecoder
 from llmplan.plain_errors import plain_error
 
@@ -269,6 +270,7 @@ class Generate(Stage):
             gen = seq.generation
             computed = gen.prompt_tokens - seq.reused
             result = _result(request, gen, settings, stats.busy_max, computed, params.logprobs)
+            _record_format(result, seq.request.picker)
             result.streamed = stream
             if gen.finish_reason == "error":
                 ctx.log.warning("generation_error", request=request.id, error=gen.error)
@@ -330,8 +332,9 @@ class Generate(Stage):
             ctx.stream("\n")
         out = []
         batch_prompt = sum(len(p) for p in prompts)
-        for request, gen, s in zip(group, gens, settings, strict=True):
+        for request, gen, s, picker in zip(group, gens, settings, pickers, strict=True):
             result = _result(request, gen, s, len(group), batch_prompt, params.logprobs)
+            _record_format(result, picker)
             result.streamed = stream
             if gen.finish_reason == "error":
                 ctx.log.warning("generation_error", request=request.id, error=gen.error)
@@ -417,13 +420,16 @@ class Generate(Stage):
         best = candidates[0]
         # A beam search is timed as a whole (one wall clock): its rows share every pass.
         gen = Generation(len(prompt), list(best.tokens), finish_reason=best.finish_reason, decode_s=wall)
-        return Result(
+        result = Result(
             request.id,
             gen,
             candidates=list(candidates),
             params=settings | {"num_beams": params.num_beams, "length_penalty": params.length_penalty},
             timed_as="search",
         )
+        if grammar is not None:
+            result.format_record = {**grammar.format.record(), "complete": complete(grammar, gen.tokens)}
+        return result
 
 
 class _Countdown:
@@ -465,6 +471,15 @@ def serving_loop(ctx: InferenceContext, params: GenerateParams) -> EngineLoop:
         raise StageFailure('the "slide" KV-cache policy evicts over a shared write pointer: it cannot be served')
     runner = ctx.model_runner or ModelRunner(ctx.model, cache)
     return new_loop(runner, cache, params, cache.max_batch)
+
+
+def _record_format(result: Result, picker: TokenPicker) -> None:
+    """The constraint that ran, whether the answer is whole under it, and how many tokens each step allowed."""
+    mask = getattr(picker, "mask", None)
+    if mask is None:
+        return
+    result.format_record = {**mask.compiled.format.record(), "complete": complete(mask.compiled, result.tokens)}
+    result.mask_allowed = list(mask.allowed)
 
 
 def _result(

@@ -26,7 +26,13 @@ A result object (one per request; one line each on stdout under `llmplan run --j
       "error": str | null,
       "from_cache": bool,
       "flagged": [str],             # what the output filter withheld, and how much (never the entries matched)
-      "speculative": {"guessed": int, "accepted": int} | null   # speculative decoding's guesses; null: off
+      "speculative": {"guessed": int, "accepted": int} | null,  # speculative decoding's guesses; null: off
+      "format": {                   # the constraint that ran (`format`); null: free text
+        "kind": "json" | "json_schema" | "regex" | "grammar" | "choice",
+        "sha256": str,              # of the kind and its canonical text (the schema as JSON, the regex, ...)
+        "summary": str,             # a short line: "object {name, tags}", the regex, "yes | no"
+        "complete": bool | null     # the answer is whole under it; false: the length limit cut it short and
+      } | null                      # it may not parse (finish_reason "length"); null: not known (replayed)
     }
 
 A JSON file holds {"schema": "llmplan.result/v2", "plan", "model", "created", "results": [result objects]}.
@@ -67,6 +73,7 @@ RESULT_KEYS = (
     "flagged",
     "token_logprobs",
     "speculative",
+    "format",
 )
 
 
@@ -113,6 +120,7 @@ def result_object(
             for t in c.token_logprobs
         ],
         "speculative": c.speculative,
+        "format": None if c.format_record is None else dict(c.format_record),
     }
 
 
@@ -176,9 +184,20 @@ def markdown_chunks(
             yield f"\n**flagged:** {', '.join(c.flagged)}\n"
 
 
+def finish_text(c: Result) -> str:
+    """`stop (eos)`; when a format ran, which, or that the length limit cut the answer short (it may not parse)."""
+    said = shown_finish(c.finish_reason, c.finish_detail)
+    record = c.format_record
+    if record is None:
+        return said
+    if record.get("complete") is False:
+        return f"{said} (the {record['kind']} answer was cut short: it may not parse)"
+    return f"{said} · format {record['kind']} ({record['summary']})"
+
+
 def stats_text(c: Result, load_s: float | None = None) -> str:
     """`12 prompt + 64 generated tokens · finish stop (eos) · TTFT 0.120 s · 45.1 tok/s decode`."""
-    finish = shown_finish(c.finish_reason, c.finish_detail)
+    finish = finish_text(c)
     parts = [f"{c.prompt_tokens} prompt + {c.completion_tokens} generated tokens", f"finish {finish}"]
     if load_s is not None:
         parts.append(f"load {load_s:.2f} s")

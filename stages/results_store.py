@@ -43,14 +43,17 @@ from .results_file import (
 )
 
 DEFAULT_DB = "results.sqlite"  # relative to the data home (llmplan/data_home.py)
-SCHEMA_VERSION = 3  # also the file's PRAGMA user_version
+SCHEMA_VERSION = 4  # also the file's PRAGMA user_version
 # v2 adds `evals` (what `llmplan eval` measured); v3 adds `results.finish_detail`: finish_reason holds OpenAI's
 # word (stop, length, ...) and the detail (eos, stop_string, ...) that v1 and v2 kept in finish_reason moves
 # there (llm/ending.py). An older file is read as it is (result_rows.py reads old rows' finish_reason as the
 # detail) and upgraded, tables, old rows and version, in the same transaction as its first write: a command
 # that only reads never writes.
+# v4 adds `result_formats`: the constraint a result ran under (`format`: kind, hash, summary, whether the
+# answer is whole), one row per shaped result.
 V2_TABLE = "evals"
 V3_COLUMN = "finish_detail"
+V4_TABLE = "result_formats"
 # v2: the key covers every stage upstream of generation, the model files' content identity, the
 # device and the precision. Rows stored under v1 keys (generation params only) can never match a v2
 # key, so an old database is never misread: its rows stay as history and are simply not replayed.
@@ -107,6 +110,13 @@ CREATE TABLE IF NOT EXISTS evals (
     figures TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS evals_plan_hash ON evals(plan_hash);
+CREATE TABLE IF NOT EXISTS result_formats (
+    result_id INTEGER PRIMARY KEY REFERENCES results(id),
+    kind TEXT NOT NULL,
+    sha256 TEXT NOT NULL,
+    summary TEXT NOT NULL,
+    complete INTEGER
+);
 """
 
 
@@ -160,6 +170,7 @@ class ResultRow:
     error: str | None = None
     from_cache: bool = False
     finish_detail: str | None = None
+    format: dict[str, Any] | None = None  # {kind, sha256, summary, complete}: the constraint it ran under
 
 
 @dataclass
@@ -267,22 +278,22 @@ def identify(path: Path) -> str:
     raise AssertionError("unreachable")
 
 
-def _older_shapes() -> tuple[dict[str, list[tuple[Any, ...]]], dict[str, list[tuple[Any, ...]]]]:
-    """v2 (v3 less results.finish_detail) and v1 (v2 less `evals`)."""
-    ours = _our_shape()
-    v2 = {**ours, "results": [c for c in ours["results"] if c[0] != V3_COLUMN]}
-    return v2, {name: columns for name, columns in v2.items() if name != V2_TABLE}
+def _older_shapes() -> list[dict[str, list[tuple[Any, ...]]]]:
+    """v3 (v4 less `result_formats`), v2 (v3 less results.finish_detail) and v1 (v2 less `evals`)."""
+    v3 = {name: columns for name, columns in _our_shape().items() if name != V4_TABLE}
+    v2 = {**v3, "results": [c for c in v3["results"] if c[0] != V3_COLUMN]}
+    return [v3, v2, {name: columns for name, columns in v2.items() if name != V2_TABLE}]
 
 
 def check_contents(conn: sqlite3.Connection, path: Path) -> None:
-    """Our tables with our columns (those of v3, v2 or v1), and a schema version this llmplan reads."""
+    """Our tables with our columns (those of v4, v3, v2 or v1), and a schema version this llmplan reads."""
     shape = _shape(conn)
     ours = _our_shape()
-    v2, v1 = _older_shapes()
-    if shape not in (ours, v2, v1):
+    versions = [ours, *_older_shapes()]
+    if shape not in versions:
         if not shape:
             reason = "it is an SQLite database without tables, which llmplan did not write"
-        elif set(shape) in (set(ours), set(v1)):
+        elif set(shape) in [set(v) for v in versions]:
             reason = "its tables are not shaped as llmplan's (another program's database, or altered)"
         elif set(shape) & set(ours):
             reason = "its tables are not llmplan's (another program's database, or altered)"
@@ -426,31 +437,10 @@ class ResultsStore:
     @staticmethod
     def _insert_results(conn: sqlite3.Connection, run_id: int, results: Sequence[ResultRow]) -> None:
         now = _now()
-        conn.executemany(
-            "INSERT INTO results (run_id, cache_key, request_id, prompt_excerpt, text, tokens, finish_reason,"
-            " usage, timings, logprobs, candidates, error, from_cache, created, finish_detail)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [
-                (
-                    run_id,
-                    r.cache_key,
-                    r.request_id,
-                    excerpt(r.prompt),
-                    r.text,
-                    _dumps(r.tokens),
-                    r.finish_reason,
-                    _dumps(r.usage),
-                    _dumps(r.timings),
-                    None if r.logprobs is None else _dumps(r.logprobs),
-                    _dumps(r.candidates),
-                    r.error,
-                    int(r.from_cache),
-                    now,
-                    r.finish_detail,
-                )
-                for r in results
-            ],
-        )
+        for r in results:
+            cursor = conn.execute(_RESULT_INSERT, _result_values(run_id, r, now))
+            if r.format is not None:
+                conn.execute(_FORMAT_INSERT, _format_values(int(cursor.lastrowid or 0), r.format))
 
     def record_evals(self, rows: Sequence[EvalRow]) -> list[int]:
         """Store evaluations in one transaction (an older file is upgraded first); returns their ids."""
@@ -486,8 +476,8 @@ class ResultsStore:
         rows = self._read(
             lambda conn: conn.execute(
                 "SELECT results.*, runs.time AS run_time, runs.plan, runs.model_fingerprint, runs.device,"
-                " runs.status FROM results JOIN runs ON runs.id = results.run_id"
-                " ORDER BY results.id DESC LIMIT ?",
+                f" runs.status{_format_columns(conn)} FROM results JOIN runs ON runs.id = results.run_id"
+                f"{_format_join(conn)} ORDER BY results.id DESC LIMIT ?",
                 (int(limit),),
             ).fetchall()
         )
@@ -498,8 +488,8 @@ class ResultsStore:
         row = self._read(
             lambda conn: conn.execute(
                 "SELECT results.*, runs.time AS run_time, runs.plan, runs.model_fingerprint, runs.device,"
-                " runs.status, runs.run_dir FROM results JOIN runs ON runs.id = results.run_id"
-                " WHERE results.id = ?",
+                f" runs.status, runs.run_dir{_format_columns(conn)} FROM results JOIN runs ON runs.id = results.run_id"
+                f"{_format_join(conn)} WHERE results.id = ?",
                 (int(result_id),),
             ).fetchone()
         )
@@ -526,9 +516,9 @@ class ResultsStore:
 
 
 def _upgrade(conn: sqlite3.Connection) -> None:
-    """Bring a v1 or v2 file to v3, inside the caller's write transaction (a v3 file is left as it is)."""
+    """Bring a v1, v2 or v3 file to v4, inside the caller's write transaction (a v4 file is left as it is)."""
     for statement in _statements():
-        if V2_TABLE in statement:  # the table and its index: IF NOT EXISTS
+        if V2_TABLE in statement or V4_TABLE in statement:  # the tables and index: IF NOT EXISTS
             conn.execute(statement)
     columns = {row[1] for row in conn.execute("SELECT * FROM pragma_table_info('results')")}
     if V3_COLUMN not in columns:
@@ -543,6 +533,26 @@ def _upgrade(conn: sqlite3.Connection) -> None:
     if (conn.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] or 0) < SCHEMA_VERSION:
         conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+
+_RESULT_INSERT = (
+    "INSERT INTO results (run_id, cache_key, request_id, prompt_excerpt, text, tokens, finish_reason,"
+    " usage, timings, logprobs, candidates, error, from_cache, created, finish_detail)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+_FORMAT_INSERT = "INSERT INTO result_formats (result_id, kind, sha256, summary, complete) VALUES (?, ?, ?, ?, ?)"
+
+
+def _result_values(run_id: int, r: ResultRow, now: str) -> tuple[Any, ...]:
+    logprobs = None if r.logprobs is None else _dumps(r.logprobs)
+    plain = (run_id, r.cache_key, r.request_id, excerpt(r.prompt), r.text, _dumps(r.tokens), r.finish_reason)
+    rest = (_dumps(r.usage), _dumps(r.timings), logprobs, _dumps(r.candidates), r.error, int(r.from_cache), now)
+    return (*plain, *rest, r.finish_detail)
+
+
+def _format_values(result_id: int, f: dict[str, Any]) -> tuple[Any, ...]:
+    complete = None if f.get("complete") is None else int(bool(f["complete"]))
+    return (result_id, str(f["kind"]), str(f["sha256"]), str(f.get("summary", "")), complete)
 
 
 def _now() -> str:
@@ -578,9 +588,41 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
 
 
+def _has_formats(conn: sqlite3.Connection) -> bool:
+    known = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
+    return conn.execute(known, (V4_TABLE,)).fetchone() is not None
+
+
+def _format_columns(conn: sqlite3.Connection) -> str:
+    """The format's columns of a read (a file before v4 has none: its results ran under no recorded format)."""
+    if not _has_formats(conn):
+        return ""
+    return (
+        ", result_formats.kind AS format_kind, result_formats.sha256 AS format_sha256,"
+        " result_formats.summary AS format_summary, result_formats.complete AS format_complete"
+    )
+
+
+def _format_join(conn: sqlite3.Connection) -> str:
+    return " LEFT JOIN result_formats ON result_formats.result_id = results.id" if _has_formats(conn) else ""
+
+
+def _with_format(data: dict[str, Any]) -> dict[str, Any]:
+    """The row's format columns as one `format` value: {kind, sha256, summary, complete}, or None."""
+    columns = {name: data.pop(f"format_{name}", None) for name in ("kind", "sha256", "summary", "complete")}
+    if not isinstance(columns["kind"], str) or not isinstance(columns["sha256"], str):
+        data["format"] = None
+        return data
+    complete = columns["complete"]
+    columns["complete"] = None if complete is None else bool(complete)
+    columns["summary"] = columns["summary"] if isinstance(columns["summary"], str) else ""
+    data["format"] = columns
+    return data
+
+
 def _shown(row: sqlite3.Row) -> dict[str, Any]:
     try:
-        return decode_row(row)
+        return _with_format(decode_row(row))
     except DamagedRow as bad:
         data = dict(row)
         keep = ("id", "run_id", "run_time", "plan", "model_fingerprint", "created")

@@ -104,6 +104,10 @@ class Result:
     batch_prompt: int = 0
     from_cache: bool = False
     streamed: bool = False  # the text was already shown through ctx.stream as it was generated
+    # With a format: {kind, sha256, summary, complete} (complete: the tokens make a whole answer under it; a row
+    # cut by its length limit may not), and per step how many tokens the mask allowed (not for beams).
+    format_record: dict[str, Any] | None = None
+    mask_allowed: list[int] | None = None
     # output.postprocess: special, template and invalid ids removed
     ids: list[int] = field(default_factory=list)
     dropped_invalid: list[int] = field(default_factory=list)

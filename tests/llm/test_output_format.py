@@ -80,7 +80,7 @@ def test_enforceable_formats_pass_the_check(setting: dict[str, Any]) -> None:
     assert fmt is not None
     fmt.check()
     assert fmt.setting() == setting
-    assert fmt.record() == {"kind": next(iter(setting)), "sha256": fmt.sha256}
+    assert fmt.record() == {"kind": next(iter(setting)), "sha256": fmt.sha256, "summary": fmt.summary()}
 
 
 def test_the_library_refuses_what_cannot_be_enforced() -> None:

@@ -111,7 +111,7 @@ def test_stop_string_ends_the_sequence(tmp_path: Path, model_dir: Path) -> None:
     assert stop.strip(), f"need a visible stop string, got {stop!r} from {text!r}"
     stopped = run(tmp_path / "stop", model_dir, ["generate.max_new_tokens=24", f"generate.stop={json.dumps([stop])}"])
     result = stopped.context.generations[0]
-    assert result.finish_reason == "stop_string"
+    assert result.finish_detail == "stop_string"
     assert stop in tok.decode(result.tokens, skip_special_tokens=True)
     assert len(result.tokens) < len(tokens)
 
@@ -119,7 +119,7 @@ def test_stop_string_ends_the_sequence(tmp_path: Path, model_dir: Path) -> None:
 def test_full_cache_stops_with_cache_full(tmp_path: Path, model_dir: Path) -> None:
     result = run(tmp_path, model_dir, ["place.kv_cache.max_tokens=24", "generate.max_new_tokens=40"])
     generation = result.context.generations[0]
-    assert generation.finish_reason == "cache_full"
+    assert generation.finish_detail == "cache_full"
     assert generation.prompt_tokens + len(generation.tokens) == 24 + 1  # the last token needs no slot
 
 

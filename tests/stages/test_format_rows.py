@@ -49,10 +49,10 @@ def test_batched_rows_each_obey_their_own_format(tmp_path: Path, model_dir: Path
     assert result.context.metrics.get("generate", "scheduler")["busy_max"] > 1  # the rows ran together
     for gen in result.context.generations:
         if gen.request_id == "free":
-            assert gen.finish_reason == "length"
+            assert gen.finish_detail == "length"
             continue
         text = tok.decode(gen.tokens, skip_special_tokens=True)
-        assert gen.finish_reason == "eos", (gen.request_id, text)
+        assert gen.finish_detail == "eos", (gen.request_id, text)
         assert ROWS[gen.request_id][1](text), (gen.request_id, text)
 
 
@@ -66,7 +66,29 @@ def test_speculation_under_a_format_gives_the_plain_answers(tmp_path: Path, mode
     spec = run(tmp_path / "spec", model_dir, lines, [], speculative={"tokens": 4, "ngram": 2})
     tok = plain.context.tokenizer
     for want, got in zip(plain.context.generations, spec.context.generations, strict=True):
-        assert got.tokens == want.tokens and got.finish_reason == want.finish_reason == "eos"
+        assert got.tokens == want.tokens and got.finish_detail == want.finish_detail == "eos"
         assert re.fullmatch(WORDS, tok.decode(got.tokens, skip_special_tokens=True))
     guesses = [g.generation.accepted for g in spec.context.generations]
     assert sum(guesses) > 0, "no guess was accepted: the speculative path under the mask did not run"
+
+
+def test_the_result_records_the_format_and_says_when_the_limit_cut_it_short(tmp_path: Path, model_dir: Path) -> None:
+    from llmplan.llm.output_format import OutputFormat
+    from llmplan.stages.output_format import result_object, stats_text
+
+    fmt, _ = ROWS["object"]
+    lines = [
+        {"id": "whole", "text": "Hello model", "format": fmt},
+        {"id": "cut", "text": "Hello model", "format": fmt, "max_new_tokens": 3},
+        {"id": "free", "text": "Hello model", "max_new_tokens": 3},
+    ]
+    whole, cut, free = run(tmp_path, model_dir, lines, []).context.generations
+    record = OutputFormat.of(fmt).record()
+    assert whole.finish_detail == "eos" and result_object(whole)["format"] == {**record, "complete": True}
+    assert record["summary"] == "object {n}"
+    assert cut.finish_reason == "length" and result_object(cut)["format"] == {**record, "complete": False}
+    assert "finish length (the json_schema answer was cut short: it may not parse)" in stats_text(cut)
+    assert result_object(free)["format"] is None and free.mask_allowed is None
+    # per step, how many tokens the mask allowed: all of them nowhere, one (the closing "}" or EOS) at the end
+    assert len(whole.mask_allowed) == len(whole.tokens) and whole.mask_allowed[-1] <= 2
+    assert max(whole.mask_allowed) < 420

@@ -74,7 +74,7 @@ def test_newer_schema_and_non_database_are_refused(tmp_path):
     conn.execute("UPDATE schema_version SET version = 99")
     conn.commit()
     conn.close()
-    with pytest.raises(StoreError, match=r"schema version 99 is newer than this llmplan supports \(3\)"):
+    with pytest.raises(StoreError, match=r"schema version 99 is newer than this llmplan supports \(4\)"):
         ResultsStore(db)
     junk = tmp_path / "junk.sqlite"
     junk.write_bytes(b"this is not a database" * 100)
@@ -167,7 +167,8 @@ def _v2_database(db, version: int = 2) -> None:
         store.record_run(_run(), [_row(1, "k1")])
     conn = sqlite3.connect(db, isolation_level=None)
     conn.executescript(
-        "ALTER TABLE results DROP COLUMN finish_detail; UPDATE results SET finish_reason = 'eos';"
+        "DROP TABLE result_formats; ALTER TABLE results DROP COLUMN finish_detail;"
+        " UPDATE results SET finish_reason = 'eos';"
         f" UPDATE schema_version SET version = {version}; PRAGMA user_version = {version};"
     )
     conn.close()
@@ -206,10 +207,10 @@ def test_a_v1_database_is_read_unchanged_and_upgraded_by_its_first_eval(tmp_path
         store.record_evals([_eval("aaa")])
         assert store.lookup("k1") is not None and store.evals("aaa")[0]["change"] == "weights int8"
     conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
-    assert conn.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] == 3
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+    assert conn.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] == 4
     conn.close()
-    with ResultsStore(db) as store:  # and it opens as a v3 database afterwards
+    with ResultsStore(db) as store:  # and it opens as a current database afterwards
         assert store.count("evals") == 1
 
 
@@ -244,8 +245,50 @@ def test_a_v2_database_reads_in_the_new_vocabulary_and_its_first_write_moves_old
     conn = sqlite3.connect(db)
     stored = conn.execute("SELECT request_id, finish_reason, finish_detail FROM results ORDER BY id").fetchall()
     assert stored == [("r1", "stop", "eos"), ("r2", "content_filter", "length")]  # SQL sees one vocabulary too
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
     conn.close()
     assert _cli(["history", "--db", str(db)]) == 0
     out = capsys.readouterr().out
     assert "stop (eos)" in out and "content_filter (length)" in out
+
+
+FORMAT = {"kind": "json_schema", "sha256": "ab" * 32, "summary": "object {name, tags}", "complete": False}
+
+
+def test_the_format_a_result_ran_under_is_stored_and_shown(tmp_path, capsys):
+    db = tmp_path / "r.sqlite"
+    shaped = _row(2)
+    shaped.format, shaped.finish_reason, shaped.finish_detail = FORMAT, "length", "length"
+    with ResultsStore(db) as store:
+        store.record_run(_run(), [_row(1), shaped])
+        free, cut = store.get(1), store.get(2)
+    assert free is not None and free["format"] is None
+    assert cut is not None and cut["format"] == FORMAT
+    assert _cli(["show", "2", "--db", str(db)]) == 0
+    out = capsys.readouterr().out
+    assert "finish length (cut short: json_schema may not parse)" in out
+    assert f"format json_schema {'ab' * 6}: object {{name, tags}}" in out
+    assert _cli(["history", "--db", str(db), "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["format"] for r in rows] == [FORMAT, None]
+
+
+def test_a_v3_database_is_read_as_it_is_and_gains_the_format_table_with_its_first_write(tmp_path):
+    db = tmp_path / "v3.sqlite"
+    with ResultsStore(db) as store:
+        store.record_run(_run(), [_row(1, "k1")])
+    conn = sqlite3.connect(db, isolation_level=None)
+    conn.executescript("DROP TABLE result_formats; UPDATE schema_version SET version = 3; PRAGMA user_version = 3;")
+    conn.close()
+    with ResultsStore(db, create=False) as store:  # read as it is: the old row has no format
+        assert store.get(1)["format"] is None and store.history()[0]["format"] is None
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
+    conn.close()
+    shaped = _row(2)
+    shaped.format = {**FORMAT, "complete": True}
+    with ResultsStore(db) as store:
+        store.record_run(_run(), [shaped])
+        assert store.get(2)["format"]["complete"] is True and store.get(1)["format"] is None
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
