@@ -77,10 +77,17 @@ class LiveServer:
     """uvicorn in a thread of this process; `url` is the OpenAI base URL."""
 
     def __init__(
-        self, plan: Path, settings: ServerSettings, overrides: list[str] | None = None, run_dir: Path | None = None
+        self,
+        plan: Path,
+        settings: ServerSettings,
+        overrides: list[str] | None = None,
+        run_dir: Path | None = None,
+        slots: int | None = None,
     ) -> None:
         run_dir = run_dir or plan.parent / f"run-{plan.stem}"
-        self.host = build_host(str(plan), overrides or [], keep_alive_s=settings.keep_alive_s, run_dir=run_dir)
+        self.host = build_host(
+            str(plan), overrides or [], keep_alive_s=settings.keep_alive_s, run_dir=run_dir, slots=slots
+        )
         self.host.load()
         self.app = create_app(self.host, settings)
         self.port = free_port()
