@@ -56,6 +56,9 @@ class EngineLoop:
         """scheduling: the `Scheduler`'s settings (max_step_tokens, prefill_chunk, max_running, prefix_reuse…)."""
         self.runner, self.cache = runner, cache
         self.scheduler = Scheduler(cache, **scheduling)
+        costs = getattr(runner, "pass_costs", None)  # the runner's, measured over every loop it ran (a test's
+        if costs is not None:  # stand-in runner has none: the scheduler's own then)
+            self.scheduler.pass_costs = costs
         # A list to record every step's passes into (a run's trace and report); None: nothing kept (serving).
         self.timeline: list[StepRecord] | None = None
 
@@ -114,11 +117,16 @@ class EngineLoop:
             return False
         if not plan:
             return True
-        record = StepRecord(time.perf_counter()) if self.timeline is not None else None
+        began = time.perf_counter()
+        record = StepRecord(began) if self.timeline is not None else None
+        # A decode-only step's inputs: its pass and picks, timed, tell speculation what guesses cost.
+        width = 0 if plan.chunks else sum(1 + len(seq.draft) for seq in plan.decode)
         with torch.inference_mode():
             items: list[Item] = [(seq, 0) for seq in plan.decode] + plan.chunks
             for seq, logits, finite in self._forward(items, record):
                 self._pick(seq, logits, finite)
+        if width:
+            self.scheduler.pass_costs.add(width, time.perf_counter() - began)
         if record is not None and self.timeline is not None:
             record.end = time.perf_counter()
             self.timeline.append(record)
@@ -195,7 +203,10 @@ class EngineLoop:
             self.scheduler.finish(seq, "error", non_finite(len(gen.tokens)))
             return
         if not seq.draft:
-            reason = self._deliver(seq, request.picker(logits, seq.seen))
+            pick = request.picker(logits, seq.seen)
+            if seq.speculator is not None:  # the guess it did not make, checked for free
+                seq.speculator.observe(pick.token)
+            reason = self._deliver(seq, pick)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
             return

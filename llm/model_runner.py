@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from .fused_decode import FusedDecoder, native_static_prefill
+from .speculative import PassCosts
 
 if TYPE_CHECKING:
     from .flat_batch import FlatBatch
@@ -40,6 +41,7 @@ class ModelRunner:
         self.clock: LayerClock | None = None  # per-layer timings of every pass, while an observer asks
         self._reference = self.native is None
         self.spans: list[tuple[float, float]] = []  # (start, end) of each part of the last `forward`
+        self.pass_costs = PassCosts()  # decode steps' seconds by inputs, for speculation (llm/speculative.py)
 
     @property
     def backend(self) -> Backend:
@@ -48,6 +50,7 @@ class ModelRunner:
     def use_reference(self) -> None:
         """Run the torch modules from now on: an observer hooks them (the native pass runs none)."""
         self._reference = True
+        self.pass_costs = PassCosts()  # another backend, other costs
 
     def _fused(self) -> FusedDecoder | None:
         fused = None if self._reference else self.native

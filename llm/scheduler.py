@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from .ending import FinishReason
 from .generation import Generation, TokenPicker
-from .speculative import Speculator
+from .speculative import PassCosts, Speculator
 
 if TYPE_CHECKING:
     from .sampling_params import Speculation
@@ -124,6 +124,9 @@ class Scheduler:
         self.prefill_chunk = min(prefill_chunk or max_step_tokens, cache.max_write)
         self.prefix_reuse, self.min_prefix = prefix_reuse, max(1, min_prefix)
         self.stats = SchedulerStats()
+        # What a decode pass costs by its inputs: how many guesses pay (the loop measures it, or shares its
+        # runner's, which outlives a loop).
+        self.pass_costs = PassCosts()
         self._lock = threading.Condition()
         self._incoming: list[Sequence] = []
         self._cancel: list[Sequence] = []
@@ -216,8 +219,10 @@ class Scheduler:
         self.stats.busy_max = max(self.stats.busy_max, len(self._running))
         decode = self._with_room([s for s in self._running if s.decoding])
         budget = self.max_step_tokens - len(decode)
+        width = len(decode)  # the pass's inputs so far: what a row's guesses are priced against
         for seq in decode:
-            budget -= self._draft(seq, budget)
+            drafted = self._draft(seq, budget, width)
+            budget, width = budget - drafted, width + drafted
         chunks: list[tuple[Sequence, int]] = []
         for seq in self._running:
             if seq.decoding:
@@ -276,9 +281,10 @@ class Scheduler:
             self.cache.copy_prefix(source, slot, reuse)  # type: ignore[arg-type]
         return slot, reuse
 
-    def _draft(self, seq: Sequence, budget: int) -> int:
+    def _draft(self, seq: Sequence, budget: int, width: int) -> int:
         """The row's guesses for this step (none without speculation); how many. Each guess takes a slot and
-        a token of the budget, and no more are made than the request's token limit can still use."""
+        a token of the budget, and no more are made than the request's token limit can still use, nor than
+        pay on a pass of `width` inputs."""
         seq.draft = []
         if seq.speculator is None:
             return 0
@@ -289,7 +295,8 @@ class Scheduler:
             seq.request.max_new_tokens - len(seq.generation.tokens) - 1,
             budget - 1,  # a step keeps room for a prompt chunk beside the decode rows
         )
-        seq.draft = seq.speculator.propose(seq.seen, room) if room > 0 else []
+        cost = lambda k: self.pass_costs.relative(width, k)  # noqa: E731
+        seq.draft = seq.speculator.propose(seq.seen, room, cost)
         return len(seq.draft)
 
     def _with_room(self, rows: list[Sequence]) -> list[Sequence]:

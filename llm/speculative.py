@@ -15,8 +15,14 @@ accepted tokens before the next position), and greedy picks are the argmax eithe
 token for token. With a seeded picker the draws are even made in the same order as without speculation.
 
 `Speculator` keeps one request's state: its n-gram index (grown by the tokens seen, never rebuilt), its
-counters, and the back-off: where acceptance stays low it proposes fewer tokens, then pauses (a paused row
-decodes as usual and costs nothing extra), and tries again after a pause that doubles while it keeps failing.
+counters, and how many guesses pay. A pass over 1 + k inputs costs more than a one-token step (`PassCosts`:
+measured on the passes the loop runs, a prior until then), and guess i is accepted only if guesses 1..i-1
+were, so with a per-guess acceptance p the pass delivers 1 + p + .. + p^k tokens on average. Each pass takes
+the k (0 .. K) that delivers the most tokens per unit of cost; k = 0 is a plain step. p is kept per length of
+the suffix that matched (a 3-gram match is copied text far more often than a 1-gram one), decayed so it
+follows the answer from quoting to free text and back, and it is learnt on plain steps too: the guess a row
+did not make is checked against the token it then picked, for free, so a row stops guessing the moment its
+matches stop being right and resumes the moment they are right again.
 """
 
 from __future__ import annotations
@@ -28,9 +34,10 @@ from torch import Tensor
 
 from .generation import Pick
 
-LOW_ACCEPTANCE = 0.25  # below this share of guesses accepted (smoothed), a row proposes fewer, then none
-SMOOTHING = 0.3  # the weight of the newest verify step in the smoothed acceptance
-FIRST_PAUSE, LONGEST_PAUSE = 8, 128  # decode steps without guessing after acceptance fell low
+ROW_COST = 0.15  # prior: each input past the first adds this share of a one-token pass (a 2-row pass ≈ 1.14x)
+COST_SMOOTHING = 0.2  # the weight of a new measured pass in PassCosts
+DECAY = 0.9  # per observation, the weight left to older ones in a match length's acceptance
+PRIOR = (1.0, 2.0)  # (accepted, tested) a match length starts from: p = 0.5, outweighed by a few observations
 
 
 @dataclass
@@ -46,6 +53,11 @@ class NgramIndex:
 
     def guesses(self, seen: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of seen's longest matching suffix."""
+        return self.match(seen, k)[1]
+
+    def match(self, seen: list[int], k: int) -> tuple[int, list[int]]:
+        """(n, guesses): the length of seen's longest suffix that occurred before (0: none) and up to k tokens
+        that followed its latest occurrence."""
         end = len(seen)
         # Index the n-grams that end before the current end (the suffix itself must match an earlier one).
         for stop in range(self.indexed, end):
@@ -55,13 +67,55 @@ class NgramIndex:
         for n in range(min(self.ngram, end - 1), 0, -1):
             at = self.latest[n - 1].get(tuple(seen[end - n :]))
             if at is not None and at < end:
-                return seen[at : at + k]
-        return []
+                return n, seen[at : at + k]
+        return 0, []
+
+
+@dataclass
+class PassCosts:
+    """Seconds of a decode pass (no prompt chunk) by its inputs, smoothed; shared by the requests of a model.
+
+    `relative(base, k)`: what k more inputs cost on a pass of `base`, as a multiple of that pass. Widths not
+    measured yet take the prior (1 + ROW_COST per input past the first, scaled from the one-input pass)."""
+
+    seconds: dict[int, float] = field(default_factory=dict)
+    samples: dict[int, int] = field(default_factory=dict)
+
+    def add(self, inputs: int, seconds: float) -> None:
+        if not self.seconds:
+            self.seconds[inputs], self.samples[inputs] = seconds, 1
+            return
+        old, n = self._time(inputs), self.samples.get(inputs, 0)
+        seconds = min(max(seconds, old / 2), 2 * old)  # one pass slowed by a busy machine moves it little
+        weight = max(COST_SMOOTHING, 1 / (n + 2))  # the first few passes of a width outweigh its prior fast
+        self.seconds[inputs], self.samples[inputs] = (1 - weight) * old + weight * seconds, n + 1
+
+    def _time(self, inputs: int) -> float:
+        got = self.seconds.get(inputs)
+        if got is not None:
+            return got
+        known = min(self.seconds, key=lambda w: abs(w - inputs), default=1)  # the nearest width measured
+        return self.seconds.get(known, 1.0) * (1 + ROW_COST * (inputs - 1)) / (1 + ROW_COST * (known - 1))
+
+    def relative(self, base: int, k: int) -> float:
+        return self._time(base + k) / self._time(base) if k else 1.0
+
+
+def best_guesses(p: float, most: int, cost: Callable[[int], float]) -> int:
+    """The k in 0..most with the most tokens delivered per unit of pass cost, for a per-guess acceptance p."""
+    best, best_rate, delivered, term = 0, 1.0, 1.0, 1.0
+    for k in range(1, most + 1):
+        term *= p
+        delivered += term
+        rate = delivered / cost(k)
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
 
 
 @dataclass
 class Speculator:
-    """One request's prompt lookup: proposes guesses, learns from how many were accepted, backs off."""
+    """One request's prompt lookup: proposes guesses, learns how often each match length is right."""
 
     tokens: int  # the most guesses a pass verifies (K)
     ngram: int  # the longest suffix matched (N)
@@ -69,39 +123,55 @@ class Speculator:
     guessed: int = 0  # guesses verified, over the request
     accepted: int = 0  # of those, accepted
     steps: list[tuple[int, int, int]] = field(default_factory=list)  # (generated before, guessed, accepted)
-    rate: float = 1.0  # smoothed share of guesses accepted
-    pause: int = 0  # decode steps left without guessing
-    next_pause: int = FIRST_PAUSE
+    # per match length n (index n - 1): decayed (accepted, tested) guesses, made or only checked
+    seen_right: list[list[float]] = field(init=False)
+    _matched: int = 0  # the match length of the guesses out for verification
+    _unmade: tuple[int, int] | None = None  # (match length, first guess) of a guess not made this step
+    checked: int = 0  # guesses checked on plain steps (not made)
 
     def __post_init__(self) -> None:
         self.index = NgramIndex(self.ngram)
+        self.seen_right = [list(PRIOR) for _ in range(self.ngram)]
 
-    @property
-    def budget(self) -> int:
-        """Guesses the next pass may verify: K while acceptance holds, fewer as it falls."""
-        if self.pause:
-            return 0
-        return max(1, round(self.tokens * min(1.0, 2 * self.rate)))
+    def acceptance(self, n: int) -> float:
+        """The estimated share of guesses accepted after a match of length n."""
+        right, tested = self.seen_right[n - 1]
+        return right / tested
 
-    def propose(self, seen: list[int], room: int) -> list[int]:
-        """Guesses for the row's next pass, at most `room` (what its cache, limit and the step allow)."""
-        if self.pause:
-            self.pause -= 1
+    def propose(self, seen: list[int], room: int, cost: Callable[[int], float] | None = None) -> list[int]:
+        """Guesses for the row's next pass, at most `room` (what its cache, limit and the step allow); `cost(k)`:
+        that pass with k guesses against one without (default: the prior)."""
+        self._unmade = None
+        n, guesses = self.index.match(seen, min(self.tokens, room)) if room > 0 else (0, [])
+        if not guesses:
             return []
-        k = min(self.budget, room)
-        return self.index.guesses(seen, k) if k > 0 else []
+        price = cost if cost is not None else (lambda k: 1 + ROW_COST * k)
+        k = best_guesses(self.acceptance(n), len(guesses), price)
+        if k == 0:
+            self._unmade = (n, guesses[0])  # checked against the token this step picks
+            return []
+        self._matched = n
+        return guesses[:k]
+
+    def _learn(self, n: int, right: float, tested: float) -> None:
+        stats, keep = self.seen_right[n - 1], DECAY**tested
+        stats[0], stats[1] = keep * stats[0] + right, keep * stats[1] + tested
+
+    def observe(self, token: int) -> None:
+        """The token a plain step picked: the guess not made (if any) was right or wrong."""
+        if self._unmade is not None:
+            n, guess = self._unmade
+            self._unmade = None
+            self.checked += 1
+            self._learn(n, float(token == guess), 1.0)
 
     def record(self, generated: int, guessed: int, accepted: int) -> None:
-        """A verify step's outcome: counted, and the back-off updated."""
+        """A verify step's outcome: counted, and the acceptance of its match length updated (the guesses
+        tested: those accepted and the first rejected one; the ones after it say nothing)."""
         self.guessed += guessed
         self.accepted += accepted
         self.steps.append((generated, guessed, accepted))
-        self.rate = (1 - SMOOTHING) * self.rate + SMOOTHING * (accepted / guessed)
-        if self.rate < LOW_ACCEPTANCE:
-            self.pause, self.next_pause = self.next_pause, min(2 * self.next_pause, LONGEST_PAUSE)
-            self.rate = 0.5  # the retry starts at half the budget
-        elif accepted == guessed:
-            self.next_pause = FIRST_PAUSE
+        self._learn(self._matched, accepted, accepted + (accepted < guessed))
 
 
 def accept(
