@@ -93,6 +93,13 @@ class ServerMetrics:
         )
         self.prompt_tokens = Counter("llmplan_prompt_tokens", "prompt tokens processed", registry=r)
         self.output_tokens = Counter("llmplan_generation_tokens", "tokens generated", registry=r)
+        # Speculative decoding (llm/speculative.py): how many guesses were verified and how many kept.
+        self.guessed = Counter("llmplan_speculative_guessed_tokens", "speculative guesses verified", registry=r)
+        self.accepted = Counter("llmplan_speculative_accepted_tokens", "speculative guesses accepted", registry=r)
+        self._speculated = [0, 0]  # (guessed, accepted) since start, for the ratio
+        Gauge(
+            "llmplan_speculative_acceptance_ratio", "speculative guesses accepted / verified, since start", registry=r
+        ).set_function(lambda: self._speculated[1] / self._speculated[0] if self._speculated[0] else 0.0)
         self.ttft = Histogram(
             "llmplan_time_to_first_token_seconds",
             "request arrival to its first token",
@@ -127,6 +134,17 @@ class ServerMetrics:
         Gauge("llmplan_model_loaded", "1 when the weights are loaded", registry=r).set_function(
             lambda: 1.0 if host.state == "ready" else 0.0
         )
+
+    def count_generation(self, result: Any) -> None:
+        """A finished request's tokens, and its speculative guesses where it made any (not on a replay)."""
+        self.prompt_tokens.inc(result.prompt_tokens)
+        self.output_tokens.inc(len(result.tokens))
+        spec = result.speculative
+        if spec and spec["guessed"]:
+            self.guessed.inc(spec["guessed"])
+            self.accepted.inc(spec["accepted"])
+            self._speculated[0] += spec["guessed"]
+            self._speculated[1] += spec["accepted"]
 
 
 class TokenClock:
@@ -409,8 +427,7 @@ class Answering:
         generation = run.context.generations[0]
         if generation.finish_reason == "error":
             raise ApiError(500, f"generation failed: {generation.error}", "server_error")
-        self.metrics.prompt_tokens.inc(generation.prompt_tokens)
-        self.metrics.output_tokens.inc(len(generation.tokens))
+        self.metrics.count_generation(generation)
         return run
 
     def _tokenizer(self, run: RequestRun) -> Any:

@@ -35,7 +35,9 @@ from torch import Tensor
 from .generation import Pick
 
 ROW_COST = 0.15  # prior: each input past the first adds this share of a one-token pass (a 2-row pass ≈ 1.14x)
-COST_SMOOTHING = 0.2  # the weight of a new measured pass in PassCosts
+COST_SMOOTHING = 0.2  # the weight of a new measured pass of several inputs in PassCosts
+ONE_SMOOTHING = 0.3  # the weight of a new one-input pass in its recent average
+RELAX = 0.02  # per one-input pass, the share of the way a measured cost moves back toward the prior
 DECAY = 0.9  # per observation, the weight left to older ones in a match length's acceptance
 PRIOR = (1.0, 2.0)  # (accepted, tested) a match length starts from: p = 0.5, outweighed by a few observations
 
@@ -73,32 +75,42 @@ class NgramIndex:
 
 @dataclass
 class PassCosts:
-    """Seconds of a decode pass (no prompt chunk) by its inputs, smoothed; shared by the requests of a model.
+    """What a decode pass (no prompt chunk) costs by its inputs, as a multiple of a one-input pass; shared by
+    the requests of a model, measured on the passes its loops run.
 
-    `relative(base, k)`: what k more inputs cost on a pass of `base`, as a multiple of that pass. Widths not
-    measured yet take the prior (1 + ROW_COST per input past the first, scaled from the one-input pass)."""
+    A busy machine (this one is shared) slows passes by whole multiples from one second to the next, so a pass
+    of w inputs is compared with the one-input passes just before it (a fast-moving average), never with an
+    old absolute time, and one comparison moves the estimate by a bounded step. A width that looked costly is
+    not written off for good: every one-input pass relaxes the estimates a little back toward the prior
+    (1 + ROW_COST per input past the first), so a width is tried again after a while."""
 
-    seconds: dict[int, float] = field(default_factory=dict)
+    one: float | None = None  # recent seconds of a one-input pass
+    ratio: dict[int, float] = field(default_factory=dict)  # inputs -> measured multiple of a one-input pass
     samples: dict[int, int] = field(default_factory=dict)
 
-    def add(self, inputs: int, seconds: float) -> None:
-        if not self.seconds:
-            self.seconds[inputs], self.samples[inputs] = seconds, 1
-            return
-        old, n = self._time(inputs), self.samples.get(inputs, 0)
-        seconds = min(max(seconds, old / 2), 2 * old)  # one pass slowed by a busy machine moves it little
-        weight = max(COST_SMOOTHING, 1 / (n + 2))  # the first few passes of a width outweigh its prior fast
-        self.seconds[inputs], self.samples[inputs] = (1 - weight) * old + weight * seconds, n + 1
+    @staticmethod
+    def prior(inputs: int) -> float:
+        return 1 + ROW_COST * (inputs - 1)
 
-    def _time(self, inputs: int) -> float:
-        got = self.seconds.get(inputs)
-        if got is not None:
-            return got
-        known = min(self.seconds, key=lambda w: abs(w - inputs), default=1)  # the nearest width measured
-        return self.seconds.get(known, 1.0) * (1 + ROW_COST * (inputs - 1)) / (1 + ROW_COST * (known - 1))
+    def add(self, inputs: int, seconds: float) -> None:
+        if inputs == 1:
+            self.one = seconds if self.one is None else (1 - ONE_SMOOTHING) * self.one + ONE_SMOOTHING * seconds
+            for w, r in self.ratio.items():
+                self.ratio[w] = r + RELAX * (self.prior(w) - r)
+            return
+        if self.one is None:
+            return
+        old, n = self.cost(inputs), self.samples.get(inputs, 0)
+        seen = min(max(seconds / self.one, old / 2, 1.0), 2 * old)  # a pass caught by a busy moment moves it 2x at most
+        weight = max(COST_SMOOTHING, 1 / (n + 2))  # the first passes of a width outweigh its prior fast
+        self.ratio[inputs], self.samples[inputs] = (1 - weight) * old + weight * seen, n + 1
+
+    def cost(self, inputs: int) -> float:
+        return 1.0 if inputs <= 1 else self.ratio.get(inputs, self.prior(inputs))
 
     def relative(self, base: int, k: int) -> float:
-        return self._time(base + k) / self._time(base) if k else 1.0
+        """What k more inputs cost on a pass of `base` inputs, as a multiple of that pass."""
+        return self.cost(base + k) / self.cost(base) if k else 1.0
 
 
 def best_guesses(p: float, most: int, cost: Callable[[int], float]) -> int:

@@ -7,6 +7,7 @@ however it is scheduled: concurrent answers must equal the answers given one at 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -191,6 +192,26 @@ def test_metrics_count_requests_tokens_and_latency(served: LiveServer) -> None:
     ):
         assert name in text, name
     assert 'llmplan_requests_total{endpoint="/v1/completions",status="200"}' in text
+
+
+def test_metrics_count_speculative_guesses(served: LiveServer) -> None:
+    def counted() -> dict[str, float]:
+        text = httpx.get(f"{served.base}/metrics").text
+        names = ("guessed_tokens_total", "accepted_tokens_total", "acceptance_ratio")
+        return {n: float(re.search(rf"^llmplan_speculative_{n} (\S+)$", text, re.M).group(1)) for n in names}
+
+    before = counted()
+    spec = {"speculative": {"tokens": 4, "ngram": 2}}
+    prompt = "keys and locks, keys and locks, keys and locks, keys and"
+    client(served).completions.create(
+        model="tiny-serve", prompt=prompt, max_tokens=MAX_NEW, temperature=0, extra_body=spec
+    )
+    after = counted()
+    guessed = after["guessed_tokens_total"] - before["guessed_tokens_total"]
+    accepted = after["accepted_tokens_total"] - before["accepted_tokens_total"]
+    assert guessed > 0 and 0 <= accepted <= guessed  # the repeated prompt's n-grams were guessed
+    assert 0 <= after["acceptance_ratio"] <= 1
+    assert after["acceptance_ratio"] == pytest.approx(after["accepted_tokens_total"] / after["guessed_tokens_total"])
 
 
 def test_a_full_queue_answers_429(tiny_model: Path, tmp_path: Path) -> None:
