@@ -32,7 +32,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, create_model, field_validator, model_validator
@@ -330,14 +330,22 @@ class ChatRequest(_Request, Tooled):
         """How the answer may call the request's tools (None: text), once `check_combination` ran."""
         return self._tools
 
+    def calls_in_template_style(self) -> None:
+        """Call the tools in the template's own style (Hermes' tags, Qwen2.5's): the template is given the
+        tools and the answer is held to its format (tool_calls.py)."""
+        if self._tools is not None:
+            self._tools = replace(self._tools, native=True)
+            self._shape = self._tools.format
+
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def tokenize_overrides(self, plan_system: str | None = None, renders_calls: bool = True) -> dict[str, Any]:
         """The tokenize stage's overrides: the chat as the template reads it. With tools to call, their
-        description ends the system turn (the request's, else the plan's `plan_system`); a template that
-        does not render `tool_calls` (`renders_calls`) gets the history's calls as text (tool_calls.py)."""
+        description ends the system turn (the request's, else the plan's `plan_system`), or, in the template's
+        own style, they are its `tools`; a template that does not render `tool_calls` (`renders_calls`) gets
+        the history's calls as text (tool_calls.py)."""
         chat = []
         for i, message in enumerate(self.messages):
             lacking = message.missing()
@@ -348,13 +356,15 @@ class ChatRequest(_Request, Tooled):
             except ValueError as bad:
                 raise FieldError(f"messages.{i}.content", str(bad)) from None
             chat.append(history_turn(message.for_template(content), renders_calls))
-        if self._tools is not None:
+        out: dict[str, Any] = {"messages": chat, "text": None, "prompts_file": None, "truncation": "error"}
+        if self._tools is not None and self._tools.native:
+            out["tools"] = self._tools.template_tools()
+        elif self._tools is not None:
             told = self._tools.describe()
             if chat[0]["role"] == "system":
                 chat[0] = chat[0] | {"content": f"{chat[0]['content']}\n\n{told}"}
             else:
                 chat.insert(0, {"role": "system", "content": f"{plan_system}\n\n{told}" if plan_system else told})
-        out: dict[str, Any] = {"messages": chat, "text": None, "prompts_file": None, "truncation": "error"}
         if any(m["role"] == "system" for m in chat):
             out["system"] = None  # the request's own system message replaces the plan's
         return out

@@ -53,7 +53,7 @@ from .openai_api import (
 )
 from .request_body import BodyError, parse_body, validate
 from .responses_api import ResponsesRequest, response_body, response_events
-from .tool_calls import CallStream
+from .tool_calls import MARKER, NATIVE_END, CallStream
 
 # Stage parameter names back to the request's own, for error messages.
 FIELD_NAMES = {"max_new_tokens": "max_tokens", "messages": "messages", "text": "prompt", "logprobs": "top_logprobs"}
@@ -253,6 +253,8 @@ class Answering:
         self.admitted = threading.Semaphore(settings.max_queue)
         template = ctx.tokenizer.chat_template if ctx is not None and ctx.tokenizer is not None else None
         self.renders_calls = template is not None and "tool_calls" in template  # else calls go in as text
+        # A template with Hermes' tool format of its own (Qwen2.5's): the tools go to it, calls in its tags.
+        self.template_calls = self.renders_calls and all(w in template for w in ("tools", MARKER, NATIVE_END))
 
     async def answer(
         self, request: Request, endpoint: str, schema: type[ChatRequest] | type[CompletionRequest]
@@ -356,6 +358,8 @@ class Answering:
         """Per choice: the stage overrides it runs with. n choices of one prompt differ by seed."""
         try:
             if isinstance(body, ChatRequest):
+                if self.template_calls:
+                    body.calls_in_template_style()
                 prompts = [
                     body.tokenize_overrides(self.host.plan.params(self.host.tokenize_id).system, self.renders_calls)
                 ]

@@ -14,9 +14,12 @@ The answer's text is then read back into `message.tool_calls` (ids `call_...`, `
 with `finish_reason: "tool_calls"`; an answer the token limit cut short stays text, with "length". A parameter
 schema keyword that cannot be enforced is a 400 naming `tools[i].function.parameters` and the keyword.
 
-The models' templates differ: one that renders `tool_calls` itself (Qwen2.5's) gets the history's calls as
-they came; one that does not (SmolLM2's) gets them as the text the model would have written (MARKER and the
-calls' JSON), so a later turn still sees what was called.
+The models' templates differ. One with a tool format of its own (Qwen2.5's, Hermes' style: it renders the
+`tools` variable and asks for `<tool_call>\n{"name": .., "arguments": ..}\n</tool_call>`) gets the tools
+as that variable, and the answer is held to its format instead (`ToolMode.native`: one tagged call per
+line). A template that renders `tool_calls` gets the history's calls with their arguments as mappings, as
+HF's templates read them; one that does not (SmolLM2's) gets them as the text the model would have written
+(MARKER and the calls' JSON), so a later turn still sees what was called.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -34,6 +37,8 @@ from llmplan.llm.output_format import JSON_OPTIONS, OutputFormat, UnsupportedFor
 from .structured_output import NAME, STRICT, ShapeError, refusal
 
 MARKER = "<tool_call>"
+NATIVE_END = "</tool_call>"
+NATIVE_SEP = "\n"  # between two calls in Hermes' style
 MAX_CALLS = 8  # calls in one parallel answer, at most
 MAX_TOOLS = 128  # OpenAI's limit
 EMPTY = {"type": "object", "properties": {}, "additionalProperties": False}  # OpenAI: no parameters
@@ -74,39 +79,68 @@ class Tooled(BaseModel):
 
 @dataclass(frozen=True)
 class ToolMode:
-    """How one request may call its tools, once checked: the format that holds the answer to them."""
+    """How one request may call its tools, once checked: the format that holds the answer to them, in this
+    server's own style (MARKER and the calls' JSON) or, for a template that has its own, Hermes' style
+    (`native`: each call `<tool_call>\n{json}\n</tool_call>`, as Qwen2.5's template asks)."""
 
     tools: tuple[Tool, ...]
     choice: str  # "auto", "required" or a function's name (a named choice)
     parallel: bool
-    format: OutputFormat
+    native: bool = False
 
     @property
     def free_text(self) -> bool:
         return self.choice == "auto"
 
+    @property
+    def chosen(self) -> tuple[Tool, ...]:
+        return tuple(t for t in self.tools if self.choice in ("auto", "required") or t.function.name == self.choice)
+
+    @property
+    def format(self) -> OutputFormat:
+        """The grammar of the answer: the calls, or (auto) free text that does not start with "<"."""
+        one = _call_schema(self.chosen)
+        compact = {"x-guidance": JSON_OPTIONS}  # as a schema's own answer is: no free whitespace
+        if self.native:  # each call in its tags, one per line
+            calls = f"call ({json.dumps(NATIVE_SEP)} call)~0..{MAX_CALLS - 1}" if self.parallel else "call"
+            body = f'{calls}\ncall: "{MARKER}\\n" body "\\n{NATIVE_END}"\nbody: %json {json.dumps(one | compact)}'
+        else:
+            listed = {"type": "array", "items": one, "minItems": 1, "maxItems": MAX_CALLS} if self.parallel else one
+            body = f'"{MARKER}" json\njson: %json {json.dumps(listed | compact)}'
+        if self.free_text:
+            return OutputFormat("grammar", f"start: TEXT | calls\ncalls: {body}\nTEXT: /([^<][\\s\\S]*)?/")
+        return OutputFormat("grammar", f"start: calls\ncalls: {body}")
+
     def describe(self) -> str:
-        """The tools, told to the model (the system turn's end)."""
+        """The tools, told to the model (the system turn's end) where its template has no tool format."""
         listed = [
             {"name": t.function.name, "description": t.function.description or "", "parameters": _params(t)}
-            for t in self.tools
-            if self.choice in ("auto", "required") or t.function.name == self.choice
+            for t in self.chosen
         ]
-        calls = "a JSON list of calls" if self.parallel and self.choice in ("auto", "required") else "one call"
+        calls = "a JSON list of calls" if self.parallel else "one call"
         how = f'{MARKER} followed by {calls}, each {{"name": <function name>, "arguments": {{...}}}}, and nothing else'
         when = f"To call functions, answer with {how}; otherwise answer." if self.free_text else f"Answer with {how}."
         return f"You can call these functions:\n{json.dumps(listed, ensure_ascii=False)}\n{when}"
+
+    def template_tools(self) -> list[dict[str, Any]]:
+        """The tools as the template's `tools` variable (OpenAI's shape, as HF's templates read it)."""
+        return [t.model_dump(exclude_none=True) for t in self.chosen]
 
     def read(self, text: str) -> list[dict[str, Any]] | None:
         """The calls in an answer, as OpenAI's `tool_calls`; None when it is text (or was cut short)."""
         if not text.startswith(MARKER):
             return None
-        text = text[len(MARKER) :]
         try:
-            made = json.loads(text)
+            if self.native:  # compact JSON has no raw newline: the tags between calls split them
+                if not text.endswith(NATIVE_END):
+                    return None  # cut short by the token limit: the finish reason says so
+                inner = text[len(MARKER) + 1 : -len(NATIVE_END) - 1]
+                calls = [json.loads(b) for b in inner.split(f"\n{NATIVE_END}{NATIVE_SEP}{MARKER}\n")]
+            else:
+                made = json.loads(text[len(MARKER) :])
+                calls = made if isinstance(made, list) else [made]
         except ValueError:
             return None  # cut short by the token limit: the finish reason says so
-        calls = made if isinstance(made, list) else [made]
         if not calls or not all(isinstance(c, dict) and "name" in c and "arguments" in c for c in calls):
             return None
         return [
@@ -120,7 +154,7 @@ class ToolMode:
 
 
 def tool_mode(tools: list[Tool] | None, choice: Any, parallel: bool | None) -> ToolMode | None:
-    """The request's tool mode (None: plain text), checked; ShapeError naming the field otherwise."""
+    """The request's tool mode (None: plain text), checked in both styles; ShapeError naming the field."""
     if choice is not None and not tools:
         raise ShapeError("tool_choice", "only allowed when tools are given")
     if not tools:
@@ -140,25 +174,22 @@ def tool_mode(tools: list[Tool] | None, choice: Any, parallel: bool | None) -> T
         return None
     if isinstance(choice, NamedChoice) and picked not in names:
         raise ShapeError("tool_choice", f"no tool is named {picked!r} (the tools: {', '.join(names)})")
-    chosen = tuple(t for t in tools if picked in ("auto", "required") or t.function.name == picked)
     wide = (parallel is None or parallel) and not isinstance(choice, NamedChoice)
-    schema = _calls_schema(chosen, wide)
-    # The marker, then the calls; with "auto", free text instead (which then may not start with "<")
-    calls = f'"{MARKER}" calls\ncalls: %json {json.dumps(schema)}'
-    grammar = f"start: TEXT | {calls}\nTEXT: /([^<][\\s\\S]*)?/" if picked == "auto" else f"start: {calls}"
-    fmt = OutputFormat("grammar", grammar)
-    try:
-        fmt.check()
-    except UnsupportedFormat as bad:  # each tool passed alone: only their union can be refused here
-        raise ShapeError("tools", refusal(bad, "tools")) from None
-    return ToolMode(tuple(tools), picked, wide, fmt)
+    mode = ToolMode(tuple(tools), picked, wide)
+    for style in (mode, replace(mode, native=True)):
+        try:
+            style.format.check()
+        except UnsupportedFormat as bad:  # each tool passed alone: only their union can be refused here
+            raise ShapeError("tools", refusal(bad, "tools")) from None
+    return mode
 
 
 def _params(tool: Tool) -> dict[str, Any]:
     return tool.function.parameters if tool.function.parameters is not None else EMPTY
 
 
-def _calls_schema(tools: tuple[Tool, ...], parallel: bool) -> dict[str, Any]:
+def _call_schema(tools: tuple[Tool, ...]) -> dict[str, Any]:
+    """One call of one of `tools`: {"name": its name, "arguments": valid for its parameters}."""
     calls = [
         {
             "type": "object",
@@ -168,16 +199,16 @@ def _calls_schema(tools: tuple[Tool, ...], parallel: bool) -> dict[str, Any]:
         }
         for t in tools
     ]
-    one: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    schema = {"type": "array", "items": one, "minItems": 1, "maxItems": MAX_CALLS} if parallel else one
-    return schema | {"x-guidance": JSON_OPTIONS}  # compact, as a schema's own answer is (no free whitespace)
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
 def history_turn(turn: dict[str, Any], template_renders_calls: bool) -> dict[str, Any]:
-    """An assistant turn of tool calls for a template that ignores `tool_calls`: the calls as the text the
-    model would have written (a template that renders them gets the turn as it came)."""
+    """An assistant turn of tool calls for the template: for one that ignores `tool_calls`, the calls as the
+    text the model would have written; for one that renders them, their arguments as mappings."""
     calls = turn.get("tool_calls")
-    if not calls or template_renders_calls:
+    if calls and template_renders_calls:  # HF's templates read arguments as a mapping (they tojson it)
+        return turn | {"tool_calls": [_arguments_read(call) for call in calls]}
+    if not calls:
         return turn
     written = []
     for call in calls:
@@ -187,6 +218,14 @@ def history_turn(turn: dict[str, Any], template_renders_calls: bool) -> dict[str
         written.append({"name": call["function"]["name"], "arguments": arguments})
     text = MARKER + json.dumps(written, ensure_ascii=False, separators=(", ", ": "))
     return turn | {"content": (turn.get("content") or "") + text, "tool_calls": None}
+
+
+def _arguments_read(call: dict[str, Any]) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call["function"]["arguments"])
+    except ValueError:
+        return call  # a client's own text: kept as the string it sent
+    return call | {"function": call["function"] | {"arguments": arguments}}
 
 
 @dataclass

@@ -30,7 +30,7 @@ from jinja2.sandbox import SecurityError
 
 from .chat_sandbox import MAX_TEMPLATE_CHARACTERS, RENDER_SECONDS, ChatTemplate, RenderTimeout
 from .files import FileProblem, read_json_limited, read_text_limited
-from .user_text import as_user_message, spans_of
+from .user_text import as_user_message, as_user_text, spans_of
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -132,10 +132,16 @@ class Tokenizer:
         return re.compile("|".join(re.escape(t) for t in texts)) if texts else None
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, add_bos: bool | None = False
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        add_bos: bool | None = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[str, list[int]]:
-        """(the rendered prompt, its ids): control tokens only where the template wrote them (module doc)."""
-        rendered = self._render([as_user_message(m) for m in messages], add_generation_prompt)
+        """(the rendered prompt, its ids): control tokens only where the template wrote them (module doc).
+        `tools`: the template's `tools` variable (OpenAI's function definitions), user text like the messages."""
+        given = {"tools": as_user_text(tools)} if tools else {}
+        rendered = self._render([as_user_message(m) for m in messages], add_generation_prompt, **given)
         text = str.__str__(rendered)
         ids: list[int] = []
         position = 0
@@ -240,12 +246,12 @@ class Tokenizer:
         """Render `messages` the way HF's apply_chat_template(tokenize=False) does."""
         return str.__str__(self._render(messages, add_generation_prompt))
 
-    def _render(self, messages: list[Any], add_generation_prompt: bool) -> str:
+    def _render(self, messages: list[Any], add_generation_prompt: bool, **variables: Any) -> str:
         """The rendered prompt, spans of the messages' text kept (llm/user_text.py); refusals name the file."""
         specials = {key: self._token_text(key) for key in ("bos_token", "eos_token", "unk_token", "pad_token")}
         where = self._template_file
         try:
-            return self._compiled_template.render(messages, add_generation_prompt, **specials)
+            return self._compiled_template.render(messages, add_generation_prompt, **specials, **variables)
         except RenderTimeout:
             raise TokenizerError(
                 f"{where}: the chat template ran longer than {RENDER_SECONDS:g} s (a runaway loop?); "

@@ -59,6 +59,9 @@ class RequestLine(Overrides):
 class TokenizeParams(Params):
     messages: list[Message] | None = Field(None, min_length=1, description="a chat: [{role, content}, ...]")
     system: str | None = Field(None, description="a system prompt put before `messages`")
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="function definitions (OpenAI's `tools`) for a chat template that renders them"
+    )
     text: str | None = Field(None, description="a raw prompt (no chat template)")
     prompts_file: str | None = Field(None, description="JSONL (one request per line) or Parquet (same columns)")
     id: str = Field("prompt", description="request id for a single prompt")
@@ -274,7 +277,9 @@ class Tokenize(Stage):
                     chat.insert(0, {"role": "system", "content": params.system})
                 # The template writes BOS itself when the model wants one; never add a second. Only the
                 # template's own text makes control tokens: "<|im_end|>" in a message stays text.
-                text, ids = tok.encode_chat(chat, add_generation_prompt=True, add_bos=params.add_bos == "always")
+                text, ids = tok.encode_chat(
+                    chat, add_generation_prompt=True, add_bos=params.add_bos == "always", tools=params.tools
+                )
                 kind = "chat"
             else:
                 if line.messages is not None:

@@ -231,7 +231,7 @@ def test_the_history_turn_is_the_calls_as_text_or_as_they_came() -> None:
     assert as_text[2]["content"] == MARKER + '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]'
     assert as_text[3] == {"role": "tool", "content": "-3 C, snow", "tool_call_id": "call_1"}
     as_came = body.tokenize_overrides(None, renders_calls=True)["messages"]
-    assert as_came[2]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'
+    assert as_came[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}  # as HF's templates read it
 
 
 UNENFORCEABLE = [
