@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -146,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     graph.add_argument("-o", "--output", required=True, help="plan.png | plan.svg | plan.dot | plan.mmd")
     graph.set_defaults(handler=cmd_graph)
 
-    stages = sub.add_parser("stages", help="list registered stages and their parameters")
+    stages = sub.add_parser("stages", help="list registered stages and their parameters, or one stage in full")
+    stages.add_argument("name", nargs="?", metavar="NAME", help="one stage (compute.generate): its description in full")
     stages.add_argument("--json", action="store_true")
     stages.set_defaults(handler=cmd_stages)
 
@@ -556,78 +558,45 @@ def cmd_graph(args: argparse.Namespace) -> int:
 
 
 def cmd_stages(args: argparse.Namespace) -> int:
+    from .messages import suggest
+    from .stage_docs import describe_stage, option_lines
+
     registry = _registry()
-    rows = [describe_stage(name, registry) for name in registry.names()]
+    names = registry.names()
+    if args.name is not None and args.name not in names:
+        raise CliError(f"no stage {args.name!r}{suggest(args.name, names)}; `llmplan stages` lists them all")
+    rows = [describe_stage(name, registry) for name in ([args.name] if args.name else names)]
     if args.json:
-        print(json.dumps(rows, indent=2, default=str))
+        print(json.dumps(rows[0] if args.name else rows, indent=2, default=str))
         return 0
     from rich.console import Console
     from rich.text import Text
 
     console = Console(highlight=False, markup=False, emoji=False)  # plugin names and docs are shown as written
-    for name, why in registry.broken.items():
-        console.print(f"{name}: failed to load: {why}", style="red")
+
+    def say(line: str) -> None:  # wrapped to the terminal, continued under its own text
+        hang = " " * (len(line) - len(line.lstrip(" •")) + 2)
+        console.print(textwrap.fill(line, max(console.width, 40), subsequent_indent=hang, break_on_hyphens=False))
+
+    if args.name is None:
+        for name, why in registry.broken.items():
+            console.print(f"{name}: failed to load: {why}", style="red")
     for row in rows:
-        console.print(Text.assemble((row["name"], "bold"), "  ", (f"({row['phase']})", "dim"), f"  {row['doc']}"))
+        doc = row["description"] if args.name else row["doc"]
+        console.print(Text.assemble((row["name"], "bold"), "  ", (f"({row['phase']})", "dim")))
+        for paragraph in doc.split("\n\n"):  # the description's own paragraphs, rewrapped to the terminal
+            say("    " + " ".join(paragraph.split()))
         flow = f"reads {', '.join(row['reads']) or '-'}  →  writes {', '.join(row['writes']) or '-'}"
         if row["fills"]:
             flow += f"  (may fill {', '.join(row['fills'])})"
         if row["edits"]:
             flow += f"  (edits {', '.join(row['edits'])} before any other reader)"
-        console.print(f"    {flow}{'  [always runs]' if row['always'] else ''}")
-        for param in row["params"]:
-            default = "" if param["required"] else f" = {param['default']!r}"
-            doc = f"  — {param['doc']}" if param["doc"] else ""
-            console.print(f"    • {param['name']}: {param['type']}{default}{doc}")
+        say(f"    {flow}{'  [always runs]' if row['always'] else ''}")
+        if args.name:
+            say("    options, under the stage's `with:`:" if row["params"] else "    no options")
+        for line in option_lines(row["params"]):
+            say(line)
     return 0
-
-
-def describe_stage(name: str, registry: Registry) -> dict[str, Any]:
-    cls = registry.stages[name]
-    params = []
-    for field_name, field in cls.Params.model_fields.items():
-        type_name = type_text(field.annotation)
-        default = None if field.is_required() else field.get_default(call_default_factory=True)
-        if hasattr(default, "model_dump"):
-            default = default.model_dump()
-        params.append(
-            {
-                "name": field.alias or field_name,
-                "type": type_name,
-                "required": field.is_required(),
-                "default": default,
-                "doc": field.description or "",
-            }
-        )
-    return {
-        "name": name,
-        "phase": str(cls.phase),
-        "doc": cls.summary(),
-        "reads": list(cls.reads) + [f"{s}?" for s in cls.optional_reads],
-        "writes": list(cls.writes),
-        "fills": list(cls.fills),
-        "edits": list(cls.edits),
-        "always": cls.always,
-        "params": params,
-        "module": cls.__module__,
-    }
-
-
-def type_text(annotation: Any) -> str:
-    """A readable type: Literal['a', 'b'] -> 'a' | 'b', Optional[int] -> int | None."""
-    import types
-    import typing
-
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is typing.Literal:
-        return " | ".join(repr(a) for a in args)
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join(type_text(a) for a in args)
-    if annotation is type(None):
-        return "None"
-    if origin is not None:
-        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(type_text(a) for a in args)}]"
-    return getattr(annotation, "__name__", str(annotation).replace("typing.", ""))
 
 
 def cmd_schema(args: argparse.Namespace) -> int:

@@ -75,7 +75,43 @@ def test_stages_lists_third_party_plugin_with_params(toy_plugin, capsys):
     assert numbers["module"] == "toy_stages"
     assert numbers["writes"] == ["ext.numbers"]
     count = next(p for p in numbers["params"] if p["name"] == "count")
-    assert count == {"name": "count", "type": "int", "required": False, "default": 3, "doc": "how many numbers"}
+    assert count == {
+        "name": "count",
+        "type": "1 <= int <= 1000",
+        "required": False,
+        "default": 3,
+        "doc": "how many numbers",
+        "options": [],
+    }
+
+
+def test_stages_reads_as_a_plan_is_written(capsys, monkeypatch):
+    """#29: readable types (no annotation reprs), defaults as YAML/JSON writes them, nested options beneath."""
+    monkeypatch.setenv("COLUMNS", "250")  # one line per option
+    assert main(["stages"]) == 0
+    listing = capsys.readouterr().out
+    for leak in ("Annotated", "StringConstraints", "FieldInfo", "typing.", "metadata="):
+        assert leak not in listing, leak
+    assert main(["stages", "compute.generate"]) == 0
+    one = capsys.readouterr().out.splitlines()
+    assert one[0].split() == ["compute.generate", "(compute)"]
+    assert "    • stop: list[str] = []  — stop strings (on decoded text)" in one
+    assert any(line.startswith("    • max_new_tokens: 1 <= int <= 1048576 = 256  — ") for line in one)
+    assert any(line.startswith('    • early_stopping: bool | "never" = false') for line in one)
+    assert any(line.startswith("    • seed: (int >= 0) | null = null") for line in one)
+    spec = next(i for i, line in enumerate(one) if line.startswith("    • speculative: Speculation | null = null"))
+    assert one[spec + 2].startswith("        • tokens: 1 <= int <= 16 = 4  — ")  # its own options, indented
+    assert main(["stages", "compute.generate", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["name"] == "compute.generate" and row["description"].startswith("Prefill and decode")
+    nested = next(p for p in row["params"] if p["name"] == "speculative")["options"]
+    assert [o["name"] for o in nested] == ["method", "tokens", "ngram"]
+
+
+def test_stages_of_an_unknown_name_is_one_line(capsys):
+    assert main(["stages", "compute.generat"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["no stage 'compute.generat' (did you mean 'compute.generate'?); `llmplan stages` lists them all"]
 
 
 def test_schema_types_each_stage_params(toy_plugin, capsys):
