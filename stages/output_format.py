@@ -151,6 +151,18 @@ def json_document_chunks(results: list[dict[str, Any]], *, plan: str | None, mod
     yield "\n"
 
 
+def candidate_lines(c: Result) -> list[str]:
+    """Beam search's candidates as the terminal shows them, best first: `1. (score -0.4211 · finish length) …`;
+    a text of several lines goes on indented under its number."""
+    lines = []
+    for rank, cand in enumerate(candidate_records(c), start=1):
+        finish = shown_finish(cand["finish_reason"], cand["finish_detail"])
+        score = float(cand["score"]) if cand["score"] is not None else float("nan")
+        text = "\n   ".join(str(cand["text"]).splitlines()) or "(empty)"
+        lines.append(f"{rank}. (score {score:.4f} · finish {finish}) {text}")
+    return lines
+
+
 def text_chunks(completions: Iterable[Result]) -> Iterator[str]:
     """Plain text: the answers; with several requests each is headed by `[id]`."""
     items = list(completions)

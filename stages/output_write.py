@@ -142,6 +142,9 @@ class OutputWrite(Stage):
                     continue
                 if many:
                     out.write(f"[{completion.request_id}]\n")
+                if len(completion.candidates) > 1 and completion.error is None:  # every beam, not only the best
+                    out.write("\n".join(fmt.candidate_lines(completion)) + "\n")
+                    continue
                 text = completion.text if completion.text or not completion.error else f"(error: {completion.error})"
                 out.write(text + ("" if text.endswith("\n") else "\n"))
         out.flush()

@@ -56,6 +56,18 @@ def test_terminal_text_and_summary(ctx, capsys):
     )
 
 
+def test_terminal_shows_every_beam_candidate_with_its_score(ctx, capsys):
+    beam = _beam()
+    beam.candidate_texts = ["The sky is blue.", "The sky.\nIt is."]
+    assert _write(ctx, [beam]) == ["terminal"]
+    out, _ = capsys.readouterr()
+    assert out.splitlines() == [
+        "1. (score -1.5000 · finish stop (eos)) The sky is blue.",
+        "2. (score -inf · finish length) The sky.",
+        "   It is.",
+    ]
+
+
 def test_streamed_text_is_not_printed_twice(ctx, capsys):
     _write(ctx, [_completion(streamed=True)])
     out, err = capsys.readouterr()
