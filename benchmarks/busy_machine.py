@@ -1,7 +1,7 @@
 """A busy machine (#30): llmplan and llama.cpp with 0, 1, 2 background CPU-bound spinners (and niced ones).
 
 Usage: python benchmarks/busy_machine.py OUT_PREFIX [--checkout NAME=DIR ...] [--levels 0,1,2,1n]
-           [--rounds N] [--prompt-tokens 118] [--gen-tokens 64]
+           [--rounds N] [--prompt-tokens 118] [--gen-tokens 64] [--no-llama]
 
 A level is a number of spinner processes (`while True: pass`), `n` after it runs them under `nice -n 19`.
 Per round and level: spinners start, the load average is recorded, then each checkout's
@@ -9,6 +9,8 @@ Per round and level: spinners start, the load average is recorded, then each che
 1, prefill, batch-16 aggregate decode; llmplan through the engine, then llama-bench / llama-batched-bench on
 the same model as Q8_0), the checkouts' order flipped every round; spinners stop. Medians over rounds; each
 figure also as a share of the same engine's quiet (level 0) figure. Writes OUT_PREFIX.json and .md.
+`--no-llama`: llmplan only (`llmplan bench --batch 1,16` without --vs), for A/B rounds of two checkouts
+where llama.cpp is not built or its time is better spent on more rounds.
 """
 
 from __future__ import annotations
@@ -35,15 +37,20 @@ def spinners(level: str) -> list[subprocess.Popen[bytes]]:
     return [subprocess.Popen(cmd) for _ in range(count)]
 
 
-def bench(checkout: Path, out: Path, prompt: int, gen: int) -> list[dict[str, Any]]:
+def bench(checkout: Path, out: Path, prompt: int, gen: int, llama: bool = True) -> list[dict[str, Any]]:
     cmd = [
-        str(checkout / ".venv/bin/llmplan"), "bench", "plans/llama-int8.yaml", "--vs", "llama.cpp", "--batch",
-        "1,16", "--runs", "1", "--no-cold", "--prompt-tokens", str(prompt), "--gen-tokens", str(gen),
-        "--format", "json", "--out", str(out),
+        str(checkout / ".venv/bin/llmplan"), "bench", "plans/llama-int8.yaml", *(["--vs", "llama.cpp"] if llama
+        else []), "--batch", "1,16", "--runs", "1", "--no-cold", "--prompt-tokens", str(prompt), "--gen-tokens",
+        str(gen), "--format", "json", "--out", str(out),
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     subprocess.run(cmd, cwd=checkout, check=True, capture_output=True, text=True, timeout=1800, env=env)
-    return json.loads(out.with_suffix(".json").read_text())["rows"]
+    found = json.loads(out.with_suffix(".json").read_text())
+    if llama:
+        return found["rows"]
+    by_batch = {row["batch"]: row for row in found["results"]}  # the --vs figures from a plain bench
+    figures = {"decode_b1": (1, "decode_tok_s"), "prefill": (1, "prefill_tok_s"), "decode_batch": (16, "decode_tok_s")}
+    return [{"figure": f, "llmplan": by_batch[b][key]} for f, (b, key) in figures.items()]
 
 
 def measure(args: argparse.Namespace, checkouts: list[tuple[str, Path]], tmp: Path) -> dict[str, Any]:
@@ -56,8 +63,9 @@ def measure(args: argparse.Namespace, checkouts: list[tuple[str, Path]], tmp: Pa
             try:
                 loads.setdefault(level, []).append(os.getloadavg()[0])
                 for name, checkout in order:
-                    for row in bench(checkout, tmp / f"{name}-{r}-{level}", args.prompt_tokens, args.gen_tokens):
-                        for engine in ("llmplan", "llama_cpp"):
+                    out = tmp / f"{name}-{r}-{level}"
+                    for row in bench(checkout, out, args.prompt_tokens, args.gen_tokens, not args.no_llama):
+                        for engine in ("llmplan", "llama_cpp")[: 1 if args.no_llama else 2]:
                             who = name if engine == "llmplan" else f"llama.cpp (beside {name})"
                             key = json.dumps([level, who, row["figure"]])
                             samples.setdefault(key, []).append(row[engine]["median"])
@@ -107,6 +115,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--prompt-tokens", type=int, default=118)
     ap.add_argument("--gen-tokens", type=int, default=64)
+    ap.add_argument("--no-llama", action="store_true", help="llmplan only: no llama.cpp runs")
     args = ap.parse_args()
     here = Path(__file__).resolve().parents[1]
     checkouts = [(c.split("=", 1)[0], Path(c.split("=", 1)[1])) for c in args.checkout] or [("this", here)]

@@ -10,7 +10,8 @@
 // integers (see gemm_int4), 4e-4 relative on the bundled model's logits, 15 bits where Q8_0 keeps 8.
 //
 // Threads: OpenMP over blocks of output rows. This library needs libgomp.so.1, which resolves to the copy
-// torch has already loaded, so these loops share torch's thread pool and its thread count.
+// torch has already loaded, so these loops share torch's thread pool and its thread count (the most a team
+// here takes; fewer on a busy machine, see "Threads on a busy machine" below).
 //
 // One row (M == 1): 4 weight rows at a time, k unrolled twice: 8 independent FMA chains, enough to hide
 // the FMA latency (with 4 chains the kernel was latency-bound at half the speed). The 4 rows come from 4
@@ -24,6 +25,8 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
+#include <stdio.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -108,6 +111,154 @@ static int64_t chunk_rows(int64_t M, int64_t K) {
     most = most < 32 ? 32 : most;
     const int64_t chunks = (M + most - 1) / most;
     return (M + chunks - 1) / chunks;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Threads on a busy machine (#30). Every product is split over a team and ends at a barrier, ~150 times a
+// token. With a static split, a thread that the kernel has descheduled (another job took its core) holds the
+// others at each barrier for a whole time slice: one background spinner on 2 cores left decode at 0.24 of
+// its quiet speed. Two remedies, both invisible in the results (each output is computed by the same code
+// whichever thread takes it, so results are bitwise equal under any team size and split):
+// - the products' blocks are taken in small pieces by whichever thread is awake (schedule(dynamic), `grain`),
+//   so a thread that starts late or is preempted between pieces costs at most the piece it holds;
+// - the team size adapts (`team`, `adapt_threads`), judged once per WINDOW_NS from two measures: the CPU
+//   time the calling thread got while inside the kernels, over the wall time it spent there (on a quiet
+//   machine ~1: it works or spins at the barriers; below CPU_SHARE its threads are losing their cores to
+//   other work), and the time it waited at the end of each product for the others (past WAIT_SHARE of the
+//   products' time). Either drops a thread, down to 1: no barrier at all, and a whole core when one other
+//   job runs on two. Below the most (omp_get_max_threads: torch's count), a thread is added back when the
+//   machine had a spare core over the last window (idle or niced time in /proc/stat), so a quiet machine
+//   gets all its threads again within a window or two.
+// `set_kernel_threads(n)` fixes the team at n (tests, A/B runs), -1 at the most (LLMPLAN_THREADS_ADAPT=0,
+// llm/native.py); 0 returns to adapting. `kernel_threads_stats` reports what happened.
+#define WINDOW_NS 100000000LL  // 100 ms: at least 10 jiffies of /proc/stat, a few dozen tokens
+#define WAIT_SHARE 0.30        // quiet: a few % (a barrier is ~1-3 us, a piece a sixteenth of a product)
+#define SPARE_CORE 0.6         // idle cores (of the whole machine) over a window that let a thread back in
+#define CPU_SHARE 0.85         // quiet: 0.97-1.0; one spinner beside 2 threads on 2 cores: ~0.67
+
+static inline int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+static int fixed_threads = 0;   // > 0: the team size, not adapted; < 0: the most, not adapted
+static int team_threads = 0;    // the adapted team size (0: not started: the most)
+static int64_t win_start = 0, win_region_ns = 0, win_wait_ns = 0;  // this window's products and waits
+static int64_t idle_mark = -1, idle_mark_ns = 0;  // /proc/stat idle jiffies (all CPUs) and when read
+static int64_t win_inside_ns = 0, win_cpu_ns = 0;  // the calling threads' wall and CPU time in the kernels
+static int64_t stat_drops = 0, stat_raises = 0, stat_regions = 0, stat_region_ns = 0, stat_wait_ns = 0;
+
+static int most_threads(void) {
+    const int n = omp_get_max_threads();
+    return n > 0 ? n : 1;
+}
+
+// The team size of the next parallel product.
+static inline int team(void) {
+    const int most = most_threads();
+    if (fixed_threads) return fixed_threads > 0 ? fixed_threads : most;
+    const int t = __atomic_load_n(&team_threads, __ATOMIC_RELAXED);
+    return t > 0 && t < most ? t : most;
+}
+
+// Blocks per piece of a dynamic split of `count` blocks over `nt` threads: 8 pieces a thread, so a thread
+// that is late by a piece leaves the others little to wait for, and the shared counter is taken rarely.
+static inline int64_t grain(int64_t count, int nt) {
+    const int64_t g = count / ((int64_t)nt * 8);
+    return g > 1 ? g : 1;
+}
+
+// A product's time and the first thread's wait at its end (from its last piece to the barrier's release).
+static inline void region_done(int64_t start, int64_t first_done) {
+    const int64_t end = now_ns();
+    __atomic_fetch_add(&win_region_ns, end - start, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&win_wait_ns, end - first_done, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&stat_regions, 1, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&stat_region_ns, end - start, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&stat_wait_ns, end - first_done, __ATOMIC_RELAXED);
+}
+
+// Spare jiffies of all CPUs (idle + iowait + nice of /proc/stat's first line: niced work yields its core to
+// ours), -1 where it cannot be read.
+static int64_t idle_jiffies(void) {
+    FILE *f = fopen("/proc/stat", "r");
+    if (!f) return -1;
+    unsigned long long v[5] = {0};
+    const int got = fscanf(f, "cpu %llu %llu %llu %llu %llu", v, v + 1, v + 2, v + 3, v + 4);
+    fclose(f);
+    return got == 5 ? (int64_t)(v[1] + v[3] + v[4]) : -1;
+}
+
+static inline int64_t thread_cpu_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+// Once a window: drop a thread when the calling thread got too little of a CPU inside the kernels or waited
+// past WAIT_SHARE of the products' time at their ends, add one back when a core was spare.
+static void adapt_threads(void) {
+    if (fixed_threads) return;
+    const int64_t t = now_ns();
+    if (win_start == 0) win_start = t;
+    if (t - win_start < WINDOW_NS) return;
+    const int most = most_threads();
+    int cur = team();
+    const int64_t region = win_region_ns, wait = win_wait_ns, inside = win_inside_ns, cpu = win_cpu_ns;
+    const int starved = inside > WINDOW_NS / 10 && (double)cpu < CPU_SHARE * (double)inside;
+    const int waiting = region > WINDOW_NS / 10 && (double)wait > WAIT_SHARE * (double)region;
+    if (cur > 1 && (starved || waiting)) {
+        cur--;
+        stat_drops++;
+        idle_mark = idle_jiffies(), idle_mark_ns = t;  // the spare-core check starts from here
+    } else if (cur < most) {
+        const int64_t idle = idle_jiffies();
+        if (idle >= 0 && idle_mark >= 0 && t > idle_mark_ns) {
+            const double hz = (double)sysconf(_SC_CLK_TCK), spare = (double)(idle - idle_mark) / hz /
+                                                                    ((double)(t - idle_mark_ns) * 1e-9);
+            if (spare >= SPARE_CORE) cur++, stat_raises++;
+        }
+        idle_mark = idle, idle_mark_ns = t;
+    }
+    __atomic_store_n(&team_threads, cur, __ATOMIC_RELAXED);
+    win_start = t, win_region_ns = 0, win_wait_ns = 0, win_inside_ns = 0, win_cpu_ns = 0;
+}
+
+// The calls from outside (forward_pass, the products): the outermost one on a thread times its wall and CPU
+// time and, on leaving, lets `adapt_threads` judge the window. KERNEL_CALL at the top of each: the cleanup
+// attribute runs `leave_kernel` at every return.
+static __thread int call_depth = 0;
+static __thread int64_t call_wall = 0, call_cpu = 0;
+
+static inline int enter_kernel(void) {
+    if (call_depth++ == 0 && !fixed_threads) call_wall = now_ns(), call_cpu = thread_cpu_ns();
+    return 0;
+}
+
+static inline void leave_kernel(int *unused) {
+    (void)unused;
+    if (--call_depth || fixed_threads) return;
+    __atomic_fetch_add(&win_inside_ns, now_ns() - call_wall, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&win_cpu_ns, thread_cpu_ns() - call_cpu, __ATOMIC_RELAXED);
+    adapt_threads();
+}
+#define KERNEL_CALL __attribute__((cleanup(leave_kernel), unused)) int kernel_call_ = enter_kernel()
+
+// n > 0: every product on n threads from now on, not adapted; -1: on the most, not adapted; 0: adapt again,
+// from the most.
+void set_kernel_threads(int64_t n) {
+    fixed_threads = n > 0 ? (int)n : (n < 0 ? -1 : 0);
+    __atomic_store_n(&team_threads, 0, __ATOMIC_RELAXED);
+    win_start = 0, win_region_ns = 0, win_wait_ns = 0, win_inside_ns = 0, win_cpu_ns = 0, idle_mark = -1;
+}
+
+// out[0..7]: team size now, the most, fixed (0, -1 or n), drops, raises, products timed, their ns, the first
+// thread's wait ns at their ends.
+void kernel_threads_stats(int64_t *out) {
+    const int64_t v[8] = {team(), most_threads(), fixed_threads, stat_drops, stat_raises, stat_regions,
+                          stat_region_ns, stat_wait_ns};
+    for (int i = 0; i < 8; i++) out[i] = v[i];
 }
 
 // Which build this is ("avx512" or "avx2"): the run's env metrics name the path taken.
@@ -274,15 +425,23 @@ static inline int next_rows(const Blocks *bl, const void *w, int64_t b, int64_t 
 #define ONE_ROW(NAME, T)                                                                           \
     static void one_row_##NAME(const T *w, const float *scale, const float *x, float *y, int64_t N, int64_t K) { \
         const int64_t L = (N + NB - 1) / NB;                                                       \
-        _Pragma("omp parallel for schedule(static)")                                               \
-        for (int64_t b = 0; b < L; b++) {                                                          \
-            const T *rows[NB];                                                                     \
-            for (int64_t r = 0; r < NB; r++) rows[r] = w + strided_row(b, r, L, N) * K;           \
-            float out[NB];                                                                         \
-            dot4_one_##NAME(rows[0], rows[1], rows[2], rows[3], x, K, K * (int64_t)sizeof(T), out);   \
-            for (int64_t r = 0; r < NB && b + r * L < N; r++)                                      \
-                y[b + r * L] = out[r] * (scale ? scale[b + r * L] : 1.0f);                         \
+        const int nt = team();                                                                     \
+        const int64_t g = grain(L, nt), start = now_ns();                                          \
+        int64_t first_done = start;                                                                \
+        _Pragma("omp parallel num_threads(nt)")                                                    \
+        {                                                                                          \
+            _Pragma("omp for schedule(dynamic, g) nowait")                                         \
+            for (int64_t b = 0; b < L; b++) {                                                      \
+                const T *rows[NB];                                                                 \
+                for (int64_t r = 0; r < NB; r++) rows[r] = w + strided_row(b, r, L, N) * K;       \
+                float out[NB];                                                                     \
+                dot4_one_##NAME(rows[0], rows[1], rows[2], rows[3], x, K, K * (int64_t)sizeof(T), out); \
+                for (int64_t r = 0; r < NB && b + r * L < N; r++)                                  \
+                    y[b + r * L] = out[r] * (scale ? scale[b + r * L] : 1.0f);                     \
+            }                                                                                      \
+            if (omp_get_thread_num() == 0) first_done = now_ns();                                  \
         }                                                                                          \
+        region_done(start, first_done);                                                            \
     }
 
 // Up to GROUP activation rows against 2 weight rows, each row's sums in DOT4_ONE's order exactly (chain a over
@@ -351,7 +510,12 @@ static inline int next_rows(const Blocks *bl, const void *w, int64_t b, int64_t 
     static void few_rows_##NAME(const T *w, const float *scale, const float *x, float *y, int64_t M, int64_t N, \
                                 int64_t K) {                                                                    \
         const int64_t L = (N + NB - 1) / NB;                                                                    \
-        _Pragma("omp parallel for schedule(static)")                                                            \
+        const int nt = team();                                                                                  \
+        const int64_t g = grain(L, nt), start = now_ns();                                                       \
+        int64_t first_done = start;                                                                             \
+        _Pragma("omp parallel num_threads(nt)")                                                                 \
+        {                                                                                                       \
+        _Pragma("omp for schedule(dynamic, g) nowait")                                                          \
         for (int64_t b = 0; b < L; b++) {                                                                       \
             const T *rows[NB];                                                                                  \
             for (int64_t r = 0; r < NB; r++) rows[r] = w + strided_row(b, r, L, N) * K;                        \
@@ -367,6 +531,9 @@ static inline int next_rows(const Blocks *bl, const void *w, int64_t b, int64_t 
                 }                                                                                               \
             }                                                                                                   \
         }                                                                                                       \
+        if (omp_get_thread_num() == 0) first_done = now_ns();                                                   \
+        }                                                                                                       \
+        region_done(start, first_done);                                                                         \
     }
 
 DOT4_ONE(i8, int8_t, vld_i8, vld8_i8)
@@ -408,10 +575,13 @@ static void gemm_widened(const WideRows *src, const float *x, float *y, int64_t 
     const Blocks bl = blocks_of(N, 0);
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
         const int64_t mc = M - m0 < MC ? M - m0 : MC;
-#pragma omp parallel
+        const int nt = team();
+        const int64_t g = grain(bl.count, nt), start = now_ns();
+        int64_t first_done = start;
+#pragma omp parallel num_threads(nt)
         {
             float *wide = (float *)_mm_malloc(NR * K * sizeof(float), 64);  // this thread's widened rows
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, g) nowait
             for (int64_t b = 0; b < bl.count; b++) {
                 int64_t n[NR];
                 const int nr = block_rows(&bl, b, n);
@@ -427,7 +597,9 @@ static void gemm_widened(const WideRows *src, const float *x, float *y, int64_t 
                           more ? next : NULL, src->row_bytes);
             }
             _mm_free(wide);
+            if (omp_get_thread_num() == 0) first_done = now_ns();
         }
+        region_done(start, first_done);
     }
 }
 
@@ -438,6 +610,7 @@ static void widen_i8_row(const WideRows *src, int64_t n, float *dst) {
 // int8 codes with one fp32 scale per output row: y[m, n] = scale[n] * sum_k x[m, k] * q[n, k].
 // Requires K % 8 == 0 (checked by the caller).
 void gemm_int8(const float *x, const int8_t *q, const float *scale, float *y, int64_t M, int64_t N, int64_t K) {
+    KERNEL_CALL;
     if (M == 1) {
         one_row_i8(q, scale, x, y, N, K);
         return;
@@ -452,6 +625,7 @@ void gemm_int8(const float *x, const int8_t *q, const float *scale, float *y, in
 
 // fp32 weights: y[m, n] = sum_k x[m, k] * w[n, k]. Requires K % 8 == 0.
 void gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K) {
+    KERNEL_CALL;
     if (M == 1) {
         one_row_f32(w, NULL, x, y, N, K);
         return;
@@ -464,17 +638,26 @@ void gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, in
     const Blocks bl = blocks_of(N, M <= STREAM_ROWS);
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
         const int64_t mc = M - m0 < MC ? M - m0 : MC;
-#pragma omp parallel for schedule(static)
-        for (int64_t b = 0; b < bl.count; b++) {
-            int64_t n[NR];
-            const int nr = block_rows(&bl, b, n);
-            const float *wr[NR];
-            const char *next[NR];
-            for (int r = 0; r < NR; r++) wr[r] = w + n[r] * K;
-            const int more = next_rows(&bl, w, b, row_bytes, next);
-            const int64_t at = block_base(&bl, b);
-            rows_tile(wr, x + m0 * K, mc, K, y + m0 * N + at, N, bl.step, nr, NULL, more ? next : NULL, row_bytes);
+        const int nt = team();
+        const int64_t g = grain(bl.count, nt), start = now_ns();
+        int64_t first_done = start;
+#pragma omp parallel num_threads(nt)
+        {
+#pragma omp for schedule(dynamic, g) nowait
+            for (int64_t b = 0; b < bl.count; b++) {
+                int64_t n[NR];
+                const int nr = block_rows(&bl, b, n);
+                const float *wr[NR];
+                const char *next[NR];
+                for (int r = 0; r < NR; r++) wr[r] = w + n[r] * K;
+                const int more = next_rows(&bl, w, b, row_bytes, next);
+                const int64_t at = block_base(&bl, b);
+                rows_tile(wr, x + m0 * K, mc, K, y + m0 * N + at, N, bl.step, nr, NULL, more ? next : NULL,
+                          row_bytes);
+            }
+            if (omp_get_thread_num() == 0) first_done = now_ns();
         }
+        region_done(start, first_done);
     }
 }
 
@@ -497,6 +680,7 @@ static void widen_half_row(const WideRows *src, int64_t n, float *dst) {
 }
 
 void gemm_half(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K, int64_t f16) {
+    KERNEL_CALL;
     if (M == 1) {
         if (f16)
             one_row_f16(w, NULL, x, y, N, K);
@@ -787,24 +971,33 @@ static void few_rows_int4(const float *x, const uint8_t *packed, const uint16_t 
 // y[m, n] = sum_k x[m, k] * w[n, k] for int4 groups; packed uint8 [N, K/2], scale/zero fp16 [N, K/G].
 void gemm_int4(const float *x, const uint8_t *packed, const uint16_t *scale, const uint16_t *zero, float *y,
                int64_t M, int64_t N, int64_t K, int64_t G) {
+    KERNEL_CALL;
     const int64_t groups = K / G;
     if (M == 1) {
         int16_t *xq = (int16_t *)malloc(K * sizeof(int16_t));  // x rounded, in the order the codes meet it
         float *xscale = (float *)malloc(groups * sizeof(float)), *xsum = (float *)malloc(groups * sizeof(float));
         quantize_x16(x, xq, xscale, xsum, K, G);
         const int64_t L = (N + NB - 1) / NB;  // rows per stream (see ONE_ROW)
-#pragma omp parallel for schedule(static)
-        for (int64_t b = 0; b < L; b++) {
-            const uint8_t *p[NB];
-            const uint16_t *sc[NB], *ze[NB];
-            for (int64_t r = 0; r < NB; r++) {
-                const int64_t n = strided_row(b, r, L, N);
-                p[r] = packed + n * (K / 2), sc[r] = scale + n * groups, ze[r] = zero + n * groups;
+        const int nt = team();
+        const int64_t g = grain(L, nt), start = now_ns();
+        int64_t first_done = start;
+#pragma omp parallel num_threads(nt)
+        {
+#pragma omp for schedule(dynamic, g) nowait
+            for (int64_t b = 0; b < L; b++) {
+                const uint8_t *p[NB];
+                const uint16_t *sc[NB], *ze[NB];
+                for (int64_t r = 0; r < NB; r++) {
+                    const int64_t n = strided_row(b, r, L, N);
+                    p[r] = packed + n * (K / 2), sc[r] = scale + n * groups, ze[r] = zero + n * groups;
+                }
+                float out[NB];
+                dot4_one_int4(p, sc, ze, xq, xscale, xsum, K, G, out);
+                for (int64_t r = 0; r < NB && b + r * L < N; r++) y[b + r * L] = out[r];
             }
-            float out[NB];
-            dot4_one_int4(p, sc, ze, xq, xscale, xsum, K, G, out);
-            for (int64_t r = 0; r < NB && b + r * L < N; r++) y[b + r * L] = out[r];
+            if (omp_get_thread_num() == 0) first_done = now_ns();
         }
+        region_done(start, first_done);
         free(xsum);
         free(xq);
         free(xscale);
@@ -918,7 +1111,7 @@ static void linear(const Linear *l, const float *x, float *y, int64_t M) {
 }
 
 static void rms_norm(const float *x, const float *w, float *y, int64_t M, int64_t D, float eps) {
-#pragma omp parallel for schedule(static) if (M >= 16)
+#pragma omp parallel for schedule(static) num_threads(team()) if (M >= 16)
     for (int64_t m = 0; m < M; m++) {
         const float *xm = x + m * D;
         float ss = 0.0f;
@@ -930,7 +1123,7 @@ static void rms_norm(const float *x, const float *w, float *y, int64_t M, int64_
 
 // h += d over n floats (the residuals), in parallel when `many`.
 static void add_rows(float *h, const float *d, int64_t n, int many) {
-#pragma omp parallel for schedule(static) if (many)
+#pragma omp parallel for schedule(static) num_threads(team()) if (many)
     for (int64_t i = 0; i < n; i++) h[i] += d[i];
 }
 
@@ -1221,6 +1414,7 @@ void forward_pass(const DecodeModel *m, const int64_t *tokens, const int64_t *po
           *act = gu + M * 2 * I;
     const float scale = m->attn_scale > 0.0f ? m->attn_scale : 1.0f / sqrtf((float)hd);
     const int many = M >= MANY_INPUTS;
+    KERNEL_CALL;
     step_clock(m, 0);
     for (int64_t r = 0; r < M; r++) memcpy(h + r * D, m->embed + tokens[r] * D, D * sizeof(float));
     if (m->embed_scale != 1.0f)
@@ -1240,7 +1434,7 @@ void forward_pass(const DecodeModel *m, const int64_t *tokens, const int64_t *po
         const Layer *L = m->layers + l;
         rms_norm(h, L->attn_norm, xn, M, D, m->eps);
         linear(&L->wqkv, xn, qkv, M);
-#pragma omp parallel for schedule(static) if (many)
+#pragma omp parallel for schedule(static) num_threads(team()) if (many)
         for (int64_t r = 0; r < M; r++) {
             float *q = qkv + r * qkv_w, *k = q + H * hd, *v = k + KV * hd;
             if (L->qkv_bias)
@@ -1256,15 +1450,19 @@ void forward_pass(const DecodeModel *m, const int64_t *tokens, const int64_t *po
                 store_kv(m, L, at, k + g * hd, v + g * hd, hd);
             }
         }
-#pragma omp parallel
+        const int nt = team();
+        const int64_t start = now_ns();
+        int64_t first_done = start;
+#pragma omp parallel num_threads(nt)
         {
             float *scores = (float *)malloc((size_t)rep * span * sizeof(float));  // this thread's
             // a 16-bit cache: this thread's fp32 copies of an item's keys and values
             float *wide = m->kv_format == KV_F32 ? NULL : (float *)malloc((size_t)2 * span * hd * sizeof(float));
             // a ring's second piece (its slots wrap past the last row): this thread's partials of it
             float *extra = L->rows < T ? (float *)malloc((size_t)rep * (hd + 2) * sizeof(float)) : NULL;
-            // Round-robin: a prompt chunk's later inputs attend over more slots than its first ones.
-#pragma omp for schedule(static, 1)
+            // One item at a time to whichever thread is free: a prompt chunk's later inputs attend over more
+            // slots than its first ones, and a descheduled thread leaves its share to the others.
+#pragma omp for schedule(dynamic, 1) nowait
             for (int64_t item = 0; item < items; item++) {
                 const int64_t rg = item / chunks, c = item % chunks, r = rg / KV, g = rg % KV;
                 int64_t t0 = c * span, t1 = t0 + span < slots[r] + 1 ? t0 + span : slots[r] + 1;
@@ -1287,8 +1485,10 @@ void forward_pass(const DecodeModel *m, const int64_t *tokens, const int64_t *po
             free(scores);
             free(wide);
             free(extra);
+            if (omp_get_thread_num() == 0) first_done = now_ns();
         }
-#pragma omp parallel for schedule(static) if (many)
+        region_done(start, first_done);
+#pragma omp parallel for schedule(static) num_threads(team()) if (many)
         for (int64_t r = 0; r < M; r++)  // merge the chunks: rescale each to the common max
             for (int64_t hq = 0; hq < H; hq++) {
                 const int64_t g = hq / rep, j = hq % rep;
@@ -1313,7 +1513,7 @@ void forward_pass(const DecodeModel *m, const int64_t *tokens, const int64_t *po
         step_clock(m, 1 + 2 * l);
         rms_norm(h, L->ffn_norm, xn, M, D, m->eps);
         linear(&L->w13, xn, gu, M);
-#pragma omp parallel for schedule(static) if (many)
+#pragma omp parallel for schedule(static) num_threads(team()) if (many)
         for (int64_t r = 0; r < M; r++) {
             if (m->gelu)
                 geglu(gu + r * 2 * I, gu + r * 2 * I + I, act + r * I, I);

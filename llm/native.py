@@ -92,6 +92,25 @@ class NativeKernels:
         self._bitmask = lib.apply_token_bitmask
         self._bitmask.argtypes = [ptr, ptr, i64]
         self._bitmask.restype = i64
+        lib.set_kernel_threads.argtypes = [i64]
+        lib.set_kernel_threads.restype = None
+        lib.kernel_threads_stats.argtypes = [ptr]
+        lib.kernel_threads_stats.restype = None
+        if os.environ.get("LLMPLAN_THREADS_ADAPT", "1") == "0":
+            lib.set_kernel_threads(-1)  # every product on torch's thread count, as before #30
+
+    def set_threads(self, n: int) -> None:
+        """Run every product on `n` threads from now on (tests, A/B runs); 0: adapt the count to the machine's
+        load again (the default, cpu_kernels.c "Threads on a busy machine"), -1: torch's count, not adapted."""
+        self.lib.set_kernel_threads(n)
+
+    def thread_stats(self) -> dict[str, int]:
+        """How the team size adapted so far: its size now, the most (torch's count), fixed (0: adapting),
+        drops, raises, and the products timed with the first thread's wait at their ends."""
+        out = (ctypes.c_int64 * 8)()
+        self.lib.kernel_threads_stats(out)
+        names = ("threads", "most", "fixed", "drops", "raises", "products", "product_ns", "wait_ns")
+        return dict(zip(names, (int(v) for v in out), strict=True))
 
     @staticmethod
     def supports(x: Tensor, weight: Tensor) -> bool:

@@ -24,12 +24,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import subprocess
 from pathlib import Path
 from typing import Any
 
 from llmplan.engine.cli import CliError
+from llmplan.openmp_env import foreign_env
 
 from .measure import bench_overrides, load, random_prompts, run_once
 from .report import machine
@@ -43,7 +43,7 @@ _SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "build_llama_serv
 
 def llama_bin(build: str, say: Any) -> Path:
     """The directory of the llama.cpp tools, building them the first time (several minutes)."""
-    env = dict(os.environ, LLAMA_CPU=build)
+    env = foreign_env(LLAMA_CPU=build)
     say(f"bench: llama.cpp ({build}) from {_SCRIPT.name}")
     done = subprocess.run(["bash", str(_SCRIPT)], capture_output=True, text=True, env=env)
     if done.returncode != 0:
@@ -62,7 +62,7 @@ def gguf_for(dtype: str, source: Path, bin_dir: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     cmd = [str(bin_dir / "llama-quantize"), "--allow-requantize", str(source), str(tmp), kind]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=foreign_env())
     if done.returncode != 0:
         raise CliError(f"llama-quantize to {kind} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
     tmp.replace(out)
@@ -70,7 +70,7 @@ def gguf_for(dtype: str, source: Path, bin_dir: Path) -> Path:
 
 
 def _run_json(cmd: list[str]) -> list[dict[str, Any]]:
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=foreign_env())
     if done.returncode != 0:
         raise CliError(f"{Path(cmd[0]).name} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
     text = done.stdout.strip()

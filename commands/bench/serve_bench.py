@@ -28,6 +28,7 @@ from llmplan.engine.cli import CliError, new_context
 from llmplan.engine.plan import load_plan
 from llmplan.engine.registry import discover
 from llmplan.engine.runner import Runner
+from llmplan.openmp_env import foreign_env
 
 from .load_generator import LoadSummary, build_prompts, run_load
 from .measure import stage_ids
@@ -59,7 +60,7 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], what: str, timeout_s: fl
 def running(cmd: list[str], what: str, url: str, log: Path) -> Iterator[None]:
     """A server process for the block's duration; stopped (SIGTERM, then SIGKILL) however the block ends."""
     with open(log, "wb") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=foreign_env())
         try:
             wait_ready(url, proc, what)
             yield
@@ -112,7 +113,7 @@ def llama_server_paths() -> tuple[str, str]:
         path = SCRIPTS / script
         if not path.is_file():
             raise CliError(f"{path}: not found (--vs llama-server runs from a checkout of llmplan)")
-        done = subprocess.run(["bash", str(path)], stdout=subprocess.PIPE, text=True, check=False)
+        done = subprocess.run(["bash", str(path)], stdout=subprocess.PIPE, text=True, check=False, env=foreign_env())
         if done.returncode or not done.stdout.strip():
             raise CliError(f"{script} failed (exit {done.returncode}); its messages are above")
         paths.append(done.stdout.strip().splitlines()[-1])
