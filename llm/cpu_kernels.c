@@ -122,10 +122,10 @@ static int64_t chunk_rows(int64_t M, int64_t K) {
 // - the products' blocks are taken in small pieces by whichever thread is awake (schedule(dynamic), `grain`),
 //   so a thread that starts late or is preempted between pieces costs at most the piece it holds;
 // - the team size adapts (`team`, `adapt_threads`), judged once per WINDOW_NS from two measures: the CPU
-//   time the calling thread got while inside the kernels, over the wall time it spent there (on a quiet
-//   machine ~1: it works or spins at the barriers; below CPU_SHARE its threads are losing their cores to
-//   other work), and the time it waited at the end of each product for the others (past WAIT_SHARE of the
-//   products' time). Either drops a thread, down to 1: no barrier at all, and a whole core when one other
+//   time the calling thread got over the window's wall time, where it spent most of the window inside the
+//   kernels (on a quiet machine ~1: it works, or spins at the barriers; below CPU_SHARE its threads are
+//   losing their cores to other work), and the time it waited at the end of each product for the others
+//   (past WAIT_SHARE of the products' time). Either drops a thread, down to 1: no barrier at all, and a whole core when one other
 //   job runs on two. Below the most (omp_get_max_threads: torch's count), a thread is added back when the
 //   machine had a spare core over the last window (idle or niced time in /proc/stat), so a quiet machine
 //   gets all its threads again within a window or two.
@@ -146,7 +146,10 @@ static int fixed_threads = 0;   // > 0: the team size, not adapted; < 0: the mos
 static int team_threads = 0;    // the adapted team size (0: not started: the most)
 static int64_t win_start = 0, win_region_ns = 0, win_wait_ns = 0;  // this window's products and waits
 static int64_t idle_mark = -1, idle_mark_ns = 0;  // /proc/stat idle jiffies (all CPUs) and when read
-static int64_t win_inside_ns = 0, win_cpu_ns = 0;  // the calling threads' wall and CPU time in the kernels
+static int64_t win_inside_ns = 0;  // wall time in the outermost kernel calls this window
+static const void *win_owner = NULL;  // the thread that started the window, and its CPU time then
+static int64_t win_cpu0 = 0;
+static __thread char thread_token;  // its address tells the calling threads apart
 static int64_t stat_drops = 0, stat_raises = 0, stat_regions = 0, stat_region_ns = 0, stat_wait_ns = 0;
 
 static int most_threads(void) {
@@ -201,12 +204,14 @@ static inline int64_t thread_cpu_ns(void) {
 static void adapt_threads(void) {
     if (fixed_threads) return;
     const int64_t t = now_ns();
-    if (win_start == 0) win_start = t;
+    if (win_start == 0) win_start = t, win_owner = &thread_token, win_cpu0 = thread_cpu_ns();
     if (t - win_start < WINDOW_NS) return;
     const int most = most_threads();
     int cur = team();
-    const int64_t region = win_region_ns, wait = win_wait_ns, inside = win_inside_ns, cpu = win_cpu_ns;
-    const int starved = inside > WINDOW_NS / 10 && (double)cpu < CPU_SHARE * (double)inside;
+    const int64_t region = win_region_ns, wait = win_wait_ns, inside = win_inside_ns, wall = t - win_start;
+    const int64_t cpu_now = thread_cpu_ns();  // two clock syscalls a window, none per call
+    const int starved = win_owner == &thread_token && inside > wall / 2 && (double)(cpu_now - win_cpu0) <
+                                                                                CPU_SHARE * (double)wall;
     const int waiting = region > WINDOW_NS / 10 && (double)wait > WAIT_SHARE * (double)region;
     if (cur > 1 && (starved || waiting)) {
         cur--;
@@ -222,17 +227,18 @@ static void adapt_threads(void) {
         idle_mark = idle, idle_mark_ns = t;
     }
     __atomic_store_n(&team_threads, cur, __ATOMIC_RELAXED);
-    win_start = t, win_region_ns = 0, win_wait_ns = 0, win_inside_ns = 0, win_cpu_ns = 0;
+    win_start = t, win_region_ns = 0, win_wait_ns = 0, win_inside_ns = 0;
+    win_owner = &thread_token, win_cpu0 = cpu_now;
 }
 
-// The calls from outside (forward_pass, the products): the outermost one on a thread times its wall and CPU
-// time and, on leaving, lets `adapt_threads` judge the window. KERNEL_CALL at the top of each: the cleanup
+// The calls from outside (forward_pass, the products): the outermost one on a thread times its wall time
+// and, on leaving, lets `adapt_threads` judge the window. KERNEL_CALL at the top of each: the cleanup
 // attribute runs `leave_kernel` at every return.
 static __thread int call_depth = 0;
-static __thread int64_t call_wall = 0, call_cpu = 0;
+static __thread int64_t call_wall = 0;
 
 static inline int enter_kernel(void) {
-    if (call_depth++ == 0 && !fixed_threads) call_wall = now_ns(), call_cpu = thread_cpu_ns();
+    if (call_depth++ == 0 && !fixed_threads) call_wall = now_ns();
     return 0;
 }
 
@@ -240,7 +246,6 @@ static inline void leave_kernel(int *unused) {
     (void)unused;
     if (--call_depth || fixed_threads) return;
     __atomic_fetch_add(&win_inside_ns, now_ns() - call_wall, __ATOMIC_RELAXED);
-    __atomic_fetch_add(&win_cpu_ns, thread_cpu_ns() - call_cpu, __ATOMIC_RELAXED);
     adapt_threads();
 }
 #define KERNEL_CALL __attribute__((cleanup(leave_kernel), unused)) int kernel_call_ = enter_kernel()
@@ -250,7 +255,7 @@ static inline void leave_kernel(int *unused) {
 void set_kernel_threads(int64_t n) {
     fixed_threads = n > 0 ? (int)n : (n < 0 ? -1 : 0);
     __atomic_store_n(&team_threads, 0, __ATOMIC_RELAXED);
-    win_start = 0, win_region_ns = 0, win_wait_ns = 0, win_inside_ns = 0, win_cpu_ns = 0, idle_mark = -1;
+    win_start = 0, win_region_ns = 0, win_wait_ns = 0, win_inside_ns = 0, idle_mark = -1;
 }
 
 // out[0..7]: team size now, the most, fixed (0, -1 or n), drops, raises, products timed, their ns, the first
