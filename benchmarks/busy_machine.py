@@ -47,7 +47,8 @@ def bench(checkout: Path, out: Path, prompt: int, gen: int, llama: bool = True) 
     subprocess.run(cmd, cwd=checkout, check=True, capture_output=True, text=True, timeout=1800, env=env)
     found = json.loads(out.with_suffix(".json").read_text())
     if llama:
-        return found["rows"]
+        threads = found["machine"].get("kernel_threads")
+        return [{**row, "kernel_threads": threads} for row in found["rows"]]
     by_batch = {row["batch"]: row for row in found["results"]}  # the --vs figures from a plain bench
     figures = {"decode_b1": (1, "decode_tok_s"), "prefill": (1, "prefill_tok_s"), "decode_batch": (16, "decode_tok_s")}
     return [{"figure": f, "llmplan": by_batch[b][key]} for f, (b, key) in figures.items()]
@@ -56,6 +57,7 @@ def bench(checkout: Path, out: Path, prompt: int, gen: int, llama: bool = True) 
 def measure(args: argparse.Namespace, checkouts: list[tuple[str, Path]], tmp: Path) -> dict[str, Any]:
     samples: dict[str, list[float]] = {}
     loads: dict[str, list[float]] = {}
+    teams: dict[str, list[dict[str, int]]] = {}
     for r in range(args.rounds):
         order = checkouts if r % 2 == 0 else checkouts[::-1]
         for level in args.levels.split(","):
@@ -69,12 +71,14 @@ def measure(args: argparse.Namespace, checkouts: list[tuple[str, Path]], tmp: Pa
                             who = name if engine == "llmplan" else f"llama.cpp (beside {name})"
                             key = json.dumps([level, who, row["figure"]])
                             samples.setdefault(key, []).append(row[engine]["median"])
+                    if row.get("kernel_threads"):  # the team at the end, drops and raises (#30)
+                        teams.setdefault(json.dumps([level, name]), []).append(row["kernel_threads"])
                     print(f"round {r} level {level} {name} done", file=sys.stderr, flush=True)
             finally:
                 for proc in procs:
                     proc.kill()
                     proc.wait()
-    return {"samples": samples, "loadavg_before": loads}
+    return {"samples": samples, "loadavg_before": loads, "kernel_threads": teams}
 
 
 def rows_of(samples: dict[str, list[float]]) -> list[dict[str, Any]]:
@@ -124,7 +128,7 @@ def main() -> None:
         found = measure(args, checkouts, Path(tmp))
     meta = {"cpu": cpu_flags(), "rounds": args.rounds, "prompt_tokens": args.prompt_tokens,
             "gen_tokens": args.gen_tokens, "loadavg_start": start, "loadavg_end": os.getloadavg(),
-            "loadavg_before": found["loadavg_before"]}  # fmt: skip
+            "loadavg_before": found["loadavg_before"], "kernel_threads": found["kernel_threads"]}  # fmt: skip
     rows = rows_of(found["samples"])
     Path(args.out + ".json").write_text(json.dumps({"machine": meta, "rows": rows}, indent=2))
     text = markdown(meta, rows)

@@ -151,6 +151,9 @@ def bench_vs_llama_cpp(args: argparse.Namespace, say: Any, partial: Any = None) 
         del model, cache, loaded
         gc.collect()
         info["loadavg_end"] = machine()["loadavg"]
+        fast = native.kernels()
+        if fast is not None:  # how the kernels' team adapted to the load over the runs (#30)
+            info["kernel_threads"] = fast.thread_stats()
         if partial is not None:  # each precision's rows as soon as they exist: a run on a busy machine is long
             partial(result)
     return result
