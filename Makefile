@@ -19,6 +19,11 @@ setup: $(STAMP)
 
 run: setup
 	$(VENV)/bin/llmplan run $(PLAN)
+	@echo
+	@echo "Next: put llmplan on this shell's PATH, then talk to the model, or get a report of a run:"
+	@echo "  . $(VENV)/bin/activate"
+	@echo "  llmplan chat $(PLAN)"
+	@echo "  llmplan run $(PLAN) --report"
 
 test: setup
 	$(VENV)/bin/ruff check .
