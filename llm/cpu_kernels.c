@@ -511,8 +511,9 @@ static inline int next_rows(const Blocks *bl, const void *w, int64_t b, int64_t 
 // rows product instead widens each block into a scratch and tiles it (`gemm_widened`): a 2-row int8 product
 // cost 2.5x a 1-row one there, as its 4 streams' prefetch and in-register widening are what decode lives on.
 #define FEW_ROWS 8
-#define FEW(NAME, T)                                                                                            \
-    static void few_rows_##NAME(const T *w, const float *scale, const float *x, float *y, int64_t M, int64_t N, \
+#define FEW(NAME, T) FEW_NAMED(few_rows_##NAME, NAME, T)
+#define FEW_NAMED(FN, NAME, T)                                                                                  \
+    static void FN(const T *w, const float *scale, const float *x, float *y, int64_t M, int64_t N,             \
                                 int64_t K) {                                                                    \
         const int64_t L = (N + NB - 1) / NB;                                                                    \
         const int nt = team();                                                                                  \
@@ -549,6 +550,7 @@ ONE_ROW(i8, int8_t)
 ONE_ROW(f32, float)
 ONE_ROW(bf16, uint16_t)
 ONE_ROW(f16, uint16_t)
+#ifdef __AVX512F__
 DOT2_ROWS(i8, int8_t, vld_i8, vld8_i8)
 DOT2_ROWS(f32, float, vld, vld8)
 DOT2_ROWS(bf16, uint16_t, vld_bf16, vld8_bf16)
@@ -557,6 +559,85 @@ FEW(i8, int8_t)
 FEW(f32, float)
 FEW(bf16, uint16_t)
 FEW(f16, uint16_t)
+#else
+DOT2_ROWS(i8, int8_t, vld_i8, vld8_i8)
+DOT2_ROWS(f32, float, vld, vld8)
+DOT2_ROWS(bf16, uint16_t, vld_bf16, vld8_bf16)
+DOT2_ROWS(f16, uint16_t, vld_f16, vld8_f16)
+FEW_NAMED(few_pairs_i8, i8, int8_t)
+FEW_NAMED(few_pairs_f32, f32, float)
+FEW_NAMED(few_pairs_bf16, bf16, uint16_t)
+FEW_NAMED(few_pairs_f16, f16, uint16_t)
+// AVX2, 3 rows and more: up to GROUP1 activation rows against ONE weight row, in DOT4_ONE's order (chains a and b) per row: 12
+// accumulators and the 2 widened weight vectors in AVX2's 16 registers, x read as memory operands. Each
+// weight vector is widened once for up to 6 rows where the 2 x 2 tile above widened it for 2: at 3 rows
+// and more that tile paid a second widening pass per block. Two rows keep the 2 x 2 tile (`few_pairs`), whose
+// shared x loads make it the faster there. int8 kernel alone, 1 thread, against the 2 x 2 tile at every
+// count: 2 rows 1.22x its time (hence the pairs), 3 rows 1.03x, 4 rows 0.90x, 5 rows 0.78x, 6 rows 0.82x.
+#define GROUP1 6
+#define DOT1_ROWS(NAME, T, LOAD)                                                                               \
+    static inline __attribute__((always_inline)) void dot1_rows_##NAME(const T *p0, const float *x, int64_t K,  \
+                                                                       const int mb, int64_t ahead, float *out) { \
+        vf a[GROUP1], b[GROUP1];                                                                               \
+        _Pragma("GCC unroll 8") for (int i = 0; i < GROUP1; i++) a[i] = b[i] = vzero();                        \
+        const int64_t sz = (int64_t)sizeof(T);                                                                 \
+        int64_t k = 0;                                                                                         \
+        for (; k + 2 * VW <= K; k += 2 * VW) {                                                                 \
+            for (int64_t b_ = (k * sz + 63) & ~(int64_t)63; ahead && b_ < (k + 2 * VW) * sz; b_ += 64)          \
+                _mm_prefetch((const char *)p0 + b_ + ahead, _MM_HINT_T0);                                      \
+            const vf w0 = LOAD(p0 + k), w1 = LOAD(p0 + k + VW);                                                \
+            _Pragma("GCC unroll 8") for (int i = 0; i < mb; i++) {                                             \
+                a[i] = vfma(w0, vld(x + i * K + k), a[i]);                                                     \
+                b[i] = vfma(w1, vld(x + i * K + k + VW), b[i]);                                                \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (; k + VW <= K; k += VW) {                                                                         \
+            const vf w0 = LOAD(p0 + k);                                                                        \
+            _Pragma("GCC unroll 8") for (int i = 0; i < mb; i++) a[i] = vfma(w0, vld(x + i * K + k), a[i]);    \
+        }                                                                                                      \
+        _Pragma("GCC unroll 8") for (int i = 0; i < mb; i++) out[i] = vsum(vadd(a[i], b[i]));                  \
+    }                                                                                                          \
+    static void dot1_group_##NAME(const T *p0, const float *x, int64_t K, int mb, int64_t ahead, float *out) {  \
+        switch (mb) {                                                                                          \
+            case 1: dot1_rows_##NAME(p0, x, K, 1, ahead, out); break;                                          \
+            case 2: dot1_rows_##NAME(p0, x, K, 2, ahead, out); break;                                          \
+            case 3: dot1_rows_##NAME(p0, x, K, 3, ahead, out); break;                                          \
+            case 4: dot1_rows_##NAME(p0, x, K, 4, ahead, out); break;                                          \
+            case 5: dot1_rows_##NAME(p0, x, K, 5, ahead, out); break;                                          \
+            default: dot1_rows_##NAME(p0, x, K, GROUP1, ahead, out); break;                                    \
+        }                                                                                                      \
+    }
+#define FEW1(NAME, T)                                                                                           \
+    static void few_rows_##NAME(const T *w, const float *scale, const float *x, float *y, int64_t M, int64_t N, \
+                                int64_t K) {                                                                    \
+        if (M == 2) {                                                                                           \
+            few_pairs_##NAME(w, scale, x, y, M, N, K);                                                          \
+            return;                                                                                             \
+        }                                                                                                       \
+        const int64_t L = (N + NB - 1) / NB;                                                                    \
+        _Pragma("omp parallel for schedule(static)")                                                            \
+        for (int64_t b = 0; b < L; b++) {                                                                       \
+            for (int64_t m = 0; m < M; m += GROUP1) {                                                           \
+                const int mb = (int)(M - m < GROUP1 ? M - m : GROUP1);                                          \
+                const int64_t ahead = m ? 0 : K * (int64_t)sizeof(T); /* later groups read what the first did */ \
+                for (int64_t r = 0; r < NB && b + r * L < N; r++) {                                             \
+                    float out[GROUP1];                                                                          \
+                    dot1_group_##NAME(w + (b + r * L) * K, x + m * K, K, mb, ahead, out);                      \
+                    for (int64_t i = 0; i < mb; i++)                                                            \
+                        y[(m + i) * N + b + r * L] = out[i] * (scale ? scale[b + r * L] : 1.0f);                \
+                }                                                                                               \
+            }                                                                                                   \
+        }                                                                                                       \
+    }
+DOT1_ROWS(i8, int8_t, vld_i8)
+DOT1_ROWS(f32, float, vld)
+DOT1_ROWS(bf16, uint16_t, vld_bf16)
+DOT1_ROWS(f16, uint16_t, vld_f16)
+FEW1(i8, int8_t)
+FEW1(f32, float)
+FEW1(bf16, uint16_t)
+FEW1(f16, uint16_t)
+#endif
 
 // Widen int8 codes to fp32 (K % 8 == 0).
 static void widen_i8(const int8_t *q, float *dst, int64_t K) {

@@ -39,7 +39,9 @@ COST_SMOOTHING = 0.2  # the weight of a new measured pass of several inputs in P
 ONE_SMOOTHING = 0.3  # the weight of a new one-input pass in its recent average
 RELAX = 0.02  # per one-input pass, the share of the way a measured cost moves back toward the prior
 DECAY = 0.9  # per observation, the weight left to older ones in a match length's acceptance
-PRIOR = (1.0, 2.0)  # (accepted, tested) a match length starts from: p = 0.5, outweighed by a few observations
+# (accepted, tested) a match length starts from: p = 0.25, outweighed by a few observations. Cautious, since
+# the checks on plain steps learn p for free: a row guesses once its matches have shown they are right.
+PRIOR = (0.5, 2.0)
 
 
 @dataclass
