@@ -18,14 +18,15 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from llmplan.engine.cli import CliError, add_model_option, settle_plan
 from llmplan.engine.findings import StageFailure
-from llmplan.engine.serving import RequestError
 
-from .host import ModelHost, RequestFailed
 from .serve import build_host
+
+if TYPE_CHECKING:  # the model host loads when a chat starts, not for `--help`
+    from .host import ModelHost
 
 BANNER = '/help lists the commands, """ begins a message over several lines, Ctrl-D ends'
 
@@ -89,6 +90,10 @@ class Conversation:
             signal.signal(signal.SIGINT, previous)
         if cancel.is_set():
             wrap.write(" [stopped]")
+        from llmplan.engine.serving import RequestError
+
+        from .host import RequestFailed
+
         error = outcome.get("error")
         if isinstance(error, RequestError | RequestFailed | StageFailure):
             wrap.end()

@@ -12,14 +12,14 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from llmplan.engine.plan import load_plan
-from llmplan.engine.registry import discover
-
 SETTINGS = ("context", "chunks", "greedy", "prompts")
 
 
 def plan_hash(plan: str | Path, overrides: list[str]) -> str:
     """SHA-256 of the plan as resolved with these overrides (every default filled in)."""
+    from llmplan.engine.plan import load_plan  # here: `llmplan --help` imports this module, not the plan models
+    from llmplan.engine.registry import discover
+
     return hashlib.sha256(load_plan(plan, discover(), overrides).resolved_yaml().encode("utf-8")).hexdigest()
 
 

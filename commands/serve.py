@@ -18,16 +18,15 @@ import socket
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmplan.engine.cli import CliError, add_model_option, new_context, settle_plan
 from llmplan.engine.findings import StageFailure
-from llmplan.engine.plan import load_plan
-from llmplan.engine.registry import discover
-from llmplan.engine.serving import ServeError
 
-from .host import ModelHost
 from .slot_sizing import auto_slots
+
+if TYPE_CHECKING:  # the model host and the plan machinery load when a server starts, not for `--help`
+    from .host import ModelHost
 
 PLACE = "load.to_device"
 DURATION = re.compile(r"^(-?\d+(?:\.\d+)?)([smh]?)$")
@@ -96,6 +95,11 @@ def build_host(
     """The host of `plan`; `slots`: N rows of KV cache, "auto" (sized from memory unless the plan sets
     place.max_batch: slot_sizing.py), or None (the plan's)."""
     from llmplan.engine.console import print_stage
+    from llmplan.engine.plan import load_plan
+    from llmplan.engine.registry import discover
+    from llmplan.engine.serving import ServeError
+
+    from .host import ModelHost
 
     registry = discover()
     bound = load_plan(plan, registry, overrides)

@@ -16,21 +16,22 @@ import textwrap
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmplan.ownership import NotOurs, check_writable, write_file
 from llmplan.plain_errors import plain_error
 
 from .cli_help import Parser, add_examples
-from .context import Context
-from .executors import Executor
 from .findings import Finding, PlanError
 from .memory import mib
 from .memory_fit import MemoryPlan, parse_size, plan_memory
-from .plan import BoundPlan, bind, load_plan
-from .registry import Registry, discover
-from .stage import DeepCheck
-from .yaml_source import Source, load_file
+
+if TYPE_CHECKING:  # imported where a command runs: `--help` never builds the plan models (pydantic)
+    from .context import Context
+    from .executors import Executor
+    from .plan import BoundPlan
+    from .registry import Registry
+    from .yaml_source import Source
 
 COMMAND_GROUP = "llmplan.commands"
 REPORTER_GROUP = "llmplan.reporters"
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None, *, on_ready: Callable[[], None] | None =
         return 2
     try:
         if getattr(args, "needs_stages", True):
-            discover()  # the stage plugins import torch: before on_ready, inside entry.py's deferred Ctrl-C
+            _registry()  # the stage plugins import torch: before on_ready, inside entry.py's deferred Ctrl-C
         if on_ready is not None:
             on_ready()
         return int(args.handler(args) or 0)
@@ -223,6 +224,8 @@ def refuse_model_as_plan(plan: str, command: str) -> None:
 def model_overrides(model: str, registry: Registry, plan: str) -> list[str]:
     """`--model PATH` as overrides of every stage of the plan whose plugin is a model source."""
     try:
+        from .yaml_source import load_file
+
         source = load_file(plan)
     except PlanError:
         return []  # loading the plan again reports it, with its position
@@ -285,6 +288,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     registry = _registry()
     settle_plan(args, registry)
+    from .plan import bind
+    from .yaml_source import load_file
+
     source = load_file(args.plan)
     overrides = plan_overrides(args, registry, source)
     bound = bind(source, registry, overrides)
@@ -406,6 +412,8 @@ def _observe_for_report(
     labels = " and ".join(label for _, label in wanted.values())
     _err(f"report: this run also records {labels} for its pictures ({', '.join(a.split('=')[0] for a in added)})")
     overrides = [*added, *overrides]
+    from .plan import bind
+
     return bind(source, registry, overrides), overrides
 
 
@@ -439,6 +447,8 @@ def new_context(registry: Registry, bound: BoundPlan, *, json_mode: bool = False
 
 def _registry() -> Registry:
     # Broken plugins are reported where they matter: by `stages`, and as a finding when a plan uses one.
+    from .registry import discover
+
     return discover()
 
 
@@ -462,6 +472,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         refuse_model_as_plan(path, "validate")
         overrides = [*args.set, *(model_overrides(args.model, registry, path) if args.model else [])]
         try:
+            from .plan import load_plan
+
             bound = load_plan(path, registry, overrides)
         except PlanError as bad:
             findings += bad.findings
@@ -504,6 +516,8 @@ def deep_memory_check(
     bound: BoundPlan, memory: int | None = None
 ) -> tuple[list[Finding], dict[str, int], MemoryPlan | None]:
     """The stages' deep checks, and the memory plan against `memory` bytes (default: the device's free memory)."""
+    from .stage import DeepCheck
+
     deep = DeepCheck(bound)
     for stage in bound.stages:
         deep.current = stage.id
@@ -537,6 +551,7 @@ def deep_memory_check(
 def cmd_graph(args: argparse.Namespace) -> int:
     from .drawing import draw_graph
     from .graph import to_dot, to_mermaid
+    from .plan import load_plan
 
     bound = load_plan(args.plan, _registry())
     out = Path(args.output)

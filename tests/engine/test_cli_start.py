@@ -11,8 +11,9 @@ import llmplan
 
 COMMAND = [sys.executable, "-m", "llmplan"]
 
-# Every command's --help, then which heavy modules were imported; in one interpreter (one start-up of torch-free
-# code, a few hundred ms) rather than one process per command.
+# Every command's --help, then which heavy modules were imported (pydantic and yaml too: the plan models load
+# with a command that reads a plan); in one interpreter (one start-up of torch-free code, a few hundred ms)
+# rather than one process per command.
 _PROBE = """
 import contextlib, io, json, sys
 from llmplan.engine.cli import build_parser
@@ -24,7 +25,7 @@ for argv in [["--help"]] + [[c, "--help"] for c in commands]:
     with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
         main(argv)
     helps[" ".join(argv)] = out.getvalue()
-heavy = sorted({m.split(".")[0] for m in sys.modules} & {"torch", "matplotlib", "numpy", "networkx", "structlog"})
+heavy = sorted({m.split(".")[0] for m in sys.modules} & {"torch", "matplotlib", "numpy", "networkx", "structlog", "pydantic", "yaml"})
 print(json.dumps({"helps": helps, "heavy": heavy}))
 """
 
