@@ -31,6 +31,7 @@ from .flat_batch import FlatBatch, Part
 from .generation import Pick, finite_rows, is_oom, release_memory
 from .scheduler import GenerationRequest, Scheduler, SchedulerStats, Sequence
 from .speculative import accept
+from .token_mask import MaskError
 
 if TYPE_CHECKING:
     from .model import Transformer
@@ -197,11 +198,18 @@ class EngineLoop:
 
     def _pick(self, seq: Sequence, logits: Tensor, finite: bool) -> None:
         """The row's next token; a decode row with guesses (`logits` [1 + guesses, V]): its tokens up to the
-        first pick that is not its guess."""
-        gen, request = seq.generation, seq.request
+        first pick that is not its guess. A format's matcher failing (llguidance refusing a token its own
+        mask allowed) ends that row alone with "error": one request must not stop the loop."""
         if not finite:
-            self.scheduler.finish(seq, "error", non_finite(len(gen.tokens)))
+            self.scheduler.finish(seq, "error", non_finite(len(seq.generation.tokens)))
             return
+        try:
+            self._picked(seq, logits)
+        except MaskError as bad:
+            self.scheduler.finish(seq, "error", f"format: {bad}".splitlines()[0])
+
+    def _picked(self, seq: Sequence, logits: Tensor) -> None:
+        gen, request = seq.generation, seq.request
         if not seq.draft:
             pick = request.picker(logits, seq.seen)
             if seq.speculator is not None:  # the guess it did not make, checked for free

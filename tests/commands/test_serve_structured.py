@@ -243,3 +243,15 @@ def test_a_malformed_shape_is_a_400_naming_the_field(
 ) -> None:
     error = refusal(live, body)
     assert error["param"] == param and says in error["message"], error
+
+
+def test_a_matcher_that_fails_mid_answer_fails_that_request_alone(live: LiveServer) -> None:
+    # The literal is the tokenizer's own control token's text: llguidance's mask allows that token, then its
+    # matcher refuses it. That request ends in an error; the model's loop and the next request go on.
+    body = {"model": "m", "messages": CHAT, "grammar": 'root ::= "<|user|>x"'}
+    answer = httpx.post(f"{live.url}/chat/completions", json=body, timeout=60)
+    assert answer.status_code == 500 and "format:" in answer.json()["error"]["message"], answer.text
+    after = httpx.post(
+        f"{live.url}/chat/completions", json={"model": "m", "messages": CHAT, "max_tokens": 3}, timeout=60
+    )
+    assert after.status_code == 200
