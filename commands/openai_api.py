@@ -330,11 +330,11 @@ class ChatRequest(_Request, Tooled):
         """How the answer may call the request's tools (None: text), once `check_combination` ran."""
         return self._tools
 
-    def calls_in_template_style(self) -> None:
+    def calls_in_template_style(self, tag_tokens: bool = False) -> None:
         """Call the tools in the template's own style (Hermes' tags, Qwen2.5's): the template is given the
-        tools and the answer is held to its format (tool_calls.py)."""
+        tools and the answer is held to its format (tool_calls.py); `tag_tokens`: the tags are tokens."""
         if self._tools is not None:
-            self._tools = replace(self._tools, native=True)
+            self._tools = replace(self._tools, native=True, tag_tokens=tag_tokens)
             self._shape = self._tools.format
 
     @property

@@ -255,6 +255,8 @@ class Answering:
         self.renders_calls = template is not None and "tool_calls" in template  # else calls go in as text
         # A template with Hermes' tool format of its own (Qwen2.5's): the tools go to it, calls in its tags.
         self.template_calls = self.renders_calls and all(w in template for w in ("tools", MARKER, NATIVE_END))
+        tok = ctx.tokenizer if ctx is not None else None
+        self.tag_tokens = tok is not None and all(tok.token_to_id(tag) is not None for tag in (MARKER, NATIVE_END))
 
     async def answer(
         self, request: Request, endpoint: str, schema: type[ChatRequest] | type[CompletionRequest]
@@ -359,7 +361,7 @@ class Answering:
         try:
             if isinstance(body, ChatRequest):
                 if self.template_calls:
-                    body.calls_in_template_style()
+                    body.calls_in_template_style(self.tag_tokens)
                 prompts = [
                     body.tokenize_overrides(self.host.plan.params(self.host.tokenize_id).system, self.renders_calls)
                 ]

@@ -87,6 +87,7 @@ class ToolMode:
     choice: str  # "auto", "required" or a function's name (a named choice)
     parallel: bool
     native: bool = False
+    tag_tokens: bool = False  # the tags are tokens of the vocabulary (Qwen's): the grammar names them as such
 
     @property
     def free_text(self) -> bool:
@@ -103,7 +104,14 @@ class ToolMode:
         compact = {"x-guidance": JSON_OPTIONS}  # as a schema's own answer is: no free whitespace
         if self.native:  # each call in its tags, one per line
             calls = f"call ({json.dumps(NATIVE_SEP)} call)~0..{MAX_CALLS - 1}" if self.parallel else "call"
-            body = f'{calls}\ncall: "{MARKER}\\n" body "\\n{NATIVE_END}"\nbody: %json {json.dumps(one | compact)}'
+            # A tag that is a token must be named as one: its text spelled out would be allowed by llguidance's
+            # mask as that token, which its matcher then refuses.
+            tags = (
+                (f"<{MARKER[1:-1]}>", f"<{NATIVE_END[1:-1]}>")
+                if self.tag_tokens
+                else (f'"{MARKER}"', f'"{NATIVE_END}"')
+            )
+            body = f'{calls}\ncall: {tags[0]} "\\n" body "\\n" {tags[1]}\nbody: %json {json.dumps(one | compact)}'
         else:
             listed = {"type": "array", "items": one, "minItems": 1, "maxItems": MAX_CALLS} if self.parallel else one
             body = f'"{MARKER}" json\njson: %json {json.dumps(listed | compact)}'

@@ -7,6 +7,7 @@ answer is held to `<tool_call>\\n{json}\\n</tool_call>` lines, and read back as 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,11 +15,15 @@ from typing import Any
 
 import httpx
 import jsonschema
+import numpy as np
 import pytest
+import torch
 
 from llmplan.commands.openai_api import ChatRequest
 from llmplan.commands.request_body import validate
 from llmplan.commands.server import ServerSettings
+from llmplan.commands.tool_calls import MARKER, NATIVE_END, Tool, ToolMode
+from llmplan.llm.output_format import compile_format
 from llmplan.llm.tokenizer import Tokenizer
 
 from .conftest import LiveServer, write_serve_plan
@@ -115,3 +120,36 @@ def test_streamed_calls_joined_are_the_whole_answer(live: LiveServer) -> None:
 def test_a_history_of_calls_renders_in_the_template(live: LiveServer) -> None:
     choice = ask(live, messages=HISTORY, tools=TOOLS, tool_choice="required")
     checked_calls(choice, set(SCHEMAS))
+
+
+def _qwen_dir() -> Path:
+    cache = Path(os.environ.get("LLMPLAN_CACHE", Path.home() / ".cache" / "llmplan")) / "models"
+    found = sorted(cache.glob("*qwen2.5*/tokenizer.json"))
+    if not found:
+        pytest.skip("no Qwen2.5 import in the llmplan cache")
+    return found[0].parent
+
+
+@pytest.mark.parametrize("tag_tokens", [True, False], ids=["tags-as-tokens", "tags-spelled"])
+def test_qwens_tags_are_its_tokens_in_the_grammar(tag_tokens: bool) -> None:
+    """Qwen's <tool_call> is one token: a grammar spelling it out gets llguidance to allow that token, which
+    its matcher then refuses; named as a token, the call goes through token by token."""
+    tok = Tokenizer.from_dir(_qwen_dir())
+    tools = tuple(Tool.model_validate(t) for t in TOOLS)
+    mode = ToolMode(tools, "required", parallel=False, native=True, tag_tokens=tag_tokens)
+    compiled = compile_format(mode.format, tok, frozenset([tok.eos_id]), tok.vocab_size)
+    call = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}'
+    ids = [tok.token_to_id(MARKER), *tok.encode(f"\n{call}\n", add_bos=False), tok.token_to_id(NATIVE_END)]
+    matcher = compiled.matcher()
+    bits = torch.zeros((compiled.vocab + 31) // 32, dtype=torch.int32)
+    matcher.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * 4)
+    allowed = np.unpackbits(bits.numpy().view(np.uint8), bitorder="little")
+    assert allowed[ids[0]] == 1  # the mask allows the tag's token either way
+    consumed = [matcher.consume_token(t) for t in ids]
+    if tag_tokens:
+        assert all(consumed) and matcher.is_accepting()
+        calls = mode.read(tok.decode(ids))
+        assert calls is not None and [c["function"]["name"] for c in calls] == ["get_weather"]
+        assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "unit": "C"}
+    else:
+        assert consumed[0] is False
