@@ -1,7 +1,8 @@
 """OpenAI's Responses API (`POST /v1/responses`, the SDK's `client.responses`) over the chat completions path.
 
 Text in, text out: `input` (a string, or messages whose content is text or `input_text` / `output_text` parts),
-`instructions` (the system turn), `max_output_tokens`, and the sampling fields chat takes. A request becomes a
+`instructions` (the system turn), `max_output_tokens`, `text.format` (the answer's shape: chat's
+`response_format`, failing closed the same way), and the sampling fields chat takes. A request becomes a
 chat request (so the chat template, limits and errors are the same); its answer and its stream are the chat
 answer re-shaped: one `message` output item of one `output_text` part, and the streaming events
 response.created .. response.completed with their sequence numbers. Nothing is stored: `previous_response_id`
@@ -35,6 +36,9 @@ class ResponsesRequest(ChatRequest):
         data = dict(data)
         if data.get("previous_response_id") is not None:
             raise ValueError("previous_response_id: responses are not stored here; send the whole input")
+        shape = data.pop("text", None)  # Responses' `text.format`: the answer's shape, as chat's response_format
+        if isinstance(shape, dict) and shape.get("format") is not None:
+            data["response_format"] = _response_format(shape["format"])
         if data.get("tools"):  # Responses' tools are another shape: refused by name (`check_combination`)
             data["responses_tools"] = data.pop("tools")
         given = data.pop("input", None)
@@ -50,6 +54,14 @@ class ResponsesRequest(ChatRequest):
         if data.get("stream"):
             data["stream_options"] = {"include_usage": True}  # response.completed carries the usage
         return data
+
+
+def _response_format(given: Any) -> Any:
+    """`text.format` as chat's `response_format`: json_schema's fields sit beside its type here."""
+    if isinstance(given, dict) and given.get("type") == "json_schema":
+        keys = ("name", "schema", "strict", "description")
+        return {"type": "json_schema", "json_schema": {k: given[k] for k in keys if k in given}}
+    return given  # text, json_object, or what chat's validation refuses by name
 
 
 def _turn(item: Any) -> Any:

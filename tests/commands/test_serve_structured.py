@@ -255,3 +255,12 @@ def test_a_matcher_that_fails_mid_answer_fails_that_request_alone(live: LiveServ
         f"{live.url}/chat/completions", json={"model": "m", "messages": CHAT, "max_tokens": 3}, timeout=60
     )
     assert after.status_code == 200
+
+
+def test_the_responses_endpoint_takes_text_format(live: LiveServer) -> None:
+    shape = {"format": {"type": "json_schema", "name": "llama", "schema": SCHEMA, "strict": True}}
+    answer = sdk(live).responses.create(model="m", input="Describe a llama.", text=shape, temperature=0)  # type: ignore[arg-type]
+    jsonschema.validate(json.loads(answer.output_text), SCHEMA)
+    bad = {"format": {"type": "json_schema", "name": "s", "schema": {"type": "array", "uniqueItems": True}}}
+    refused = httpx.post(f"{live.url}/responses", json={"input": "x", "text": bad}, timeout=60)
+    assert refused.status_code == 400 and "'uniqueItems'" in refused.json()["error"]["message"]
