@@ -23,6 +23,7 @@ from .figures_memory import draw_memory
 from .figures_memory_plan import draw_memory_plan
 from .figures_model import draw_model_graph
 from .figures_plan import draw_plan_graph
+from .figures_speculation import draw_speculation
 from .html import render_page
 from .run_data import RunData
 
@@ -38,8 +39,10 @@ DRAWERS: list[tuple[str, str, Drawer]] = [
     ("decode", "Decode speed over the run", draw_decode_steps),
     ("attention", "Attention heatmaps", draw_attention),
     ("generation", "Generation", draw_generation),
+    ("speculation", "Speculative decoding over the answer", draw_speculation),
 ]
-FROM_SOURCE = {"flows", "model", "layers", "decode", "attention", "generation"}  # pictures of the generation itself
+# pictures of the generation itself
+FROM_SOURCE = {"flows", "model", "layers", "decode", "attention", "generation", "speculation"}
 
 
 def _summary(run: RunData) -> list[tuple[str, object]]:

@@ -17,8 +17,10 @@ from llmplan.commands.report import command as report_command
 from llmplan.commands.report.figures_generation import step_rates
 from llmplan.commands.report.figures_memory import stage_spans
 from llmplan.commands.report.figures_plan import stage_label
+from llmplan.commands.report.figures_speculation import running_acceptance
 from llmplan.commands.report.tokens import token_labels
 from llmplan.engine.memory import mib
+from llmplan.llm import speculative
 from tests.commands.browser import Browser, find_chromium
 from tests.stages.tiny_run import make_tiny_model_dir, run_plan, wire_observers, write_plan
 
@@ -34,6 +36,7 @@ ALL_SVGS = {
     "decode_steps.svg",
     "attention.svg",
     "attention_decode.svg",
+    "speculation.svg",
 }
 EMBEDDED = ALL_SVGS - {"plan_graph.svg"}  # the plan graph is inline markup, the others data: URIs
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts" / "report"  # screenshots (ignored by git)
@@ -46,13 +49,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     patch = pytest.MonkeyPatch()
     try:
         wire_observers(patch)
+        # every prompt-lookup match guessed: the picture must not hang on whether guesses pay on this machine
+        patch.setattr(speculative, "best_guesses", lambda p, most, cost: most)
         model_dir, _ = make_tiny_model_dir(tmp, n_layers=2)
         prompts = tmp / "prompts.jsonl"
         prompts.write_text(
             "".join(json.dumps({"id": f"q{i}", "text": f"Question number {i}: why?"}) + "\n" for i in range(5)),
             encoding="utf-8",
         )
-        observed = write_plan(tmp, model_dir, observe=OBSERVE, generate={"temperature": 0.9}, name="observed")
+        spec = {"tokens": 4, "ngram": 1}  # a one-token match: random tiny answers have them often
+        generate = {"temperature": 0.9, "speculative": spec, "max_new_tokens": 24}
+        observed = write_plan(tmp, model_dir, observe=OBSERVE, generate=generate, name="observed")
         plain = write_plan(tmp, model_dir, name="plain")
         return {
             "observed": run_plan(observed, tmp / "observed", "--prompts", str(prompts)),
@@ -94,6 +101,22 @@ def test_generation_view_shows_every_request(runs: dict[str, Path], page: Path) 
     assert html.count('<div class="page" data-label=') == 2  # 1–3, 4–5
     assert html.count('class="tok"') == sum(len(r["tokens"]) for r in records)
     assert "most likely here:" in html and "finish: <b>length</b>" in html
+
+
+def test_speculation_is_drawn_pass_by_pass(runs: dict[str, Path], page: Path) -> None:
+    records = json.loads((runs["observed"] / "generations.json").read_text())
+    speculated = [r for r in records if r["speculation"]]
+    assert speculated, "no request made a guess"
+    html = page.read_text(encoding="utf-8")
+    svg = (page.parent / "speculation.svg").read_text(encoding="utf-8")
+    for rec in speculated:
+        guessed, accepted = (sum(s[i] for s in rec["speculation"]) for i in (1, 2))
+        assert f"{accepted} of {guessed} guesses accepted" in svg  # the numbers are the run's own
+    assert "Speculative decoding over the answer" in html
+    assert running_acceptance([[0, 2, 2], [3, 2, 0], [4, 4, 1]], window=2) == [1.0, 0.5, 1 / 6]
+    plain = build_report(runs["plain"])  # no speculation: no such picture
+    assert not (plain.parent / "speculation.svg").exists()
+    assert "Speculative decoding" not in plain.read_text(encoding="utf-8")
 
 
 def test_notes_are_neutral_and_warnings_are_warnings(runs: dict[str, Path]) -> None:
@@ -228,6 +251,8 @@ def test_replayed_run_says_so_and_shows_the_source_runs_pictures(tmp_path: Path)
     patch = pytest.MonkeyPatch()
     try:
         wire_observers(patch)
+        # every prompt-lookup match guessed: the picture must not hang on whether guesses pay on this machine
+        patch.setattr(speculative, "best_guesses", lambda p, most, cost: most)
         model_dir, _ = make_tiny_model_dir(tmp_path, n_layers=2)
         path = write_plan(tmp_path, model_dir, observe={"layer_timings": True}, name="cached")
         plan = yaml.safe_load(path.read_text(encoding="utf-8"))
