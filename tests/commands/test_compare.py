@@ -51,6 +51,15 @@ def test_one_row_per_plan_and_the_picture(plans: list[Path], tmp_path: Path, cap
     assert "tiny-fp32" in svg and "tiny-int8" in svg and "frontier" in svg
     table = (tmp_path / "table.md").read_text(encoding="utf-8")
     assert "| tiny-int8 | int8 |" in table and "decode tok/s b2" in table
+    # what the figures were measured on: the CPU's SIMD features as this machine reports them, the load around
+    with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+        flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
+    features = result["machine"]["cpu_features"]
+    assert set(features) <= set(flags) and ("avx2" in features) == ("avx2" in flags)
+    start, end = result["machine"]["loadavg"], result["machine"]["loadavg_end"]
+    assert len(start) == len(end) == 3 and min(start + end) >= 0
+    assert f"({', '.join(features) or 'no SIMD features listed'}, " in table
+    assert f"Load average {start[0]:.2f} at the start, {end[0]:.2f} at the end" in table
 
 
 def test_a_bad_picture_path_is_one_line_before_loading(plans: list[Path], tmp_path: Path, capsys) -> None:
