@@ -503,6 +503,9 @@ def generation_records(
                 "timings": dict(result.timings),
                 # speculative decoding: (generated before, guessed, accepted) per verify pass (the report's picture)
                 "speculation": [list(step) for step in result.generation.speculation],
+                # a format: the constraint, and per step how many tokens its mask allowed (the report's picture)
+                "format": result.format_record,
+                "mask_allowed": result.mask_allowed,
             }
         )
     return records

@@ -17,6 +17,7 @@ from llmplan.plain_errors import error_detail
 from .common import Figure
 from .figures_attention import draw_attention
 from .figures_flow import draw_flows
+from .figures_format import draw_format_mask
 from .figures_generation import draw_decode_steps, draw_generation
 from .figures_layers import draw_layer_timings, load_line
 from .figures_memory import draw_memory
@@ -40,9 +41,10 @@ DRAWERS: list[tuple[str, str, Drawer]] = [
     ("attention", "Attention heatmaps", draw_attention),
     ("generation", "Generation", draw_generation),
     ("speculation", "Speculative decoding over the answer", draw_speculation),
+    ("format", "The format's mask over the answer", draw_format_mask),
 ]
 # pictures of the generation itself
-FROM_SOURCE = {"flows", "model", "layers", "decode", "attention", "generation", "speculation"}
+FROM_SOURCE = {"flows", "model", "layers", "decode", "attention", "generation", "speculation", "format"}
 
 
 def _summary(run: RunData) -> list[tuple[str, object]]:
