@@ -6,7 +6,7 @@
 // arithmetic off the critical path. Weights stay in their stored format (fp32, bf16, fp16, int8, int4) and
 // are widened to fp32 in registers; activations and accumulation are fp32, so results equal the reference
 // up to summation order (no activation quantization, unlike fbgemm's dynamic int8 or llama.cpp's Q8_0 dot
-// products). One exception: int4 at one row rounds x to 16 bits per group and sums the codes' products in
+// products). One exception: int4 at 1..8 rows rounds x to 16 bits per group and sums the codes' products in
 // integers (see gemm_int4), 4e-4 relative on the bundled model's logits, 15 bits where Q8_0 keeps 8.
 //
 // Threads: OpenMP over blocks of output rows. This library needs libgomp.so.1, which resolves to the copy
