@@ -70,6 +70,12 @@ def ours(out: Path, prompts_file: Path, batch: int):  # type: ignore[no-untyped-
     return {r.id: r.prompt_ids for r in ctx.requests}, {g.request_id: g.tokens for g in ctx.generations}
 
 
+@pytest.fixture(scope="module")
+def one_by_one(prompts_file: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """Our greedy run of the prompts on one slot, once for both tests (the reference of each)."""
+    return ours(tmp_path_factory.mktemp("one-by-one"), prompts_file, batch=1)
+
+
 def top_two_gap(model, ids: list[int]) -> float:  # type: ignore[no-untyped-def]
     with torch.inference_mode():
         logits = model(torch.tensor([ids])).logits[0, -1].float()
@@ -88,8 +94,8 @@ def compare(model, prompt: list[int], a: list[int], b: list[int]) -> str | None:
     return None
 
 
-def test_fp32_greedy_matches_transformers_token_for_token(tmp_path: Path, prompts_file: Path, hf_model) -> None:  # type: ignore[no-untyped-def]
-    prompt_ids, generated = ours(tmp_path / "one-by-one", prompts_file, batch=1)
+def test_fp32_greedy_matches_transformers_token_for_token(one_by_one, hf_model) -> None:  # type: ignore[no-untyped-def]
+    prompt_ids, generated = one_by_one
     eos = hf_model.generation_config.eos_token_id
     ties = {}
     for request_id, prompt in prompt_ids.items():
@@ -111,10 +117,10 @@ def test_fp32_greedy_matches_transformers_token_for_token(tmp_path: Path, prompt
     assert len(ties) <= 2, ties
 
 
-def test_four_slots_equal_one_by_one(tmp_path: Path, prompts_file: Path, hf_model) -> None:  # type: ignore[no-untyped-def]
+def test_four_slots_equal_one_by_one(tmp_path: Path, prompts_file: Path, one_by_one, hf_model) -> None:  # type: ignore[no-untyped-def]
     """10 requests on 4 scheduler slots: rows of different lengths decode together, a request joins whenever
     one ends, and starts from the K/V of the chat template's system prompt that an earlier request computed."""
-    prompt_ids, single = ours(tmp_path / "single", prompts_file, batch=1)
+    prompt_ids, single = one_by_one
     _, batched = ours(tmp_path / "batched", prompts_file, batch=4)
     stats = ours.scheduler  # type: ignore[attr-defined]
     assert stats["slots"] == 4 and stats["busy_max"] == 4
