@@ -45,19 +45,28 @@ def test_predicted_peak_is_within_10_percent_of_a_real_load(smollm2_dir: Path, p
     assert abs(error) <= 0.10, f"predicted {memory.peak}, measured {real['measured']} ({error:+.1%}): {memory.peaks}"
 
 
+@pytest.fixture(scope="module")
+def big_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random model of its own (113 MB of fp32 weights, so the few MB every load's imports take stay inside
+    the bound), made once for both dtypes."""
+    from tests.llm.tiny import make_tiny_llama
+    from tests.stages.tiny_run import make_tokenizer
+
+    root = tmp_path_factory.mktemp("memory-tiny")
+    vocab = make_tokenizer(root / "probe")
+    model_dir, _ = make_tiny_llama(root, n_layers=4, hidden=768, heads=12, kv_heads=4, vocab=vocab)
+    make_tokenizer(model_dir)
+    return model_dir
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "int8"])
-def test_the_prediction_holds_on_a_tiny_model_with_16_slots(tmp_path: Path, dtype: str) -> None:
-    """The same check on a random model of its own (113 MB of fp32 weights, so the few MB every load's imports
-    take stay inside the bound), 16 slots of 256 tokens: each region exact, the peak within 10 %."""
+def test_the_prediction_holds_on_a_tiny_model_with_16_slots(big_tiny: Path, tmp_path: Path, dtype: str) -> None:
+    """The same check on that model, 16 slots of 256 tokens: each region exact, the peak within 10 %."""
     import yaml
 
-    from tests.llm.tiny import make_tiny_llama
-    from tests.stages.tiny_run import load_stages, make_tokenizer
+    from tests.stages.tiny_run import load_stages
 
-    vocab = make_tokenizer(tmp_path / "probe")
-    model_dir, _ = make_tiny_llama(tmp_path, n_layers=4, hidden=768, heads=12, kv_heads=4, vocab=vocab)
-    make_tokenizer(model_dir)
-    stages = load_stages(model_dir, place={"max_batch": 16, "kv_cache": {"max_tokens": 256}})
+    stages = load_stages(big_tiny, place={"max_batch": 16, "kv_cache": {"max_tokens": 256}})
     next(s for s in stages if s["id"] == "convert")["with"]["dtype"] = dtype
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump({"name": "tiny", "device": "cpu", "seed": 0, "threads": 1, "stages": stages}))
