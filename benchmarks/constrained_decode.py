@@ -14,16 +14,14 @@ The issue asks constrained >= 0.95x free.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from speculative_decode import encode, features
+from speculative_decode import encode, features, report
 
 SCHEMA = {
     "type": "object",
@@ -149,16 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, help="write OUT.json and OUT.md")
-    args = parser.parse_args(argv)
-    started = time.time()
-    result = measure(args)
-    result["wall_s"] = time.time() - started
-    text = markdown(result)
-    print(text)
-    if args.out is not None:
-        args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-        args.out.with_suffix(".md").write_text(text)
-    return 0
+    return report(parser.parse_args(argv), measure, markdown)
 
 
 if __name__ == "__main__":

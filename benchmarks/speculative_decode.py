@@ -30,6 +30,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -192,6 +193,21 @@ def summarize(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str,
     }  # fmt: skip
 
 
+def report(
+    args: argparse.Namespace, measure: Callable[[argparse.Namespace], dict[str, Any]], markdown: Callable[..., str]
+) -> int:
+    """Measure, print the Markdown, and with `--out OUT` write OUT.json and OUT.md (the benchmarks' one ending)."""
+    started = time.time()
+    result = measure(args)
+    result["wall_s"] = time.time() - started
+    text = markdown(result)
+    print(text)
+    if args.out is not None:
+        args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+        args.out.with_suffix(".md").write_text(text)
+    return 0
+
+
 def features() -> str:
     """The CPU's SIMD features that the kernels may use, from /proc/cpuinfo."""
     try:
@@ -248,16 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ngram", type=int, default=3)
     parser.add_argument("--threads", type=int, help="torch's (and the kernels') thread count; default: the plan's")
     parser.add_argument("--out", type=Path, help="write OUT.json and OUT.md")
-    args = parser.parse_args(argv)
-    started = time.time()
-    result = measure(args)
-    result["wall_s"] = time.time() - started
-    text = markdown(result)
-    print(text)
-    if args.out is not None:
-        args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-        args.out.with_suffix(".md").write_text(text)
-    return 0
+    return report(parser.parse_args(argv), measure, markdown)
 
 
 if __name__ == "__main__":
