@@ -3,6 +3,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 PLAN   ?= plans/llama-int8.yaml
+# The suite runs a module per worker (module-scoped fixtures such as a served model are built once): one per
+# core, at most 4 (each worker imports the bundled model once). TEST_WORKERS= runs it in one process.
+TEST_WORKERS ?= -n auto --maxprocesses 4 --dist loadfile
 
 .PHONY: setup run test test-real lint validate bench clean
 
@@ -28,7 +31,7 @@ run: setup
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/llmplan validate plans/*.yaml
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest $(TEST_WORKERS)
 
 # The real models against transformers (slow: ~30 min on 2 cores). The plans fetch and import them first.
 test-real: setup

@@ -113,7 +113,11 @@ class ToolMode:
             )
             body = f'{calls}\ncall: {tags[0]} "\\n" body "\\n" {tags[1]}\nbody: %json {json.dumps(one | compact)}'
         else:
-            listed = {"type": "array", "items": one, "minItems": 1, "maxItems": MAX_CALLS} if self.parallel else one
+            if self.parallel:  # the parameters' moved definitions stay at the root (their references say so)
+                defs = {"$defs": one.pop("$defs")} if "$defs" in one else {}
+                listed = {"type": "array", "items": one, "minItems": 1, "maxItems": MAX_CALLS} | defs
+            else:
+                listed = one
             body = f'"{MARKER}" json\njson: %json {json.dumps(listed | compact)}'
         if self.free_text:
             return OutputFormat("grammar", f"start: TEXT | calls\ncalls: {body}\nTEXT: /([^<][\\s\\S]*)?/")
@@ -198,16 +202,41 @@ def _params(tool: Tool) -> dict[str, Any]:
 
 def _call_schema(tools: tuple[Tool, ...]) -> dict[str, Any]:
     """One call of one of `tools`: {"name": its name, "arguments": valid for its parameters}."""
-    calls = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": t.function.name}, "arguments": _params(t)},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
+    calls, defs = [], {}
+    for t in tools:
+        arguments = _params(t)
+        if _has_local_ref(arguments):  # its `$ref`s point into its own root, which is no longer the root here
+            defs[t.function.name] = _moved_refs(arguments, f"#/$defs/{t.function.name}")
+            arguments = {"$ref": f"#/$defs/{t.function.name}"}
+        calls.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": t.function.name}, "arguments": arguments},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return schema | {"$defs": defs} if defs else schema
+
+
+def _has_local_ref(node: Any) -> bool:
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        return (isinstance(ref, str) and ref.startswith("#")) or any(_has_local_ref(v) for v in node.values())
+    return isinstance(node, list) and any(_has_local_ref(v) for v in node)
+
+
+def _moved_refs(node: Any, root: str) -> Any:
+    """A copy of `node` with every local `$ref` ("#", "#/$defs/x", ...) pointing under `root` instead."""
+    if isinstance(node, dict):
+        return {
+            k: root + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _moved_refs(v, root)
+            for k, v in node.items()
         }
-        for t in tools
-    ]
-    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+    if isinstance(node, list):
+        return [_moved_refs(v, root) for v in node]
+    return node
 
 
 def history_turn(turn: dict[str, Any], template_renders_calls: bool) -> dict[str, Any]:

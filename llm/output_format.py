@@ -320,6 +320,9 @@ class CompiledFormat:
     vocab: int  # the logits' width (the model's vocabulary, which may exceed the tokenizer's)
     eos_ids: frozenset[int]
     _template: LLMatcher
+    # The tokenizer's control tokens other than EOS, ascending: llguidance's mask may allow one where a literal
+    # spells its text (e.g. "<|user|>"), which its matcher then refuses; llm/token_mask.py checks these.
+    control_ids: tuple[int, ...] = ()
 
     def matcher(self) -> LLMatcher:
         return self._template.deep_copy()
@@ -347,12 +350,32 @@ def compile_format(fmt: OutputFormat, tokenizer: Tokenizer, eos_ids: frozenset[i
     template = LLMatcher(ll, fmt.grammar(), log_level=0)
     if template.is_error():
         raise explain(fmt, template.get_error())
-    made = CompiledFormat(fmt, vocab, frozenset(eos_ids), template)
+    made = CompiledFormat(fmt, vocab, frozenset(eos_ids), template, _control_ids(tokenizer, ll, eos_ids, vocab))
+    from .token_mask import first_refused, no_token_left
+
+    refused = first_refused(made)
+    if refused is not None:
+        name = tokenizer.decode(refused[:1], skip_special_tokens=False) if refused else None
+        raise UnsupportedFormat(fmt.kind, name or fmt.kind, detail=no_token_left(refused, name))
     with _compile_lock:
         compiled[key] = made
         while len(compiled) > MAX_COMPILED:
             compiled.popitem(last=False)
     return made
+
+
+def _control_ids(tokenizer: Tokenizer, ll: LLTokenizer, eos_ids: frozenset[int], vocab: int) -> tuple[int, ...]:
+    """The tokens llguidance treats as special (its view, not the tokenizer's `special` flags: Qwen's
+    `<tool_call>` is one of them), EOS aside: once per llguidance tokenizer (0.01-0.06 s a vocabulary)."""
+    key = ("control", frozenset(eos_ids), vocab)
+    with _compile_lock:
+        per = _tokenizers.setdefault(tokenizer, {"compiled": OrderedDict()})
+        if key in per:
+            return per[key]  # type: ignore[no-any-return]
+    found = tuple(i for i in range(min(ll.vocab_size, vocab)) if i not in eos_ids and ll.is_special_token(i))
+    with _compile_lock:
+        per[key] = found
+    return found
 
 
 def _ll_tokenizer(tokenizer: Tokenizer, eos_ids: frozenset[int], vocab: int) -> LLTokenizer:

@@ -297,6 +297,10 @@ def test_one_access_log_line_per_request(live: LiveServer) -> None:
     before = len(ACCESS_LOG.getvalue().splitlines())
     post(live, "/completions", {"prompt": "keys", "max_tokens": 2, "stream": True})
     httpx.get(f"{live.base}/v1/nowhere?api_key=secret", timeout=10)
+    # The line is written once the response has gone out: the client may read its answer first.
+    deadline = time.monotonic() + 10
+    while len(ACCESS_LOG.getvalue().splitlines()) < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
     lines = [json.loads(line) for line in ACCESS_LOG.getvalue().splitlines()[before:]]
     assert [(e["event"], e["method"], e["path"], e["status"]) for e in lines] == [
         ("http_request", "POST", "/v1/completions", 200),

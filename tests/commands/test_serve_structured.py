@@ -246,11 +246,17 @@ def test_a_malformed_shape_is_a_400_naming_the_field(
 
 
 def test_a_matcher_that_fails_mid_answer_fails_that_request_alone(live: LiveServer) -> None:
-    # The literal is the tokenizer's own control token's text: llguidance's mask allows that token, then its
-    # matcher refuses it. That request ends in an error; the model's loop and the next request go on.
-    body = {"model": "m", "messages": CHAT, "grammar": 'root ::= "<|user|>x"'}
+    # The literal spells the tokenizer's own control token: llguidance lets the answer write it only as that
+    # token, which its matcher refuses. At the start that is a 400 before any token; after "a" the request
+    # ends in an error naming `format` (a 500: the format passed its checks), and the loop and the next
+    # request go on.
+    start = {"model": "m", "messages": CHAT, "grammar": 'root ::= "<|user|>x"'}
+    refused = httpx.post(f"{live.url}/chat/completions", json=start, timeout=60)
+    assert refused.status_code == 400 and "control token" in refused.json()["error"]["message"], refused.text
+    body = {"model": "m", "messages": CHAT, "grammar": 'root ::= "a" "<|user|>x"'}
     answer = httpx.post(f"{live.url}/chat/completions", json=body, timeout=60)
     assert answer.status_code == 500 and "format:" in answer.json()["error"]["message"], answer.text
+    assert "control token" in answer.json()["error"]["message"]
     after = httpx.post(
         f"{live.url}/chat/completions", json={"model": "m", "messages": CHAT, "max_tokens": 3}, timeout=60
     )

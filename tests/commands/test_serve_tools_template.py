@@ -23,7 +23,7 @@ from llmplan.commands.openai_api import ChatRequest
 from llmplan.commands.request_body import validate
 from llmplan.commands.server import ServerSettings
 from llmplan.commands.tool_calls import MARKER, NATIVE_END, Tool, ToolMode
-from llmplan.llm.output_format import compile_format
+from llmplan.llm.output_format import UnsupportedFormat, compile_format
 from llmplan.llm.tokenizer import Tokenizer
 
 from .conftest import LiveServer, write_serve_plan
@@ -130,13 +130,16 @@ def _qwen_dir() -> Path:
     return found[0].parent
 
 
-@pytest.mark.parametrize("tag_tokens", [True, False], ids=["tags-as-tokens", "tags-spelled"])
-def test_qwens_tags_are_its_tokens_in_the_grammar(tag_tokens: bool) -> None:
-    """Qwen's <tool_call> is one token: a grammar spelling it out gets llguidance to allow that token, which
-    its matcher then refuses; named as a token, the call goes through token by token."""
+def test_qwens_tags_are_its_tokens_in_the_grammar() -> None:
+    """Qwen's <tool_call> is one token, which llguidance lets an answer write only as that token: a grammar
+    spelling it out is refused when compiled (it could never start); named as a token, the call goes through
+    token by token."""
     tok = Tokenizer.from_dir(_qwen_dir())
     tools = tuple(Tool.model_validate(t) for t in TOOLS)
-    mode = ToolMode(tools, "required", parallel=False, native=True, tag_tokens=tag_tokens)
+    spelled = ToolMode(tools, "required", parallel=False, native=True, tag_tokens=False)
+    with pytest.raises(UnsupportedFormat, match="control token"):
+        compile_format(spelled.format, tok, frozenset([tok.eos_id]), tok.vocab_size)
+    mode = ToolMode(tools, "required", parallel=False, native=True, tag_tokens=True)
     compiled = compile_format(mode.format, tok, frozenset([tok.eos_id]), tok.vocab_size)
     call = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}'
     ids = [tok.token_to_id(MARKER), *tok.encode(f"\n{call}\n", add_bos=False), tok.token_to_id(NATIVE_END)]
@@ -144,12 +147,8 @@ def test_qwens_tags_are_its_tokens_in_the_grammar(tag_tokens: bool) -> None:
     bits = torch.zeros((compiled.vocab + 31) // 32, dtype=torch.int32)
     matcher.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * 4)
     allowed = np.unpackbits(bits.numpy().view(np.uint8), bitorder="little")
-    assert allowed[ids[0]] == 1  # the mask allows the tag's token either way
-    consumed = [matcher.consume_token(t) for t in ids]
-    if tag_tokens:
-        assert all(consumed) and matcher.is_accepting()
-        calls = mode.read(tok.decode(ids))
-        assert calls is not None and [c["function"]["name"] for c in calls] == ["get_weather"]
-        assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "unit": "C"}
-    else:
-        assert consumed[0] is False
+    assert allowed[ids[0]] == 1
+    assert all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+    calls = mode.read(tok.decode(ids))
+    assert calls is not None and [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "unit": "C"}

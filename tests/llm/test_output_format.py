@@ -162,3 +162,60 @@ def test_the_native_mask_matches_the_unpacked_bits(vocab: int, monkeypatch: pyte
     out = logits.clone()
     assert token_mask.apply_bitmask(out, bits) == int(allowed.sum())
     assert torch.equal(out, expected)
+
+
+# --- control tokens: llguidance's mask allows one where a literal spells its text; its matcher refuses it
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from llmplan.llm.tokenizer import Tokenizer
+    from tests.stages.tiny_run import make_tokenizer
+
+    folder = tmp_path_factory.mktemp("tok")
+    make_tokenizer(folder)
+    return Tokenizer.from_dir(folder)
+
+
+def _compiled(tok: Any, grammar: str) -> Any:
+    from llmplan.llm.output_format import compile_format
+
+    return compile_format(OutputFormat("grammar", grammar), tok, frozenset([tok.eos_id]), tok.vocab_size)
+
+
+class _Step:
+    prompt_len = 0
+
+    def __init__(self, seen: list[int]) -> None:
+        self.seen = seen
+
+
+def test_a_literal_that_spells_a_control_token_is_refused_when_compiled(tiny_tokenizer: Any) -> None:
+    user = tiny_tokenizer.token_to_id("<|user|>")
+    assert user in tiny_tokenizer.special_ids
+    with pytest.raises(UnsupportedFormat) as refused:
+        _compiled(tiny_tokenizer, 'start: "<|user|>x"')
+    assert refused.value.keyword == "<|user|>" and f"control token {user}" in str(refused.value)
+
+
+def test_a_grammar_that_names_the_control_token_may_write_it(tiny_tokenizer: Any) -> None:
+    user = tiny_tokenizer.token_to_id("<|user|>")
+    mask = token_mask.FormatMask(_compiled(tiny_tokenizer, 'start: <|user|> "x"'))
+    logits = torch.zeros(tiny_tokenizer.vocab_size)
+    mask.apply(logits, _Step([]))  # type: ignore[arg-type]
+    assert torch.isfinite(logits).nonzero().flatten().tolist() == [user]
+    mask.apply(torch.zeros(tiny_tokenizer.vocab_size), _Step([user]))  # type: ignore[arg-type]  # taken
+
+
+def test_a_control_token_spelled_mid_answer_is_never_allowed(tiny_tokenizer: Any) -> None:
+    # Before the fix the second step allowed <|user|> alone, and picking it failed the matcher; now the mask
+    # clears it, and the step says why nothing is left (the request ends in a clear error, not a refusal).
+    user = tiny_tokenizer.token_to_id("<|user|>")
+    mask = token_mask.FormatMask(_compiled(tiny_tokenizer, 'start: "a" "<|user|>x"'))
+    first = torch.zeros(tiny_tokenizer.vocab_size)
+    mask.apply(first, _Step([]))  # type: ignore[arg-type]
+    (a,) = torch.isfinite(first).nonzero().flatten().tolist()
+    second = torch.zeros(tiny_tokenizer.vocab_size)
+    with pytest.raises(token_mask.MaskError, match=f"control token {user}"):
+        mask.apply(second, _Step([a]))  # type: ignore[arg-type]
+    assert not torch.isfinite(second).any()
