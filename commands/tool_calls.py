@@ -104,8 +104,8 @@ class ToolMode:
         compact = {"x-guidance": JSON_OPTIONS}  # as a schema's own answer is: no free whitespace
         if self.native:  # each call in its tags, one per line
             calls = f"call ({json.dumps(NATIVE_SEP)} call)~0..{MAX_CALLS - 1}" if self.parallel else "call"
-            # A tag that is a token must be named as one: its text spelled out would be allowed by llguidance's
-            # mask as that token, which its matcher then refuses.
+            # A tag that is a token must be named as one: llguidance lets an answer write its text only as that
+            # token, and refuses the token for a spelled-out literal (compile_format refuses such a grammar).
             tags = (
                 (f"<{MARKER[1:-1]}>", f"<{NATIVE_END[1:-1]}>")
                 if self.tag_tokens
