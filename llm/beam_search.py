@@ -57,6 +57,7 @@ def beam_search(
     early_stopping: bool | Literal["never"] = False,
     runner: ModelRunner | None = None,
     grammar: CompiledFormat | None = None,
+    allowed: list[int] | None = None,
 ) -> list[Candidate]:
     """The best `num_return_sequences` finished beams, best first. The cache needs num_beams rows.
 
@@ -67,6 +68,7 @@ def beam_search(
     grammar: a format every beam obeys: each beam's logits are masked by its own matcher before they are
     scored (so scores are log-probs under the constraint), and only candidates that finished by EOS or at
     the length limit are returned (a grammar may allow fewer sequences than beams).
+    allowed: with a grammar, extended by how many tokens the mask allowed the best running beam, per step.
 
     Kept apart from the engine loop, with the reason measured at the top of this module.
     """
@@ -102,6 +104,8 @@ def beam_search(
             if not cache.make_room(1):
                 break
             logits = runner.static_decode(beams.running[:, step : step + 1], cache.next_positions(), cache)[:, -1]
+    if masks is not None and allowed is not None:
+        allowed.extend(masks.allowed)
     return beams.best(num_return_sequences, eos_ids, max_new_tokens, only_finished=masks is not None)
 
 

@@ -398,6 +398,7 @@ class Generate(Stage):
         prompt = self._fit(ctx, request, cache.max_tokens - max_new + 1)
         cache.reset(params.num_beams)
         start = time.perf_counter()
+        allowed: list[int] = []
         try:
             with torch.inference_mode():
                 candidates = beam_search(
@@ -412,6 +413,7 @@ class Generate(Stage):
                     early_stopping=params.early_stopping,
                     runner=runner,
                     grammar=grammar,
+                    allowed=allowed,
                 )
         except (torch.OutOfMemoryError, RuntimeError) as bad:
             ctx.log.warning("generation_error", request=request.id, error=str(bad))
@@ -429,6 +431,7 @@ class Generate(Stage):
         )
         if grammar is not None:
             result.format_record = {**grammar.format.record(), "complete": complete(grammar, gen.tokens)}
+            result.mask_allowed = allowed
         return result
 
 

@@ -305,6 +305,9 @@ def test_every_beam_candidate_obeys_the_format(tmp_path: Path, model_dir: Path, 
         assert matches(tok.decode(candidate.tokens, skip_special_tokens=True)), tok.decode(candidate.tokens)
     scores = [c.score for c in generation.candidates]
     assert scores == sorted(scores, reverse=True)
+    # the report's per-step figure: what the mask allowed the best running beam, a step a search step
+    allowed = generation.mask_allowed
+    assert allowed and len(allowed) >= len(generation.tokens) and min(allowed) > 0 and max(allowed) < 412
 
 
 def test_unconstrained_beams_break_the_format_the_masked_ones_keep(tmp_path: Path, model_dir: Path) -> None:
