@@ -147,13 +147,27 @@ static int team_threads = 0;    // the adapted team size (0: not started: the mo
 static int64_t win_start = 0, win_region_ns = 0, win_wait_ns = 0;  // this window's products and waits
 static int64_t idle_mark = -1, idle_mark_ns = 0;  // /proc/stat idle jiffies (all CPUs) and when read
 static int64_t win_inside_ns = 0;  // wall time in the outermost kernel calls this window
+// Raises back off: a raise undone within RAISE_UNDONE windows doubles the spare windows the next one needs
+// (up to RAISE_AFTER_MOST). A served model's thread leaves cores idle between its steps (streaming, the
+// server's own thread), which looked like a spare core every other window: the team went 1, 2, 1, 2 beside
+// one spinner and kept 0.22 of its quiet speed, against 0.40 fixed at one thread.
+#define RAISE_UNDONE 4
+#define RAISE_AFTER_MOST 32
+static int raise_after = 1, spare_windows = 0;
+static int64_t last_raise_ns = 0;
 static const void *win_owner = NULL;  // the thread that started the window, and its CPU time then
 static int64_t win_cpu0 = 0;
 static __thread char thread_token;  // its address tells the calling threads apart
 static int64_t stat_drops = 0, stat_raises = 0, stat_regions = 0, stat_region_ns = 0, stat_wait_ns = 0;
 
+// The most threads: torch's count (the OpenMP runtime's), unless pinned. llm/native.py pins it before it
+// lowers torch's own count to the team's, so that torch's ops outside these kernels (sampling over the
+// vocabulary, the fallback) stop meeting at barriers with a descheduled thread too, and raises still reach it.
+static int most_pinned = 0;
+void pin_kernel_most(int64_t n) { most_pinned = n > 0 ? (int)n : 0; }
+
 static int most_threads(void) {
-    const int n = omp_get_max_threads();
+    const int n = most_pinned > 0 ? most_pinned : omp_get_max_threads();
     return n > 0 ? n : 1;
 }
 
@@ -216,13 +230,17 @@ static void adapt_threads(void) {
     if (cur > 1 && (starved || waiting)) {
         cur--;
         stat_drops++;
+        const int undone = last_raise_ns && t - last_raise_ns < RAISE_UNDONE * WINDOW_NS;
+        raise_after = undone ? (raise_after * 2 < RAISE_AFTER_MOST ? raise_after * 2 : RAISE_AFTER_MOST) : 1;
+        spare_windows = 0;
         idle_mark = idle_jiffies(), idle_mark_ns = t;  // the spare-core check starts from here
     } else if (cur < most) {
         const int64_t idle = idle_jiffies();
         if (idle >= 0 && idle_mark >= 0 && t > idle_mark_ns) {
             const double hz = (double)sysconf(_SC_CLK_TCK), spare = (double)(idle - idle_mark) / hz /
                                                                     ((double)(t - idle_mark_ns) * 1e-9);
-            if (spare >= SPARE_CORE) cur++, stat_raises++;
+            spare_windows = spare >= SPARE_CORE ? spare_windows + 1 : 0;
+            if (spare_windows >= raise_after) cur++, stat_raises++, spare_windows = 0, last_raise_ns = t;
         }
         idle_mark = idle, idle_mark_ns = t;
     }
@@ -256,6 +274,7 @@ void set_kernel_threads(int64_t n) {
     fixed_threads = n > 0 ? (int)n : (n < 0 ? -1 : 0);
     __atomic_store_n(&team_threads, 0, __ATOMIC_RELAXED);
     win_start = 0, win_region_ns = 0, win_wait_ns = 0, win_inside_ns = 0, idle_mark = -1;
+    raise_after = 1, spare_windows = 0, last_raise_ns = 0;
 }
 
 // out[0..7]: team size now, the most, fixed (0, -1 or n), drops, raises, products timed, their ns, the first

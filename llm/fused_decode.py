@@ -356,6 +356,9 @@ class FusedDecoder:
             None if outs is None else outs.data_ptr(),
             -1 if outs is None else outs.shape[0],  # -1: logits of every input
         )
+        fast = native.kernels()  # cached: the loaded build
+        if fast is not None:
+            fast.torch_follows_team()
         if clock is not None:  # the pass's rows and tokens per row, counted only while observing
             n_rows = m if outs is None else int(torch.unique(rows).numel())
             clock.record_fused(n_rows, m // n_rows)

@@ -96,12 +96,19 @@ class NativeKernels:
         lib.set_kernel_threads.restype = None
         lib.kernel_threads_stats.argtypes = [ptr]
         lib.kernel_threads_stats.restype = None
+        lib.pin_kernel_most.argtypes = [i64]
+        lib.pin_kernel_most.restype = None
+        self._torch_threads: int | None = None  # what torch_follows_team last set torch's count to
+        self._stats = (ctypes.c_int64 * 8)()
         if os.environ.get("LLMPLAN_THREADS_ADAPT", "1") == "0":
             lib.set_kernel_threads(-1)  # every product on torch's thread count, as before #30
 
     def set_threads(self, n: int) -> None:
         """Run every product on `n` threads from now on (tests, A/B runs); 0: adapt the count to the machine's
-        load again (the default, cpu_kernels.c "Threads on a busy machine"), -1: torch's count, not adapted."""
+        load again (the default, cpu_kernels.c "Threads on a busy machine"), -1: torch's count, not adapted.
+        The most is torch's count again (unpinned: see torch_follows_team)."""
+        self.lib.pin_kernel_most(0)
+        self._torch_threads = None
         self.lib.set_kernel_threads(n)
 
     def thread_stats(self) -> dict[str, int]:
@@ -111,6 +118,21 @@ class NativeKernels:
         self.lib.kernel_threads_stats(out)
         names = ("threads", "most", "fixed", "drops", "raises", "products", "product_ns", "wait_ns")
         return dict(zip(names, (int(v) for v in out), strict=True))
+
+    def torch_follows_team(self) -> None:
+        """Torch's own thread count follows the adapted team (after each forward pass): torch's ops between
+        the passes (sampling over the vocabulary, penalties) split over its threads and meet at barriers just
+        as the products did; beside one spinner, a server kept 0.22 of its quiet speed with the kernels on one
+        thread and torch on two. A count someone else set (a plan's `threads`) is the most from then on."""
+        now = torch.get_num_threads()
+        if now != self._torch_threads:
+            self.lib.pin_kernel_most(now)
+        self.lib.kernel_threads_stats(self._stats)
+        team, fixed = int(self._stats[0]), int(self._stats[2])
+        if fixed == 0 and team != now:
+            torch.set_num_threads(team)
+            now = team
+        self._torch_threads = now
 
     @staticmethod
     def supports(x: Tensor, weight: Tensor) -> bool:

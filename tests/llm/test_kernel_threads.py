@@ -116,3 +116,30 @@ def test_an_oversubscribed_team_drops_threads(fast: native.NativeKernels) -> Non
         assert stats["threads"] < stats["most"] == 2 * cores + 1
     finally:
         torch.set_num_threads(most)
+
+
+def test_torch_follows_the_team_and_raises_still_reach_the_most(fast: native.NativeKernels) -> None:
+    # torch's own ops (sampling between the passes) must not keep the threads the kernels dropped; lowering
+    # torch's count lowers the OpenMP runtime's, so the most is pinned first or the team could never rise.
+    most = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    over = 2 * cores + 1
+    torch.set_num_threads(over)
+    try:
+        fast.set_threads(0)
+        w = torch.randn(2048, 512)
+        q, scale = fast.quantize_int8(w)
+        x = torch.randn(1, 512)
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end and fast.thread_stats()["threads"] == over:
+            fast.linear_int8(x, q, scale)
+        fast.torch_follows_team()
+        team = fast.thread_stats()["threads"]
+        assert team < over and torch.get_num_threads() == team
+        assert fast.thread_stats()["most"] == over  # pinned: the runtime's count is now the team's
+        torch.set_num_threads(over + 1)  # set by someone else (not the team size): the most from now on
+        fast.torch_follows_team()
+        assert fast.thread_stats()["most"] == over + 1
+    finally:
+        fast.set_threads(0)
+        torch.set_num_threads(most)
