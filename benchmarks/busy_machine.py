@@ -1,7 +1,7 @@
 """A busy machine (#30): llmplan and llama.cpp with 0, 1, 2 background CPU-bound spinners (and niced ones).
 
 Usage: python benchmarks/busy_machine.py OUT_PREFIX [--checkout NAME=DIR ...] [--levels 0,1,2,1n]
-           [--rounds N] [--prompt-tokens 118] [--gen-tokens 64] [--no-llama]
+           [--rounds N] [--prompt-tokens 118] [--gen-tokens 64] [--no-llama] [--serve CLIENTS]
 
 A level is a number of spinner processes (`while True: pass`), `n` after it runs them under `nice -n 19`.
 Per round and level: spinners start, the load average is recorded, then each checkout's
@@ -9,6 +9,8 @@ Per round and level: spinners start, the load average is recorded, then each che
 1, prefill, batch-16 aggregate decode; llmplan through the engine, then llama-bench / llama-batched-bench on
 the same model as Q8_0), the checkouts' order flipped every round; spinners stop. Medians over rounds; each
 figure also as a share of the same engine's quiet (level 0) figure. Writes OUT_PREFIX.json and .md.
+`--serve CLIENTS`: the serving loop instead, `llmplan bench --serve --vs llama-server --clients CLIENTS` (64-token
+prompts, 32 out, streaming): output tok/s and TTFT p50 of `llmplan serve` and llama-server under the same load.
 `--no-llama`: llmplan only (`llmplan bench --batch 1,16` without --vs), for A/B rounds of two checkouts
 where llama.cpp is not built or its time is better spent on more rounds.
 """
@@ -54,6 +56,26 @@ def bench(checkout: Path, out: Path, prompt: int, gen: int, llama: bool = True) 
     return [{"figure": f, "llmplan": by_batch[b][key]} for f, (b, key) in figures.items()]
 
 
+def bench_serve(checkout: Path, out: Path, clients: int) -> list[dict[str, Any]]:
+    """`llmplan bench --serve --vs llama-server`: `clients` streaming clients against each server (the
+    scheduler's serving loop, and llama-server on the Q8_0 GGUF); output tok/s and TTFT p50 of each."""
+    cmd = [
+        str(checkout / ".venv/bin/llmplan"), "bench", "plans/llama-int8.yaml", "--serve", "--vs", "llama-server",
+        "--clients", str(clients), "--prompt-tokens", "64", "--gen-tokens", "32", "--time-limit", "600",
+        "--format", "json", "--out", str(out),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    subprocess.run(cmd, cwd=checkout, check=True, capture_output=True, text=True, timeout=1800, env=env)
+    sides = json.loads(out.with_suffix(".json").read_text())["sides"]
+    ours, theirs = sides["llmplan"][str(clients)], sides["llama-server"][str(clients)]
+    return [
+        {"figure": f"serve_{clients}_tok_s", "llmplan": {"median": ours["output_tok_per_s"]},
+         "llama_cpp": {"median": theirs["output_tok_per_s"]}},
+        {"figure": f"serve_{clients}_ttft_p50_s", "llmplan": {"median": ours["ttft_p50_s"]},
+         "llama_cpp": {"median": theirs["ttft_p50_s"]}},
+    ]  # fmt: skip
+
+
 def measure(args: argparse.Namespace, checkouts: list[tuple[str, Path]], tmp: Path) -> dict[str, Any]:
     samples: dict[str, list[float]] = {}
     loads: dict[str, list[float]] = {}
@@ -66,7 +88,12 @@ def measure(args: argparse.Namespace, checkouts: list[tuple[str, Path]], tmp: Pa
                 loads.setdefault(level, []).append(os.getloadavg()[0])
                 for name, checkout in order:
                     out = tmp / f"{name}-{r}-{level}"
-                    for row in bench(checkout, out, args.prompt_tokens, args.gen_tokens, not args.no_llama):
+                    rows = (
+                        bench_serve(checkout, out, args.serve)
+                        if args.serve
+                        else bench(checkout, out, args.prompt_tokens, args.gen_tokens, not args.no_llama)
+                    )
+                    for row in rows:
                         for engine in ("llmplan", "llama_cpp")[: 1 if args.no_llama else 2]:
                             who = name if engine == "llmplan" else f"llama.cpp (beside {name})"
                             key = json.dumps([level, who, row["figure"]])
@@ -102,12 +129,12 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         "spinners `while True: pass` (`n`: under nice -n 19). Medians over rounds; share = of the same "
         "engine's quiet figure.",
         "",
-        "| spinners | engine | figure | tok/s | share of quiet |",
+        "| spinners | engine | figure | tok/s (or s) | share of quiet |",
         "|---|---|---|---:|---:|",
     ]
     for row in rows:
         share = f"{row['of_quiet']:.2f}" if row["of_quiet"] is not None else "-"
-        lines.append(f"| {row['level']} | {row['engine']} | {row['figure']} | {row['tok_s']:.1f} | {share} |")
+        lines.append(f"| {row['level']} | {row['engine']} | {row['figure']} | {row['tok_s']:.4g} | {share} |")
     return "\n".join(lines) + "\n"
 
 
@@ -120,6 +147,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=118)
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--no-llama", action="store_true", help="llmplan only: no llama.cpp runs")
+    ap.add_argument("--serve", type=int, default=0, metavar="CLIENTS",
+                    help="the serving loop instead: CLIENTS streaming clients, llmplan serve beside llama-server")
     args = ap.parse_args()
     here = Path(__file__).resolve().parents[1]
     checkouts = [(c.split("=", 1)[0], Path(c.split("=", 1)[1])) for c in args.checkout] or [("this", here)]
