@@ -570,10 +570,12 @@ class Answering:
                 what, index, payload = replay.pop(0) if replay else await queue.get()
                 if what == "text":
                     held = calling[index]
-                    shown = held.push(payload) if held is not None else payload
+                    shown, events = held.push(payload) if held is not None else (payload, [])
                     if shown:
                         streamed[index] += shown
                         yield chunk([delta(index, shown)])
+                    for event in events:  # a call's header once its name is known, then its arguments' pieces
+                        yield chunk([delta(index, None) | {"delta": {"tool_calls": [event.delta()]}}])
                     continue
                 remaining -= 1
                 try:
@@ -584,15 +586,18 @@ class Answering:
                     continue
                 runs[index] = run
                 text, reason, gen = self._choice_parts(run)
-                calls = mode.read(text) if mode is not None else None
-                if calls is not None:  # the calls whole, each its header then its arguments (OpenAI's order)
+                held = calling[index]
+                calls = None
+                if held is not None:  # what the calls' stream still owes: their rest, or calls not begun
+                    calls, owed, agreed = held.finish(text)
+                    if not agreed:
+                        self.host.plan.log.warning("tool_call_stream_disagreed", choice=index, text=text)
+                    for event in owed:
+                        yield chunk([delta(index, None) | {"delta": {"tool_calls": [event.delta()]}}])
+                if calls is not None:
                     reason = "tool_calls"
-                    for k, call in enumerate(calls):
-                        head = {"index": k, "id": call["id"], "type": "function"}
-                        head["function"] = {"name": call["function"]["name"], "arguments": ""}
-                        yield chunk([delta(index, None) | {"delta": {"tool_calls": [head]}}])
-                        arguments = {"index": k, "function": {"arguments": call["function"]["arguments"]}}
-                        yield chunk([delta(index, None) | {"delta": {"tool_calls": [arguments]}}])
+                elif held is not None and held.started:
+                    pass  # calls the token limit cut short: sent as far as they went, the reason says "length"
                 # The final text is the answer: send what the stream has not shown yet (the whole text for a
                 # results-cache replay, which streams nothing; a character completed only at the end; text
                 # held back as it could have been a call).

@@ -27,18 +27,16 @@ from __future__ import annotations
 import contextlib
 import json
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
 from llmplan.llm.output_format import JSON_OPTIONS, OutputFormat, UnsupportedFormat
 
+from .call_reader import MARKER, NATIVE_END, NATIVE_SEP, CallArguments, CallEvent, CallReader, CallStart
 from .structured_output import NAME, STRICT, ShapeError, refusal
 
-MARKER = "<tool_call>"
-NATIVE_END = "</tool_call>"
-NATIVE_SEP = "\n"  # between two calls in Hermes' style
 MAX_CALLS = 8  # calls in one parallel answer, at most
 MAX_TOOLS = 128  # OpenAI's limit
 EMPTY = {"type": "object", "properties": {}, "additionalProperties": False}  # OpenAI: no parameters
@@ -267,25 +265,58 @@ def _arguments_read(call: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass
 class CallStream:
-    """One streamed choice under a tool mode: which text is shown as content as it comes. The calls are sent
-    whole when the answer ends (their JSON is read then); text is held only while it could still be the
-    marker (auto) or always (a call is required)."""
+    """One streamed choice under a tool mode: which text is shown as content as it comes, and the calls'
+    events (commands/call_reader.py) once it is known to be calls. Text is held only while it could still be
+    the marker (auto) or always (a call is required)."""
 
     mode: ToolMode
     held: str = ""
     text: bool | None = None  # None: not known yet
+    reader: CallReader = field(init=False)
 
-    def push(self, piece: str) -> str:
-        """The part of `piece` to show now as content."""
+    def __post_init__(self) -> None:
+        self.reader = CallReader(self.mode.native)
+
+    @property
+    def started(self) -> bool:
+        """A call's header was sent: the answer is calls, even one the token limit cuts short."""
+        return bool(self.reader.calls)
+
+    def push(self, piece: str) -> tuple[str, list[CallEvent]]:
+        """The part of `piece` to show now as content, and the calls' events it makes certain."""
         if self.text:
-            return piece
+            return piece, []
         self.held += piece
-        if not self.mode.free_text or self.text is False:
-            return ""
-        if self.held.startswith(MARKER):
-            self.text = False
-            return ""
-        if MARKER.startswith(self.held):
-            return ""  # may still become the marker
-        self.text, out, self.held = True, self.held, ""
-        return out
+        if self.mode.free_text and self.text is None:
+            if self.held.startswith(MARKER):
+                self.text = False
+            elif MARKER.startswith(self.held):
+                return "", []  # may still become the marker
+            else:
+                self.text, out, self.held = True, self.held, ""
+                return out, []
+        return "", self.reader.feed(self.held[len(self.reader.seen) :])
+
+    def finish(self, text: str) -> tuple[list[dict[str, Any]] | None, list[CallEvent], bool]:
+        """At the answer's end (`text`, the whole answer): its calls as read whole, with the ids the stream
+        gave them; the events the stream still owes so that the fragments joined are those calls (the text
+        the pieces did not bring; all of it for a results-cache replay, which streams nothing); and whether
+        what was sent agrees with the read (else only what had not been sent of it is sent)."""
+        calls = self.mode.read(text)
+        owed: list[CallEvent] = []
+        if (calls is not None or self.started) and text.startswith(self.reader.seen):
+            owed = self.reader.feed(text[len(self.reader.seen) :])
+        if calls is None:
+            return None, owed, True
+        sent, agreed = self.reader.calls, len(self.reader.calls) <= len(calls)
+        for k, call in enumerate(calls):
+            name, arguments = call["function"]["name"], call["function"]["arguments"]
+            if k >= len(sent):  # not begun: sent whole, the header then the arguments
+                owed += [CallStart(k, call["id"], name), CallArguments(k, arguments)]
+                continue
+            call["id"] = sent[k].id
+            if sent[k].name != name or not arguments.startswith(sent[k].arguments):
+                agreed = False  # what was sent stays sent: nothing more of this call
+            elif len(arguments) > len(sent[k].arguments):
+                owed.append(CallArguments(k, arguments[len(sent[k].arguments) :]))
+        return calls, owed, agreed

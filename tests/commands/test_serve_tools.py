@@ -107,6 +107,45 @@ def ask_streamed(live: LiveServer, **body: Any) -> tuple[str, list[dict[str, Any
     return content, [calls[k] for k in sorted(calls)], reason
 
 
+def streamed_parts(live: LiveServer, **body: Any) -> list[dict[str, Any]]:
+    """The `delta.tool_calls` parts of a streamed answer in their order, each in a chunk of its own, after
+    checking the shape every call's parts must have: its header first (id, type, name, arguments ""), then
+    only argument fragments, the calls one after another by index; no content."""
+    payload = {"model": "m", "messages": CHAT, "stream": True, **body}
+    with httpx.stream("POST", f"{live.url}/chat/completions", json=payload, timeout=60) as answer:
+        assert answer.status_code == 200, answer.read()
+        chunks = stream_bodies(list(answer.iter_lines()))
+    parts = []
+    for chunk in chunks:
+        conforms("chat.completion.chunk", chunk)
+        for choice in chunk["choices"]:
+            assert not choice["delta"].get("content")
+            assert len(choice["delta"].get("tool_calls") or []) <= 1
+            parts += choice["delta"].get("tool_calls") or []
+    begun: list[int] = []
+    for part in parts:
+        if "id" in part:  # a header: the next call's, its name whole
+            assert part["index"] == len(begun) and part["id"].startswith("call_") and part["type"] == "function"
+            assert part["function"]["name"] and part["function"]["arguments"] == ""
+            begun.append(part["index"])
+        else:  # a fragment of the call begun last
+            assert begun and part == {"index": begun[-1], "function": {"arguments": part["function"]["arguments"]}}
+            assert part["function"]["arguments"]
+    return parts
+
+
+def joined(parts: list[dict[str, Any]]) -> list[tuple[str, str, str, int]]:
+    """(id, name, arguments joined, how many fragments) per call index."""
+    calls: dict[int, list[Any]] = {}
+    for part in parts:
+        if "id" in part:
+            calls[part["index"]] = [part["id"], part["function"]["name"], "", 0]
+        else:
+            calls[part["index"]][2] += part["function"]["arguments"]
+            calls[part["index"]][3] += 1
+    return [tuple(calls[k]) for k in sorted(calls)]  # type: ignore[misc]
+
+
 def checked_calls(choice: dict[str, Any], names: set[str]) -> list[tuple[str, Any]]:
     """The (name, arguments) of a choice's calls, each of a given tool and valid for its schema."""
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
@@ -156,16 +195,32 @@ def test_the_sdk_reads_the_calls(live: LiveServer) -> None:
     ["required", {"type": "function", "function": {"name": "get_weather"}}, "auto"],
     ids=["required", "named", "auto"],
 )
-def test_streamed_calls_joined_are_the_whole_answers(
+def test_streamed_calls_come_as_generated_and_join_to_the_whole_answers(
     live: LiveServer, choice: Any, towards_a_call: dict[str, float]
 ) -> None:
     body = {"tools": TOOLS, "tool_choice": choice, "temperature": 0, "logit_bias": towards_a_call}
     whole = ask(live, **body)
-    content, calls, reason = ask_streamed(live, **body)
-    assert (content, reason) == ("", "tool_calls")
-    assert all(call["id"].startswith("call_") for call in calls)
+    calls = joined(streamed_parts(live, **body))
     wanted = [(c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"]]
-    assert [(c["name"], c["arguments"]) for c in calls] == wanted
+    assert [(name, arguments) for _, name, arguments, _ in calls] == wanted
+    # this vocabulary's tokens are a character or two: the arguments come in many fragments, as generated
+    assert all(fragments > 1 for _, _, arguments, fragments in calls if len(arguments) > 2), calls
+    content, parts, reason = ask_streamed(live, **body)  # as a client joins them, with the finish reason
+    assert (content, reason) == ("", "tool_calls") and len(parts) == len(wanted)
+
+
+def test_parallel_calls_stream_one_index_after_another(live: LiveServer) -> None:
+    """A bias against the list's end makes the answer all the calls it may have (8), of two tools."""
+    tok: Tokenizer = live.host.context.tokenizer
+    ends = {str(i): -100.0 for i in range(tok.vocab_size) if "]" in tok.decode([i])}
+    body = {"tools": TOOLS[1:], "tool_choice": "required", "temperature": 0, "logit_bias": ends, "max_tokens": 600}
+    whole = ask(live, **body)
+    wanted = [(c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"]]
+    assert len(wanted) == 8 and {name for name, _ in wanted} == {"set_alarm", "now"}
+    calls = joined(streamed_parts(live, **body))
+    assert [(name, arguments) for _, name, arguments, _ in calls] == wanted
+    assert len({ident for ident, *_ in calls}) == 8  # an id of its own per call
+    assert all(fragments > 1 for _, _, arguments, fragments in calls if len(arguments) > 2), calls
 
 
 def test_auto_answers_text_or_a_call(live: LiveServer, towards_a_call: dict[str, float]) -> None:
@@ -194,6 +249,20 @@ def test_a_call_cut_short_says_length(live: LiveServer) -> None:
             choice = ask(live, **body)
             content, calls, reason = choice["message"]["content"], [], choice["finish_reason"]
         assert reason == "length" and calls == [] and content.startswith("<")
+
+
+def test_a_call_cut_short_in_its_arguments_streams_as_far_as_it_went(live: LiveServer) -> None:
+    body = {"tools": TOOLS, "tool_choice": "required", "temperature": 0}
+    call = ask(live, **body)["message"]["tool_calls"][0]["function"]
+    text = MARKER + json.dumps([{"name": call["name"], "arguments": json.loads(call["arguments"])}])
+    tok: Tokenizer = live.host.context.tokenizer
+    cut = len(tok.encode(text[: text.index('"arguments": {') + 16], add_bos=False))  # a few characters in
+    whole = ask(live, **body, max_tokens=cut)
+    assert whole["finish_reason"] == "length" and whole["message"]["content"].startswith(MARKER)  # text, unread
+    content, calls, reason = ask_streamed(live, **body, max_tokens=cut)
+    assert (content, reason, len(calls)) == ("", "length", 1) and calls[0]["name"] == call["name"]
+    assert calls[0]["arguments"] and call["arguments"].startswith(calls[0]["arguments"])
+    assert calls[0]["arguments"] != call["arguments"]
 
 
 HISTORY = [

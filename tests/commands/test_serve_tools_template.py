@@ -27,8 +27,8 @@ from llmplan.llm.output_format import UnsupportedFormat, compile_format
 from llmplan.llm.tokenizer import Tokenizer
 
 from .conftest import LiveServer, write_serve_plan
-from .openai_shapes import conforms, stream_bodies
-from .test_serve_tools import CHAT, HISTORY, SCHEMAS, TOOLS, checked_calls
+from .openai_shapes import conforms
+from .test_serve_tools import CHAT, HISTORY, SCHEMAS, TOOLS, checked_calls, joined, streamed_parts
 
 HERMES = (
     "{%- if tools %}<|system|>Tools:{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n"
@@ -97,22 +97,22 @@ def test_the_answer_is_written_in_the_template_tags(live: LiveServer) -> None:
     assert cut["finish_reason"] == "length" and cut["message"]["content"].startswith('<tool_call>\n{"')
 
 
-def test_streamed_calls_joined_are_the_whole_answer(live: LiveServer) -> None:
-    body = {"model": "m", "messages": CHAT, "tools": TOOLS, "tool_choice": "required", "temperature": 0}
-    whole = ask(live, **{k: v for k, v in body.items() if k not in ("model", "messages")})
-    with httpx.stream("POST", f"{live.url}/chat/completions", json=body | {"stream": True}, timeout=60) as answer:
-        chunks = stream_bodies(list(answer.iter_lines()))
-    joined: dict[int, list[str]] = {}
-    for chunk in chunks:
-        conforms("chat.completion.chunk", chunk)
-        for choice in chunk["choices"]:
-            assert not choice["delta"].get("content")
-            for part in choice["delta"].get("tool_calls") or []:
-                got = joined.setdefault(part["index"], ["", ""])
-                got[0] += part.get("function", {}).get("name") or ""
-                got[1] += part.get("function", {}).get("arguments") or ""
-    wanted = [[c["function"]["name"], c["function"]["arguments"]] for c in whole["message"]["tool_calls"]]
-    assert [joined[k] for k in sorted(joined)] == wanted
+@pytest.mark.parametrize("parallel", [False, True], ids=["one", "parallel"])
+def test_streamed_calls_come_as_generated_and_join_to_the_whole_answer(live: LiveServer, parallel: bool) -> None:
+    """In parallel, a bias against the end of the answer makes it all the calls it may have (8)."""
+    body: dict[str, Any] = {"tools": TOOLS, "tool_choice": "required", "temperature": 0}
+    if parallel:
+        tok: Tokenizer = live.host.context.tokenizer
+        body |= {"tools": TOOLS[1:], "logit_bias": {str(tok.eos_id): -100.0}, "max_tokens": 700}
+    else:
+        body["parallel_tool_calls"] = False
+    whole = ask(live, **body)
+    wanted = [(c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"]]
+    assert len(wanted) == (8 if parallel else 1)
+    calls = joined(streamed_parts(live, **body))
+    assert [(name, arguments) for _, name, arguments, _ in calls] == wanted
+    assert len({ident for ident, *_ in calls}) == len(wanted)
+    assert all(fragments > 1 for _, _, arguments, fragments in calls if len(arguments) > 2), calls
     for name, arguments in wanted:
         jsonschema.validate(json.loads(arguments), SCHEMAS[name])
 
