@@ -79,3 +79,39 @@ def save_as(fig: Any, path: Path, what: str = "") -> Path:
     fig.savefig(picture, format=kind, bbox_inches="tight", dpi=144)
     plt.close(fig)
     return write_file(path, picture.getvalue(), what)
+
+
+MOST_PANELS = 6  # requests drawn one panel each; the rest are counted in the caption
+
+
+@dataclass
+class RequestPanels:
+    """A figure of one panel per request, for the run's requests whose record carries `key` (the first
+    MOST_PANELS of them); `axes` pairs with `shown`."""
+
+    records: list[dict[str, Any]]
+    fig: Any
+    axes: Any
+
+    @classmethod
+    def of(cls, generations: list[dict[str, Any]] | None, key: str, panel_height: float) -> RequestPanels | None:
+        records = [r for r in generations or [] if r.get(key)]
+        if not records:
+            return None  # nothing of that kind ran: nothing to show
+        count = min(len(records), MOST_PANELS)
+        size = (12, panel_height * count + 0.6)
+        fig, axes = plt.subplots(count, 1, figsize=size, layout="constrained", squeeze=False)
+        return cls(records, fig, axes)
+
+    @property
+    def shown(self) -> list[dict[str, Any]]:
+        return self.records[:MOST_PANELS]
+
+    def panels(self) -> list[tuple[Any, dict[str, Any]]]:
+        return list(zip(self.axes[:, 0], self.shown, strict=True))
+
+    def not_drawn(self, did: str) -> str:
+        """The caption's last sentence: how many more requests `did` (e.g. "speculated") and are not drawn."""
+        left = len(self.records) - len(self.shown)
+        return f" {left} more request(s) {did} and are not drawn." if left else ""
+

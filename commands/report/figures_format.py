@@ -8,21 +8,17 @@ at structural positions (a key, a closing brace), one (EOS) once the answer is c
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-from .common import Figure, plt, save
+from .common import Figure, RequestPanels, save
 from .run_data import RunData
-
-MOST_PANELS = 6  # requests drawn; the rest are counted in the caption
 
 
 def draw_format_mask(run: RunData, out_dir: Path) -> list[Figure]:
-    records: list[dict[str, Any]] = [r for r in run.generations or [] if r.get("mask_allowed")]
-    if not records:
+    drawn = RequestPanels.of(run.generations, "mask_allowed", 2.2)
+    if drawn is None:
         return []  # no format ran: nothing to show
-    shown = records[:MOST_PANELS]
-    fig, axes = plt.subplots(len(shown), 1, figsize=(12, 2.2 * len(shown) + 0.6), layout="constrained", squeeze=False)
-    for ax, rec in zip(axes[:, 0], shown, strict=True):
+    fig, axes = drawn.fig, drawn.axes
+    for ax, rec in drawn.panels():
         allowed = rec["mask_allowed"]
         ax.bar(range(len(allowed)), allowed, width=0.9, color="#5c940d")
         ax.set_yscale("log")
@@ -37,8 +33,7 @@ def draw_format_mask(run: RunData, out_dir: Path) -> list[Figure]:
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("answer position (step)")
     path = save(fig, out_dir / "format_mask.svg")
-    left = len(records) - len(shown)
-    more = f" {left} more request(s) ran under a format and are not drawn." if left else ""
+    more = drawn.not_drawn("ran under a format")
     caption = (
         "The format's mask, step by step: how many tokens of the vocabulary the grammar allowed (log scale). "
         "One allowed token is a forced step (a key, a brace, the end); many is free text inside the shape." + more

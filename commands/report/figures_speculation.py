@@ -9,12 +9,10 @@ guesses as a line. Gaps are stretches decoded plainly: where a row's matches wer
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-from .common import Figure, plt, save
+from .common import Figure, RequestPanels, save
 from .run_data import RunData
 
-MOST_PANELS = 6  # requests drawn; the rest are counted in the caption
 WINDOW = 8  # verify passes in the running acceptance
 
 
@@ -29,12 +27,11 @@ def running_acceptance(steps: list[list[int]], window: int = WINDOW) -> list[flo
 
 
 def draw_speculation(run: RunData, out_dir: Path) -> list[Figure]:
-    records: list[dict[str, Any]] = [r for r in run.generations or [] if r.get("speculation")]
-    if not records:
+    drawn = RequestPanels.of(run.generations, "speculation", 2.4)
+    if drawn is None:
         return []  # no request speculated: nothing to show
-    shown = records[:MOST_PANELS]
-    fig, axes = plt.subplots(len(shown), 1, figsize=(12, 2.4 * len(shown) + 0.6), layout="constrained", squeeze=False)
-    for ax, rec in zip(axes[:, 0], shown, strict=True):
+    fig, axes = drawn.fig, drawn.axes
+    for ax, rec in drawn.panels():
         steps = rec["speculation"]
         at = [s[0] for s in steps]
         ax.bar(at, [s[1] for s in steps], width=0.9, color="#ffd8a8", label="guessed")
@@ -55,8 +52,7 @@ def draw_speculation(run: RunData, out_dir: Path) -> list[Figure]:
     axes[0, 0].legend(fontsize=8, loc="upper left")
     axes[-1, 0].set_xlabel("answer position (tokens generated before the pass)")
     path = save(fig, out_dir / "speculation.svg")
-    left = len(records) - len(shown)
-    more = f" {left} more request(s) speculated and are not drawn." if left else ""
+    more = drawn.not_drawn("speculated")
     caption = (
         "Speculative decoding, pass by pass: the guesses each verify pass checked (light) and those accepted "
         f"(dark), at the answer position where it ran; blue: the share accepted over the last {WINDOW} passes. "
