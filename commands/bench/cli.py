@@ -33,6 +33,13 @@ def register(subparsers: Any) -> None:
     bench.add_argument(
         "--llama-build", choices=["native", "avx2"], default="native", help="--vs llama.cpp: avx2 = no AVX-512"
     )
+    bench.add_argument(
+        "--llama-type",
+        type=_llama_types,
+        metavar="[DTYPE=]TYPE,...",
+        help="--vs llama.cpp: llama.cpp's GGUF types, e.g. Q8_0,Q4_1,as-shipped (as-shipped or the GGUF's own "
+        "type: the plan's file untouched; else requantized), each beside the dtype closest in bits or DTYPE",
+    )
     bench.add_argument("--format", choices=["md", "json", "csv"], default="md")
     bench.add_argument("--set", action="append", default=[], metavar="ID.PARAM=VALUE", help="override a parameter")
     bench.add_argument("--dtype", type=_str_list, help="a grid over the convert stage's dtype, e.g. fp32,int8")
@@ -50,6 +57,14 @@ def register(subparsers: Any) -> None:
     add_model_option(bench)
     bench.set_defaults(handler=cmd_bench)
 
+
+def _llama_types(text: str) -> list[tuple[str | None, str]]:
+    from .llama_cpp import parse_llama_types  # only when the option is given: it reads gguf-py's type table
+
+    try:
+        return parse_llama_types(text)
+    except ValueError as bad:
+        raise argparse.ArgumentTypeError(str(bad)) from None
 
 
 def _range(text: str) -> tuple[int, int]:

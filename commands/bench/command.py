@@ -58,6 +58,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise CliError(f"{args.plan}: no such plan file")
     if args.out:
         check_out(Path(args.out))
+    if getattr(args, "llama_type", None) and args.vs != "llama.cpp":
+        raise CliError("--llama-type chooses llama.cpp's GGUFs: add --vs llama.cpp")
     if args.serve:
         return _bench_serve(args)
     if args.vs == "llama-server":

@@ -1,7 +1,7 @@
 """`llmplan bench PLAN --vs llama.cpp`: the plan's decode, prefill and batch speed against llama.cpp's own tools.
 
     llmplan bench plans/llama-int8.yaml --vs llama.cpp [--dtype fp32,int8,int4] [--runs 3] [--threads 2]
-        [--llama-build native|avx2] [--out benchmarks/vs-llama-cpp]
+        [--llama-type Q8_0,Q4_1,as-shipped] [--llama-build native|avx2] [--out benchmarks/vs-llama-cpp]
 
 Three figures per precision, each a ratio llmplan / llama.cpp of medians over `--runs` runs that alternate
 (ours, theirs, ours, theirs: both see the same machine load, which on a shared 2-core machine moves the
@@ -17,6 +17,14 @@ llama.cpp is the one `benchmarks/build_llama_server.sh` builds from the vendored
 llama-cpp-python (GGML_NATIVE=ON, or `--llama-build avx2`: AVX2 only, the reference for `LLMPLAN_ISA=avx2`).
 Its GGUFs are requantized from the plan's bundled GGUF with that build's `llama-quantize`: F32 for fp32, Q8_0
 for int8, Q4_1 for int4 (BF16 and F16 for bf16 and fp16), the same weights llmplan quantizes.
+
+`--llama-type` chooses llama.cpp's side instead: a comma list of llama.cpp types (`Q8_0`, `Q4_1`, `F32`...),
+each requantized as above, or `as-shipped` (or the GGUF's own type name, e.g. `Q4_K_M`): the plan's GGUF
+itself, untouched. Each is paired with the llmplan dtype closest in bits among those run (`--dtype`, else
+all five; Q4_K_M pairs with int4), or with the one named: `int8=as-shipped`. A dtype of `--dtype` that no
+type names is run against its default type. One load per dtype; each run measures llmplan once, then each
+of its llama.cpp types, alternating. The table names the type each GGUF actually is, read from the file
+(llm/gguf_type.py).
 """
 
 from __future__ import annotations
@@ -24,11 +32,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from llmplan.engine.cli import CliError
+from llmplan.llm.gguf_type import GGUFType, file_type_names, gguf_type, nominal_bits
+from llmplan.llm.weight_formats import QuantDtype
 from llmplan.openmp_env import foreign_env
 
 from .measure import bench_overrides, load, random_prompts, run_once
@@ -36,9 +47,99 @@ from .report import machine
 from .stats import summary
 
 GGUF_TYPES = {"fp32": "F32", "int8": "Q8_0", "int4": "Q4_1", "bf16": "BF16", "fp16": "F16"}
+AS_SHIPPED = "as-shipped"
+DTYPE_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "int8": 8, "int4": 4}
 FIGURES = ("decode_b1", "prefill", "decode_batch")
 TITLES = {"decode_b1": "batch 1 decode", "prefill": "prefill", "decode_batch": "aggregate decode"}
 _SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "build_llama_server.sh"
+
+
+def parse_llama_types(text: str) -> list[tuple[str | None, str]]:
+    """`--llama-type`: `TYPE` or `DTYPE=TYPE`, comma-separated; TYPE a llama.cpp type name or `as-shipped`.
+    ValueError names the entry that is neither."""
+    known = set(file_type_names().values())
+    dtypes = get_args(QuantDtype)
+    entries: list[tuple[str | None, str]] = []
+    for entry in (e.strip() for e in text.split(",")):
+        if not entry:
+            continue
+        dtype, sep, kind = entry.rpartition("=")
+        dtype, kind = dtype.strip().lower() if sep else None, kind.strip()
+        if dtype is not None and dtype not in dtypes:
+            raise ValueError(f"{entry!r}: {dtype!r} is not an llmplan dtype (one of {', '.join(dtypes)})")
+        if kind.lower() == AS_SHIPPED:
+            kind = AS_SHIPPED
+        elif kind.upper() in known:
+            kind = kind.upper()
+        else:
+            raise ValueError(
+                f"{entry!r}: {kind!r} is not a llama.cpp type (e.g. Q8_0, Q4_1, BF16, F32) or {AS_SHIPPED}"
+            )
+        entries.append((dtype, kind))
+    if not entries:
+        raise ValueError(f"expected llama.cpp types, e.g. Q8_0,Q4_1,{AS_SHIPPED}")
+    return entries
+
+
+def closest_dtype(kind: str, dtypes: list[str]) -> str:
+    """The dtype of `dtypes` nearest `kind` in bits a weight, as a ratio (Q4_K_M and Q5_K_M -> int4, Q6_K and
+    Q8_0 -> int8, BF16 -> bf16; BF16 among int8 and fp32: 2x either way): on a tie the same-named float, then
+    the more bits."""
+    bits = nominal_bits(kind)
+    if bits is None:
+        raise CliError(
+            f"--llama-type {kind}: cannot tell its bits a weight to pair it with a dtype; name one: DTYPE={kind}"
+        )
+    same = {"F32": "fp32", "F16": "fp16", "BF16": "bf16"}.get(kind)
+    return min(dtypes, key=lambda d: (abs(math.log2(DTYPE_BITS[d] / bits)), d != same, -DTYPE_BITS[d]))
+
+
+def llama_grid(
+    dtypes: list[str] | None, entries: list[tuple[str | None, str]] | None, shipped: str | None
+) -> list[tuple[str | None, list[str] | None]]:
+    """Which llama.cpp types run beside each llmplan dtype, in order: (dtype, types); types None means the
+    dtype's default (GGUF_TYPES), dtype None the plan's own. `as-shipped` becomes `shipped`, the GGUF's own
+    type name, which means the file itself wherever it appears."""
+    if not entries:
+        return [(d, None) for d in (dtypes or [None])]
+    pool = list(dtypes or DTYPE_BITS)
+    grid: dict[str, list[str]] = {d: [] for d in dtypes or []}
+    for dtype, kind in entries:
+        if kind == AS_SHIPPED:
+            if shipped is None:
+                raise CliError(f"--llama-type {AS_SHIPPED} needs a plan whose model comes from a GGUF")
+            kind = shipped
+        target = dtype or closest_dtype(kind, pool)
+        if kind not in grid.setdefault(target, []):
+            grid[target].append(kind)
+    return [(d, kinds or None) for d, kinds in grid.items()]
+
+
+def plan_gguf(plan: str, overrides: list[str]) -> Path | None:
+    """The GGUF the plan's model comes from (None: not a GGUF), running only its model source stage."""
+    import shutil
+    import tempfile
+
+    from llmplan.engine.cli import new_context
+    from llmplan.engine.plan import load_plan
+    from llmplan.engine.registry import discover
+    from llmplan.engine.runner import Runner
+
+    registry = discover()
+    bound = load_plan(plan, registry, overrides)
+    source = next((s.id for s in bound.stages if s.spec.uses == "model.source"), None)
+    if source is None:
+        return None
+    ctx = new_context(registry, bound, json_mode=True)
+    run_dir = Path(tempfile.mkdtemp(prefix="llmplan-bench-"))
+    try:
+        result = Runner(bound, ctx, run_dir, until=source).run()
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    if result.exit_code:
+        raise CliError(f"{plan}: the model source failed: {result.message}")
+    found = ctx.model_source.gguf_file if ctx.model_source is not None else None
+    return None if found is None else Path(found)
 
 
 def llama_bin(build: str, say: Any) -> Path:
@@ -51,11 +152,11 @@ def llama_bin(build: str, say: Any) -> Path:
     return Path(done.stdout.strip().splitlines()[-1]).parent
 
 
-def gguf_for(dtype: str, source: Path, bin_dir: Path) -> Path:
-    """The bundled GGUF requantized to the llama.cpp type that matches `dtype`, made once and cached."""
-    kind = GGUF_TYPES.get(dtype)
-    if kind is None:
-        raise CliError(f"--vs llama.cpp: no llama.cpp type for dtype {dtype!r} (have {', '.join(GGUF_TYPES)})")
+def gguf_for(kind: str, source: Path, bin_dir: Path, shipped: str | None = None) -> Path:
+    """The GGUF llama.cpp runs for type `kind`: the plan's own file when that is its type (as shipped), else
+    the file requantized to `kind` with llama-quantize, made once and cached."""
+    if kind == shipped:
+        return source
     out = bin_dir.parent / "models" / f"{source.stem}.requant-{kind}.gguf"
     if out.is_file():
         return out
@@ -64,9 +165,17 @@ def gguf_for(dtype: str, source: Path, bin_dir: Path) -> Path:
     cmd = [str(bin_dir / "llama-quantize"), "--allow-requantize", str(source), str(tmp), kind]
     done = subprocess.run(cmd, capture_output=True, text=True, env=foreign_env())
     if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
         raise CliError(f"llama-quantize to {kind} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
     tmp.replace(out)
     return out
+
+
+def default_type(dtype: str) -> str:
+    kind = GGUF_TYPES.get(dtype)
+    if kind is None:
+        raise CliError(f"--vs llama.cpp: no llama.cpp type for dtype {dtype!r} (have {', '.join(GGUF_TYPES)})")
+    return kind
 
 
 def _run_json(cmd: list[str]) -> list[dict[str, Any]]:
@@ -105,6 +214,10 @@ def bench_vs_llama_cpp(args: argparse.Namespace, say: Any, partial: Any = None) 
 
     from .traffic import cpu_features
 
+    entries = getattr(args, "llama_type", None)
+    shipped_file = plan_gguf(args.plan, args.set) if entries else None
+    shipped = gguf_type(shipped_file).name if shipped_file is not None else None
+    grid = llama_grid(args.dtype, entries, shipped)  # before the build: a bad pairing costs no minutes
     bin_dir = llama_bin(args.llama_build, say)
     flags_file = bin_dir.parent / ("BUILD_FLAGS" + ("" if args.llama_build == "native" else f"-{args.llama_build}"))
     prompt, gen, batch, threads = args.prompt_tokens, args.gen_tokens, max(args.batch), args.threads
@@ -116,7 +229,7 @@ def bench_vs_llama_cpp(args: argparse.Namespace, say: Any, partial: Any = None) 
         "settings": {"prompt_tokens": prompt, "gen_tokens": gen, "batch": batch, "runs": args.runs, "threads": threads},
         "rows": [],
     }
-    for dtype in args.dtype or [None]:
+    for dtype, kinds in grid:
         overrides = bench_overrides(args.plan, args.set, dtype=dtype, max_batch=batch, max_tokens=prompt + gen)
         say(f"bench: load {dtype or 'the plan dtype'}")
         loaded = load(args.plan, overrides)
@@ -124,30 +237,35 @@ def bench_vs_llama_cpp(args: argparse.Namespace, say: Any, partial: Any = None) 
         source = loaded.ctx.model_source.gguf_file
         if source is None:
             raise CliError("--vs llama.cpp needs a plan whose model comes from a GGUF (model.source file:)")
-        gguf = gguf_for(label, Path(source), bin_dir)
+        source = Path(source)
+        if shipped is None:
+            shipped = gguf_type(source).name
+        ggufs = {kind: gguf_for(kind, source, bin_dir, shipped) for kind in kinds or [default_type(label)]}
+        types = {kind: gguf_type(path) for kind, path in ggufs.items()}  # what each file is, from its header
         info["native_kernels"] = native.describe()
         model, cache, vocab = loaded.model, loaded.cache, loaded.ctx.model_config.vocab_size
         one, many = random_prompts(1, prompt, vocab, seed=1), random_prompts(batch, prompt, vocab, seed=batch)
-        run_once(model, cache, one, 8)  # warm-up: lazy setup, allocator growth
-        run_once(model, cache, many, 4)
+        run_once(model, cache, one, min(8, gen))  # warm-up: lazy setup, allocator growth (within the cache)
+        run_once(model, cache, many, min(4, gen))
         ours: dict[str, list[float]] = {f: [] for f in FIGURES}
-        theirs: dict[str, list[float]] = {f: [] for f in FIGURES}
+        theirs = {kind: {f: [] for f in FIGURES} for kind in ggufs}
         for r in range(args.runs):
-            say(f"bench: {label} run {r + 1}/{args.runs} (llmplan, llama.cpp, alternating)")
+            say(f"bench: {label} run {r + 1}/{args.runs} (llmplan, llama.cpp {', '.join(ggufs)}, alternating)")
             a = run_once(model, cache, one, gen)
             ours["decode_b1"].append(a["decode_tok_s"])
             ours["prefill"].append(a["prefill_tok_s"])
-            for figure, value in llama_bench(bin_dir, gguf, prompt, gen, threads).items():
-                theirs[figure].append(value)
+            for kind, path in ggufs.items():
+                for figure, value in llama_bench(bin_dir, path, prompt, gen, threads).items():
+                    theirs[kind][figure].append(value)
             ours["decode_batch"].append(run_once(model, cache, many, gen)["decode_tok_s"])
-            theirs["decode_batch"].append(batched_bench(bin_dir, gguf, prompt, gen, batch, threads)["decode_batch"])
-        for figure in FIGURES:
-            mine, hers = summary(ours[figure]), summary(theirs[figure])
-            ratio = mine["median"] / hers["median"] if mine["median"] and hers["median"] else None
-            result["rows"].append(
-                {"figure": figure, "dtype": label, "gguf_type": GGUF_TYPES[label], "batch": batch if figure ==
-                 "decode_batch" else 1, "llmplan": mine, "llama_cpp": hers, "ratio": ratio}
-            )  # fmt: skip
+            for kind, path in ggufs.items():
+                theirs[kind]["decode_batch"].append(
+                    batched_bench(bin_dir, path, prompt, gen, batch, threads)["decode_batch"]
+                )
+        for kind, path in ggufs.items():
+            ran = _gguf_fields(types[kind], path, as_shipped=path == source)
+            for figure in FIGURES:
+                result["rows"].append(_row(figure, label, batch, ours[figure], theirs[kind][figure]) | ran)
         del model, cache, loaded
         gc.collect()
         info["loadavg_end"] = machine()["loadavg"]
@@ -157,6 +275,19 @@ def bench_vs_llama_cpp(args: argparse.Namespace, say: Any, partial: Any = None) 
         if partial is not None:  # each precision's rows as soon as they exist: a run on a busy machine is long
             partial(result)
     return result
+
+
+def _row(figure: str, dtype: str, batch: int, ours: list[float], theirs: list[float]) -> dict[str, Any]:
+    mine, hers = summary(ours), summary(theirs)
+    ratio = mine["median"] / hers["median"] if mine["median"] and hers["median"] else None
+    return {"figure": figure, "dtype": dtype, "batch": batch if figure == "decode_batch" else 1, "llmplan": mine,
+            "llama_cpp": hers, "ratio": ratio}  # fmt: skip
+
+
+def _gguf_fields(kind: GGUFType, path: Path, *, as_shipped: bool) -> dict[str, Any]:
+    """The GGUF llama.cpp ran: its type as its header says, whether it is the plan's file untouched, its size."""
+    return {"gguf_type": kind.name, "gguf_type_from": kind.source, "as_shipped": as_shipped,
+            "gguf_file": path.name, "gguf_bytes": kind.file_bytes}  # fmt: skip
 
 
 def vs_markdown(result: dict[str, Any]) -> str:
@@ -181,9 +312,10 @@ def vs_markdown(result: dict[str, Any]) -> str:
     for row in result["rows"]:
         title = TITLES[row["figure"]] + (f" (batch {row['batch']})" if row["figure"] == "decode_batch" else "")
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
+        how = row.get("as_shipped")
+        kind = row["gguf_type"] + ("" if how is None else " (as shipped)" if how else " (requantized)")
         lines.append(
-            f"| {title} | {row['dtype']} | {row['gguf_type']} | {_fmt(row['llmplan'])} | {_fmt(row['llama_cpp'])} "
-            f"| {ratio} |"
+            f"| {title} | {row['dtype']} | {kind} | {_fmt(row['llmplan'])} | {_fmt(row['llama_cpp'])} | {ratio} |"
         )
     return "\n".join(lines) + "\n"
 

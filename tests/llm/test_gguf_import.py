@@ -220,8 +220,11 @@ def _llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
     )
 
 
-def _write_tiny(path: Path, arch: str = "llama", pre: str = "smollm", seed: int = 0) -> dict[str, np.ndarray]:
-    """Write a 2-layer Llama GGUF; returns the HF-layout weights the import must reproduce."""
+def _write_tiny(
+    path: Path, arch: str = "llama", pre: str = "smollm", seed: int = 0, file_type: int | None = None
+) -> dict[str, np.ndarray]:
+    """Write a 2-layer Llama GGUF; returns the HF-layout weights the import must reproduce. `file_type`: a
+    `general.file_type` for the header (none by default: most of the weights are Q4_1)."""
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import dequantize, quantize
 
@@ -253,6 +256,8 @@ def _write_tiny(path: Path, arch: str = "llama", pre: str = "smollm", seed: int 
     writer.add_eos_token_id(0)
     writer.add_add_bos_token(True)
     writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}{% endfor %}")
+    if file_type is not None:
+        writer.add_file_type(file_type)
 
     hf: dict[str, np.ndarray] = {}
 
