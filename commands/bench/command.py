@@ -260,6 +260,7 @@ def _memory(loaded: Loaded, peak: int) -> dict[str, Any]:
         "rss_before_bytes": loaded.rss_before,
         "peak_rss_bytes": peak,
         "peak_over_budget": peak / budget if budget else None,
+        "gguf": loaded.metric("load.to_device", "gguf_footprint"),  # weights against the GGUF they came from
     }
 
 

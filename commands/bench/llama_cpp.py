@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any, get_args
 
 from llmplan.engine.cli import CliError
+from llmplan.engine.memory import mib
+from llmplan.llm.gguf_footprint import footprint_line
 from llmplan.llm.gguf_type import GGUFType, file_type_names, gguf_type, nominal_bits
 from llmplan.llm.weight_formats import QuantDtype
 from llmplan.openmp_env import foreign_env
@@ -243,6 +245,9 @@ def bench_vs_llama_cpp(args: argparse.Namespace, say: Any, partial: Any = None) 
         ggufs = {kind: gguf_for(kind, source, bin_dir, shipped) for kind in kinds or [default_type(label)]}
         types = {kind: gguf_type(path) for kind, path in ggufs.items()}  # what each file is, from its header
         info["native_kernels"] = native.describe()
+        footprint = loaded.metric("load.to_device", "gguf_footprint")
+        if footprint:  # llmplan's resident weights against the GGUF, beside the files llama.cpp runs
+            result.setdefault("memory", {})[label] = footprint
         model, cache, vocab = loaded.model, loaded.cache, loaded.ctx.model_config.vocab_size
         one, many = random_prompts(1, prompt, vocab, seed=1), random_prompts(batch, prompt, vocab, seed=batch)
         run_once(model, cache, one, min(8, gen))  # warm-up: lazy setup, allocator growth (within the cache)
@@ -317,6 +322,12 @@ def vs_markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"| {title} | {row['dtype']} | {kind} | {_fmt(row['llmplan'])} | {_fmt(row['llama_cpp'])} | {ratio} |"
         )
+    memory = result.get("memory") or {}
+    if memory:
+        files = {row["gguf_file"]: row for row in result["rows"] if "gguf_file" in row}
+        sizes = ", ".join(f"{r['gguf_type']} {mib(r['gguf_bytes'])}" for r in files.values())
+        lines += ["", f"Memory: llama.cpp's GGUFs {sizes}; llmplan's resident weights per dtype:", ""]
+        lines += [f"- {dtype}: {footprint_line(fp, mib)}" for dtype, fp in memory.items()]
     return "\n".join(lines) + "\n"
 
 

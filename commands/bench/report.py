@@ -9,6 +9,9 @@ import os
 import platform
 from typing import Any
 
+from llmplan.engine.memory import mib
+from llmplan.llm.gguf_footprint import footprint_line
+
 FIGURES = ("prefill_tok_s", "decode_tok_s", "ttft_s")
 """Per-run figures, summarized as median [min-max]; higher is better except ttft_s."""
 
@@ -94,6 +97,8 @@ def to_markdown(result: dict[str, Any]) -> str:
                 f"{_mib(mm['rss_before_bytes'])} → {_mib(mm['peak_rss_bytes'])} "
                 f"(×{mm['peak_over_budget']:.2f} of the sum)"
             )
+            if mm.get("gguf"):
+                lines.append(f"  - {footprint_line(mm['gguf'], mib)}")
     for note in result.get("notes", []):
         lines += ["", f"Note: {note}"]
     return "\n".join(lines) + "\n"

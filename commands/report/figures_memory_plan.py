@@ -7,11 +7,15 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from llmplan.llm.gguf_footprint import footprint_line
+
 from .common import Figure, mib
 from .figures_memory import stage_spans
 from .run_data import RunData
 
 LOADERS = ("load.shard_stream", "load.convert", "load.to_device")
+# region, predicted, measured, and the difference where it is not predicted against measured
+Row = tuple[str, int | None, int | None] | tuple[str, int | None, int | None, str]
 
 
 def draw_memory_plan(run: RunData, out_dir: Path) -> list[Figure]:
@@ -23,7 +27,7 @@ def draw_memory_plan(run: RunData, out_dir: Path) -> list[Figure]:
     predicted = dict(place.get("predicted_regions") or {})
     if convert.get("predicted_bytes") is not None:
         predicted["weights"] = convert["predicted_bytes"]
-    rows = [(name.replace("_", " "), predicted.get(name), regions.get(name)) for name in regions]
+    rows: list[Row] = [(name.replace("_", " "), predicted.get(name), regions.get(name)) for name in regions]
     rows.append(("steady state (sum)", _sum(predicted, regions), sum(regions.values())))
     notes = [
         "measured regions: the bytes load.to_device holds (tensors counted); peaks: host RSS above the RSS "
@@ -43,6 +47,11 @@ def draw_memory_plan(run: RunData, out_dir: Path) -> list[Figure]:
             f"RSS sampled every {every} ms (and at stage edges): a shorter peak can be missed, which "
             "`llmplan bench` (every 2 ms) does not"
         )
+    footprint = place.get("gguf_footprint")
+    if footprint:  # a GGUF import: the weights against the file's own size, and why they differ
+        rows.append((f"the GGUF file ({footprint['gguf_type']})", None, footprint["gguf_bytes"],
+                     f"weights {footprint['ratio']:.2f}x"))  # fmt: skip
+        notes.append(footprint_line(footprint, mib))
     if (place.get("device") or "cpu") != "cpu":
         notes.append("the model is on a GPU: the regions are device memory, the RSS peaks host memory")
     caption = "What `llmplan validate --deep` predicts for this plan, beside what this run held."
@@ -71,10 +80,10 @@ def _rss_in(run: RunData, uses: tuple[str, ...]) -> int | None:
     return max(inside) - before[-1]
 
 
-def _table(rows: list[tuple[str, int | None, int | None]]) -> str:
+def _table(rows: list[Row]) -> str:
     head = "<tr><th>region</th><th>predicted</th><th>measured</th><th>difference</th></tr>"
     cells = []
-    for name, want, got in rows:
-        diff = "-" if want is None or not got else f"{(want - got) / got:+.1%}"
+    for name, want, got, *said in rows:
+        diff = said[0] if said else "-" if want is None or not got else f"{(want - got) / got:+.1%}"
         cells.append(f"<tr><th>{escape(name)}</th><td>{mib(want)}</td><td>{mib(got)}</td><td>{escape(diff)}</td></tr>")
     return f"<table>{head}{''.join(cells)}</table>"

@@ -19,6 +19,7 @@ import yaml
 from llmplan.commands.bench import llama_cpp
 from llmplan.commands.bench.llama_cpp import AS_SHIPPED, closest_dtype, llama_grid, parse_llama_types
 from llmplan.engine.cli import CliError, main
+from llmplan.engine.memory import mib
 from llmplan.llm.gguf_type import gguf_type, nominal_bits
 from tests.llm.test_gguf_import import _write_tiny
 from tests.stages.tiny_run import load_stages
@@ -166,6 +167,11 @@ def test_as_shipped_runs_the_file_itself_beside_a_requantized_one(
     md = (tmp_path / "vs.md").read_text()
     assert "| batch 1 decode | int4 | Q4_1 (as shipped) |" in md
     assert "| aggregate decode (batch 2) | int8 | Q8_0 (requantized) |" in md
+    sizes = f"Q8_0 {mib(int8['gguf_bytes'])}, Q4_1 {mib(shipped.stat().st_size)}"
+    assert f"Memory: llama.cpp's GGUFs {sizes}; llmplan's resident weights per dtype:" in md
+    for dtype in ("int8", "int4"):  # the footprint line per dtype, its ratio against the shipped file
+        ratio = result["memory"][dtype]["weights_bytes"] / shipped.stat().st_size
+        assert f"- {dtype}: weights {mib(result['memory'][dtype]['weights_bytes'])} = {ratio:.2f}x the GGUF's" in md
     # the shipped type's own name means the file too: no second requantization, the same rows
     log.unlink()
     assert main([*args[:-2], "--dtype", "int4", "--llama-type", "q4_1"]) == 0

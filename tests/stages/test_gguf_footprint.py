@@ -1,0 +1,111 @@
+"""Issue 25's memory line: a GGUF import's resident weights against the GGUF's own size, and why.
+
+A tiny Llama GGUF (Q8_0 embeddings, Q4_1 and Q8_0 and F32 matrices, an untied F32 head) run through the real
+engine at int8: every part's bytes are checked against what the formats make of the file's own shapes
+(int8: a byte a weight and an fp32 scale a row; the embeddings and norms fp32), the ratio against the file's
+size on disk, and the line in both memory tables (the report's and `llmplan bench`'s).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from html import unescape
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llmplan.engine.cli import main
+from llmplan.engine.memory import mib
+from llmplan.llm.gguf_file import open_gguf
+from tests.llm.test_gguf_import import _write_tiny
+from tests.stages.tiny_run import load_stages, run_plan
+
+gguf = pytest.importorskip("gguf")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """(the GGUF, the plan, a run's directory)."""
+    tmp = tmp_path_factory.mktemp("footprint")
+    model = tmp / "tiny.gguf"
+    _write_tiny(model, file_type=3)  # MOSTLY_Q4_1, as llama-quantize would say of most of its weights
+    stages = load_stages(model)
+    stages[1]["with"]["cache_dir"] = str(tmp / "imports")
+    stages[6]["with"]["dtype"] = "int8"
+    stages += [
+        {"id": "prompt", "uses": "compute.tokenize", "with": {"text": "the"}},
+        {"id": "generate", "uses": "compute.generate", "with": {"max_new_tokens": 2, "temperature": 0}},
+    ]
+    plan = tmp / "tiny-gguf.yaml"
+    body = {"name": "tiny-gguf", "device": "cpu", "seed": 0, "threads": 1, "stages": stages}
+    plan.write_text(yaml.safe_dump({**body, "observe": {"memory_interval_ms": 5}}, sort_keys=False))
+    return model, plan, run_plan(plan, tmp / "run")
+
+
+def _expected(model: Path) -> dict[str, int]:
+    """What int8 with fp32 embeddings and norms makes of the file's tensors, by their shapes alone."""
+    want = {"embeddings": 0, "head": 0, "matrices": 0, "vectors": 0}
+    with open_gguf(model) as file:
+        for name, tensor in file.tensors.items():
+            rows, count = tensor.shape[0], math.prod(tensor.shape)
+            if name == "token_embd.weight":
+                want["embeddings"] += count * 4
+            elif len(tensor.shape) == 1:
+                want["vectors"] += count * 4
+            else:
+                want["head" if name == "output.weight" else "matrices"] += count + rows * 4
+    return want
+
+
+def test_the_parts_and_the_ratio_come_from_the_real_tensors(tiny: tuple[Path, Path, Path]) -> None:
+    model, _, run = tiny
+    place = json.loads((run / "metrics.json").read_text())["place"]
+    fp = place["gguf_footprint"]
+    want = _expected(model)
+    assert {part: fp["parts"][part]["resident_bytes"] for part in want} == want
+    assert fp["weights_bytes"] == sum(want.values()) == place["regions"]["weights"]
+    size = model.stat().st_size
+    assert (fp["gguf_file"], fp["gguf_type"], fp["gguf_bytes"]) == ("tiny.gguf", "Q4_1", size)
+    assert fp["ratio"] == pytest.approx(sum(want.values()) / size)
+    parts = fp["parts"]
+    assert (parts["embeddings"]["resident_as"], parts["embeddings"]["gguf_as"]) == ("fp32", "Q8_0")
+    assert parts["matrices"]["resident_as"] == "int8"
+    assert sorted(parts["matrices"]["gguf_as"].split("/")) == ["F32", "Q4_1", "Q8_0"]
+    assert (parts["head"]["resident_as"], parts["head"]["gguf_as"]) == ("int8", "F32")
+    with open_gguf(model) as file:
+        stored = sum(t.nbytes for t in file.tensors.values())
+    assert fp["gguf_metadata_bytes"] == size - stored > 0 and not fp["head_tied_in_gguf"]
+
+
+def test_the_report_memory_table_says_it(tiny: tuple[Path, Path, Path], tmp_path: Path) -> None:
+    from llmplan.commands.report.figures_memory_plan import draw_memory_plan
+    from llmplan.commands.report.run_data import RunData
+
+    model, _, run = tiny
+    (figure,) = draw_memory_plan(RunData.load(run), tmp_path)
+    rows = {
+        cells[0]: cells[1:]
+        for cells in (re.findall(r"<t[hd]>([^<]*)</t[hd]>", row) for row in figure.html.split("<tr>")[2:])
+    }
+    fp = json.loads((run / "metrics.json").read_text())["place"]["gguf_footprint"]
+    predicted, measured, diff = rows["the GGUF file (Q4_1)"]
+    assert (unescape(measured), diff) == (mib(model.stat().st_size), f"weights {fp['ratio']:.2f}x")
+    assert "MiB" not in predicted  # a file size is not predicted
+    (line,) = [n for n in figure.notes if n.startswith("weights ")]
+    assert f"= {fp['ratio']:.2f}x the GGUF's {mib(model.stat().st_size)} (Q4_1)" in line
+    assert (
+        "embeddings" in line and "fp32 against" in line and "Q8_0 in the file (kept fp32 for the row gathers)" in line
+    )
+    assert "dequantized and re-quantized to int8" in line
+
+
+def test_bench_memory_lines_say_it(tiny: tuple[Path, Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    model, plan, _ = tiny
+    args = ["bench", str(plan), "--batch", "1", "--runs", "1", "--prompt-tokens", "6", "--gen-tokens", "3"]
+    assert main([*args, "--no-cold"]) == 0
+    md = capsys.readouterr().out
+    (line,) = [line for line in md.splitlines() if line.startswith("  - weights ")]
+    assert re.search(r"= \d+\.\d\dx the GGUF's " + re.escape(mib(model.stat().st_size)) + r" \(Q4_1\)", line)
