@@ -6,6 +6,10 @@ fp32), so the resident weights are a multiple of the file. The memory tables (th
 predicted and measured", `llmplan bench`'s memory lines) say by how much, split where the difference
 comes from: the embeddings, the head (a second, quantized copy where the file ties it to the embeddings),
 the other matrices, the vectors, and the file's vocabulary and metadata (no resident weight at all).
+
+Two halves: `resident_parts` at load time (the tensors are there, and it costs nothing), `gguf_footprint`
+when a table is drawn (parsing a 262k-token vocabulary's header takes most of a second, which a timed load
+should not pay).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from .gguf_type import gguf_type_of
 
 EMBEDDINGS, HEAD = "tok_embeddings.weight", "output.weight"  # internal names (llm/weights.py)
 GGUF_EMBEDDINGS, GGUF_HEAD = "token_embd.weight", "output.weight"
+PARTS = ("embeddings", "head", "matrices", "vectors")
 _FLOATS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
@@ -38,17 +43,15 @@ def _formats(parts: dict[str, int]) -> str:
     return "/".join(name for name, _ in sorted(parts.items(), key=lambda item: -item[1])) or "-"
 
 
-def gguf_footprint(path: Path, tensors: dict[str, Any]) -> dict[str, Any]:
-    """The resident `tensors` (load.convert's, internal names) against the GGUF at `path` they came from."""
+def resident_parts(tensors: dict[str, Any]) -> dict[str, Any]:
+    """The resident `tensors` (load.convert's, internal names) by part: bytes and formats. Cheap (no file
+    read), so load.to_device records it inside the timed load; the file's side is read by the tables."""
     from torch import Tensor
 
     from .weight_formats import nbytes
 
-    with open_gguf(Path(path)) as gguf:
-        kind = gguf_type_of(gguf)
-        file_tensors = dict(gguf.tensors)
-    resident: dict[str, int] = {"embeddings": 0, "head": 0, "matrices": 0, "vectors": 0}
-    held: dict[str, set[str]] = {part: set() for part in resident}
+    resident: dict[str, int] = {part: 0 for part in PARTS}
+    held: dict[str, set[str]] = {part: set() for part in PARTS}
     seen: set[int] = set()
     tied = False
     for name, weight in tensors.items():
@@ -61,12 +64,25 @@ def gguf_footprint(path: Path, tensors: dict[str, Any]) -> dict[str, Any]:
         part = part or ("vectors" if isinstance(weight, Tensor) and weight.dim() < 2 else "matrices")
         resident[part] += weight.nbytes if isinstance(weight, Tensor) else nbytes(weight)
         held[part].add(held_as(weight))
-    in_file: dict[str, dict[str, int]] = {part: {} for part in resident}
+    return {
+        "parts": {part: {"bytes": resident[part], "as": "/".join(sorted(held[part])) or "-"} for part in PARTS},
+        "head_shares_embeddings": tied,
+    }
+
+
+def gguf_footprint(path: Path, resident: dict[str, Any]) -> dict[str, Any]:
+    """`resident_parts`' figures against the GGUF at `path` they came from (its header and tensor table
+    read: GGUFFileError or OSError when it is no longer there or no longer a GGUF)."""
+    with open_gguf(Path(path)) as gguf:
+        kind = gguf_type_of(gguf)
+        file_tensors = dict(gguf.tensors)
+    in_file: dict[str, dict[str, int]] = {part: {} for part in PARTS}
     for name, tensor in file_tensors.items():
         part = "embeddings" if name == GGUF_EMBEDDINGS else "head" if name == GGUF_HEAD else None
         part = part or ("matrices" if len(tensor.dims) >= 2 else "vectors")
         in_file[part][tensor.type_name] = in_file[part].get(tensor.type_name, 0) + tensor.nbytes
-    weights = sum(resident.values())
+    mine = resident["parts"]
+    weights = sum(mine[part]["bytes"] for part in PARTS)
     tensor_bytes = sum(sum(p.values()) for p in in_file.values())
     return {
         "gguf_file": Path(path).name,
@@ -76,17 +92,28 @@ def gguf_footprint(path: Path, tensors: dict[str, Any]) -> dict[str, Any]:
         "ratio": weights / kind.file_bytes if kind.file_bytes else None,
         "parts": {
             part: {
-                "resident_bytes": resident[part],
-                "resident_as": "/".join(sorted(held[part])) or "-",
+                "resident_bytes": mine[part]["bytes"],
+                "resident_as": mine[part]["as"],
                 "gguf_bytes": sum(in_file[part].values()),
                 "gguf_as": _formats(in_file[part]),
             }
-            for part in resident
+            for part in PARTS
         },
         "gguf_metadata_bytes": kind.file_bytes - tensor_bytes,  # the vocabulary, merges, chat template, header
         "head_tied_in_gguf": GGUF_HEAD not in file_tensors,
-        "head_shares_embeddings": tied,
+        "head_shares_embeddings": resident["head_shares_embeddings"],
     }
+
+
+def recorded_footprint(metric: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The footprint from load.to_device's `resident_weights` metric (None: not a GGUF import, or the file
+    cannot be read any more: then there is no line rather than a wrong one)."""
+    if not metric or not metric.get("gguf_file"):
+        return None
+    try:
+        return gguf_footprint(Path(metric["gguf_file"]), metric)
+    except (OSError, ValueError):  # GGUFFileError is a ValueError
+        return None
 
 
 def footprint_line(fp: dict[str, Any], mib: Any) -> str:

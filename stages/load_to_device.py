@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import time
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -18,8 +17,7 @@ from llmplan.engine import heap
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.memory_fit import KVSizing
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
-from llmplan.llm.gguf_file import GGUFFileError
-from llmplan.llm.gguf_footprint import gguf_footprint
+from llmplan.llm.gguf_footprint import resident_parts
 from llmplan.llm.kv_cache import KVCache, planned_bytes
 from llmplan.llm.kv_layers import DEFAULT_CHUNK
 from llmplan.llm.linear import kernel_paths, make_linear
@@ -174,11 +172,8 @@ class ToDevice(Stage):
         work = work_buffer_bytes(cfg, kv.max_tokens)
         ctx.metrics.set("regions", {"weights": weights.nbytes, "kv_cache": cache.nbytes, "work_buffers": work})
         source = ctx.model_source
-        if source is not None and source.gguf_file is not None:  # the memory tables' line: weights vs the file
-            try:
-                ctx.metrics.set("gguf_footprint", gguf_footprint(Path(source.gguf_file), weights.tensors))
-            except (OSError, GGUFFileError) as bad:  # the file changed since the import: no line, not a failure
-                ctx.log.warning("gguf_footprint_skipped", file=str(source.gguf_file), reason=str(bad))
+        if source is not None and source.gguf_file is not None:  # for the memory tables' line (gguf_footprint)
+            ctx.metrics.set("resident_weights", resident_parts(weights.tensors) | {"gguf_file": str(source.gguf_file)})
         # What `validate --deep` predicts for the cache, for the report to put beside what was allocated.
         predicted_kv = kv_cache_bytes(cfg, params, activation_dtype(weights.dtype, torch.device(ctx.device).type))
         ctx.metrics.set("predicted_regions", {"kv_cache": predicted_kv, "work_buffers": work})

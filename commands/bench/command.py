@@ -24,6 +24,7 @@ from typing import Any
 
 from llmplan.engine.cli import CliError, settle_plan
 from llmplan.engine.memory import rss_bytes
+from llmplan.llm.gguf_footprint import recorded_footprint
 from llmplan.ownership import check_writable, write_file
 
 from .cli import register  # noqa: F401  (the entry point's old home)
@@ -260,7 +261,7 @@ def _memory(loaded: Loaded, peak: int) -> dict[str, Any]:
         "rss_before_bytes": loaded.rss_before,
         "peak_rss_bytes": peak,
         "peak_over_budget": peak / budget if budget else None,
-        "gguf": loaded.metric("load.to_device", "gguf_footprint"),  # weights against the GGUF they came from
+        "gguf": recorded_footprint(loaded.metric("load.to_device", "resident_weights")),  # against the GGUF
     }
 
 

@@ -39,7 +39,7 @@ from typing import Any, get_args
 
 from llmplan.engine.cli import CliError
 from llmplan.engine.memory import mib
-from llmplan.llm.gguf_footprint import footprint_line
+from llmplan.llm.gguf_footprint import footprint_line, recorded_footprint
 from llmplan.llm.gguf_type import GGUFType, file_type_names, gguf_type, nominal_bits
 from llmplan.llm.weight_formats import QuantDtype
 from llmplan.openmp_env import foreign_env
@@ -245,7 +245,7 @@ def bench_vs_llama_cpp(args: argparse.Namespace, say: Any, partial: Any = None) 
         ggufs = {kind: gguf_for(kind, source, bin_dir, shipped) for kind in kinds or [default_type(label)]}
         types = {kind: gguf_type(path) for kind, path in ggufs.items()}  # what each file is, from its header
         info["native_kernels"] = native.describe()
-        footprint = loaded.metric("load.to_device", "gguf_footprint")
+        footprint = recorded_footprint(loaded.metric("load.to_device", "resident_weights"))
         if footprint:  # llmplan's resident weights against the GGUF, beside the files llama.cpp runs
             result.setdefault("memory", {})[label] = footprint
         model, cache, vocab = loaded.model, loaded.cache, loaded.ctx.model_config.vocab_size

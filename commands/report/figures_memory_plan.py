@@ -7,7 +7,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from llmplan.llm.gguf_footprint import footprint_line
+from llmplan.llm.gguf_footprint import footprint_line, recorded_footprint
 
 from .common import Figure, mib
 from .figures_memory import stage_spans
@@ -47,7 +47,7 @@ def draw_memory_plan(run: RunData, out_dir: Path) -> list[Figure]:
             f"RSS sampled every {every} ms (and at stage edges): a shorter peak can be missed, which "
             "`llmplan bench` (every 2 ms) does not"
         )
-    footprint = place.get("gguf_footprint")
+    footprint = recorded_footprint(place.get("resident_weights"))
     if footprint:  # a GGUF import: the weights against the file's own size, and why they differ
         rows.append((f"the GGUF file ({footprint['gguf_type']})", None, footprint["gguf_bytes"],
                      f"weights {footprint['ratio']:.2f}x"))  # fmt: skip

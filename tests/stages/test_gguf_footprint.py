@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 from html import unescape
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import yaml
 from llmplan.engine.cli import main
 from llmplan.engine.memory import mib
 from llmplan.llm.gguf_file import open_gguf
+from llmplan.llm.gguf_footprint import recorded_footprint
 from tests.llm.test_gguf_import import _write_tiny
 from tests.stages.tiny_run import load_stages, run_plan
 
@@ -63,8 +65,12 @@ def _expected(model: Path) -> dict[str, int]:
 def test_the_parts_and_the_ratio_come_from_the_real_tensors(tiny: tuple[Path, Path, Path]) -> None:
     model, _, run = tiny
     place = json.loads((run / "metrics.json").read_text())["place"]
-    fp = place["gguf_footprint"]
+    recorded = place["resident_weights"]  # what the load recorded: the resident side only
     want = _expected(model)
+    assert {part: recorded["parts"][part]["bytes"] for part in want} == want
+    assert recorded["gguf_file"] == str(model)
+    fp = recorded_footprint(recorded)  # the file's side, read when a table is drawn
+    assert fp is not None
     assert {part: fp["parts"][part]["resident_bytes"] for part in want} == want
     assert fp["weights_bytes"] == sum(want.values()) == place["regions"]["weights"]
     size = model.stat().st_size
@@ -90,7 +96,8 @@ def test_the_report_memory_table_says_it(tiny: tuple[Path, Path, Path], tmp_path
         cells[0]: cells[1:]
         for cells in (re.findall(r"<t[hd]>([^<]*)</t[hd]>", row) for row in figure.html.split("<tr>")[2:])
     }
-    fp = json.loads((run / "metrics.json").read_text())["place"]["gguf_footprint"]
+    fp = recorded_footprint(json.loads((run / "metrics.json").read_text())["place"]["resident_weights"])
+    assert fp is not None
     predicted, measured, diff = rows["the GGUF file (Q4_1)"]
     assert (unescape(measured), diff) == (mib(model.stat().st_size), f"weights {fp['ratio']:.2f}x")
     assert "MiB" not in predicted  # a file size is not predicted
@@ -109,3 +116,22 @@ def test_bench_memory_lines_say_it(tiny: tuple[Path, Path, Path], capsys: pytest
     md = capsys.readouterr().out
     (line,) = [line for line in md.splitlines() if line.startswith("  - weights ")]
     assert re.search(r"= \d+\.\d\dx the GGUF's " + re.escape(mib(model.stat().st_size)) + r" \(Q4_1\)", line)
+
+
+def test_no_line_when_the_file_is_gone(tiny: tuple[Path, Path, Path], tmp_path: Path) -> None:
+    """A GGUF moved or replaced since the run: the table leaves the row out rather than say something wrong."""
+    from llmplan.commands.report.figures_memory_plan import draw_memory_plan
+    from llmplan.commands.report.run_data import RunData
+
+    _, _, run = tiny
+    recorded = json.loads((run / "metrics.json").read_text())["place"]["resident_weights"]
+    assert recorded_footprint(recorded | {"gguf_file": str(tmp_path / "gone.gguf")}) is None
+    (tmp_path / "not.gguf").write_bytes(b"GGUF but not really")
+    assert recorded_footprint(recorded | {"gguf_file": str(tmp_path / "not.gguf")}) is None
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    metrics = json.loads((copy / "metrics.json").read_text())
+    metrics["place"]["resident_weights"]["gguf_file"] = str(tmp_path / "gone.gguf")
+    (copy / "metrics.json").write_text(json.dumps(metrics))
+    (figure,) = draw_memory_plan(RunData.load(copy), tmp_path)
+    assert "GGUF" not in figure.html and not [n for n in figure.notes if n.startswith("weights ")]
