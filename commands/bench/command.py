@@ -37,18 +37,27 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def out_pair(prefix: Path) -> tuple[Path, Path]:
+    """--out PREFIX's two files: PREFIX.json and PREFIX.md, PREFIX kept whole (`...-qwen2.5` stays so; a
+    trailing .json or .md is taken as the prefix's own end)."""
+    if prefix.suffix in (".json", ".md"):
+        prefix = prefix.with_suffix("")
+    return prefix.with_name(prefix.name + ".json"), prefix.with_name(prefix.name + ".md")
+
+
 def check_out(prefix: Path) -> None:
     """--out PREFIX: PREFIX.json and PREFIX.md must be free or files llmplan wrote, checked before measuring."""
-    for path in (prefix.with_suffix(".json"), prefix.with_suffix(".md")):
+    for path in out_pair(prefix):
         check_writable(path, "file", "--out")
 
 
 def write_pair(prefix: Path, json_text: str, markdown: str) -> None:
     """PREFIX.json and PREFIX.md, each atomically and only onto a path llmplan owns (llmplan/ownership.py)."""
+    json_path, md_path = out_pair(prefix)
     try:
         prefix.parent.mkdir(parents=True, exist_ok=True)
-        write_file(prefix.with_suffix(".json"), json_text, "--out")
-        write_file(prefix.with_suffix(".md"), markdown, "--out")
+        write_file(json_path, json_text, "--out")
+        write_file(md_path, markdown, "--out")
     except OSError as bad:
         raise CliError(f"--out {prefix}: cannot write ({bad.strerror or bad})") from None
 
@@ -103,7 +112,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         prefix = Path(args.out)
         write_pair(prefix, render(result, "json"), to_markdown(result))
-        _say(f"wrote {prefix.with_suffix('.json')} and {prefix.with_suffix('.md')}")
+        _say("wrote {} and {}".format(*out_pair(prefix)))
     return 0
 
 
@@ -115,7 +124,7 @@ def _emit(args: argparse.Namespace, result: dict[str, Any], markdown: str) -> No
     if args.out:
         prefix = Path(args.out)
         write_pair(prefix, json.dumps(result, indent=2), markdown)
-        _say(f"wrote {prefix.with_suffix('.json')} and {prefix.with_suffix('.md')}")
+        _say("wrote {} and {}".format(*out_pair(prefix)))
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
