@@ -2,9 +2,11 @@
 
     .venv/bin/python benchmarks/speculative_decode.py [--plan plans/llama-int8.yaml] [--rounds 6]
         [--tokens 128] [--spec-tokens 4] [--ngram 3] [--threads N] [--out benchmarks/speculative-decode]
+    .venv/bin/python benchmarks/speculative_decode.py --plan plans/llama-fp32-draft.yaml --method draft
 
-The plan's model is loaded once through the engine (up to `load.to_device`); each prompt is then answered by
-the engine loop twice per round, plain and with `speculative: {method: prompt_lookup}`, the order flipping
+The plan's model is loaded once through the engine (up to `load.to_device`, or its `load.draft` where it has
+one: `--method draft`); each prompt is then answered by the engine loop twice per round, plain and with
+`speculative: {method: prompt_lookup}` (or `draft`), the order flipping
 every round so a machine that slows down over the run favours neither. Decode speed is the request's own:
 tokens after the first / time from the first token to the last (prefill apart, as `llmplan run` reports it).
 Beside the wall-clock rate, the CPU-time rate (the process's CPU seconds over the same tokens): on a machine
@@ -71,8 +73,11 @@ def load(plan: str) -> Any:
 
     bound = load_plan(Path(plan), discover())
     ctx = InferenceContext()
+    # The last stage of the load: the draft's where the plan has one (it comes after the placement).
+    last = next((b.id for b in bound.stages if b.spec.uses == "load.draft"), None)
+    last = last or next(b.id for b in bound.stages if b.spec.uses == "load.to_device")
     with tempfile.TemporaryDirectory() as tmp:
-        result = Runner(bound, ctx, Path(tmp), until="place", cleanup=False).run()
+        result = Runner(bound, ctx, Path(tmp), until=last, cleanup=False).run()
         if result.status != "ok":
             raise SystemExit(f"loading {plan}: {result.message}")
     if ctx.tokenizer is None:  # the tokenizer stage is not upstream of the placement
@@ -88,7 +93,7 @@ def answer(ctx: Any, prompt: list[int], tokens: int, spec: Any) -> dict[str, Any
     from llmplan.llm.sampling import SamplingParams, build_picker
     from llmplan.llm.slot_cache import SlotCache
 
-    loop = EngineLoop(ctx.model_runner, SlotCache.over(ctx.kv_cache))
+    loop = EngineLoop(ctx.model_runner, SlotCache.over(ctx.kv_cache), draft=ctx.draft_model)
     picker = build_picker(SamplingParams(temperature=0.0), len(prompt))
     eos = {i for i in (ctx.tokenizer.eos_id,) if i is not None}
     cpu: list[float] = []  # the process's CPU seconds at each token
@@ -125,7 +130,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         import torch
 
         torch.set_num_threads(args.threads)  # the native kernels share torch's thread count
-    spec = Speculation(tokens=args.spec_tokens, ngram=args.ngram)
+    if args.method == "draft" and ctx.draft_model is None:
+        raise SystemExit(f"{args.plan}: --method draft needs a plan with a load.draft stage")
+    spec = Speculation(method=args.method, tokens=args.spec_tokens, ngram=args.ngram)
     groups = {"quoting": quoting_prompts(), "free": free_prompts()}
     prompts = {name: (group, encode(ctx, text)) for group, texts in groups.items() for name, text in texts.items()}
     for ids in (p for _, p in prompts.values()):  # warm-up: kernels built, caches touched
@@ -185,7 +192,7 @@ def summarize(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str,
     loads = [r["load_1min"] for r in rows]
     return {
         "plan": args.plan, "rounds": args.rounds, "max_tokens": args.tokens,
-        "speculative": {"method": "prompt_lookup", "tokens": args.spec_tokens, "ngram": args.ngram},
+        "speculative": {"method": args.method, "tokens": args.spec_tokens, "ngram": args.ngram},
         "machine": machine(), "features": features(), "threads": args.threads or "the plan's",
         "load_1min": {"min": min(loads), "max": max(loads)},
         "median_ratio_by_group": {f"{g} {key}": v for (g, key), v in groups.items()},
@@ -220,11 +227,15 @@ def features() -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     m, spec = result["machine"], result["speculative"]
+    setting = f"method: {spec['method']}, tokens: {spec['tokens']}" + (
+        f", ngram: {spec['ngram']}" if spec["method"] == "prompt_lookup" else ""
+    )
+    title = "Prompt-lookup speculation" if spec["method"] == "prompt_lookup" else "Speculation with a draft model"
     lines = [
-        "# Prompt-lookup speculation against plain decoding (greedy, batch 1)",
+        f"# {title} against plain decoding (greedy, batch 1)",
         "",
-        f"`{result['plan']}`, `speculative: {{method: prompt_lookup, tokens: {spec['tokens']}, ngram: "
-        f"{spec['ngram']}}}`, up to {result['max_tokens']} tokens, {result['rounds']} alternating rounds in one "
+        f"`{result['plan']}`, `speculative: {{{setting}}}`, up to {result['max_tokens']} tokens, "
+        f"{result['rounds']} alternating rounds in one "
         f"process; {m.get('cpu', '?')}, {m.get('cores', '?')} CPUs, {result['features']}, threads "
         f"{result['threads']}; load average (1 min) {result['load_1min']['min']:.2f}-{result['load_1min']['max']:.2f}. "
         "Every speculative answer equalled the plain one token for token.",
@@ -262,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--spec-tokens", type=int, default=4)
     parser.add_argument("--ngram", type=int, default=3)
+    parser.add_argument("--method", choices=["prompt_lookup", "draft"], default="prompt_lookup")
     parser.add_argument("--threads", type=int, help="torch's (and the kernels') thread count; default: the plan's")
     parser.add_argument("--out", type=Path, help="write OUT.json and OUT.md")
     return report(parser.parse_args(argv), measure, markdown)

@@ -112,7 +112,7 @@ def link_findings(stages: list[BoundStage], source: Source, registry: Registry) 
         for slot in bound.cls.writes:
             writers[slot].append(bound)
     for bound in stages:
-        for slot in (*bound.cls.reads, *bound.cls.edits):
+        for slot in (*bound.cls.reads, *bound.cls.edits, *bound.cls.needs(bound.params)):
             if not writers.get(slot):
                 makers = sorted(n for n, cls in registry.stages.items() if slot in cls.writes)
                 hint = f"; add a stage that writes it ({', '.join(makers)})" if makers else ""

@@ -69,6 +69,11 @@ class Stage:
     def run(self, ctx: Context, params: Any) -> None:
         raise NotImplementedError
 
+    @classmethod
+    def needs(cls, params: Any) -> tuple[str, ...]:
+        """Slots among `optional_reads` that these parameters make required (checked like `reads`)."""
+        return ()
+
     def prepare(self, ctx: Context, params: Any) -> None:
         """Before any stage of the plan runs; a StageFailure here stops the run before any work."""
 

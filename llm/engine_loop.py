@@ -30,7 +30,7 @@ from .ending import FinishReason, end_after_token, non_finite, out_of_memory
 from .flat_batch import FlatBatch, Part
 from .generation import Pick, finite_rows, is_oom, release_memory
 from .scheduler import GenerationRequest, Scheduler, SchedulerStats, Sequence
-from .speculative import accept
+from .speculative import DraftGuesser, accept
 from .token_mask import MaskError
 
 if TYPE_CHECKING:
@@ -126,12 +126,22 @@ class EngineLoop:
             items: list[Item] = [(seq, 0) for seq in plan.decode] + plan.chunks
             for seq, logits, finite in self._forward(items, record):
                 self._pick(seq, logits, finite)
+            self._draft_follows(plan.chunks)
         if width:
             self.scheduler.pass_costs.add(width, time.perf_counter() - began)
         if record is not None and self.timeline is not None:
             record.end = time.perf_counter()
             self.timeline.append(record)
         return True
+
+    def _draft_follows(self, chunks: list[Item]) -> None:
+        """The draft model runs the prompt chunks of the rows it guesses for, in the same step as the target:
+        its prompt is in its cache by the row's first guess (prefill time, not the answer's)."""
+        draft = self.scheduler.draft
+        rows = [(seq.slot, seq.request.prompt[: seq.prefilled]) for seq, _ in chunks]
+        rows = [row for row, (seq, _) in zip(rows, chunks, strict=True) if isinstance(seq.speculator, DraftGuesser)]
+        if draft is not None and rows:
+            draft.follow(rows)  # type: ignore[arg-type]
 
     def _forward(self, items: list[Item], record: StepRecord | None) -> list[tuple[Sequence, Tensor, bool]]:
         """One flat pass over the step's rows; logits for every decode row and for the last token of each

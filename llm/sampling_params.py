@@ -64,9 +64,12 @@ class Speculation:
     """Speculative decoding (llm/speculative.py): guess the next tokens, verify them all in one pass. The
     answers are those of plain decoding (greedy: token for token; sampled: the same distribution)."""
 
-    method: Literal["prompt_lookup"] = setting("prompt_lookup", "prompt_lookup: guesses copied from the text so far")
+    method: Literal["prompt_lookup", "draft"] = setting(
+        "prompt_lookup",
+        "prompt_lookup: guesses copied from the text so far; draft: the greedy tokens of the plan's load.draft model",
+    )
     tokens: int = setting(4, "guessed tokens verified per pass, at most", ge=1, le=16)
-    ngram: int = setting(3, "the longest suffix looked up in the prompt and output", ge=1, le=8)
+    ngram: int = setting(3, "the longest suffix looked up in the prompt and output (prompt_lookup)", ge=1, le=8)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -108,7 +111,7 @@ class SamplingParams:
     logprobs_top_n: int = setting(0, "best tokens by raw log-prob returned per pick", ge=0, request=False)
     # None by default, else a frozen Speculation: immutable either way
     speculative: Speculation | None = setting(  # noqa: RUF009
-        None, "guess tokens and verify them in one pass: {method: prompt_lookup, tokens, ngram}; null = off"
+        None, "guess tokens and verify them in one pass: {method: prompt_lookup | draft, tokens, ngram}; null = off"
     )
     # the answer's shape (llm/output_format.py), enforced by the first sampler of the chain (llm/token_mask.py)
     format: OutputFormat | None = setting(  # noqa: RUF009

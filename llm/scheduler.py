@@ -14,8 +14,9 @@ A `Scheduler` owns the bookkeeping of a `SlotCache` (which slot holds which toke
    gain at these sizes. The free slot that already holds the longest prefix is taken first (no copy at all).
 3. Spends the step's token budget (`max_step_tokens`): one decode token for every running row first, then
    the guesses of the rows that speculate (llm/speculative.py: verified in the same pass, as many as
-   their slot, their token limit and the budget leave room for), then prompt chunks of the admitted
-   requests in arrival order. A long prompt thus holds the decoding rows back by one chunk per step,
+   their slot, their token limit and the budget leave room for and as pay; a draft model's guesses,
+   llm/draft_model.py, made for all its rows together once each row's share is known), then prompt chunks
+   of the admitted requests in arrival order. A long prompt thus holds the decoding rows back by one chunk per step,
    never by its whole prefill. A decode row whose slot is full ends with "cache_full".
 
 The `StepPlan` it returns is tokens for rows; the loop runs them as one flat batch (decode rows and prompt
@@ -34,9 +35,10 @@ from typing import TYPE_CHECKING, Any
 
 from .ending import FinishReason
 from .generation import Generation, TokenPicker
-from .speculative import PassCosts, Speculator
+from .speculative import DRAFT_COST_PRIOR, DraftGuesser, PassCosts, Speculator
 
 if TYPE_CHECKING:
+    from .draft_model import DraftModel
     from .sampling_params import Speculation
     from .slot_cache import SlotCache
 
@@ -71,8 +73,9 @@ class Sequence:
     admitted_at: float = 0.0
     first_token_at: float = 0.0
     done: threading.Event = field(default_factory=threading.Event)
-    speculator: Speculator | None = None  # the request's prompt lookup, when it speculates
+    speculator: Speculator | DraftGuesser | None = None  # the request's guesser, when it speculates
     draft: list[int] = field(default_factory=list)  # this step's guesses, verified after the last token
+    asked: int = 0  # guesses this step asks of the draft model (its `draft` once made)
 
     @property
     def decoding(self) -> bool:
@@ -113,8 +116,14 @@ class Scheduler:
         max_running: int | None = None,
         prefix_reuse: bool = True,
         min_prefix: int = 4,
+        draft: DraftModel | None = None,
     ) -> None:
+        """draft: the model that guesses for requests with `speculative: {method: draft}` (its slots mirror
+        the cache's)."""
         self.cache = cache
+        if draft is not None and draft.slots < cache.slots:
+            raise ValueError(f"the draft model's cache has {draft.slots} slots, the target's {cache.slots}")
+        self.draft = draft
         self.max_running = min(max_running or cache.slots, cache.slots)
         if max_step_tokens <= self.max_running:
             # Every step must have room for a prompt chunk beside one token per running row.
@@ -150,8 +159,13 @@ class Scheduler:
         seq = Sequence(request, Generation(prompt_tokens=len(request.prompt)), time.perf_counter())
         seq.seen = list(request.prompt)
         spec = request.speculation
-        if spec is not None:
+        if spec is not None and spec.method == "draft":
+            if self.draft is None:
+                raise ValueError("speculative.method: draft needs a draft model (a load.draft stage in the plan)")
+            seq.speculator = DraftGuesser(spec.tokens)
+        elif spec is not None:
             seq.speculator = Speculator(spec.tokens, spec.ngram)
+        if seq.speculator is not None:
             seq.generation.speculation = seq.speculator.steps
         with self._lock:
             self._incoming.append(seq)
@@ -223,6 +237,12 @@ class Scheduler:
         for seq in decode:
             drafted = self._draft(seq, budget, width)
             budget, width = budget - drafted, width + drafted
+        asked = [seq for seq in decode if seq.asked]
+        if asked:
+            assert self.draft is not None
+            made = self.draft.propose([(seq.slot, seq.seen, seq.asked) for seq in asked])  # type: ignore[misc]
+            for seq, guesses in zip(asked, made, strict=True):
+                seq.draft, seq.asked = guesses, 0
         chunks: list[tuple[Sequence, int]] = []
         for seq in self._running:
             if seq.decoding:
@@ -285,7 +305,7 @@ class Scheduler:
         """The row's guesses for this step (none without speculation); how many. Each guess takes a slot and
         a token of the budget, and no more are made than the request's token limit can still use, nor than
         pay on a pass of `width` inputs."""
-        seq.draft = []
+        seq.draft, seq.asked = [], 0
         if seq.speculator is None:
             return 0
         length = self.cache.lengths[seq.slot]  # type: ignore[index]
@@ -296,8 +316,17 @@ class Scheduler:
             budget - 1,  # a step keeps room for a prompt chunk beside the decode rows
         )
         cost = lambda k: self.pass_costs.relative(width, k)  # noqa: E731
+        if isinstance(seq.speculator, DraftGuesser):
+            seq.asked = seq.speculator.plan(room, cost, self._draft_step_cost(width))
+            return seq.asked
         seq.draft = seq.speculator.propose(seq.seen, room, cost)
         return len(seq.draft)
+
+    def _draft_step_cost(self, width: int) -> float:
+        """A draft step as a share of this step's target pass of `width` inputs (measured, or the prior)."""
+        one, step = self.pass_costs.one, self.draft.step_s if self.draft is not None else None
+        share = step / one if one and step else DRAFT_COST_PRIOR
+        return share / self.pass_costs.cost(width)
 
     def _with_room(self, rows: list[Sequence]) -> list[Sequence]:
         """The decode rows whose slot has room for one more token; the others end with "cache_full"."""

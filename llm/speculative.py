@@ -23,6 +23,11 @@ the suffix that matched (a 3-gram match is copied text far more often than a 1-g
 follows the answer from quoting to free text and back, and it is learnt on plain steps too: the guess a row
 did not make is checked against the token it then picked, for free, so a row stops guessing the moment its
 matches stop being right and resumes the moment they are right again.
+
+`DraftGuesser` is the same for a request whose guesses come from a draft model (llm/draft_model.py): how many
+guesses a pass should ask of the draft, priced the same way with the draft's own steps added to the cost,
+and acceptance learnt from the guesses verified. A draft's guess is never free to check, so a row that
+stopped drafting drifts back toward the prior over its plain steps and tries again.
 """
 
 from __future__ import annotations
@@ -43,6 +48,9 @@ DECAY = 0.9  # per observation, the weight left to older ones in a match length'
 # (accepted, tested) a match length starts from: p = 0.25, outweighed by a few observations. Cautious, since
 # the checks on plain steps learn p for free: a row guesses once its matches have shown they are right.
 PRIOR = (0.5, 2.0)
+DRAFT_COST_PRIOR = 0.3  # a draft step against a one-input target pass, until both are measured
+DRAFT_PRIOR = (1.2, 2.0)  # (accepted, tested) a drafting request starts from: p = 0.6
+DRAFT_RELAX = 0.05  # per plain step of a row that drafted nothing, the share of the way p moves to the prior
 
 
 @dataclass
@@ -189,6 +197,43 @@ class Speculator:
         self.accepted += accepted
         self.steps.append((generated, guessed, accepted))
         self._learn(self._matched, accepted, accepted + (accepted < guessed))
+
+
+@dataclass
+class DraftGuesser:
+    """One request's drafting: how many guesses to ask of the draft, and how often they were right."""
+
+    tokens: int  # the most guesses a pass verifies (K)
+    guessed: int = 0
+    accepted: int = 0
+    steps: list[tuple[int, int, int]] = field(default_factory=list)  # (generated before, guessed, accepted)
+    seen_right: list[float] = field(default_factory=lambda: list(DRAFT_PRIOR))  # decayed (accepted, tested)
+    checked: int = 0  # kept 0: a draft's guess is never free to check (the prompt-lookup field's twin)
+
+    def acceptance(self) -> float:
+        return self.seen_right[0] / self.seen_right[1]
+
+    def plan(self, room: int, cost: Callable[[int], float], draft_cost: float) -> int:
+        """Guesses to ask for: the k in 0..min(K, room) with the most tokens per unit of cost, where a pass
+        with k guesses costs `cost(k)` (the target's, against a pass without them) plus k draft steps of
+        `draft_cost` each (in the same unit)."""
+        most = min(self.tokens, room)
+        return best_guesses(self.acceptance(), most, lambda k: cost(k) + k * draft_cost) if most > 0 else 0
+
+    def observe(self, token: int) -> None:
+        """A plain step: the row made no guess; its estimate drifts back toward the prior, to try again."""
+        right, tested = self.seen_right
+        prior = DRAFT_PRIOR[0] / DRAFT_PRIOR[1]
+        self.seen_right[0] = right + DRAFT_RELAX * (prior * tested - right)
+
+    def record(self, generated: int, guessed: int, accepted: int) -> None:
+        self.guessed += guessed
+        self.accepted += accepted
+        self.steps.append((generated, guessed, accepted))
+        tested = accepted + (accepted < guessed)  # the guesses after the first rejected one say nothing
+        keep = DECAY**tested
+        self.seen_right[0] = keep * self.seen_right[0] + accepted
+        self.seen_right[1] = keep * self.seen_right[1] + tested
 
 
 def accept(

@@ -25,6 +25,7 @@ from pydantic import Field, model_validator
 from llmplan.engine.findings import InputRefused, StageFailure
 from llmplan.engine.stage import Phase, Stage
 from llmplan.llm.beam_search import beam_search
+from llmplan.llm.draft_model import DraftModel
 from llmplan.llm.engine_loop import EngineLoop
 from llmplan.llm.generate import Generation, TokenPicker, generate
 from llmplan.llm.model_runner import ModelRunner
@@ -140,7 +141,13 @@ class Generate(Stage):
     phase = Phase.COMPUTE
     Params = GenerateParams
     reads = ("model", "kv_cache", "requests", "tokenizer", "model_config")
-    optional_reads = ("model_runner", "engine_loop")
+    optional_reads = ("model_runner", "engine_loop", "draft_model")
+
+    @classmethod
+    def needs(cls, params: Any) -> tuple[str, ...]:
+        """A plan whose default speculation drafts needs a draft model (a load.draft stage)."""
+        spec = params.speculative
+        return ("draft_model",) if spec is not None and spec.method == "draft" else ()
     writes = ("generations",)
 
     def run(self, ctx: InferenceContext, params: Any) -> None:
@@ -193,11 +200,13 @@ class Generate(Stage):
         tok = ctx.tokenizer
         assert tok is not None and ctx.kv_cache is not None
         served = ctx.engine_loop
-        loop = served or new_loop(runner, ctx.kv_cache, params, running)
+        loop = served or new_loop(runner, ctx.kv_cache, params, running, ctx.draft_model)
         if served is None:
             loop.timeline = []  # every step's passes, for the trace and the report
         settings_of = [settings_for(r, params, seed) for r in requests]
         grammars = [grammar_for(ctx, s, eos) for s in settings_of]  # every refusal before the first submit
+        if loop.scheduler.draft is None and any(_drafts(s) for s in settings_of):
+            raise InputRefused("speculative.method: draft needs the plan's draft model (a load.draft stage)")
         decoder = StreamDecoder(tok, skip_special_tokens=True) if stream else None
         shown = _Streaming(
             StopStringStream(ctx.stream, settings_of[0]["stop"] if stream else []), decoder, frozenset(eos)
@@ -449,7 +458,14 @@ class _Countdown:
             self.all.set()
 
 
-def new_loop(runner: ModelRunner, cache: Any, params: GenerateParams, running: int) -> EngineLoop:
+def _drafts(settings: dict[str, Any]) -> bool:
+    spec = Speculation.of(settings["speculative"])
+    return spec is not None and spec.method == "draft"
+
+
+def new_loop(
+    runner: ModelRunner, cache: Any, params: GenerateParams, running: int, draft: DraftModel | None = None
+) -> EngineLoop:
     try:
         return EngineLoop(
             runner,
@@ -458,6 +474,7 @@ def new_loop(runner: ModelRunner, cache: Any, params: GenerateParams, running: i
             prefill_chunk=params.prefill_chunk,
             max_running=running,
             prefix_reuse=params.prefix_reuse,
+            draft=draft,
         )
     except ValueError as bad:
         raise StageFailure(f"compute.generate: {bad}") from None
@@ -473,7 +490,7 @@ def serving_loop(ctx: InferenceContext, params: GenerateParams) -> EngineLoop:
     if cache.policy == "slide":
         raise StageFailure('the "slide" KV-cache policy evicts over a shared write pointer: it cannot be served')
     runner = ctx.model_runner or ModelRunner(ctx.model, cache)
-    return new_loop(runner, cache, params, cache.max_batch)
+    return new_loop(runner, cache, params, cache.max_batch, ctx.draft_model)
 
 
 def _record_format(result: Result, picker: TokenPicker) -> None:

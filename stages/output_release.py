@@ -26,7 +26,7 @@ from .slots import InferenceContext
 
 # In release order: the biggest, most derived holders first.
 WEIGHT_SLOTS = ("model", "weights")
-ALWAYS_SLOTS = ("model_runner", "kv_cache", "host_weights")  # the runner holds the cache's memory
+ALWAYS_SLOTS = ("draft_model", "model_runner", "kv_cache", "host_weights")  # the runner holds the cache's memory
 
 
 class ReleaseParams(Params):

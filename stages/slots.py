@@ -4,8 +4,8 @@ Slot names are field names, so a stage's `reads`/`writes` are checked against th
 registered, and the graph the engine derives from them is the data flow of inference:
 
     environment → model_source → model_config, tokenizer → shard_manifest (verified) → host_weights
-    → weights (converted) → model, kv_cache, model_runner → requests → generations → answers → completions
-    → deliveries, cache_record → release_report
+    → weights (converted) → model, kv_cache, model_runner (→ draft_model) → requests → generations → answers
+    → completions → deliveries, cache_record → release_report
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from . import observe_settings
 if TYPE_CHECKING:
     from llmplan.llm.checkpoint import ShardManifest
     from llmplan.llm.config import ModelConfig
+    from llmplan.llm.draft_model import DraftModel
     from llmplan.llm.engine_loop import EngineLoop
     from llmplan.llm.kv_cache import KVCache
     from llmplan.llm.model import Transformer
@@ -44,6 +45,7 @@ class InferenceContext(Context):
     model: Transformer | None = None
     kv_cache: KVCache | None = None
     model_runner: ModelRunner | None = None  # the model on the backend chosen at load, bound to kv_cache
+    draft_model: DraftModel | None = None  # speculative decoding's draft (load.draft), its cache like kv_cache's
     # The engine loop a resident plan's owner steps (the host, serving); compute.generate submits to it.
     # None: compute.generate runs and steps a loop of its own (`llmplan run`).
     engine_loop: EngineLoop | None = None

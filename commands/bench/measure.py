@@ -26,7 +26,7 @@ from llmplan.engine.registry import discover
 from llmplan.engine.runner import Runner
 from llmplan.llm.generate import Pick, generate
 
-PLACE, CONVERT = "load.to_device", "load.convert"
+PLACE, CONVERT, DRAFT = "load.to_device", "load.convert", "load.draft"
 
 
 def greedy(logits_row: Tensor, seen: list[int]) -> Pick:
@@ -89,8 +89,11 @@ class Loaded:
 
     @property
     def regions(self) -> dict[str, int]:
-        """Bytes by region as `load.to_device` recorded them: weights, kv_cache, work_buffers."""
-        return dict(self.metric(PLACE, "regions") or {})
+        """Bytes by region as `load.to_device` recorded them: weights, kv_cache, work_buffers; and the draft
+        model's (`load.draft`, its weights, KV cache and work buffers) where the plan has one."""
+        regions = dict(self.metric(PLACE, "regions") or {})
+        draft = self.metric(DRAFT, "draft")
+        return regions | ({"draft": int(draft["bytes"])} if draft else {})
 
     def metric(self, uses: str, key: str) -> Any:
         for stage in self.bound.stages:
@@ -100,12 +103,14 @@ class Loaded:
 
 
 def load(plan: str | Path, overrides: list[str]) -> Loaded:
-    """Run the plan up to its `load.to_device` stage in this process; the peak RSS is sampled meanwhile."""
+    """Run the plan up to its `load.to_device` stage (its `load.draft`, which comes after, where it has one) in
+    this process; the peak RSS is sampled meanwhile."""
     from .stats import PeakRSS
 
     registry = discover()
     bound = load_plan(plan, registry, overrides)
     place = next(s.id for s in bound.stages if s.spec.uses == PLACE)
+    place = next((s.id for s in bound.stages if s.spec.uses == DRAFT), place)
     ctx = new_context(registry, bound, json_mode=True)
     run_dir = Path(tempfile.mkdtemp(prefix="llmplan-bench-"))
     gc.collect()

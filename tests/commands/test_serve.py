@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -217,6 +218,63 @@ def test_metrics_count_speculative_guesses(served: LiveServer, monkeypatch: pyte
     assert guessed > 0 and 0 <= accepted <= guessed  # the repeated prompt's n-grams were guessed
     assert 0 <= after["acceptance_ratio"] <= 1
     assert after["acceptance_ratio"] == pytest.approx(after["accepted_tokens_total"] / after["guessed_tokens_total"])
+
+
+def test_a_draft_request_on_a_plan_without_a_draft_is_a_400(served: LiveServer) -> None:
+    body = {"prompt": "keys", "max_tokens": 4, "speculative": {"method": "draft"}}
+    answer = httpx.post(f"{served.url}/completions", json=body, timeout=30)
+    assert answer.status_code == 400
+    assert "speculative.method: draft needs the plan's draft model" in answer.json()["error"]["message"]
+
+
+def test_a_served_draft_plan_answers_as_the_plain_one(
+    served: LiveServer, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Concurrent requests through a plan whose generate drafts (its own model in int8 as the draft): the
+    answers equal the plain server's, guesses made and counted."""
+    import yaml
+
+    from llmplan.llm import speculative
+
+    # A tiny model's draft step costs what its target step does, so no guess would pay: guess in full.
+    monkeypatch.setattr(speculative, "best_guesses", lambda p, most, cost: most)
+
+    draft = tmp_path / "draft.yaml"
+    stages = [
+        s
+        for s in yaml.safe_load(write_serve_plan(tmp_path, tiny_model).read_text())["stages"]
+        if "load." in s["uses"] or s["uses"] == "env.check" or s["uses"] == "model.source"
+    ]
+    next(s for s in stages if s["id"] == "convert")["with"]["dtype"] = "int8"
+    draft.write_text(yaml.safe_dump({"name": "draft", "device": "cpu", "seed": 0, "threads": 1, "stages": stages}))
+    plan = write_serve_plan(tmp_path, tiny_model, name="tiny-draft", speculative={"method": "draft", "tokens": 3})
+    data = yaml.safe_load(plan.read_text())
+    at = next(i for i, s in enumerate(data["stages"]) if s["uses"] == "load.to_device") + 1
+    data["stages"].insert(at, {"id": "draft", "uses": "load.draft", "with": {"plan": "draft.yaml"}})
+    plan.write_text(yaml.safe_dump(data, sort_keys=False))
+
+    def answers(live: LiveServer, **extra: Any) -> list[str]:
+        out: dict[int, str] = {}
+
+        def ask(i: int) -> None:
+            reply = client(live).completions.create(
+                model="m", prompt=PROMPTS[i], max_tokens=MAX_NEW, temperature=0, extra_body=extra or None
+            )
+            out[i] = reply.choices[0].text
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        return [out[i] for i in range(len(PROMPTS))]
+
+    with LiveServer(plan, ServerSettings(max_queue=32)) as live:
+        drafted = answers(live, speculative={"method": "draft", "tokens": 3})  # the API's default: none
+        text = httpx.get(f"{live.base}/metrics").text
+        guessed = float(re.search(r"^llmplan_speculative_guessed_tokens_total (\S+)$", text, re.M).group(1))
+    assert drafted == answers(served)
+    assert guessed > 0
 
 
 def test_a_full_queue_answers_429(tiny_model: Path, tmp_path: Path) -> None:

@@ -11,6 +11,11 @@ prior there (`PriorCosts`), so which guesses are made does not hang on the machi
 Distribution: sampled answers with and without speculation (different seeds) have next-token histograms
 within a total-variation distance that sampling noise stays far below, and a wrong acceptance rule (take a
 guess whenever the sampler would allow it) lands far above it.
+
+A draft model (llm/draft_model.py) is held to the same: the same rows and pickers under a draft of the same
+weights in int8 (mostly right), the fp32 model under an int8 target, and echo rows, which the draft's argmax
+often gets wrong; its own cache must hold the row's text after each use, rejected guesses cut off; with a
+draft that guesses the bigram chain's likeliest token, sampled answers keep the chain's exact distribution.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from tiny import load_tiny, make_tiny_llama
 from torch import Tensor
 
 from llmplan.llm import engine_loop, native
+from llmplan.llm.draft_model import DraftModel
 from llmplan.llm.engine_loop import EngineLoop
 from llmplan.llm.flat_batch import FlatBatch
 from llmplan.llm.generate import Pick
@@ -34,9 +40,9 @@ from llmplan.llm.model import Transformer
 from llmplan.llm.model_runner import ModelRunner
 from llmplan.llm.sampling import build_picker
 from llmplan.llm.sampling_params import SamplingParams, Speculation
-from llmplan.llm.scheduler import GenerationRequest, Sequence
+from llmplan.llm.scheduler import GenerationRequest, Scheduler, Sequence
 from llmplan.llm.slot_cache import SlotCache
-from llmplan.llm.speculative import NgramIndex, PassCosts, Speculator, best_guesses
+from llmplan.llm.speculative import DRAFT_PRIOR, DraftGuesser, NgramIndex, PassCosts, Speculator, best_guesses
 from llmplan.llm.weight_formats import quantize_weight
 
 NATIVE = native.kernels() is not None
@@ -378,3 +384,129 @@ def test_the_check_catches_a_wrong_acceptance_rule(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(engine_loop, "accept", functools.partial(wrong_accept, torch.Generator().manual_seed(0)))
     spec, _ = sampled(PAIRS_PROMPT, Speculation(tokens=3, ngram=1), range(SAMPLES, 2 * SAMPLES))
     assert max(tv_from_exact(spec, PAIRS_PROMPT[-1], p) for p in range(1, NEW_SAMPLED)) > 0.08
+
+
+# --- a draft model ---------------------------------------------------------------------------------------
+
+DRAFT = Speculation(method="draft", tokens=4)
+
+
+def draft_of(model: Transformer, path: str, slots: int = 3, max_tokens: int = 128) -> DraftModel:
+    cache = SlotCache.for_model(model, slots, max_tokens)
+    return DraftModel(ModelRunner(model, cache, native=path == "native"), cache, model.cfg.vocab_size)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("pair", ["fp32 under int8 draft", "int8 under fp32 draft"])
+def test_draft_answers_equal_the_plain_loop_batched(fp32: Transformer, int8: Transformer, path: str, pair: str) -> None:
+    target, guesser = (fp32, int8) if pair.startswith("fp32") else (int8, fp32)
+    if path == "torch" and pair.startswith("int8"):
+        pytest.skip("int8 linears run on the native kernels either way; the native pass is the one to check")
+    plain, _ = run_all(target, requests(None), path=path, max_step_tokens=12)
+    draft = draft_of(guesser, path)
+    spec, loop = run_all(target, requests(DRAFT), path=path, max_step_tokens=12, draft=draft)
+    assert_same(plain, spec)
+    gens = [s.generation for s in spec]
+    assert all(g.guessed > 0 for g in gens)
+    assert 0 < loop.stats.accepted_tokens < loop.stats.guessed_tokens  # guesses kept and guesses rejected
+    assert sum(g.decode_steps for g in gens) < sum(s.generation.decode_steps for s in plain)  # fewer passes
+    greedy_row = gens[2]  # a greedy row under a draft of the same weights: most guesses right
+    assert greedy_row.accepted / greedy_row.guessed > 0.6
+    for g in gens:
+        assert (g.guessed, g.accepted) == tuple(map(sum, zip(*[(k, a) for _, k, a in g.speculation], strict=True)))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_draft_batch_one_equals_the_plain_loop_and_the_draft_holds_the_text(
+    fp32: Transformer, int8: Transformer, path: str
+) -> None:
+    for prompt, pick in zip(PROMPTS, (echo, greedy, echo, greedy), strict=True):
+        req = functools.partial(GenerationRequest, prompt=prompt, picker=pick, max_new_tokens=30)
+        (plain,), plain_loop = run_all(fp32, [req()], path=path, slots=1)
+        draft = draft_of(int8, path, slots=1)
+        (spec,), spec_loop = run_all(fp32, [req(speculation=DRAFT)], path=path, slots=1, draft=draft)
+        assert_same([plain], [spec])
+        text = prompt + spec.generation.tokens[:-1]
+        assert spec_loop.cache.held[0] == plain_loop.cache.held[0] == text
+        # the draft's slot: a prefix of the text, rejected guesses cut off (they are cut when it next drafts)
+        held = draft.cache.held[0]
+        kept = draft.cache.common_prefix(0, text)
+        assert kept >= len(prompt)  # the prompt ran on the draft with the target's prefill
+        assert len(held) - kept <= DRAFT.tokens - 1  # past the text at most the last pass's guesses
+        assert int(draft.cache.valid[0].sum()) == draft.cache.lengths[0] == len(held)
+
+
+def test_the_draft_runs_the_prompt_with_the_target_in_chunks(fp32: Transformer, int8: Transformer) -> None:
+    """A prompt in chunks of 4: the draft follows each chunk in the same step, so by the first decode step its
+    cache holds the whole prompt, and only the new token runs before the first guess."""
+    prompt = PROMPTS[0]
+    draft = draft_of(int8, "torch", slots=1)
+    cache = SlotCache.for_model(fp32, 1, 128)
+    loop = EngineLoop(ModelRunner(fp32, cache, native=False), cache, draft=draft, prefill_chunk=4, max_step_tokens=5)
+    loop.scheduler.pass_costs = PriorCosts()
+    loop.submit(GenerationRequest(prompt=prompt, picker=greedy, max_new_tokens=8, speculation=DRAFT))
+    steps = 0
+    while loop.cache.lengths[0] < len(prompt):
+        loop.step()
+        steps += 1
+        assert draft.cache.held[0] == prompt[: loop.cache.lengths[0]]
+    assert steps == 3 and draft.steps == 3  # 4 + 4 + 3 prompt tokens, one draft pass each
+    loop.run()
+
+
+def test_a_draft_request_without_a_draft_model_is_refused(fp32: Transformer) -> None:
+    cache = SlotCache.for_model(fp32, 2, 64)
+    loop = EngineLoop(ModelRunner(fp32, cache, native=False), cache)
+    with pytest.raises(ValueError, match=r"load\.draft"):
+        loop.submit(GenerationRequest(prompt=[1, 2, 3], picker=greedy, max_new_tokens=4, speculation=DRAFT))
+    small = draft_of(fp32, "torch", slots=1)
+    with pytest.raises(ValueError, match="1 slots, the target's 2"):
+        Scheduler(cache, draft=small)
+
+
+def test_a_row_stops_drafting_where_guesses_fail_and_tries_again_later() -> None:
+    guesser = DraftGuesser(tokens=4)
+    prior = lambda k: 1 + 0.15 * k  # noqa: E731
+    assert guesser.plan(100, prior, 0.3) >= 1  # the prior (p = 0.6) pays for a guess
+    rounds = 0
+    while k := guesser.plan(100, prior, 0.3):  # every guess rejected: fewer, then none
+        guesser.record(0, k, 0)
+        rounds += 1
+    assert 1 <= rounds <= 4 and guesser.acceptance() < 0.4
+    plain = 0
+    while not guesser.plan(100, prior, 0.3):  # plain steps: the estimate drifts back, it tries again
+        guesser.observe(0)
+        plain += 1
+    assert 3 <= plain <= 40
+    assert guesser.plan(100, prior, 3.0) == 0  # a draft step as dear as 3 target passes never pays
+    assert guesser.plan(0, prior, 0.3) == 0  # no room
+    assert guesser.acceptance() <= DRAFT_PRIOR[0] / DRAFT_PRIOR[1]
+
+
+def test_sampled_answers_with_a_draft_keep_the_distribution_of_plain_sampling() -> None:
+    """The draft guesses the chain's likeliest next token (a + 1, p = 0.45 at T 1): accepted about half the
+    time; every generated position against its exact distribution, bound as for prompt lookup."""
+    rows = 32
+    store = LayerKV(1, rows, 1, 128, 2, dtype=torch.float32)
+    cache = SlotCache(store, torch.zeros(rows, 128, dtype=torch.bool))
+    draft_store = LayerKV(1, rows, 1, 128, 2, dtype=torch.float32)
+    draft_cache = SlotCache(draft_store, torch.zeros(rows, 128, dtype=torch.bool))
+    draft = DraftModel(BigramRunner(), draft_cache, BIGRAM.shape[0])  # type: ignore[arg-type]
+    loop = EngineLoop(BigramRunner(), cache, prefix_reuse=False, draft=draft)  # type: ignore[arg-type]
+    seqs = [
+        loop.submit(
+            GenerationRequest(
+                prompt=PAIRS_PROMPT,
+                picker=build_picker(SamplingParams(temperature=1.0, seed=seed), len(PAIRS_PROMPT)),
+                max_new_tokens=NEW_SAMPLED,
+                speculation=Speculation(method="draft", tokens=3),
+            )
+        )
+        for seed in range(SAMPLES)
+    ]
+    loop.run()
+    rate = loop.stats.accepted_tokens / loop.stats.guessed_tokens
+    assert loop.stats.guessed_tokens > SAMPLES and 0.3 < rate < 0.7  # both branches of the rule, often
+    samples = [s.generation.tokens for s in seqs]
+    for position in range(NEW_SAMPLED):
+        assert tv_from_exact(samples, PAIRS_PROMPT[-1], position) < 0.04
