@@ -43,13 +43,13 @@ ROW_COST = 0.15  # prior: each input past the first adds this share of a one-tok
 COST_SMOOTHING = 0.2  # the weight of a new measured pass of several inputs in PassCosts
 ONE_SMOOTHING = 0.3  # the weight of a new one-input pass in its recent average
 RELAX = 0.02  # per one-input pass, the share of the way a measured cost moves back toward the prior
-MARGIN = 1.05  # a pass with guesses must promise this many times a plain step's tokens per second
+MARGIN = 1.15  # a pass with guesses must promise this many times a plain step's tokens per second
 DECAY = 0.9  # per observation, the weight left to older ones in a match length's acceptance
 # (accepted, tested) a match length starts from: p = 0.25, outweighed by a few observations. Cautious, since
 # the checks on plain steps learn p for free: a row guesses once its matches have shown they are right.
 PRIOR = (0.5, 2.0)
 DRAFT_COST_PRIOR = 0.3  # a draft step against a one-input target pass, until both are measured
-DRAFT_PRIOR = (1.2, 2.0)  # (accepted, tested) a drafting request starts from: p = 0.6
+DRAFT_PRIOR = (1.6, 2.0)  # (accepted, tested) a drafting request starts from: p = 0.8 (a draft is chosen to agree)
 DRAFT_RELAX = 0.05  # per plain step of a row that drafted nothing, the share of the way p moves to the prior
 
 
@@ -126,8 +126,9 @@ class PassCosts:
 
 def best_guesses(p: float, most: int, cost: Callable[[int], float]) -> int:
     """The k in 0..most with the most tokens delivered per unit of pass cost, for a per-guess acceptance p;
-    0 unless some k beats a plain step by MARGIN (p is an estimate from a few guesses, and a guess that pays
-    a percent on average loses as often as it wins: free-form answers lost 6-14 % on such guesses)."""
+    0 unless some k beats a plain step by MARGIN (p is an estimate from a few guesses, made just when recent
+    ones were right, so it runs high: at a 5 % margin free-form answers lost up to 9 % on such guesses, at
+    15 % none lost, benchmarks/speculative-decode.md)."""
     best, best_rate, delivered, term = 0, MARGIN, 1.0, 1.0
     for k in range(1, most + 1):
         term *= p

@@ -29,7 +29,7 @@ from archs import make_tiny
 from tiny import load_tiny, make_tiny_llama
 from torch import Tensor
 
-from llmplan.llm import engine_loop, native
+from llmplan.llm import engine_loop, native, speculative
 from llmplan.llm.draft_model import DraftModel
 from llmplan.llm.engine_loop import EngineLoop
 from llmplan.llm.flat_batch import FlatBatch
@@ -91,6 +91,12 @@ def int8(tiny_dir: Path) -> Transformer:
     linear = ("wqkv.weight", "wo.weight", "w13.weight", "w2.weight", "output.weight")
     quantized = {n: quantize_weight(w, "int8") if n.endswith(linear) else w for n, w in weights.items()}
     return Transformer.from_weights(cfg, quantized, linear_factory=functools.partial(make_linear, kernel="auto"))
+
+
+@pytest.fixture
+def eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every guess that pays at all is made (no margin): rows whose matches are seldom right guess too."""
+    monkeypatch.setattr(speculative, "MARGIN", 1.0)
 
 
 class PriorCosts(PassCosts):
@@ -157,8 +163,8 @@ def test_lookup_copies_what_followed_the_latest_longest_match() -> None:
 def test_guesses_are_made_only_where_they_pay() -> None:
     prior = lambda k: 1 + 0.15 * k  # noqa: E731  (a 2-input pass: 1.15x a one-input one)
     assert best_guesses(0.1, 4, prior) == 0  # 1.1 tokens for 1.15x: a plain step delivers more per second
-    assert best_guesses(0.2, 4, prior) == 0  # 1.2 tokens for 1.15x: 4 % more, within the margin
-    assert best_guesses(0.3, 4, prior) == 1  # 1.3 for 1.15x pays, 1.39 for 1.3x less so
+    assert best_guesses(0.3, 4, prior) == 0  # 1.3 tokens for 1.15x: 13 % more, within the margin (15 %)
+    assert best_guesses(0.4, 4, prior) == 1  # 1.4 for 1.15x pays, 1.56 for 1.3x less so
     assert best_guesses(0.9, 4, prior) == 4
     assert best_guesses(0.9, 4, lambda k: 1 + 3 * k) == 0  # guesses that cost a pass each never pay
     assert best_guesses(0.9, 0, prior) == 0  # no room
@@ -167,20 +173,26 @@ def test_guesses_are_made_only_where_they_pay() -> None:
 def test_a_row_stops_guessing_where_matches_go_wrong_and_resumes_where_they_come_right() -> None:
     spec = Speculator(tokens=4, ngram=2)
     seen = [1, 2, 3, 4, 5, 6, 7, 8, 9] * 3
-    assert spec.propose(seen, 100)  # the prior (p = 0.25, a 2-input pass 1.15x): worth a try
+
+    def right_until_guessing() -> tuple[list[int], int]:
+        checked = 0
+        while not (guesses := spec.propose(seen, 100)):  # plain steps: the guess it did not make was right
+            spec.observe(1)  # what followed the match [8, 9]
+            checked += 1
+        return guesses, checked
+
+    assert spec.propose(seen, 100) == []  # the prior (p = 0.25) does not clear the margin: it watches first
+    guesses, checked = right_until_guessing()
+    assert guesses == [1, 2, 3, 4][: len(guesses)] and 1 <= checked <= 5
     passes = 0
     while guesses := spec.propose(seen, 100):  # every guess rejected: fewer, then none
         spec.record(0, len(guesses), 0)
         passes += 1
-    assert 1 <= passes <= 4 and spec.guessed <= 8
-    assert spec.propose(seen, 100) == []
-    checked = 0
-    while not (guesses := spec.propose(seen, 100)):  # plain steps: the guess it did not make was right
-        spec.observe(1)  # what followed the match [8, 9]
-        checked += 1
-    assert guesses == [1, 2, 3, 4][: len(guesses)] and 1 <= checked <= 5  # right again: it guesses again
+    assert 1 <= passes <= 6 and spec.propose(seen, 100) == []
+    guesses, again = right_until_guessing()  # right again: it guesses again
+    assert guesses and 1 <= again <= 8
     spec.observe(1)  # nothing left unmade: observing changes nothing
-    assert spec.checked == checked
+    assert spec.checked == checked + again
     assert spec.propose(seen, 0) == []  # never more than the room
 
 
@@ -189,7 +201,10 @@ def test_a_one_gram_match_that_fails_does_not_stop_a_longer_one() -> None:
     for _ in range(10):  # the 1-gram [5] guesses 9, the answer goes on otherwise
         spec.record(0, 1, 0) if spec.propose(seen, 100) else spec.observe(0)
     assert spec.acceptance(1) < 0.1 and spec.acceptance(3) == 0.25  # the 3-gram's estimate is untouched
-    assert spec.propose([*seen, 7, 8, 9, 1, 7, 8, 9], 100) == [1]  # a 3-gram match guesses (1 pays at 0.25)
+    longer = [*seen, 7, 8, 9, 1, 7, 8, 9]
+    assert spec.propose(longer, 100) == []  # the 3-gram at its prior: watched first
+    spec.observe(1)  # its continuation was right: the 3-gram guesses, the 1-gram's failures aside
+    assert spec.propose(longer, 100)[:1] == [1]
 
 
 def test_measured_pass_costs_steer_the_guesses() -> None:
@@ -214,6 +229,7 @@ def test_measured_pass_costs_steer_the_guesses() -> None:
 # --- exactness --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("eager")
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
 def test_answers_equal_the_plain_loop_batched(fp32: Transformer, int8: Transformer, path: str, precision: str) -> None:
@@ -472,7 +488,7 @@ def test_a_row_stops_drafting_where_guesses_fail_and_tries_again_later() -> None
     while k := guesser.plan(100, prior, 0.3):  # every guess rejected: fewer, then none
         guesser.record(0, k, 0)
         rounds += 1
-    assert 1 <= rounds <= 4 and guesser.acceptance() < 0.4
+    assert 1 <= rounds <= 4 and guesser.acceptance() < 0.6
     plain = 0
     while not guesser.plan(100, prior, 0.3):  # plain steps: the estimate drifts back, it tries again
         guesser.observe(0)
