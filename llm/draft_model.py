@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from .flat_batch import FlatBatch, Part
+from .generation import is_oom, release_memory
 from .model_runner import ModelRunner
 from .slot_cache import SlotCache
 
@@ -47,16 +48,32 @@ class DraftModel:
         return self.cache.slots
 
     def follow(self, rows: list[tuple[int, list[int]]]) -> None:
-        """Bring each (slot, text) to hold the K/V of all of `text` (a prompt chunk the target just ran)."""
-        self._catch_up(rows, want=False)
+        """Bring each (slot, text) to hold the K/V of all of `text` (a prompt chunk the target just ran); out of
+        memory, it is left behind (it catches up when the row next drafts)."""
+        try:
+            self._catch_up(rows, want=False)
+        except RuntimeError as err:
+            if not is_oom(err):
+                raise
+            release_memory(self.cache.device)
 
     def propose(self, rows: list[tuple[int, list[int], int]]) -> list[list[int]]:
         """For each (slot, seen, most): up to `most` greedy draft tokens following `seen`; fewer where the draft
-        is unsure of the next one or it falls outside the target's vocabulary."""
+        is unsure of the next one or it falls outside the target's vocabulary. Out of memory: the guesses made
+        so far (speculation is an option: the rows decode on without it)."""
         out: list[list[int]] = [[] for _ in rows]
+        try:
+            self._propose(rows, out)
+        except RuntimeError as err:
+            if not is_oom(err):
+                raise
+            release_memory(self.cache.device)
+        return out
+
+    def _propose(self, rows: list[tuple[int, list[int], int]], out: list[list[int]]) -> None:
         live = [i for i, (_, _, most) in enumerate(rows) if most > 0]
         if not live:
-            return out
+            return
         logits = self._catch_up([(rows[i][0], rows[i][1]) for i in live], want=True)
         while True:
             assert logits is not None
@@ -69,7 +86,7 @@ class DraftModel:
                 if len(out[i]) < rows[i][2]:
                     going.append(i)
             if not going:
-                return out
+                return
             live = going
             logits = self._pass([Part(rows[i][0], 0, [out[i][-1]], True) for i in live], timed=True)
 

@@ -526,3 +526,24 @@ def test_sampled_answers_with_a_draft_keep_the_distribution_of_plain_sampling() 
     samples = [s.generation.tokens for s in seqs]
     for position in range(NEW_SAMPLED):
         assert tv_from_exact(samples, PAIRS_PROMPT[-1], position) < 0.04
+
+
+def test_a_draft_out_of_memory_leaves_the_answers_as_they_are(fp32: Transformer, int8: Transformer) -> None:
+    """Every third draft pass fails for memory: those rows decode on with the guesses made so far (or none),
+    the draft's cache stays consistent, and the answers are the plain loop's."""
+    draft = draft_of(int8, "torch")
+    real, calls = draft.runner.forward, [0]
+
+    def sometimes(batch: FlatBatch, cache: SlotCache) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] % 3 == 0:
+            raise torch.OutOfMemoryError("out of memory (the test's)")
+        return real(batch, cache)
+
+    draft.runner.forward = sometimes  # type: ignore[method-assign]
+    plain, _ = run_all(fp32, requests(None), max_step_tokens=12)
+    spec, loop = run_all(fp32, requests(DRAFT), max_step_tokens=12, draft=draft)
+    assert_same(plain, spec)
+    assert calls[0] >= 6 and loop.stats.guessed_tokens > 0
+    for slot in range(draft.cache.slots):
+        assert int(draft.cache.valid[slot].sum()) == draft.cache.lengths[slot] == len(draft.cache.held[slot])

@@ -80,12 +80,15 @@ def test_the_weather_question_calls_the_weather_tool_for_paris(client: openai.Op
     jsonschema.validate(arguments, WEATHER)
     assert arguments["city"] == "Paris"
     joined: dict[int, list[str]] = {}
+    fragments = 0
     for chunk in client.chat.completions.create(**ask, stream=True):
         for part in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
             got = joined.setdefault(part.index, ["", ""])
             got[0] += (part.function.name or "") if part.function else ""
             got[1] += (part.function.arguments or "") if part.function else ""
+            fragments += bool(part.function and part.function.arguments)
     assert list(joined.values()) == [["get_weather", calls[0].function.arguments]]  # type: ignore[union-attr]
+    assert fragments > 2  # the arguments came as they were generated, not whole at the end
 
 
 def test_json_object_and_json_schema_answers_parse(client: openai.OpenAI) -> None:
