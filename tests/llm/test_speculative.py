@@ -341,10 +341,16 @@ def exact(last: int, position: int) -> Tensor:
     return torch.linalg.matrix_power(step, position + 1)[last]
 
 
-def sampled(prompt: list[int], spec: Speculation | None, seeds: range) -> tuple[list[list[int]], EngineLoop]:
-    store = LayerKV(1, 32, 1, 128, 2, dtype=torch.float32)
-    cache = SlotCache(store, torch.zeros(32, 128, dtype=torch.bool))
-    loop = EngineLoop(BigramRunner(), cache, prefix_reuse=False)  # type: ignore[arg-type]
+def bigram_cache(rows: int = 32) -> SlotCache:
+    return SlotCache(LayerKV(1, rows, 1, 128, 2, dtype=torch.float32), torch.zeros(rows, 128, dtype=torch.bool))
+
+
+def sampled(
+    prompt: list[int], spec: Speculation | None, seeds: range, *, draft: bool = False
+) -> tuple[list[list[int]], EngineLoop]:
+    """One sampled answer per seed from the bigram chain, all in one loop; with `draft`, a bigram draft."""
+    guesser = DraftModel(BigramRunner(), bigram_cache(), BIGRAM.shape[0]) if draft else None  # type: ignore[arg-type]
+    loop = EngineLoop(BigramRunner(), bigram_cache(), prefix_reuse=False, draft=guesser)  # type: ignore[arg-type]
     seqs = [
         loop.submit(
             GenerationRequest(
@@ -502,28 +508,9 @@ def test_a_row_stops_drafting_where_guesses_fail_and_tries_again_later() -> None
 def test_sampled_answers_with_a_draft_keep_the_distribution_of_plain_sampling() -> None:
     """The draft guesses the chain's likeliest next token (a + 1, p = 0.45 at T 1): accepted about half the
     time; every generated position against its exact distribution, bound as for prompt lookup."""
-    rows = 32
-    store = LayerKV(1, rows, 1, 128, 2, dtype=torch.float32)
-    cache = SlotCache(store, torch.zeros(rows, 128, dtype=torch.bool))
-    draft_store = LayerKV(1, rows, 1, 128, 2, dtype=torch.float32)
-    draft_cache = SlotCache(draft_store, torch.zeros(rows, 128, dtype=torch.bool))
-    draft = DraftModel(BigramRunner(), draft_cache, BIGRAM.shape[0])  # type: ignore[arg-type]
-    loop = EngineLoop(BigramRunner(), cache, prefix_reuse=False, draft=draft)  # type: ignore[arg-type]
-    seqs = [
-        loop.submit(
-            GenerationRequest(
-                prompt=PAIRS_PROMPT,
-                picker=build_picker(SamplingParams(temperature=1.0, seed=seed), len(PAIRS_PROMPT)),
-                max_new_tokens=NEW_SAMPLED,
-                speculation=Speculation(method="draft", tokens=3),
-            )
-        )
-        for seed in range(SAMPLES)
-    ]
-    loop.run()
+    samples, loop = sampled(PAIRS_PROMPT, Speculation(method="draft", tokens=3), range(SAMPLES), draft=True)
     rate = loop.stats.accepted_tokens / loop.stats.guessed_tokens
     assert loop.stats.guessed_tokens > SAMPLES and 0.3 < rate < 0.7  # both branches of the rule, often
-    samples = [s.generation.tokens for s in seqs]
     for position in range(NEW_SAMPLED):
         assert tv_from_exact(samples, PAIRS_PROMPT[-1], position) < 0.04
 
