@@ -1316,9 +1316,19 @@ static void swiglu(const float *gate, const float *up, float *out, int64_t n) {
 }
 
 // GELU(gate) * up with GELU's tanh approximation (transformers' gelu_pytorch_tanh), the GeGLU of Gemma.
+// 0.5 (1 + tanh(u)) is sigmoid(2u), so the vector lanes use exp8 as SiLU does: libm's scalar tanhf (with the
+// expm1f inside it) was 18 % of a Gemma prefill.
 static void geglu(const float *gate, const float *up, float *out, int64_t n) {
     const float k0 = 0.7978845608028654f, k1 = 0.044715f;  // sqrt(2 / pi)
-    for (int64_t i = 0; i < n; i++) {
+    int64_t i = 0;
+    const __m256 one = _mm256_set1_ps(1.0f), m2k0 = _mm256_set1_ps(-2.0f * k0), vk1 = _mm256_set1_ps(k1);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(vk1, g), _mm256_mul_ps(g, g), g);  // g + k1 g^3
+        const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_mul_ps(m2k0, inner))));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i)));
+    }
+    for (; i < n; i++) {
         const float g = gate[i];
         out[i] = 0.5f * g * (1.0f + tanhf(k0 * (g + k1 * g * g * g))) * up[i];
     }
