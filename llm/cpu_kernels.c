@@ -309,6 +309,14 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
+// fp32 to bf16 with round-to-nearest-even, as torch casts (NaN stays a quiet NaN).
+static inline uint16_t to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof(bits));
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x0040u);
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
 static inline __m256 load_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
@@ -784,8 +792,18 @@ static void widen_half_row(const WideRows *src, int64_t n, float *dst) {
     widen_half((const uint16_t *)src->w + n * src->K, dst, src->K, (int)src->f16);
 }
 
-void gemm_half(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K, int64_t f16) {
+static void gemm_bf16_inputs(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K);
+
+// The formats of gemm_half's 16-bit weights.
+enum { HALF_BF16 = 0, HALF_F16 = 1, HALF_BF16_INPUTS = 2 };
+
+void gemm_half(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K, int64_t format) {
     KERNEL_CALL;
+    if (format == HALF_BF16_INPUTS) {
+        gemm_bf16_inputs(x, w, y, M, N, K);
+        return;
+    }
+    const int f16 = format == HALF_F16;
     if (M == 1) {
         if (f16)
             one_row_f16(w, NULL, x, y, N, K);
@@ -802,6 +820,287 @@ void gemm_half(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N
     }
     const WideRows src = {w, NULL, NULL, K, 0, 2 * K, f16, widen_half_row};
     gemm_widened(&src, x, y, M, N, NULL);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// bf16 weights with bf16 inputs (HALF_BF16_INPUTS): x rounded to bf16 (nearest even, as torch casts), then
+// every product is the exact product of two bf16 values, summed in fp32. This is what llama.cpp's BF16 and
+// torch's bf16 matmul compute. On a CPU with AVX512_BF16, vdpbf16ps takes 32 such products an instruction
+// into 16 fp32 sums, on the weights as stored: the exact path (HALF_BF16) widens each 16 weights first (3
+// uops), which bound its batch-1 decode by arithmetic (36 GB/s on a Zen 5, where fp32 reads 60) and its
+// prefill at 0.69x llama.cpp's. Elsewhere (AVX2, or AVX-512 without BF16) x is rounded to bf16 values held as
+// fp32 and the exact path runs: the same products on every CPU, up to summation order (and vdpbf16ps's
+// flushing of denormals).
+//
+// x is rounded once per product into this thread's buffer (kept for the next product), KP = K rounded up to
+// 32 columns a row, the padding zero; a tail of fewer than 32 weights is a masked load, so every product
+// past K is 0 * 0.
+static __thread void *xin_buf;
+static __thread int64_t xin_cap;
+
+static void *xin_buffer(int64_t bytes) {
+    if (bytes > xin_cap) {
+        _mm_free(xin_buf);
+        xin_buf = _mm_malloc(bytes, 64);
+        xin_cap = xin_buf ? bytes : 0;
+    }
+    return xin_buf;
+}
+
+#define ROUND_PARALLEL 65536  // elements: below this a fork costs more than the rounding
+
+#if defined(__AVX512BF16__)
+#define KP_OF(K) (((K) + 31) & ~(int64_t)31)
+static inline __m512bh bh_ld(const uint16_t *p) { return (__m512bh)_mm512_loadu_si512(p); }
+static inline __m512bh bh_ld_tail(const uint16_t *p, int64_t n) {  // n < 32 values, the rest 0
+    return (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1ull << n) - 1), p);
+}
+static inline __m512 bh_dot(__m512 acc, __m512bh w, __m512bh x) { return _mm512_dpbf16_ps(acc, w, x); }
+
+static void round_rows_bf16(const float *x, uint16_t *xb, int64_t M, int64_t K) {
+    const int64_t KP = KP_OF(K);
+#pragma omp parallel for schedule(static) if (M * K >= ROUND_PARALLEL)
+    for (int64_t m = 0; m < M; m++) {
+        const float *src = x + m * K;
+        uint16_t *dst = xb + m * KP;
+        int64_t k = 0;
+        for (; k + 32 <= K; k += 32)
+            _mm512_storeu_si512(dst + k, (__m512i)_mm512_cvtne2ps_pbh(vld(src + k + 16), vld(src + k)));
+        for (; k < K; k++) dst[k] = to_bf16(src[k]);
+        for (; k < KP; k++) dst[k] = 0;
+    }
+}
+
+// One input row against 4 weight rows (p[r]), 2 chains a row: chain a over the first 32 columns of every 64,
+// b over the second; a last full 32 into a, a last part into b. few_bf16_inputs keeps this order exactly.
+static void dot4_one_bf16_inputs(const uint16_t *const p[4], const uint16_t *x, int64_t K, int64_t ahead, float out[4]) {
+    __m512 a[4], b[4];
+    for (int r = 0; r < 4; r++) a[r] = b[r] = vzero();
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+        PREFETCH4(p[0], p[1], p[2], p[3], k * 2, (k + 64) * 2, ahead)
+        const __m512bh x0 = bh_ld(x + k), x1 = bh_ld(x + k + 32);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            a[r] = bh_dot(a[r], bh_ld(p[r] + k), x0);
+            b[r] = bh_dot(b[r], bh_ld(p[r] + k + 32), x1);
+        }
+    }
+    if (k + 32 <= K) {
+        const __m512bh x0 = bh_ld(x + k);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) a[r] = bh_dot(a[r], bh_ld(p[r] + k), x0);
+        k += 32;
+    }
+    if (k < K) {
+        const __m512bh x0 = bh_ld(x + k);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) b[r] = bh_dot(b[r], bh_ld_tail(p[r] + k, K - k), x0);
+    }
+    for (int r = 0; r < 4; r++) out[r] = vsum(vadd(a[r], b[r]));
+}
+
+// One input row: ONE_ROW's 4 streams.
+static void one_row_bf16_inputs(const uint16_t *w, const uint16_t *x, float *y, int64_t N, int64_t K) {
+    const int64_t L = (N + NB - 1) / NB;
+    const int nt = team();
+    const int64_t g = grain(L, nt), start = now_ns();
+    int64_t first_done = start;
+#pragma omp parallel num_threads(nt)
+    {
+#pragma omp for schedule(dynamic, g) nowait
+        for (int64_t b = 0; b < L; b++) {
+            const uint16_t *rows[NB];
+            for (int64_t r = 0; r < NB; r++) rows[r] = w + strided_row(b, r, L, N) * K;
+            float out[NB];
+            dot4_one_bf16_inputs(rows, x, K, K * 2, out);
+            for (int64_t r = 0; r < NB && b + r * L < N; r++) y[b + r * L] = out[r];
+        }
+        if (omp_get_thread_num() == 0) first_done = now_ns();
+    }
+    region_done(start, first_done);
+}
+
+// Up to GROUP input rows (KP apart) against 2 weight rows, each row's sums in dot4_one_bf16_inputs's order,
+// so each output is bitwise the one-row kernel's (a verifying pass gives a decode step's logits).
+static inline __attribute__((always_inline)) void dot2_rows_bf16_inputs(const uint16_t *p0, const uint16_t *p1,
+                                                                        const uint16_t *x, int64_t K, const int mb,
+                                                                        int64_t ahead, float out[][2]) {
+    const int64_t KP = KP_OF(K);
+    __m512 a[2][GROUP], b[2][GROUP];
+#pragma GCC unroll 8
+    for (int i = 0; i < GROUP; i++) a[0][i] = a[1][i] = b[0][i] = b[1][i] = vzero();
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+        PREFETCH4(p0, p1, p0, p1, k * 2, (k + 64) * 2, ahead)
+        const __m512bh w0 = bh_ld(p0 + k), w1 = bh_ld(p0 + k + 32), v0 = bh_ld(p1 + k), v1 = bh_ld(p1 + k + 32);
+#pragma GCC unroll 8
+        for (int i = 0; i < mb; i++) {
+            const __m512bh x0 = bh_ld(x + i * KP + k), x1 = bh_ld(x + i * KP + k + 32);
+            a[0][i] = bh_dot(a[0][i], w0, x0), b[0][i] = bh_dot(b[0][i], w1, x1);
+            a[1][i] = bh_dot(a[1][i], v0, x0), b[1][i] = bh_dot(b[1][i], v1, x1);
+        }
+    }
+    if (k + 32 <= K) {
+        const __m512bh w0 = bh_ld(p0 + k), v0 = bh_ld(p1 + k);
+#pragma GCC unroll 8
+        for (int i = 0; i < mb; i++) {
+            const __m512bh x0 = bh_ld(x + i * KP + k);
+            a[0][i] = bh_dot(a[0][i], w0, x0), a[1][i] = bh_dot(a[1][i], v0, x0);
+        }
+        k += 32;
+    }
+    if (k < K) {
+        const __m512bh w0 = bh_ld_tail(p0 + k, K - k), v0 = bh_ld_tail(p1 + k, K - k);
+#pragma GCC unroll 8
+        for (int i = 0; i < mb; i++) {
+            const __m512bh x0 = bh_ld(x + i * KP + k);
+            b[0][i] = bh_dot(b[0][i], w0, x0), b[1][i] = bh_dot(b[1][i], v0, x0);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < mb; i++) out[i][0] = vsum(vadd(a[0][i], b[0][i])), out[i][1] = vsum(vadd(a[1][i], b[1][i]));
+}
+
+static void dot2_group_bf16_inputs(const uint16_t *p0, const uint16_t *p1, const uint16_t *x, int64_t K, int mb,
+                                   int64_t ahead, float out[][2]) {
+    switch (mb) {  // mb as a constant in each case: the compiler keeps the accumulators in registers
+        case 1: dot2_rows_bf16_inputs(p0, p1, x, K, 1, ahead, out); break;
+        case 2: dot2_rows_bf16_inputs(p0, p1, x, K, 2, ahead, out); break;
+        case 3: dot2_rows_bf16_inputs(p0, p1, x, K, 3, ahead, out); break;
+        case 4: dot2_rows_bf16_inputs(p0, p1, x, K, 4, ahead, out); break;
+        case 5: dot2_rows_bf16_inputs(p0, p1, x, K, 5, ahead, out); break;
+        default: dot2_rows_bf16_inputs(p0, p1, x, K, GROUP, ahead, out); break;
+    }
+}
+
+// 2 .. FEW_ROWS input rows: FEW's blocks (a block's rows from memory once, for the first group of rows).
+static void few_bf16_inputs(const uint16_t *w, const uint16_t *x, float *y, int64_t M, int64_t N, int64_t K) {
+    const int64_t L = (N + NB - 1) / NB, KP = KP_OF(K);
+    const int nt = team();
+    const int64_t g = grain(L, nt), start = now_ns();
+    int64_t first_done = start;
+#pragma omp parallel num_threads(nt)
+    {
+#pragma omp for schedule(dynamic, g) nowait
+        for (int64_t b = 0; b < L; b++) {
+            const uint16_t *rows[NB];
+            for (int64_t r = 0; r < NB; r++) rows[r] = w + strided_row(b, r, L, N) * K;
+            for (int64_t m = 0; m < M; m += GROUP) {
+                const int mb = (int)(M - m < GROUP ? M - m : GROUP);
+                const int64_t ahead = m ? 0 : K * 2;  // later groups read what the first did
+                for (int64_t r0 = 0; r0 < NB; r0 += 2) {
+                    float out[GROUP][2];
+                    dot2_group_bf16_inputs(rows[r0], rows[r0 + 1], x + m * KP, K, mb, ahead, out);
+                    for (int64_t i = 0; i < mb; i++)
+                        for (int64_t r = r0; r < r0 + 2 && b + r * L < N; r++) y[(m + i) * N + b + r * L] = out[i][r - r0];
+                }
+            }
+        }
+        if (omp_get_thread_num() == 0) first_done = now_ns();
+    }
+    region_done(start, first_done);
+}
+
+// rows_tile with bf16 weights read as stored and bf16 inputs (KP apart): an NR x MR tile of fp32 sums.
+static void rows_tile_bf16_inputs(const uint16_t *const *wr, const uint16_t *x, int64_t M, int64_t K, float *y,
+                                  int64_t ldy, int64_t cs, int nr, const char *const *next, int64_t next_bytes) {
+    const int64_t KP = KP_OF(K), lines = next ? (next_bytes + 63) / 64 : 0, tiles = (M + MR - 1) / MR;
+    const int64_t per_tile = (lines * NR + tiles - 1) / tiles;
+    int64_t fetched = 0;
+    for (int64_t m = 0; m < M; m += MR) {
+        for (int64_t j = 0; j < per_tile && fetched < lines * NR; j++, fetched++)
+            _mm_prefetch(next[fetched / lines] + (fetched % lines) * 64, _MM_HINT_T1);
+        const int mb = (int)(M - m < MR ? M - m : MR);
+        const uint16_t *xr[MR];
+        for (int i = 0; i < MR; i++) xr[i] = x + (m + (i < mb ? i : 0)) * KP;
+        __m512 acc[NR][MR];
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; r++)
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; i++) acc[r][i] = vzero();
+        int64_t k = 0;
+#define BH_TILE_STEP(LOADW)                                                                          \
+    {                                                                                                \
+        __m512bh wv[NR];                                                                             \
+        _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) wv[r] = LOADW;                          \
+        _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                                       \
+            const __m512bh xv = bh_ld(xr[i] + k);                                                    \
+            _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) acc[r][i] = bh_dot(acc[r][i], wv[r], xv); \
+        }                                                                                            \
+    }
+        for (; k + 32 <= K; k += 32) BH_TILE_STEP(bh_ld(wr[r] + k))
+        if (k < K) BH_TILE_STEP(bh_ld_tail(wr[r] + k, K - k))
+#undef BH_TILE_STEP
+        for (int i = 0; i < mb; i++)
+            for (int r = 0; r < nr; r++) y[(m + i) * ldy + r * cs] = vsum(acc[r][i]);
+    }
+}
+
+// Many input rows: gemm_f32's blocks and chunks, with the weights read as stored (no widening scratch).
+static void many_bf16_inputs(const uint16_t *w, const uint16_t *xb, float *y, int64_t M, int64_t N, int64_t K) {
+    const int64_t KP = KP_OF(K), MC = chunk_rows(M, (KP + 1) / 2), row_bytes = K * 2;  // x rows of 2-byte values
+    const Blocks bl = blocks_of(N, M <= STREAM_ROWS);
+    for (int64_t m0 = 0; m0 < M; m0 += MC) {
+        const int64_t mc = M - m0 < MC ? M - m0 : MC;
+        const int nt = team();
+        const int64_t g = grain(bl.count, nt), start = now_ns();
+        int64_t first_done = start;
+#pragma omp parallel num_threads(nt)
+        {
+#pragma omp for schedule(dynamic, g) nowait
+            for (int64_t b = 0; b < bl.count; b++) {
+                int64_t n[NR];
+                const int nr = block_rows(&bl, b, n);
+                const uint16_t *wr[NR];
+                const char *next[NR];
+                for (int r = 0; r < NR; r++) wr[r] = w + n[r] * K;
+                const int more = next_rows(&bl, w, b, row_bytes, next);
+                const int64_t at = block_base(&bl, b);
+                rows_tile_bf16_inputs(wr, xb + m0 * KP, mc, K, y + m0 * N + at, N, bl.step, nr, more ? next : NULL,
+                                      row_bytes);
+            }
+            if (omp_get_thread_num() == 0) first_done = now_ns();
+        }
+        region_done(start, first_done);
+    }
+}
+#endif
+
+// Whether this build and CPU run HALF_BF16_INPUTS on vdpbf16ps (else: x rounded, then the exact path).
+int64_t bf16_dot_products(void) {
+#if defined(__AVX512BF16__)
+    return (cpu_features() & 8) != 0;
+#else
+    return 0;
+#endif
+}
+
+static void gemm_bf16_inputs(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K) {
+#if defined(__AVX512BF16__)
+    static int dot = -1;  // the CPU does not change under a running process
+    if (dot < 0) dot = (int)bf16_dot_products();
+    if (dot) {
+        uint16_t *xb = (uint16_t *)xin_buffer(M * KP_OF(K) * 2);
+        if (!xb) abort();  // out of memory for a few rows of activations: nothing sensible is left to do
+        round_rows_bf16(x, xb, M, K);
+        if (M == 1)
+            one_row_bf16_inputs(w, xb, y, N, K);
+        else if (M <= FEW_ROWS)
+            few_bf16_inputs(w, xb, y, M, N, K);
+        else
+            many_bf16_inputs(w, xb, y, M, N, K);
+        return;
+    }
+#endif
+    float *xr = (float *)xin_buffer(M * K * (int64_t)sizeof(float));
+    if (!xr) abort();
+#pragma omp parallel for schedule(static) if (M * K >= ROUND_PARALLEL)
+    for (int64_t i = 0; i < M * K; i++) {
+        const uint32_t bits = (uint32_t)to_bf16(x[i]) << 16;
+        memcpy(xr + i, &bits, sizeof(bits));
+    }
+    gemm_half(xr, w, y, M, N, K, HALF_BF16);
 }
 
 // int4 groups (`Int4Weight`): w[n, k] = code[n, k] * scale[n, g] + zero[n, g] with g = k / G, codes two per
@@ -1128,12 +1427,13 @@ void gemm_int4(const float *x, const uint8_t *packed, const uint16_t *scale, con
 // included), output projection, residual, RMSNorm, fused gate|up, SiLU(gate) * up, down, residual; then
 // the final norm and the head. Python checks every shape and layout before calling (llm/fused_decode.py).
 
-enum { LINEAR_F32 = 0, LINEAR_INT8 = 1, LINEAR_INT4 = 2, LINEAR_BF16 = 3, LINEAR_F16 = 4 };
+enum { LINEAR_F32 = 0, LINEAR_INT8 = 1, LINEAR_INT4 = 2, LINEAR_BF16 = 3, LINEAR_F16 = 4, LINEAR_BF16_INPUTS = 5 };
 
 typedef struct {
     int64_t kind;        // LINEAR_F32: w is float [n, k]; LINEAR_INT8: w is int8 [n, k] with fp32 scale [n];
     const void *w;       // LINEAR_INT4: w is packed uint8 [n, k/2] with fp16 scale and zero [n, k/group];
-    const void *scale;   // LINEAR_BF16 / LINEAR_F16: w is bf16 / fp16 (uint16 bits) [n, k]
+    const void *scale;   // LINEAR_BF16 / LINEAR_F16: w is bf16 / fp16 (uint16 bits) [n, k]; LINEAR_BF16_INPUTS:
+                         // bf16 w, x rounded to bf16 (gemm_half HALF_BF16_INPUTS)
     const void *zero;
     int64_t n, k, group;
 } Linear;
@@ -1209,8 +1509,12 @@ static void linear(const Linear *l, const float *x, float *y, int64_t M) {
     else if (l->kind == LINEAR_INT4)
         gemm_int4(x, (const uint8_t *)l->w, (const uint16_t *)l->scale, (const uint16_t *)l->zero, y, M, l->n, l->k,
                   l->group);
-    else if (l->kind == LINEAR_BF16 || l->kind == LINEAR_F16)
-        gemm_half(x, (const uint16_t *)l->w, y, M, l->n, l->k, l->kind == LINEAR_F16);
+    else if (l->kind == LINEAR_BF16)
+        gemm_half(x, (const uint16_t *)l->w, y, M, l->n, l->k, HALF_BF16);
+    else if (l->kind == LINEAR_F16)
+        gemm_half(x, (const uint16_t *)l->w, y, M, l->n, l->k, HALF_F16);
+    else if (l->kind == LINEAR_BF16_INPUTS)
+        gemm_half(x, (const uint16_t *)l->w, y, M, l->n, l->k, HALF_BF16_INPUTS);
     else
         gemm_f32(x, (const float *)l->w, y, M, l->n, l->k);
 }
@@ -1479,14 +1783,6 @@ static void merge_partials(float *part, const float *extra, int64_t rep, int64_t
         const float *e = extra + 2 * rep + j * hd;
         for (int64_t i = 0; i < hd; i++) o[i] = w1 * o[i] + w2 * e[i];
     }
-}
-
-// fp32 to bf16 with round-to-nearest-even, as torch casts (NaN stays a quiet NaN).
-static inline uint16_t to_bf16(float x) {
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof(bits));
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x0040u);
-    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
 // One token's K and V of one KV head (hd floats each) into layer L's cache at element `at`, in the cache's

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from .layer_clock import LayerClock
     from .model import Transformer
 
-_F32, _INT8, _INT4, _BF16, _F16 = 0, 1, 2, 3, 4
+_F32, _INT8, _INT4, _BF16, _F16, _BF16_INPUTS = 0, 1, 2, 3, 4, 5  # Linear kinds (cpu_kernels.c)
 _HALF_KINDS = {torch.bfloat16: _BF16, torch.float16: _F16}
 _KV_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # KV_F32, KV_F16, KV_BF16
 
@@ -162,7 +162,7 @@ def _native_linear(module: nn.Module, keep: list[Tensor]) -> _Linear:
     if isinstance(module, FloatLinear) and module.kernel == "auto" and module.weight.dtype == torch.float32:
         w, scale, kind = module.weight, None, _F32
     elif isinstance(module, FloatLinear) and module.kernel == "auto" and module.weight.dtype in _HALF_KINDS:
-        w, scale, kind = module.weight, None, _HALF_KINDS[module.weight.dtype]
+        w, scale, kind = module.weight, None, _BF16_INPUTS if module._rounds_x else _HALF_KINDS[module.weight.dtype]
     elif isinstance(module, Int8Linear) and module.kernel == "auto":
         w, scale, kind = module.qweight, module.scale.float().contiguous(), _INT8
     elif isinstance(module, Int4Linear) and module.kernel == "auto":

@@ -8,6 +8,8 @@ runs that path, or the reference where an input does not fit it (another device,
     path                          weights                 what runs
     native-<isa>-f32              fp32                    cpu_kernels.c fp32 GEMM (<isa>: avx512 or avx2)
     native-<isa>-bf16 / -fp16     bf16 / fp16             cpu_kernels.c, weights widened in registers (exact)
+    native-avx512-bf16dot         bf16, bf16_inputs       x rounded to bf16, vdpbf16ps on the stored weights
+    native-<isa>-bf16-xround      bf16, bf16_inputs       x rounded to bf16, then the exact path (no AVX512_BF16)
     native-<isa>-int8             int8                    cpu_kernels.c int8 GEMM, fp32 activations
     native-<isa>-int4             int4 (groups % 32 == 0) cpu_kernels.c int4 GEMM on the packed codes
     native-<isa>-int8-requant     int4, other groups      int4 re-quantized once to per-channel int8
@@ -150,10 +152,17 @@ class _Chosen(nn.Module):
 
 
 class FloatLinear(_Chosen):
-    """y = x @ W.T with W stored as fp32/fp16/bf16; returns x's dtype."""
+    """y = x @ W.T with W stored as fp32/fp16/bf16; returns x's dtype.
 
-    def __init__(self, weight: Tensor, kernel: Kernel = "auto") -> None:
+    bf16_inputs (a bf16 W): x is rounded to bf16 before the product, as torch's bf16 matmul and llama.cpp's
+    BF16 do, so each product is exact and the sums fp32; vdpbf16ps runs them where the CPU has AVX512_BF16.
+    """
+
+    def __init__(self, weight: Tensor, kernel: Kernel = "auto", bf16_inputs: bool = False) -> None:
         super().__init__(kernel)
+        if bf16_inputs and weight.dtype != torch.bfloat16:
+            raise ValueError(f"bf16_inputs: takes a bf16 weight, not {weight.dtype}")
+        self.bf16_inputs = bf16_inputs
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)
         self._packed: object | None = None  # fbgemm fp16 prepacked weight
         self._transposed: Tensor | None = None  # wide fp32 weights without the native kernels
@@ -168,6 +177,10 @@ class FloatLinear(_Chosen):
 
     def _clear(self) -> None:
         self._packed = self._transposed = None
+
+    @property
+    def _rounds_x(self) -> bool:
+        return self.bf16_inputs and self.weight.dtype == torch.bfloat16  # a cast to another dtype drops it
 
     def prepack(self) -> None:
         """Choose the kernel path now (at load) and build what it needs, instead of on the first forward."""
@@ -189,6 +202,10 @@ class FloatLinear(_Chosen):
                 self.path = "torch-f32"
         else:
             self._fast = _native_for(w)
+            if self._fast is not None and self._rounds_x:
+                # vdpbf16ps, or (without AVX512_BF16) x rounded to bf16 values and the exact widening path
+                self.path = "native-avx512-bf16dot" if self._fast.bf16_dot else f"native-{self._fast.isa}-bf16-xround"
+                return
             if self._fast is not None:
                 self.path = f"native-{self._fast.isa}-{'bf16' if w.dtype == torch.bfloat16 else 'fp16'}"
                 return
@@ -198,16 +215,21 @@ class FloatLinear(_Chosen):
     def forward(self, x: Tensor) -> Tensor:
         path, w = self._chosen(), self.weight
         if self._fast is not None and self._fast.supports(x, w):
-            return self._fast.linear_f32(x, w) if w.dtype == torch.float32 else self._fast.linear_half(x, w)
+            if w.dtype == torch.float32:
+                return self._fast.linear_f32(x, w)
+            return self._fast.linear_half(x, w, self._rounds_x)
         if self._transposed is not None and x.numel() <= _SMALL_ROWS * w.shape[1]:
             return (x @ self._transposed).to(x.dtype)
         if path == "fbgemm-fp16" and x.device.type == "cpu":
-            x2 = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+            x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16 if self._rounds_x else torch.float32)
+            x2 = x2.to(torch.float32).contiguous()
             y = torch.ops.quantized.linear_dynamic_fp16(x2, self._packed)
             return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         return self.reference(x)
 
     def reference(self, x: Tensor) -> Tensor:
+        if self._rounds_x and x.device.type == "cpu":  # bf16 inputs, fp32 sums: the native path's numbers
+            return F.linear(x.to(torch.bfloat16).float(), self.weight.float()).to(x.dtype)
         return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
 
 
@@ -326,11 +348,12 @@ class Int4Linear(_Chosen):
         return F.linear(x.to(dtype), dequantize(self.quantized_weight(), dtype)).to(x.dtype)
 
 
-def make_linear(weight: QuantizedWeight, kernel: Kernel = "auto") -> nn.Module:
+def make_linear(weight: QuantizedWeight, kernel: Kernel = "auto", bf16_inputs: bool = False) -> nn.Module:
     """The linear module for a (possibly quantized) [out, in] weight: x[..., in] → y[..., out] in x's dtype.
 
     kernel="auto" chooses a fast path at load (see the module doc); "reference" forces the plain weight-only
-    product (always used on non-CPU devices).
+    product (always used on non-CPU devices). bf16_inputs: a bf16 weight's products take x rounded to bf16
+    (FloatLinear); other weights ignore it.
     """
     if kernel not in ("auto", REFERENCE):
         raise ValueError(f"kernel: expected 'auto' or 'reference', got {kernel!r}")
@@ -341,7 +364,7 @@ def make_linear(weight: QuantizedWeight, kernel: Kernel = "auto") -> nn.Module:
     if isinstance(weight, Tensor):
         if weight.dim() != 2 or not weight.is_floating_point():
             raise ValueError(f"weight: expected a 2-D float tensor, got {weight.dtype} {tuple(weight.shape)}")
-        return FloatLinear(weight, kernel)
+        return FloatLinear(weight, kernel, bf16_inputs and weight.dtype == torch.bfloat16)
     raise TypeError(f"weight: expected a Tensor, Int8Weight or Int4Weight, got {type(weight).__name__}")
 
 

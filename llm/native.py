@@ -42,6 +42,8 @@ ISAS: dict[str, tuple[str, ...]] = {"avx2": _AVX2, "avx512": _AVX512}
 LIBS = ("-lm",)
 # `cpu_features` bits (cpu_kernels.c)
 FEATURE_AVX2, FEATURE_AVX512, FEATURE_VNNI, FEATURE_BF16 = 1, 2, 4, 8
+# gemm_half's weight formats (cpu_kernels.c)
+HALF_BF16, HALF_F16, HALF_BF16_INPUTS = 0, 1, 2
 
 _lock = threading.Lock()
 _loaded: NativeKernels | None = None
@@ -86,6 +88,10 @@ class NativeKernels:
         self._half = lib.gemm_half
         self._half.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64]
         self._half.restype = None
+        lib.bf16_dot_products.argtypes = []
+        lib.bf16_dot_products.restype = i64
+        # bf16 products with bf16 inputs run on vdpbf16ps (AVX512_BF16), else on the exact path after rounding x
+        self.bf16_dot: bool = bool(lib.bf16_dot_products())
         self._int4 = lib.gemm_int4
         self._int4.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
         self._int4.restype = None
@@ -181,13 +187,17 @@ class NativeKernels:
         self._f32(x2.data_ptr(), weight.data_ptr(), y.data_ptr(), x2.shape[0], *weight.shape)
         return _restore(x, y)
 
-    def linear_half(self, x: Tensor, weight: Tensor) -> Tensor:
-        """y = x @ weight.T in fp32 for a bf16 or fp16 weight [N, K], widened in registers (exact)."""
+    def linear_half(self, x: Tensor, weight: Tensor, bf16_inputs: bool = False) -> Tensor:
+        """y = x @ weight.T in fp32 for a bf16 or fp16 weight [N, K], widened in registers (exact); with
+        `bf16_inputs` (a bf16 weight) x is first rounded to bf16, as torch's and llama.cpp's bf16 products do,
+        and the products run on vdpbf16ps where the CPU has it (`bf16_dot`)."""
         if weight.dtype not in (torch.bfloat16, torch.float16):
             raise TypeError(f"linear_half takes a bf16 or fp16 weight, not {weight.dtype}")
+        if bf16_inputs and weight.dtype != torch.bfloat16:
+            raise TypeError(f"bf16_inputs takes a bf16 weight, not {weight.dtype}")
         x2, y = _rows(x, weight.shape[0])
-        f16 = int(weight.dtype == torch.float16)
-        self._half(x2.data_ptr(), weight.data_ptr(), y.data_ptr(), x2.shape[0], *weight.shape, f16)
+        fmt = HALF_BF16_INPUTS if bf16_inputs else HALF_F16 if weight.dtype == torch.float16 else HALF_BF16
+        self._half(x2.data_ptr(), weight.data_ptr(), y.data_ptr(), x2.shape[0], *weight.shape, fmt)
         return _restore(x, y)
 
     def quantize_int8(self, w: Tensor) -> tuple[Tensor, Tensor] | None:

@@ -58,6 +58,13 @@ class ConvertParams(Params):
         description="auto: the fastest weight-only kernel path for each linear layer, chosen at load (the "
         "run's linear_kernels metric names them); reference: plain matmuls",
     )
+    bf16_inputs: bool = Field(
+        False,
+        description="the products of bf16 weights (a bf16 plan's linears, a bf16 head) take their input rounded "
+        "to bf16, as torch's bf16 matmul and llama.cpp's BF16 do, and run on the CPU's BF16 dot products "
+        "(AVX512_BF16; elsewhere x is rounded and the exact path runs); the residual stream, norms, attention "
+        "and sums stay fp32. false: fp32 inputs, the exact product of the bf16 weights",
+    )
 
 
 def activation_dtype(precision: str, device_type: str = "cpu") -> torch.dtype:
@@ -65,8 +72,9 @@ def activation_dtype(precision: str, device_type: str = "cpu") -> torch.dtype:
 
     fp32 on the CPU at every precision: the native kernels widen fp16/bf16/int8/int4 weights to fp32 in
     registers, so the products are exact and the fused native step runs (a bf16 plan reads half of fp32's
-    bytes per token, like llama.cpp's BF16 with fp32 activations). On a GPU an fp16/bf16 plan computes in
-    its own dtype (tensor cores); int8/int4 are weight-only there too, in fp32.
+    bytes per token). llama.cpp's BF16 instead rounds each product's input to bf16 (its BF16 dot products);
+    `bf16_inputs` does that here too, for the products alone: the residual stream stays fp32. On a GPU an
+    fp16/bf16 plan computes in its own dtype (tensor cores); int8/int4 are weight-only there too, in fp32.
     """
     if device_type != "cpu" and precision in ("fp16", "bf16"):
         return FLOAT_DTYPES[precision]
@@ -311,7 +319,12 @@ class Convert(Stage):
         """The converted weights into the context, saved where asked; their sizes, time and error as metrics."""
         total = converted_bytes(out)
         ctx.weights = ConvertedWeights(
-            tensors=out, dtype=params.dtype, nbytes=total, errors=errors, kernel=params.kernel
+            tensors=out,
+            dtype=params.dtype,
+            nbytes=total,
+            errors=errors,
+            kernel=params.kernel,
+            bf16_inputs=params.bf16_inputs,
         )
         ctx.host_weights = None  # nothing more to read
         ctx.metrics.set("dtype", params.dtype)
@@ -361,7 +374,9 @@ class Convert(Stage):
         except (KeyError, ValueError) as bad:
             raise StageFailure(f"converted checkpoint: {bad}") from None
         total = converted_bytes(out)
-        ctx.weights = ConvertedWeights(tensors=out, dtype=params.dtype, nbytes=total, kernel=params.kernel)
+        ctx.weights = ConvertedWeights(
+            tensors=out, dtype=params.dtype, nbytes=total, kernel=params.kernel, bf16_inputs=params.bf16_inputs
+        )
         ctx.host_weights = None
         ctx.metrics.set("dtype", params.dtype)
         ctx.metrics.set("bytes_before", total)

@@ -126,7 +126,7 @@ class ToDevice(Stage):
             raise StageFailure(
                 f"kv_cache.max_tokens {kv.max_tokens} exceeds the model's context ({cfg.max_position_embeddings})"
             )
-        factory = functools.partial(make_linear, kernel=weights.kernel)
+        factory = functools.partial(make_linear, kernel=weights.kernel, bf16_inputs=weights.bf16_inputs)
         began = time.perf_counter_ns()
         try:
             model = Transformer.from_weights(

@@ -58,6 +58,7 @@ class ConvertedWeights:
     nbytes: int
     errors: dict[str, float] = field(default_factory=dict)  # relative Frobenius error per tensor
     kernel: str = "auto"  # "reference" forces the plain weight-only matmuls
+    bf16_inputs: bool = False  # bf16 weights' products take x rounded to bf16 (ConvertParams.bf16_inputs)
 
 
 @dataclass

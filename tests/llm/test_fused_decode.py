@@ -57,11 +57,12 @@ def _model(path, precision: str) -> Transformer:
 
     cfg = ModelConfig.from_file(path / "config.json")
     weights = fuse_hf_state_dict({k: v for f in path.glob("*.safetensors") for k, v in load_file(f).items()}, cfg)
+    # "bf16-inputs": bf16 weights whose products round x to bf16 (LINEAR_BF16_INPUTS in the fused step)
+    stored = "bf16" if precision == "bf16-inputs" else precision
     quantized = {
-        n: quantize_weight(w, precision) if n.endswith(LINEARS) or n == "output.weight" else w
-        for n, w in weights.items()
+        n: quantize_weight(w, stored) if n.endswith(LINEARS) or n == "output.weight" else w for n, w in weights.items()
     }
-    factory = functools.partial(make_linear, kernel="auto")
+    factory = functools.partial(make_linear, kernel="auto", bf16_inputs=precision == "bf16-inputs")
     # bf16/fp16 weights stay 16-bit under fp32 activations, as load.to_device builds them
     return Transformer.from_weights(cfg, quantized, linear_factory=factory, keep_linear_dtype=True)
 
@@ -100,7 +101,7 @@ def _generate(
     return [g.tokens for g in gens]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8", "int4", "bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["fp32", "int8", "int4", "bf16", "fp16", "bf16-inputs"])
 @pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["one", "padded-batch"])
 def test_fused_generates_the_torch_paths_tokens(tiny_dir, precision, prompts, monkeypatch) -> None:
     model = _model(tiny_dir, precision)
@@ -111,7 +112,7 @@ def test_fused_generates_the_torch_paths_tokens(tiny_dir, precision, prompts, mo
     assert counter.calls == 19  # every decode step after the prefill's first token
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "int8", "bf16", "bf16-inputs"])
 def test_fused_logits_match_the_torch_path(tiny_dir, precision: str) -> None:
     model = _model(tiny_dir, precision)
     rows = []
@@ -135,7 +136,7 @@ def test_fused_logits_match_the_torch_path(tiny_dir, precision: str) -> None:
 # The fused prefill: a left-padded batch, whole or in chunks of 4 columns (chunks that start after slot 0,
 # some all padding for the short rows), against the torch modules; then decode steps over the cache it wrote.
 # cap: at most 4 inputs a pass (MAX_PASS_INPUTS), so a chunk runs column by column over 3 rows.
-@pytest.mark.parametrize("precision", ["fp32", "int8", "int4", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "int8", "int4", "bf16", "bf16-inputs"])
 @pytest.mark.parametrize(("chunk", "cap"), [(None, None), (4, None), (None, 4)])
 def test_fused_prefill_matches_the_torch_prefill(
     tiny_dir, precision: str, chunk: int | None, cap: int | None, monkeypatch

@@ -69,14 +69,40 @@ def test_half_kernels_equal_the_exact_product(
     _close(isa_path.linear_half(x, w), x.double() @ w.double().T)
 
 
+# bf16 inputs: x rounded to bf16 (nearest even, as torch casts), so each product is exact and only the fp32
+# sums' order differs: the tolerance above, against the float64 product of the rounded x. K covers every tail
+# of the 64-column steps (24: a part only; 40: a part after a full 32; 104: 64 + 32 + 8; 576: whole steps);
+# rows cover one row, the few-rows groups (2, 5, 8), the tiles (9, 16, 130) and several chunks (600).
+@needs_native
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16, 130, 600])
+@pytest.mark.parametrize(("n", "k"), [(70, 24), (33, 40), (5, 104), (1027, 576), (9, 1536)])
+def test_bf16_inputs_kernel_equals_the_exact_product_of_rounded_inputs(
+    isa_path: native.NativeKernels, rows: int, n: int, k: int
+) -> None:
+    gen = torch.Generator().manual_seed(rows * 13 + n)
+    w, x = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(rows, k, generator=gen)
+    _close(isa_path.linear_half(x, w, bf16_inputs=True), x.bfloat16().double() @ w.double().T)
+
+
+@needs_native
+def test_bf16_inputs_round_x_and_pass_non_finite_values_on(isa_path: native.NativeKernels) -> None:
+    w = torch.ones(4, 64, dtype=torch.bfloat16)
+    x = torch.full((1, 64), 1.0 + 2.0**-9)  # halfway between two bf16 values: rounds to even, 1.0
+    assert torch.equal(isa_path.linear_half(x, w, bf16_inputs=True), torch.full((1, 4), 64.0))
+    x[0, 5] = float("nan")
+    assert isa_path.linear_half(x, w, bf16_inputs=True).isnan().all()
+    x[0, 5] = float("inf")
+    assert isa_path.linear_half(x, w, bf16_inputs=True).isinf().all()
+
+
 # A few activation rows (a decode row and its speculative guesses) must give each row exactly what a one-row
 # product gives it: verification then sees the logits a plain decode step would, so greedy answers cannot
 # part at a near-tie. 2..8 rows take the few-rows kernel (groups of 6 or 2 rows, int4 4 or 2, an odd last
 # group); 9 rows the tiled one, which may differ (it is only checked against the exact product above).
 @needs_native
-@pytest.mark.parametrize("kind", ["int8", "f32", "bf16", "f16", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "f32", "bf16", "f16", "int4", "bf16-inputs"])
 @pytest.mark.parametrize("rows", [2, 3, 5, 7, 8])
-@pytest.mark.parametrize(("n", "k"), [(70, 24), (9, 1536), (1027, 576)])
+@pytest.mark.parametrize(("n", "k"), [(70, 24), (9, 1536), (1027, 576), (33, 104)])
 def test_a_few_rows_are_bitwise_the_one_row_products(
     isa_path: native.NativeKernels, kind: str, rows: int, n: int, k: int
 ) -> None:
@@ -86,10 +112,13 @@ def test_a_few_rows_are_bitwise_the_one_row_products(
         qweight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
         scale = torch.rand(n, generator=gen) + 0.01
         product = lambda a: isa_path.linear_int8(a, qweight, scale)  # noqa: E731
-    elif kind == "int4":  # groups of 32 columns: K = 24 is no whole group, 64 (two groups) there
-        q = quantize_weight(torch.randn(n, max(k, 64), generator=gen), "int4", 32)
-        x = torch.randn(rows, max(k, 64), generator=gen)
+    elif kind == "int4":  # groups of 32 columns: K rounded up to whole groups, 64 (two groups) at least
+        q = quantize_weight(torch.randn(n, max(64, -(-k // 32) * 32), generator=gen), "int4", 32)
+        x = torch.randn(rows, max(64, -(-k // 32) * 32), generator=gen)
         product = lambda a: isa_path.linear_int4(a, q.packed, q.scale, q.zero)  # noqa: E731
+    elif kind == "bf16-inputs":
+        wb = torch.randn(n, k, generator=gen).bfloat16()
+        product = lambda a: isa_path.linear_half(a, wb, bf16_inputs=True)  # noqa: E731
     else:
         dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[kind]
         w = torch.randn(n, k, generator=gen).to(dtype)
@@ -114,6 +143,23 @@ def test_bf16_and_fp16_modules_take_the_native_path(isa_path: native.NativeKerne
         assert module.path == f"native-{isa_path.isa}-{name}"
         x = torch.randn(3, 64)
         _close(module(x), x.double() @ w.double().T)
+
+
+@needs_native
+def test_bf16_inputs_modules_name_their_path_and_keep_the_reference(isa_path: native.NativeKernels) -> None:
+    w = torch.randn(48, 64).bfloat16()
+    module = make_linear(w, "auto", bf16_inputs=True)
+    module.prepack()
+    dot = isa_path.isa == "avx512" and bool(isa_path.features & native.FEATURE_BF16)
+    assert module.path == ("native-avx512-bf16dot" if dot else f"native-{isa_path.isa}-bf16-xround")
+    x = torch.randn(3, 64)
+    want = x.bfloat16().double() @ w.double().T
+    _close(module(x), want)
+    _close(make_linear(w, "reference", bf16_inputs=True)(x), want)  # the oracle rounds x the same way
+    # other weights ignore the flag; a bf16 module cast to fp32 drops it (its weight is no longer bf16)
+    assert make_linear(torch.randn(8, 16), "auto", bf16_inputs=True).bf16_inputs is False
+    module.float().prepack()
+    assert module.path == f"native-{isa_path.isa}-f32"
 
 
 @needs_native
