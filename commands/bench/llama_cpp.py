@@ -228,7 +228,14 @@ def bench_vs_llama_cpp(args: argparse.Namespace, say: Any, partial: Any = None) 
     result: dict[str, Any] = {
         "plan": args.plan,
         "machine": info,
-        "settings": {"prompt_tokens": prompt, "gen_tokens": gen, "batch": batch, "runs": args.runs, "threads": threads},
+        "settings": {
+            "prompt_tokens": prompt,
+            "gen_tokens": gen,
+            "batch": batch,
+            "runs": args.runs,
+            "threads": threads,
+            "set": list(args.set or []),  # the plan's overrides: what a rerun must pass again
+        },
         "rows": [],
     }
     for dtype, kinds in grid:
@@ -310,6 +317,7 @@ def vs_markdown(result: dict[str, Any]) -> str:
         f"Prompt {s['prompt_tokens']} tokens, {s['gen_tokens']} generated, {s['runs']} alternating runs; tok/s "
         "median [min-max]. Decode at batch 1 against llama-bench tg at the prompt's depth, prefill against "
         f"llama-bench pp, batch {s['batch']} aggregate decode against llama-batched-bench.",
+        *([f"Plan overrides: {' '.join('--set ' + o for o in s['set'])}."] if s.get("set") else []),
         "",
         "| figure | llmplan dtype | llama.cpp type | llmplan tok/s | llama.cpp tok/s | ratio |",
         "|---|---|---|---:|---:|---:|",

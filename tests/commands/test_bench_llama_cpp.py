@@ -145,9 +145,11 @@ def test_as_shipped_runs_the_file_itself_beside_a_requantized_one(
     shipped = tiny_gguf_plan.parent / "tiny-q4_1.gguf"
     args = ["bench", str(tiny_gguf_plan), "--vs", "llama.cpp", "--runs", "2", "--batch", "2"]
     args += ["--prompt-tokens", "6", "--gen-tokens", "3", "--llama-type", "Q8_0,as-shipped", "--format", "json"]
+    args += ["--set", "convert.bf16_inputs=true"]  # a plan override: recorded, so that a rerun can pass it again
     args += ["--out", str(tmp_path / "vs-qwen2.5")]  # a dot in the prefix is kept: vs-qwen2.5.md
     assert main(args) == 0
     result = json.loads(capsys.readouterr().out)
+    assert result["settings"]["set"] == ["convert.bf16_inputs=true"]
     rows = {(r["dtype"], r["figure"]): r for r in result["rows"]}
     assert set(rows) == {(d, f) for d in ("int8", "int4") for f in llama_cpp.FIGURES}
     int8, int4 = rows[("int8", "decode_b1")], rows[("int4", "decode_b1")]
@@ -166,6 +168,7 @@ def test_as_shipped_runs_the_file_itself_beside_a_requantized_one(
     assert benched == ["tiny-q4_1.requant-Q8_0.gguf"] * 6 + [shipped.name] * 6
     md = (tmp_path / "vs-qwen2.5.md").read_text()
     assert json.loads((tmp_path / "vs-qwen2.5.json").read_text())["rows"] == result["rows"]
+    assert "Plan overrides: --set convert.bf16_inputs=true." in md
     assert "| batch 1 decode | int4 | Q4_1 (as shipped) |" in md
     assert "| aggregate decode (batch 2) | int8 | Q8_0 (requantized) |" in md
     sizes = f"Q8_0 {mib(int8['gguf_bytes'])}, Q4_1 {mib(shipped.stat().st_size)}"
