@@ -46,9 +46,10 @@ def test_int8_kernel_equals_the_exact_product(isa_path: native.NativeKernels, ro
     _close(isa_path.linear_int8(x, qweight, scale), want)
 
 
+# K = 2072: the tiles' column blocks of 1024 (KC_F32), the last of 24 columns with the 8-column tail
 @needs_native
 @pytest.mark.parametrize("rows", [1, 3, 16, 130])
-@pytest.mark.parametrize(("n", "k"), [(70, 24), (1027, 576)])
+@pytest.mark.parametrize(("n", "k"), [(70, 24), (1027, 576), (33, 2072)])
 def test_f32_kernel_equals_the_exact_product(isa_path: native.NativeKernels, rows: int, n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(rows + n)
     w, x = torch.randn(n, k, generator=gen), torch.randn(rows, k, generator=gen)
