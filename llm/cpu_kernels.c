@@ -706,48 +706,56 @@ static void widen_i8(const int8_t *q, float *dst, int64_t K) {
 // Several rows of a weight not stored as fp32: each block's NR rows are widened (int8, bf16, fp16) or
 // dequantized (int4) by `widen` into this thread's fp32 scratch in L1, once per chunk of activation rows,
 // then `rows_tile`; the stored rows of the next block (row_bytes each) are prefetched meanwhile. y[m, n] is
-// scaled by scale[n] where scale is not NULL (int8's per-row scale).
+// scaled by scale[n] where scale is not NULL (int8's per-row scale). Long rows go in gemm_f32's column
+// blocks (whole int4 groups), so the widened rows stay in L1 and the sums keep the fp32 product's order.
 typedef struct WideRows {
     const void *w, *scale, *zero;  // the stored rows; int4's fp16 scales and zero points [N, K / G]
     int64_t K, G, row_bytes, f16;
-    void (*widen)(const struct WideRows *src, int64_t n, float *dst);  // row n as K floats
+    void (*widen)(const struct WideRows *src, int64_t n, int64_t k0, int64_t kc, float *dst);  // row n, kc from k0
 } WideRows;
 
+static int64_t column_block(int64_t K, int64_t G);
+
 static void gemm_widened(const WideRows *src, const float *x, float *y, int64_t M, int64_t N, const float *scale) {
-    const int64_t K = src->K, MC = chunk_rows(M, K);
+    const int64_t K = src->K, KB = column_block(K, src->G), MC = chunk_rows(M, KB);
     const Blocks bl = blocks_of(N, 0);
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
         const int64_t mc = M - m0 < MC ? M - m0 : MC;
-        const int nt = team();
-        const int64_t g = grain(bl.count, nt), start = now_ns();
-        int64_t first_done = start;
+        for (int64_t k0 = 0; k0 < K; k0 += KB) {
+            const int64_t kc = K - k0 < KB ? K - k0 : KB;
+            const int64_t from = k0 * src->row_bytes / K, bytes = kc * src->row_bytes / K;  // the stored slice
+            const int nt = team();
+            const int64_t g = grain(bl.count, nt), start = now_ns();
+            int64_t first_done = start;
 #pragma omp parallel num_threads(nt)
-        {
-            float *wide = (float *)_mm_malloc(NR * K * sizeof(float), 64);  // this thread's widened rows
+            {
+                float *wide = (float *)_mm_malloc(NR * kc * sizeof(float), 64);  // this thread's widened rows
 #pragma omp for schedule(dynamic, g) nowait
-            for (int64_t b = 0; b < bl.count; b++) {
-                int64_t n[NR];
-                const int nr = block_rows(&bl, b, n);
-                const float *wr[NR];
-                const char *next[NR];
-                for (int r = 0; r < NR; r++) {
-                    if (r < nr) src->widen(src, n[r], wide + r * K);
-                    wr[r] = wide + (r < nr ? r : 0) * K;
+                for (int64_t b = 0; b < bl.count; b++) {
+                    int64_t n[NR];
+                    const int nr = block_rows(&bl, b, n);
+                    const float *wr[NR];
+                    const char *next[NR];
+                    for (int r = 0; r < NR; r++) {
+                        if (r < nr) src->widen(src, n[r], k0, kc, wide + r * kc);
+                        wr[r] = wide + (r < nr ? r : 0) * kc;
+                    }
+                    const int more = next_rows(&bl, src->w, b, src->row_bytes, next);
+                    for (int r = 0; more && r < NR; r++) next[r] += from;
+                    const int64_t at = block_base(&bl, b);
+                    rows_tile(wr, x + m0 * K + k0, K, mc, kc, y + m0 * N + at, N, bl.step, nr,
+                              scale ? scale + at : NULL, k0 > 0, more ? next : NULL, bytes);
                 }
-                const int more = next_rows(&bl, src->w, b, src->row_bytes, next);
-                const int64_t at = block_base(&bl, b);
-                rows_tile(wr, x + m0 * K, K, mc, K, y + m0 * N + at, N, bl.step, nr, scale ? scale + at : NULL, 0,
-                          more ? next : NULL, src->row_bytes);
+                _mm_free(wide);
+                if (omp_get_thread_num() == 0) first_done = now_ns();
             }
-            _mm_free(wide);
-            if (omp_get_thread_num() == 0) first_done = now_ns();
+            region_done(start, first_done);
         }
-        region_done(start, first_done);
     }
 }
 
-static void widen_i8_row(const WideRows *src, int64_t n, float *dst) {
-    widen_i8((const int8_t *)src->w + n * src->K, dst, src->K);
+static void widen_i8_row(const WideRows *src, int64_t n, int64_t k0, int64_t kc, float *dst) {
+    widen_i8((const int8_t *)src->w + n * src->K + k0, dst, kc);
 }
 
 // int8 codes with one fp32 scale per output row: y[m, n] = scale[n] * sum_k x[m, k] * q[n, k].
@@ -768,6 +776,12 @@ void gemm_int8(const float *x, const int8_t *q, const float *scale, float *y, in
 
 #define KC_F32 1024  // columns per block of a long-K fp32 product (6 rows: 24 KB of a 32-48 KB L1); % 16 == 0
 
+// The columns a tile takes at once: all K up to KC_F32, else KC_F32 (whole groups of G where G > 0, int4).
+static int64_t column_block(int64_t K, int64_t G) {
+    if (K <= KC_F32) return K;
+    return G > 0 ? (KC_F32 >= G ? KC_F32 / G * G : G) : KC_F32;
+}
+
 // fp32 weights: y[m, n] = sum_k x[m, k] * w[n, k]. Requires K % 8 == 0.
 void gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K) {
     KERNEL_CALL;
@@ -784,7 +798,7 @@ void gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, in
     // product ran at 126 GMAC/s against 226-232 for its K = 896 ones (Zen 5, 128 rows): 210 with the blocks,
     // Gemma 3's K = 2048 147 -> 199 (blocks of 512 were slower: 193-206). Each column block adds its partial
     // sums to y; the activation rows' chunk is sized for a block's columns.
-    const int64_t KB = K > KC_F32 ? KC_F32 : K, MC = chunk_rows(M, KB), row_bytes = K * (int64_t)sizeof(float);
+    const int64_t KB = column_block(K, 0), MC = chunk_rows(M, KB), row_bytes = K * (int64_t)sizeof(float);
     const Blocks bl = blocks_of(N, M <= STREAM_ROWS);
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
         const int64_t mc = M - m0 < MC ? M - m0 : MC;
@@ -829,8 +843,8 @@ static void widen_half(const uint16_t *w, float *dst, int64_t K, int f16) {
 // bf16 or fp16 weights (uint16 bit patterns; fp16 when `f16`): y[m, n] = sum_k x[m, k] * w[n, k], exactly the
 // fp32 product of the widened weights (every bf16 and fp16 value is an fp32 value). Half the bytes of fp32 at
 // decode.
-static void widen_half_row(const WideRows *src, int64_t n, float *dst) {
-    widen_half((const uint16_t *)src->w + n * src->K, dst, src->K, (int)src->f16);
+static void widen_half_row(const WideRows *src, int64_t n, int64_t k0, int64_t kc, float *dst) {
+    widen_half((const uint16_t *)src->w + n * src->K + k0, dst, kc, (int)src->f16);
 }
 
 static void gemm_bf16_inputs(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K);
@@ -1296,10 +1310,10 @@ static void dequant_int4_row(const uint8_t *p, const uint16_t *sc, const uint16_
     }
 }
 
-static void dequant_int4_row_of(const WideRows *src, int64_t n, float *dst) {
-    const int64_t K = src->K, groups = K / src->G;
-    dequant_int4_row((const uint8_t *)src->w + n * (K / 2), (const uint16_t *)src->scale + n * groups,
-                     (const uint16_t *)src->zero + n * groups, K, src->G, dst);
+static void dequant_int4_row_of(const WideRows *src, int64_t n, int64_t k0, int64_t kc, float *dst) {
+    const int64_t K = src->K, G = src->G, at = n * (K / G) + k0 / G;  // k0: a whole number of groups
+    dequant_int4_row((const uint8_t *)src->w + n * (K / 2) + k0 / 2, (const uint16_t *)src->scale + at,
+                     (const uint16_t *)src->zero + at, kc, G, dst);
 }
 
 // Up to GROUP4 activation rows against 4 weight rows, each row's result bitwise dot4_one_int4's (a pass that

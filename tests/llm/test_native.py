@@ -278,9 +278,10 @@ def test_native_error_terms_equal_the_torch_ones(
     assert got == pytest.approx(want, rel=1e-5)  # fp32 sums within a row, in another order
 
 
+# (7, 2112, 96): groups that do not divide the tiles' 1024-column blocks (blocks of 960 columns, 10 groups)
 @needs_native
 @pytest.mark.parametrize("rows", [1, 3, 16, 130])
-@pytest.mark.parametrize(("n", "k", "group"), [(70, 64, 32), (9, 1536, 64), (5, 576, 32)])
+@pytest.mark.parametrize(("n", "k", "group"), [(70, 64, 32), (9, 1536, 64), (5, 576, 32), (7, 2112, 96)])
 def test_int4_kernel_equals_the_exact_product(
     isa_path: native.NativeKernels, rows: int, n: int, k: int, group: int
 ) -> None:
