@@ -1057,10 +1057,12 @@ static void few_bf16_inputs(const uint16_t *w, const uint16_t *x, float *y, int6
     region_done(start, first_done);
 }
 
-// rows_tile with bf16 weights read as stored and bf16 inputs (KP apart): an NR x MR tile of fp32 sums.
-static void rows_tile_bf16_inputs(const uint16_t *const *wr, const uint16_t *x, int64_t M, int64_t K, float *y,
-                                  int64_t ldy, int64_t cs, int nr, const char *const *next, int64_t next_bytes) {
-    const int64_t KP = KP_OF(K), lines = next ? (next_bytes + 63) / 64 : 0, tiles = (M + MR - 1) / MR;
+// rows_tile with bf16 weights read as stored and bf16 inputs (rows ldx apart): an NR x MR tile of fp32 sums
+// over K columns, added to y with `add`.
+static void rows_tile_bf16_inputs(const uint16_t *const *wr, const uint16_t *x, int64_t ldx, int64_t M, int64_t K,
+                                  float *y, int64_t ldy, int64_t cs, int nr, int add, const char *const *next,
+                                  int64_t next_bytes) {
+    const int64_t lines = next ? (next_bytes + 63) / 64 : 0, tiles = (M + MR - 1) / MR;
     const int64_t per_tile = (lines * NR + tiles - 1) / tiles;
     int64_t fetched = 0;
     for (int64_t m = 0; m < M; m += MR) {
@@ -1068,7 +1070,7 @@ static void rows_tile_bf16_inputs(const uint16_t *const *wr, const uint16_t *x, 
             _mm_prefetch(next[fetched / lines] + (fetched % lines) * 64, _MM_HINT_T1);
         const int mb = (int)(M - m < MR ? M - m : MR);
         const uint16_t *xr[MR];
-        for (int i = 0; i < MR; i++) xr[i] = x + (m + (i < mb ? i : 0)) * KP;
+        for (int i = 0; i < MR; i++) xr[i] = x + (m + (i < mb ? i : 0)) * ldx;
         __m512 acc[NR][MR];
 #pragma GCC unroll 8
         for (int r = 0; r < NR; r++)
@@ -1090,37 +1092,43 @@ static void rows_tile_bf16_inputs(const uint16_t *const *wr, const uint16_t *x, 
         for (int r = 0; r < nr; r++) {
             float sum[MR];
             _mm_storeu_ps(sum, vsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
-            for (int i = 0; i < mb; i++) y[(m + i) * ldy + r * cs] = sum[i];
+            for (int i = 0; i < mb; i++) y[(m + i) * ldy + r * cs] = add ? y[(m + i) * ldy + r * cs] + sum[i] : sum[i];
         }
     }
 }
 
-// Many input rows: gemm_f32's blocks and chunks, with the weights read as stored (no widening scratch).
+// Many input rows: gemm_f32's blocks, chunks and column blocks (2 KC_F32 columns: the same 4 KB a weight row),
+// with the weights read as stored (no widening scratch).
 static void many_bf16_inputs(const uint16_t *w, const uint16_t *xb, float *y, int64_t M, int64_t N, int64_t K) {
-    const int64_t KP = KP_OF(K), MC = chunk_rows(M, (KP + 1) / 2), row_bytes = K * 2;  // x rows of 2-byte values
+    const int64_t KP = KP_OF(K), KB = K > 2 * KC_F32 ? 2 * KC_F32 : K, row_bytes = K * 2;
+    const int64_t MC = chunk_rows(M, (KP_OF(KB) + 1) / 2);  // x rows of 2-byte values
     const Blocks bl = blocks_of(N, 0);
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
         const int64_t mc = M - m0 < MC ? M - m0 : MC;
-        const int nt = team();
-        const int64_t g = grain(bl.count, nt), start = now_ns();
-        int64_t first_done = start;
+        for (int64_t k0 = 0; k0 < K; k0 += KB) {
+            const int64_t kc = K - k0 < KB ? K - k0 : KB;
+            const int nt = team();
+            const int64_t g = grain(bl.count, nt), start = now_ns();
+            int64_t first_done = start;
 #pragma omp parallel num_threads(nt)
-        {
+            {
 #pragma omp for schedule(dynamic, g) nowait
-            for (int64_t b = 0; b < bl.count; b++) {
-                int64_t n[NR];
-                const int nr = block_rows(&bl, b, n);
-                const uint16_t *wr[NR];
-                const char *next[NR];
-                for (int r = 0; r < NR; r++) wr[r] = w + n[r] * K;
-                const int more = next_rows(&bl, w, b, row_bytes, next);
-                const int64_t at = block_base(&bl, b);
-                rows_tile_bf16_inputs(wr, xb + m0 * KP, mc, K, y + m0 * N + at, N, bl.step, nr, more ? next : NULL,
-                                      row_bytes);
+                for (int64_t b = 0; b < bl.count; b++) {
+                    int64_t n[NR];
+                    const int nr = block_rows(&bl, b, n);
+                    const uint16_t *wr[NR];
+                    const char *next[NR];
+                    for (int r = 0; r < NR; r++) wr[r] = w + n[r] * K + k0;
+                    const int more = next_rows(&bl, w, b, row_bytes, next);
+                    for (int r = 0; more && r < NR; r++) next[r] += k0 * 2;
+                    const int64_t at = block_base(&bl, b);
+                    rows_tile_bf16_inputs(wr, xb + m0 * KP + k0, KP, mc, kc, y + m0 * N + at, N, bl.step, nr, k0 > 0,
+                                          more ? next : NULL, kc * 2);
+                }
+                if (omp_get_thread_num() == 0) first_done = now_ns();
             }
-            if (omp_get_thread_num() == 0) first_done = now_ns();
+            region_done(start, first_done);
         }
-        region_done(start, first_done);
     }
 }
 #endif

@@ -73,10 +73,11 @@ def test_half_kernels_equal_the_exact_product(
 # bf16 inputs: x rounded to bf16 (nearest even, as torch casts), so each product is exact and only the fp32
 # sums' order differs: the tolerance above, against the float64 product of the rounded x. K covers every tail
 # of the 64-column steps (24: a part only; 40: a part after a full 32; 104: 64 + 32 + 8; 576: whole steps);
-# rows cover one row, the few-rows groups (2, 5, 8), the tiles (9, 16, 130) and several chunks (600).
+# rows cover one row, the few-rows groups (2, 5, 8), the tiles (9, 16, 130) and several chunks (600); 4136: the
+# tiles' column blocks of 2048, the last of 40 columns.
 @needs_native
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16, 130, 600])
-@pytest.mark.parametrize(("n", "k"), [(70, 24), (33, 40), (5, 104), (1027, 576), (9, 1536)])
+@pytest.mark.parametrize(("n", "k"), [(70, 24), (33, 40), (5, 104), (1027, 576), (9, 1536), (7, 4136)])
 def test_bf16_inputs_kernel_equals_the_exact_product_of_rounded_inputs(
     isa_path: native.NativeKernels, rows: int, n: int, k: int
 ) -> None:
