@@ -19,7 +19,8 @@
 // memory faster on 4 streams than on one (31 against 24 GB/s on 2 threads, a plain sum over 600 MB here).
 // Several rows: NR weight rows (widened once into an fp32 scratch in L1 where they are not fp32) against 4
 // activation rows per register tile, activation rows in chunks that fit half of L2 (`chunk_rows`), the next
-// block's weight rows prefetched into L2 while the tiles of this one run. At 128 rows on AVX-512 that is
+// block's weight rows prefetched into L2 while the tiles of this one run; rows longer than a tile's L1 share
+// (1024 fp32 columns) go in column blocks whose partial sums add up in y. At 128 rows on AVX-512 that is
 // 157-169 GMAC/s on 2 threads with the weights coming from memory (30 weight sets in turn, one per layer),
 // 1.06-1.36x the fixed 96-row chunks without the prefetch that this replaced (measured at that change).
 
@@ -344,6 +345,46 @@ static inline __m256 load_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
+// What the register tiles share (rows_tile, rows_tile_bf16_inputs): the next block's rows prefetched a share a
+// tile, and a tile's stores.
+typedef struct TilePrefetch {
+    const char *const *next;
+    int64_t lines, per_tile, fetched;
+} TilePrefetch;
+
+static inline TilePrefetch tile_prefetch_plan(const char *const *next, int64_t next_bytes, int64_t M) {
+    const int64_t lines = next ? (next_bytes + 63) / 64 : 0, tiles = (M + MR - 1) / MR;
+    return (TilePrefetch){next, lines, (lines * NR + tiles - 1) / tiles, 0};
+}
+
+static inline void tile_prefetch(TilePrefetch *p) {
+    for (int64_t j = 0; j < p->per_tile && p->fetched < p->lines * NR; j++, p->fetched++)
+        _mm_prefetch(p->next[p->fetched / p->lines] + (p->fetched % p->lines) * 64, _MM_HINT_T1);
+}
+
+// The activation row of a tile's slot i: rows past the last (mb of them are real) repeat the first, unstored.
+static inline int64_t tile_row(int64_t m, int i, int mb) { return m + (i < mb ? i : 0); }
+
+static inline __attribute__((always_inline)) void tile_zero(vf acc[NR][MR]) {
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) acc[r][i] = vzero();
+}
+
+// y[i * ldy + r * cs] (+)= scale[r cs] * the sum of acc[r][i], for r < nr, i < mb.
+static inline __attribute__((always_inline)) void tile_store(vf acc[NR][MR], int nr, int mb, float *y, int64_t ldy,
+                                                             int64_t cs, const float *scale, int add) {
+    for (int r = 0; r < nr; r++) {
+        float sum[MR];
+        _mm_storeu_ps(sum, vsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+        for (int i = 0; i < mb; i++) {
+            const float v = sum[i] * (scale ? scale[r * cs] : 1.0f);
+            y[i * ldy + r * cs] = add ? y[i * ldy + r * cs] + v : v;
+        }
+    }
+}
+
 // y[m, r cs] (row stride ldy) = scale[r cs] * sum_k w_r[k] x[m, k] for r < nr <= NR, m < M; scale may be NULL.
 // Rows past nr (or m past M in the last tile) repeat row 0 and are not stored. K % 8 == 0.
 // An NR x MR register tile (NR * MR accumulators, NR weight vectors, 1 activation vector live).
@@ -351,46 +392,39 @@ static inline __m256 load_i8(const int8_t *p) {
 // prefetched into L2 a few per tile: a block's weights come from memory once and are then reused by every
 // tile, so without it each block starts with a stall on its rows (in a prefill, 20-30 % of the GEMM).
 // x's rows lie ldx apart; with `add` the tile adds to y (a later block of K's columns, see gemm_f32).
-static void rows_tile(const float *const *wr, const float *x, int64_t ldx, int64_t M, int64_t K, float *y, int64_t ldy,
-                      int64_t cs, int nr, const float *scale, int add, const char *const *next, int64_t next_bytes) {
-    const int64_t lines = next ? (next_bytes + 63) / 64 : 0, tiles = (M + MR - 1) / MR;
-    const int64_t per_tile = (lines * NR + tiles - 1) / tiles;
-    int64_t fetched = 0;
-    for (int64_t m = 0; m < M; m += MR) {
-        for (int64_t j = 0; j < per_tile && fetched < lines * NR; j++, fetched++)
-            _mm_prefetch(next[fetched / lines] + (fetched % lines) * 64, _MM_HINT_T1);
-        const int mb = (int)(M - m < MR ? M - m : MR);
-        const float *xr[MR];
-        for (int i = 0; i < MR; i++) xr[i] = x + (m + (i < mb ? i : 0)) * ldx;
-        vf acc[NR][MR];
-#pragma GCC unroll 8
-        for (int r = 0; r < NR; r++)
-#pragma GCC unroll 8
-            for (int i = 0; i < MR; i++) acc[r][i] = vzero();
-        int64_t k = 0;
-        // One k step of the tile: NR weight vectors, each activation row's vector against all of them.
-#define TILE_STEP(LOAD)                                                                  \
-    {                                                                                    \
-        vf w[NR];                                                                        \
-        _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) w[r] = LOAD(wr[r] + k);    \
-        _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                           \
-            const vf xv = LOAD(xr[i] + k);                                               \
-            _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) acc[r][i] = vfma(w[r], xv, acc[r][i]); \
-        }                                                                                \
+// One k step of a tile: NR weight vectors (type TV, row r's from W), each activation row's vector (X) against
+// all of them, MAC(acc, w, x) accumulating.
+#define TILE_STEP(TV, W, X, MAC)                                                                        \
+    {                                                                                                   \
+        TV w_[NR];                                                                                      \
+        _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) w_[r] = W;                                 \
+        _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                                          \
+            const TV xv = X;                                                                            \
+            _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) acc[r][i] = MAC(acc[r][i], w_[r], xv); \
+        }                                                                                               \
     }
-        for (; k + VW <= K; k += VW) TILE_STEP(vld)
-        if (k < K) TILE_STEP(vld8)  // AVX-512 only: the last 8 columns
-#undef TILE_STEP
-        for (int r = 0; r < nr; r++) {
-            float sum[MR];
-            _mm_storeu_ps(sum, vsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
-            for (int i = 0; i < mb; i++) {
-                const float v = sum[i] * (scale ? scale[r * cs] : 1.0f);
-                y[(m + i) * ldy + r * cs] = add ? y[(m + i) * ldy + r * cs] + v : v;
-            }
-        }
+// A tile function over weights TW and inputs TX: WIDTH columns a step (LOADW / LOADX), the last K % WIDTH by
+// TAILW(p, n) / TAILX(p).
+#define ROWS_TILE(NAME, TW, TX, TV, WIDTH, LOADW, TAILW, LOADX, TAILX, MAC)                                        \
+    static void NAME(const TW *const *wr, const TX *x, int64_t ldx, int64_t M, int64_t K, float *y, int64_t ldy,     \
+                     int64_t cs, int nr, const float *scale, int add, const char *const *next, int64_t next_bytes) { \
+        TilePrefetch ahead = tile_prefetch_plan(next, next_bytes, M);                                               \
+        for (int64_t m = 0; m < M; m += MR) {                                                                       \
+            tile_prefetch(&ahead);                                                                                  \
+            const int mb = (int)(M - m < MR ? M - m : MR);                                                          \
+            const TX *xr[MR];                                                                                       \
+            for (int i = 0; i < MR; i++) xr[i] = x + tile_row(m, i, mb) * ldx;                                      \
+            vf acc[NR][MR];                                                                                         \
+            tile_zero(acc);                                                                                         \
+            int64_t k = 0;                                                                                          \
+            for (; k + (WIDTH) <= K; k += (WIDTH)) TILE_STEP(TV, LOADW(wr[r] + k), LOADX(xr[i] + k), MAC)           \
+            if (k < K) TILE_STEP(TV, TAILW(wr[r] + k, K - k), TAILX(xr[i] + k), MAC)                                \
+            tile_store(acc, nr, mb, y + m * ldy, ldy, cs, scale, add);                                              \
+        }                                                                                                           \
     }
-}
+#define F32_TAIL(p, n) vld8(p)  // AVX-512 only: the last 8 columns (AVX2's K % 8 == 0 leaves none)
+#define F32_MAC(acc, w, x) vfma(w, x, acc)
+ROWS_TILE(rows_tile, float, float, vf, VW, vld, F32_TAIL, vld, vld8, F32_MAC)
 
 // Row r of the block at `base` whose rows lie `step` apart, or `base` itself past the last of N rows (such a
 // row is computed again and not stored). The one-row kernels' 4 streams (step L = ceil(N / 4), base = the
@@ -703,6 +737,51 @@ static void widen_i8(const int8_t *q, float *dst, int64_t K) {
     for (; k < K; k += 8) _mm256_storeu_ps(dst + k, load_i8(q + k));
 }
 
+// The several-rows products' loops, shared by every weight format: activation rows in chunks of MC, columns in
+// blocks of KB, each (chunk, column block) one parallel pass over the weight blocks (`Blocks`), taken in pieces
+// by whichever thread is free; `block` runs one weight block's tiles. A pass hands it the stored rows of the
+// block this thread runs next (their slice of the columns) to prefetch, and a scratch of `scratch_floats`.
+typedef struct TilePass {
+    const Blocks *bl;
+    const void *ctx;                   // the product's own operands
+    float *y;                          // the chunk's first output row
+    int64_t m0, mc, k0, kc, N, K, bytes;  // bytes: the stored slice of a weight row
+} TilePass;
+typedef void (*TileBlock)(const TilePass *p, int64_t b, const int64_t *n, int nr, const char *const *next,
+                          float *scratch);
+
+static void tiled_product(TileBlock block, const void *ctx, const void *w, int64_t row_bytes, float *y, int64_t M,
+                          int64_t N, int64_t K, int64_t KB, int64_t MC, int streams, int64_t scratch_floats) {
+    const Blocks bl = blocks_of(N, streams);
+    for (int64_t m0 = 0; m0 < M; m0 += MC) {
+        for (int64_t k0 = 0; k0 < K; k0 += KB) {
+            const int64_t kc = K - k0 < KB ? K - k0 : KB;
+            const TilePass pass = {&bl, ctx, y + m0 * N, m0, M - m0 < MC ? M - m0 : MC, k0, kc, N, K,
+                                   kc * row_bytes / K};
+            const int64_t from = k0 * row_bytes / K;
+            const int nt = team();
+            const int64_t g = grain(bl.count, nt), start = now_ns();
+            int64_t first_done = start;
+#pragma omp parallel num_threads(nt)
+            {
+                float *scratch = scratch_floats ? (float *)_mm_malloc(scratch_floats * sizeof(float), 64) : NULL;
+#pragma omp for schedule(dynamic, g) nowait
+                for (int64_t b = 0; b < bl.count; b++) {
+                    int64_t n[NR];
+                    const int nr = block_rows(&bl, b, n);
+                    const char *next[NR];
+                    const int more = next_rows(&bl, w, b, row_bytes, next);
+                    for (int r = 0; more && r < NR; r++) next[r] += from;
+                    block(&pass, b, n, nr, more ? next : NULL, scratch);
+                }
+                _mm_free(scratch);
+                if (omp_get_thread_num() == 0) first_done = now_ns();
+            }
+            region_done(start, first_done);
+        }
+    }
+}
+
 // Several rows of a weight not stored as fp32: each block's NR rows are widened (int8, bf16, fp16) or
 // dequantized (int4) by `widen` into this thread's fp32 scratch in L1, once per chunk of activation rows,
 // then `rows_tile`; the stored rows of the next block (row_bytes each) are prefetched meanwhile. y[m, n] is
@@ -716,42 +795,28 @@ typedef struct WideRows {
 
 static int64_t column_block(int64_t K, int64_t G);
 
-static void gemm_widened(const WideRows *src, const float *x, float *y, int64_t M, int64_t N, const float *scale) {
-    const int64_t K = src->K, KB = column_block(K, src->G), MC = chunk_rows(M, KB);
-    const Blocks bl = blocks_of(N, 0);
-    for (int64_t m0 = 0; m0 < M; m0 += MC) {
-        const int64_t mc = M - m0 < MC ? M - m0 : MC;
-        for (int64_t k0 = 0; k0 < K; k0 += KB) {
-            const int64_t kc = K - k0 < KB ? K - k0 : KB;
-            const int64_t from = k0 * src->row_bytes / K, bytes = kc * src->row_bytes / K;  // the stored slice
-            const int nt = team();
-            const int64_t g = grain(bl.count, nt), start = now_ns();
-            int64_t first_done = start;
-#pragma omp parallel num_threads(nt)
-            {
-                float *wide = (float *)_mm_malloc(NR * kc * sizeof(float), 64);  // this thread's widened rows
-#pragma omp for schedule(dynamic, g) nowait
-                for (int64_t b = 0; b < bl.count; b++) {
-                    int64_t n[NR];
-                    const int nr = block_rows(&bl, b, n);
-                    const float *wr[NR];
-                    const char *next[NR];
-                    for (int r = 0; r < NR; r++) {
-                        if (r < nr) src->widen(src, n[r], k0, kc, wide + r * kc);
-                        wr[r] = wide + (r < nr ? r : 0) * kc;
-                    }
-                    const int more = next_rows(&bl, src->w, b, src->row_bytes, next);
-                    for (int r = 0; more && r < NR; r++) next[r] += from;
-                    const int64_t at = block_base(&bl, b);
-                    rows_tile(wr, x + m0 * K + k0, K, mc, kc, y + m0 * N + at, N, bl.step, nr,
-                              scale ? scale + at : NULL, k0 > 0, more ? next : NULL, bytes);
-                }
-                _mm_free(wide);
-                if (omp_get_thread_num() == 0) first_done = now_ns();
-            }
-            region_done(start, first_done);
-        }
+typedef struct WidenedProduct {
+    const WideRows *src;
+    const float *x, *scale;
+} WidenedProduct;
+
+static void widened_block(const TilePass *p, int64_t b, const int64_t *n, int nr, const char *const *next,
+                          float *wide) {
+    const WidenedProduct *c = (const WidenedProduct *)p->ctx;
+    const float *wr[NR];
+    for (int r = 0; r < NR; r++) {
+        if (r < nr) c->src->widen(c->src, n[r], p->k0, p->kc, wide + r * p->kc);
+        wr[r] = wide + (r < nr ? r : 0) * p->kc;
     }
+    const int64_t at = block_base(p->bl, b);
+    rows_tile(wr, c->x + p->m0 * p->K + p->k0, p->K, p->mc, p->kc, p->y + at, p->N, p->bl->step, nr,
+              c->scale ? c->scale + at : NULL, p->k0 > 0, next, p->bytes);
+}
+
+static void gemm_widened(const WideRows *src, const float *x, float *y, int64_t M, int64_t N, const float *scale) {
+    const int64_t K = src->K, KB = column_block(K, src->G);
+    const WidenedProduct c = {src, x, scale};
+    tiled_product(widened_block, &c, src->w, src->row_bytes, y, M, N, K, KB, chunk_rows(M, KB), 0, NR * KB);
 }
 
 static void widen_i8_row(const WideRows *src, int64_t n, int64_t k0, int64_t kc, float *dst) {
@@ -772,6 +837,16 @@ void gemm_int8(const float *x, const int8_t *q, const float *scale, float *y, in
     }
     const WideRows src = {q, NULL, NULL, K, 0, K, 0, widen_i8_row};
     gemm_widened(&src, x, y, M, N, scale);
+}
+
+static void f32_block(const TilePass *p, int64_t b, const int64_t *n, int nr, const char *const *next, float *unused) {
+    (void)unused;
+    const float *const *c = (const float *const *)p->ctx, *x = c[0], *w = c[1];
+    const float *wr[NR];
+    for (int r = 0; r < NR; r++) wr[r] = w + n[r] * p->K + p->k0;
+    const int64_t at = block_base(p->bl, b);
+    rows_tile(wr, x + p->m0 * p->K + p->k0, p->K, p->mc, p->kc, p->y + at, p->N, p->bl->step, nr, NULL, p->k0 > 0,
+              next, p->bytes);
 }
 
 #define KC_F32 1024  // columns per block of a long-K fp32 product (6 rows: 24 KB of a 32-48 KB L1); % 16 == 0
@@ -798,35 +873,9 @@ void gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, in
     // product ran at 126 GMAC/s against 226-232 for its K = 896 ones (Zen 5, 128 rows): 210 with the blocks,
     // Gemma 3's K = 2048 147 -> 199 (blocks of 512 were slower: 193-206). Each column block adds its partial
     // sums to y; the activation rows' chunk is sized for a block's columns.
-    const int64_t KB = column_block(K, 0), MC = chunk_rows(M, KB), row_bytes = K * (int64_t)sizeof(float);
-    const Blocks bl = blocks_of(N, M <= STREAM_ROWS);
-    for (int64_t m0 = 0; m0 < M; m0 += MC) {
-        const int64_t mc = M - m0 < MC ? M - m0 : MC;
-        for (int64_t k0 = 0; k0 < K; k0 += KB) {
-            const int64_t kc = K - k0 < KB ? K - k0 : KB;
-            const int nt = team();
-            const int64_t g = grain(bl.count, nt), start = now_ns();
-            int64_t first_done = start;
-#pragma omp parallel num_threads(nt)
-            {
-#pragma omp for schedule(dynamic, g) nowait
-                for (int64_t b = 0; b < bl.count; b++) {
-                    int64_t n[NR];
-                    const int nr = block_rows(&bl, b, n);
-                    const float *wr[NR];
-                    const char *next[NR];
-                    for (int r = 0; r < NR; r++) wr[r] = w + n[r] * K + k0;
-                    const int more = next_rows(&bl, w, b, row_bytes, next);
-                    for (int r = 0; more && r < NR; r++) next[r] += k0 * (int64_t)sizeof(float);
-                    const int64_t at = block_base(&bl, b);
-                    rows_tile(wr, x + m0 * K + k0, K, mc, kc, y + m0 * N + at, N, bl.step, nr, NULL, k0 > 0,
-                              more ? next : NULL, kc * (int64_t)sizeof(float));
-                }
-                if (omp_get_thread_num() == 0) first_done = now_ns();
-            }
-            region_done(start, first_done);
-        }
-    }
+    const int64_t KB = column_block(K, 0);
+    const float *c[2] = {x, w};
+    tiled_product(f32_block, c, w, K * (int64_t)sizeof(float), y, M, N, K, KB, chunk_rows(M, KB), M <= STREAM_ROWS, 0);
 }
 
 // Widen 16-bit floats (bf16, or fp16 when `f16`) to fp32 (K % 8 == 0).
@@ -1057,79 +1106,31 @@ static void few_bf16_inputs(const uint16_t *w, const uint16_t *x, float *y, int6
     region_done(start, first_done);
 }
 
-// rows_tile with bf16 weights read as stored and bf16 inputs (rows ldx apart): an NR x MR tile of fp32 sums
-// over K columns, added to y with `add`.
-static void rows_tile_bf16_inputs(const uint16_t *const *wr, const uint16_t *x, int64_t ldx, int64_t M, int64_t K,
-                                  float *y, int64_t ldy, int64_t cs, int nr, int add, const char *const *next,
-                                  int64_t next_bytes) {
-    const int64_t lines = next ? (next_bytes + 63) / 64 : 0, tiles = (M + MR - 1) / MR;
-    const int64_t per_tile = (lines * NR + tiles - 1) / tiles;
-    int64_t fetched = 0;
-    for (int64_t m = 0; m < M; m += MR) {
-        for (int64_t j = 0; j < per_tile && fetched < lines * NR; j++, fetched++)
-            _mm_prefetch(next[fetched / lines] + (fetched % lines) * 64, _MM_HINT_T1);
-        const int mb = (int)(M - m < MR ? M - m : MR);
-        const uint16_t *xr[MR];
-        for (int i = 0; i < MR; i++) xr[i] = x + (m + (i < mb ? i : 0)) * ldx;
-        __m512 acc[NR][MR];
-#pragma GCC unroll 8
-        for (int r = 0; r < NR; r++)
-#pragma GCC unroll 8
-            for (int i = 0; i < MR; i++) acc[r][i] = vzero();
-        int64_t k = 0;
-#define BH_TILE_STEP(LOADW)                                                                          \
-    {                                                                                                \
-        __m512bh wv[NR];                                                                             \
-        _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) wv[r] = LOADW;                          \
-        _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                                       \
-            const __m512bh xv = bh_ld(xr[i] + k);                                                    \
-            _Pragma("GCC unroll 8") for (int r = 0; r < NR; r++) acc[r][i] = bh_dot(acc[r][i], wv[r], xv); \
-        }                                                                                            \
-    }
-        for (; k + 32 <= K; k += 32) BH_TILE_STEP(bh_ld(wr[r] + k))
-        if (k < K) BH_TILE_STEP(bh_ld_tail(wr[r] + k, K - k))
-#undef BH_TILE_STEP
-        for (int r = 0; r < nr; r++) {
-            float sum[MR];
-            _mm_storeu_ps(sum, vsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
-            for (int i = 0; i < mb; i++) y[(m + i) * ldy + r * cs] = add ? y[(m + i) * ldy + r * cs] + sum[i] : sum[i];
-        }
-    }
+// rows_tile with bf16 weights read as stored and bf16 inputs (rows ldx apart, padded with zeros to 32 columns).
+ROWS_TILE(rows_tile_bf16_inputs, uint16_t, uint16_t, __m512bh, 32, bh_ld, bh_ld_tail, bh_ld, bh_ld, bh_dot)
+
+// Many input rows: tiled_product's passes (column blocks of 2 KC_F32: the same 4 KB a weight row as fp32's),
+// with the weights read as stored (no widening scratch).
+typedef struct Bf16Product {
+    const uint16_t *x, *w;  // x rounded, KP a row
+    int64_t KP;
+} Bf16Product;
+
+static void bf16_inputs_block(const TilePass *p, int64_t b, const int64_t *n, int nr, const char *const *next,
+                              float *unused) {
+    (void)unused;
+    const Bf16Product *c = (const Bf16Product *)p->ctx;
+    const uint16_t *wr[NR];
+    for (int r = 0; r < NR; r++) wr[r] = c->w + n[r] * p->K + p->k0;
+    const int64_t at = block_base(p->bl, b);
+    rows_tile_bf16_inputs(wr, c->x + p->m0 * c->KP + p->k0, c->KP, p->mc, p->kc, p->y + at, p->N, p->bl->step, nr,
+                          NULL, p->k0 > 0, next, p->bytes);
 }
 
-// Many input rows: gemm_f32's blocks, chunks and column blocks (2 KC_F32 columns: the same 4 KB a weight row),
-// with the weights read as stored (no widening scratch).
 static void many_bf16_inputs(const uint16_t *w, const uint16_t *xb, float *y, int64_t M, int64_t N, int64_t K) {
-    const int64_t KP = KP_OF(K), KB = K > 2 * KC_F32 ? 2 * KC_F32 : K, row_bytes = K * 2;
-    const int64_t MC = chunk_rows(M, (KP_OF(KB) + 1) / 2);  // x rows of 2-byte values
-    const Blocks bl = blocks_of(N, 0);
-    for (int64_t m0 = 0; m0 < M; m0 += MC) {
-        const int64_t mc = M - m0 < MC ? M - m0 : MC;
-        for (int64_t k0 = 0; k0 < K; k0 += KB) {
-            const int64_t kc = K - k0 < KB ? K - k0 : KB;
-            const int nt = team();
-            const int64_t g = grain(bl.count, nt), start = now_ns();
-            int64_t first_done = start;
-#pragma omp parallel num_threads(nt)
-            {
-#pragma omp for schedule(dynamic, g) nowait
-                for (int64_t b = 0; b < bl.count; b++) {
-                    int64_t n[NR];
-                    const int nr = block_rows(&bl, b, n);
-                    const uint16_t *wr[NR];
-                    const char *next[NR];
-                    for (int r = 0; r < NR; r++) wr[r] = w + n[r] * K + k0;
-                    const int more = next_rows(&bl, w, b, row_bytes, next);
-                    for (int r = 0; more && r < NR; r++) next[r] += k0 * 2;
-                    const int64_t at = block_base(&bl, b);
-                    rows_tile_bf16_inputs(wr, xb + m0 * KP + k0, KP, mc, kc, y + m0 * N + at, N, bl.step, nr, k0 > 0,
-                                          more ? next : NULL, kc * 2);
-                }
-                if (omp_get_thread_num() == 0) first_done = now_ns();
-            }
-            region_done(start, first_done);
-        }
-    }
+    const int64_t KB = K > 2 * KC_F32 ? 2 * KC_F32 : K;
+    const Bf16Product c = {xb, w, KP_OF(K)};
+    tiled_product(bf16_inputs_block, &c, w, K * 2, y, M, N, K, KB, chunk_rows(M, (KP_OF(KB) + 1) / 2), 0, 0);
 }
 #endif
 
