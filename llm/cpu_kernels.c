@@ -976,7 +976,7 @@ static void round_rows_bf16(const float *x, uint16_t *xb, int64_t M, int64_t K) 
 }
 
 // One input row against 4 weight rows (p[r]), 2 chains a row: chain a over the first 32 columns of every 64,
-// b over the second; a last full 32 into a, a last part into b. few_bf16_inputs keeps this order exactly.
+// b over the second; a last full 32 into a, a last part into b. streams_bf16_inputs' groups keep this order exactly.
 static void dot4_one_bf16_inputs(const uint16_t *const p[4], const uint16_t *x, int64_t K, int64_t ahead, float out[4]) {
     __m512 a[4], b[4];
     for (int r = 0; r < 4; r++) a[r] = b[r] = vzero();
@@ -1002,27 +1002,6 @@ static void dot4_one_bf16_inputs(const uint16_t *const p[4], const uint16_t *x, 
         for (int r = 0; r < 4; r++) b[r] = bh_dot(b[r], bh_ld_tail(p[r] + k, K - k), x0);
     }
     for (int r = 0; r < 4; r++) out[r] = vsum(vadd(a[r], b[r]));
-}
-
-// One input row: ONE_ROW's 4 streams.
-static void one_row_bf16_inputs(const uint16_t *w, const uint16_t *x, float *y, int64_t N, int64_t K) {
-    const int64_t L = (N + NB - 1) / NB;
-    const int nt = team();
-    const int64_t g = grain(L, nt), start = now_ns();
-    int64_t first_done = start;
-#pragma omp parallel num_threads(nt)
-    {
-#pragma omp for schedule(dynamic, g) nowait
-        for (int64_t b = 0; b < L; b++) {
-            const uint16_t *rows[NB];
-            for (int64_t r = 0; r < NB; r++) rows[r] = w + strided_row(b, r, L, N) * K;
-            float out[NB];
-            dot4_one_bf16_inputs(rows, x, K, K * 2, out);
-            for (int64_t r = 0; r < NB && b + r * L < N; r++) y[b + r * L] = out[r];
-        }
-        if (omp_get_thread_num() == 0) first_done = now_ns();
-    }
-    region_done(start, first_done);
 }
 
 // Up to GROUP input rows (KP apart) against 2 weight rows, each row's sums in dot4_one_bf16_inputs's order,
@@ -1078,8 +1057,9 @@ static void dot2_group_bf16_inputs(const uint16_t *p0, const uint16_t *p1, const
     }
 }
 
-// 2 .. FEW_ROWS input rows: FEW's blocks (a block's rows from memory once, for the first group of rows).
-static void few_bf16_inputs(const uint16_t *w, const uint16_t *x, float *y, int64_t M, int64_t N, int64_t K) {
+// 1 .. FEW_ROWS input rows on ONE_ROW's 4 streams: one row by dot4_one_bf16_inputs, more in groups against
+// pairs of weight rows (FEW's blocks: a block's rows from memory once, for the first group), bitwise the same.
+static void streams_bf16_inputs(const uint16_t *w, const uint16_t *x, float *y, int64_t M, int64_t N, int64_t K) {
     const int64_t L = (N + NB - 1) / NB, KP = KP_OF(K);
     const int nt = team();
     const int64_t g = grain(L, nt), start = now_ns();
@@ -1090,6 +1070,12 @@ static void few_bf16_inputs(const uint16_t *w, const uint16_t *x, float *y, int6
         for (int64_t b = 0; b < L; b++) {
             const uint16_t *rows[NB];
             for (int64_t r = 0; r < NB; r++) rows[r] = w + strided_row(b, r, L, N) * K;
+            if (M == 1) {
+                float out[NB];
+                dot4_one_bf16_inputs(rows, x, K, K * 2, out);
+                for (int64_t r = 0; r < NB && b + r * L < N; r++) y[b + r * L] = out[r];
+                continue;
+            }
             for (int64_t m = 0; m < M; m += GROUP) {
                 const int mb = (int)(M - m < GROUP ? M - m : GROUP);
                 const int64_t ahead = m ? 0 : K * 2;  // later groups read what the first did
@@ -1151,10 +1137,8 @@ static void gemm_bf16_inputs(const float *x, const uint16_t *w, float *y, int64_
         uint16_t *xb = (uint16_t *)xin_buffer(M * KP_OF(K) * 2);
         if (!xb) abort();  // out of memory for a few rows of activations: nothing sensible is left to do
         round_rows_bf16(x, xb, M, K);
-        if (M == 1)
-            one_row_bf16_inputs(w, xb, y, N, K);
-        else if (M <= FEW_ROWS)
-            few_bf16_inputs(w, xb, y, M, N, K);
+        if (M <= FEW_ROWS)
+            streams_bf16_inputs(w, xb, y, M, N, K);
         else
             many_bf16_inputs(w, xb, y, M, N, K);
         return;
