@@ -346,19 +346,19 @@ static inline __m256 load_i8(const int8_t *p) {
 }
 
 // What the register tiles share (rows_tile, rows_tile_bf16_inputs): the next block's rows prefetched a share a
-// tile, and a tile's stores.
+// k step, and a tile's stores.
 typedef struct TilePrefetch {
     const char *const *next;
-    int64_t lines, per_tile, fetched;
+    int64_t lines, per_step, fetched;
 } TilePrefetch;
 
-static inline TilePrefetch tile_prefetch_plan(const char *const *next, int64_t next_bytes, int64_t M) {
+static inline TilePrefetch tile_prefetch_plan(const char *const *next, int64_t next_bytes, int64_t M, int64_t steps) {
     const int64_t lines = next ? (next_bytes + 63) / 64 : 0, tiles = (M + MR - 1) / MR;
-    return (TilePrefetch){next, lines, (lines * NR + tiles - 1) / tiles, 0};
+    return (TilePrefetch){next, lines, (lines * NR + tiles * steps - 1) / (tiles * steps), 0};  // steps a tile
 }
 
 static inline void tile_prefetch(TilePrefetch *p) {
-    for (int64_t j = 0; j < p->per_tile && p->fetched < p->lines * NR; j++, p->fetched++)
+    for (int64_t j = 0; j < p->per_step && p->fetched < p->lines * NR; j++, p->fetched++)
         _mm_prefetch(p->next[p->fetched / p->lines] + (p->fetched % p->lines) * 64, _MM_HINT_T1);
 }
 
@@ -389,8 +389,12 @@ static inline __attribute__((always_inline)) void tile_store(vf acc[NR][MR], int
 // Rows past nr (or m past M in the last tile) repeat row 0 and are not stored. K % 8 == 0.
 // An NR x MR register tile (NR * MR accumulators, NR weight vectors, 1 activation vector live).
 // next[r] (or NULL): the stored rows of the block this thread runs next, next_bytes each. Their cache lines are
-// prefetched into L2 a few per tile: a block's weights come from memory once and are then reused by every
-// tile, so without it each block starts with a stall on its rows (in a prefill, 20-30 % of the GEMM).
+// prefetched into L2 one or two per k step: a block's weights come from memory once and are then reused by
+// every tile, so without it each block starts with a stall on its rows (in a prefill, 20-30 % of the GEMM).
+// Spread over the steps, not issued a tile's share at once: a burst of 60 prefetches (16 rows, K = 640) fills
+// the core's line-fill buffers and stalls the tile behind them, which is what held 16-row fp32 products to
+// 38 GMAC/s a core against 66 at 128 rows (Xeon, weights from L3): 46 spread, the [262144, 640] head at 16
+// rows 45 -> 41 ms, [151936, 896] 36 -> 31 ms; 128 rows unchanged.
 // x's rows lie ldx apart; with `add` the tile adds to y (a later block of K's columns, see gemm_f32).
 // One k step of a tile: NR weight vectors (type TV, row r's from W), each activation row's vector (X) against
 // all of them, MAC(acc, w, x) accumulating.
@@ -408,16 +412,18 @@ static inline __attribute__((always_inline)) void tile_store(vf acc[NR][MR], int
 #define ROWS_TILE(NAME, TW, TX, TV, WIDTH, LOADW, TAILW, LOADX, TAILX, MAC)                                        \
     static void NAME(const TW *const *wr, const TX *x, int64_t ldx, int64_t M, int64_t K, float *y, int64_t ldy,     \
                      int64_t cs, int nr, const float *scale, int add, const char *const *next, int64_t next_bytes) { \
-        TilePrefetch ahead = tile_prefetch_plan(next, next_bytes, M);                                               \
+        TilePrefetch ahead = tile_prefetch_plan(next, next_bytes, M, (K + (WIDTH) - 1) / (WIDTH));                 \
         for (int64_t m = 0; m < M; m += MR) {                                                                       \
-            tile_prefetch(&ahead);                                                                                  \
             const int mb = (int)(M - m < MR ? M - m : MR);                                                          \
             const TX *xr[MR];                                                                                       \
             for (int i = 0; i < MR; i++) xr[i] = x + tile_row(m, i, mb) * ldx;                                      \
             vf acc[NR][MR];                                                                                         \
             tile_zero(acc);                                                                                         \
             int64_t k = 0;                                                                                          \
-            for (; k + (WIDTH) <= K; k += (WIDTH)) TILE_STEP(TV, LOADW(wr[r] + k), LOADX(xr[i] + k), MAC)           \
+            for (; k + (WIDTH) <= K; k += (WIDTH)) {                                                                \
+                tile_prefetch(&ahead);                                                                              \
+                TILE_STEP(TV, LOADW(wr[r] + k), LOADX(xr[i] + k), MAC)                                              \
+            }                                                                                                       \
             if (k < K) TILE_STEP(TV, TAILW(wr[r] + k, K - k), TAILX(xr[i] + k), MAC)                                \
             tile_store(acc, nr, mb, y + m * ldy, ldy, cs, scale, add);                                              \
         }                                                                                                           \
