@@ -105,6 +105,23 @@ def gguf_footprint(path: Path, resident: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def read_per_token(resident: dict[str, Any]) -> int:
+    """The resident bytes a batch-1 decode step reads (`resident_parts`' record): every matrix and vector and
+    the head, but of the embeddings one row (nothing, at this scale) unless the head is the table itself."""
+    parts = resident["parts"]
+    table = parts["embeddings"]["bytes"] if resident.get("head_shares_embeddings") else 0
+    return parts["matrices"]["bytes"] + parts["vectors"]["bytes"] + parts["head"]["bytes"] + table
+
+
+def gguf_read_per_token(path: Path) -> int:
+    """The same for llama.cpp running the GGUF at `path`: every tensor but `token_embd`, which a file without
+    `output.weight` reads as its head too (GGUFFileError or OSError as `open_gguf`)."""
+    with open_gguf(Path(path)) as gguf:
+        tensors = dict(gguf.tensors)
+    tied = GGUF_HEAD not in tensors
+    return sum(t.nbytes for name, t in tensors.items() if name != GGUF_EMBEDDINGS or tied)
+
+
 def recorded_footprint(metric: dict[str, Any] | None) -> dict[str, Any] | None:
     """The footprint from load.to_device's `resident_weights` metric (None: not a GGUF import, or the file
     cannot be read any more: then there is no line rather than a wrong one)."""

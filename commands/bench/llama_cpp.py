@@ -39,7 +39,7 @@ from typing import Any, get_args
 
 from llmplan.engine.cli import CliError
 from llmplan.engine.memory import mib
-from llmplan.llm.gguf_footprint import footprint_line, recorded_footprint
+from llmplan.llm.gguf_footprint import footprint_line, gguf_read_per_token, read_per_token, recorded_footprint
 from llmplan.llm.gguf_type import GGUFType, file_type_names, gguf_type, nominal_bits
 from llmplan.llm.weight_formats import QuantDtype
 from llmplan.openmp_env import foreign_env
@@ -252,7 +252,8 @@ def bench_vs_llama_cpp(args: argparse.Namespace, say: Any, partial: Any = None) 
         ggufs = {kind: gguf_for(kind, source, bin_dir, shipped) for kind in kinds or [default_type(label)]}
         types = {kind: gguf_type(path) for kind, path in ggufs.items()}  # what each file is, from its header
         info["native_kernels"] = native.describe()
-        footprint = recorded_footprint(loaded.metric("load.to_device", "resident_weights"))
+        resident = loaded.metric("load.to_device", "resident_weights")
+        footprint = recorded_footprint(resident)
         if footprint:  # llmplan's resident weights against the GGUF, beside the files llama.cpp runs
             result.setdefault("memory", {})[label] = footprint
         model, cache, vocab = loaded.model, loaded.cache, loaded.ctx.model_config.vocab_size
@@ -274,10 +275,14 @@ def bench_vs_llama_cpp(args: argparse.Namespace, say: Any, partial: Any = None) 
                 theirs[kind]["decode_batch"].append(
                     batched_bench(bin_dir, path, prompt, gen, batch, threads)["decode_batch"]
                 )
+        mine = read_per_token(resident) if resident else None
         for kind, path in ggufs.items():
             ran = _gguf_fields(types[kind], path, as_shipped=path == source)
             for figure in FIGURES:
-                result["rows"].append(_row(figure, label, batch, ours[figure], theirs[kind][figure]) | ran)
+                row = _row(figure, label, batch, ours[figure], theirs[kind][figure]) | ran
+                if figure == "decode_b1" and mine:
+                    row |= _read_rates(row, mine, gguf_read_per_token(path))
+                result["rows"].append(row)
         del model, cache, loaded
         gc.collect()
         info["loadavg_end"] = machine()["loadavg"]
@@ -294,6 +299,16 @@ def _row(figure: str, dtype: str, batch: int, ours: list[float], theirs: list[fl
     ratio = mine["median"] / hers["median"] if mine["median"] and hers["median"] else None
     return {"figure": figure, "dtype": dtype, "batch": batch if figure == "decode_batch" else 1, "llmplan": mine,
             "llama_cpp": hers, "ratio": ratio}  # fmt: skip
+
+
+def _read_rates(row: dict[str, Any], mine: int, theirs: int) -> dict[str, Any]:
+    """Batch-1 decode reads every weight once a token, so its tok/s is also a read rate: the bytes a token
+    (llmplan's resident weights, llama.cpp's file but the embedding rows) and GB/s at the median tok/s."""
+    rates = {
+        side: None if row[side]["median"] is None else read * row[side]["median"] / 1e9
+        for side, read in (("llmplan", mine), ("llama_cpp", theirs))
+    }
+    return {"read_bytes": {"llmplan": mine, "llama_cpp": theirs}, "read_gb_s": rates}
 
 
 def _gguf_fields(kind: GGUFType, path: Path, *, as_shipped: bool) -> dict[str, Any]:
@@ -330,6 +345,16 @@ def vs_markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"| {title} | {row['dtype']} | {kind} | {_fmt(row['llmplan'])} | {_fmt(row['llama_cpp'])} | {ratio} |"
         )
+    reads = [row for row in result["rows"] if row.get("read_bytes")]
+    if reads:
+        lines += [
+            "",
+            "Batch-1 decode reads every weight once a token, so its speed is a read rate too (llmplan's resident "
+            "weights, llama.cpp's GGUF but the embedding rows; GB a token at the median tok/s). Where both sides "
+            "read at the memory's rate, the ratio is the ratio of the bytes:",
+            "",
+        ]
+        lines += [f"- {row['dtype']} / {row['gguf_type']}: {_read_line(row)}" for row in reads]
     memory = result.get("memory") or {}
     if memory:
         files = {row["gguf_file"]: row for row in result["rows"] if "gguf_file" in row}
@@ -337,6 +362,15 @@ def vs_markdown(result: dict[str, Any]) -> str:
         lines += ["", f"Memory: llama.cpp's GGUFs {sizes}; llmplan's resident weights per dtype:", ""]
         lines += [f"- {dtype}: {footprint_line(fp, mib)}" for dtype, fp in memory.items()]
     return "\n".join(lines) + "\n"
+
+
+def _read_line(row: dict[str, Any]) -> str:
+    def side(name: str, key: str) -> str:
+        rate = row["read_gb_s"][key]
+        at = "" if rate is None else f" at {rate:.1f} GB/s"
+        return f"{name} {row['read_bytes'][key] / 1e9:.3f} GB a token{at}"
+
+    return f"{side('llmplan', 'llmplan')}, {side('llama.cpp', 'llama_cpp')}"
 
 
 def _fmt(s: dict[str, Any]) -> str:

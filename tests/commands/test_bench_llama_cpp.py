@@ -20,6 +20,7 @@ from llmplan.commands.bench import llama_cpp
 from llmplan.commands.bench.llama_cpp import AS_SHIPPED, closest_dtype, llama_grid, parse_llama_types
 from llmplan.engine.cli import CliError, main
 from llmplan.engine.memory import mib
+from llmplan.llm.gguf_file import open_gguf
 from llmplan.llm.gguf_type import gguf_type, nominal_bits
 from tests.llm.test_gguf_import import _write_tiny
 from tests.stages.tiny_run import load_stages
@@ -159,6 +160,21 @@ def test_as_shipped_runs_the_file_itself_beside_a_requantized_one(
     assert int8["gguf_file"] == "tiny-q4_1.requant-Q8_0.gguf"
     for row in result["rows"]:
         assert row["llmplan"]["n"] == 2 and row["llama_cpp"]["median"] in (123.0, 45.0) and row["ratio"] > 0
+    # batch-1 decode as a read rate: llama.cpp reads its file's tensors but the embedding table (this file has
+    # its own head), llmplan its resident matrices, vectors and head, each at its median tok/s
+    with open_gguf(shipped) as file:
+        shipped_read = sum(t.nbytes for name, t in file.tensors.items() if name != "token_embd.weight")
+        assert "output.weight" in file.tensors
+    with open_gguf(bin_dir.parent / "models" / "tiny-q4_1.requant-Q8_0.gguf") as file:
+        requant_read = sum(t.nbytes for t in file.tensors.values())  # the stand-in's one matrix "w"
+    for row, theirs in ((int8, requant_read), (int4, shipped_read)):
+        parts = result["memory"][row["dtype"]]["parts"]
+        mine = sum(parts[p]["resident_bytes"] for p in ("matrices", "vectors", "head"))
+        assert parts["embeddings"]["resident_bytes"] > 0
+        assert row["read_bytes"] == {"llmplan": mine, "llama_cpp": theirs}
+        assert row["read_gb_s"]["llama_cpp"] == pytest.approx(theirs * 123.0 / 1e9)
+        assert row["read_gb_s"]["llmplan"] == pytest.approx(mine * row["llmplan"]["median"] / 1e9)
+    assert all("read_bytes" not in r for r in result["rows"] if r["figure"] != "decode_b1")
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     # one requantization, none of the file as shipped; each run: llama-bench (pp, tg) and the batched one
     assert [c for c in calls if c["tool"] == "llama-quantize"] == [
@@ -171,6 +187,8 @@ def test_as_shipped_runs_the_file_itself_beside_a_requantized_one(
     assert "Plan overrides: --set convert.bf16_inputs=true." in md
     assert "| batch 1 decode | int4 | Q4_1 (as shipped) |" in md
     assert "| aggregate decode (batch 2) | int8 | Q8_0 (requantized) |" in md
+    rate = int4["read_gb_s"]["llmplan"]
+    assert f"- int4 / Q4_1: llmplan {int4['read_bytes']['llmplan'] / 1e9:.3f} GB a token at {rate:.1f} GB/s" in md
     sizes = f"Q8_0 {mib(int8['gguf_bytes'])}, Q4_1 {mib(shipped.stat().st_size)}"
     assert f"Memory: llama.cpp's GGUFs {sizes}; llmplan's resident weights per dtype:" in md
     for dtype in ("int8", "int4"):  # the footprint line per dtype, its ratio against the shipped file

@@ -21,7 +21,7 @@ import yaml
 from llmplan.engine.cli import main
 from llmplan.engine.memory import mib
 from llmplan.llm.gguf_file import open_gguf
-from llmplan.llm.gguf_footprint import recorded_footprint
+from llmplan.llm.gguf_footprint import gguf_read_per_token, read_per_token, recorded_footprint
 from tests.llm.test_gguf_import import _write_tiny
 from tests.stages.tiny_run import load_stages, run_plan
 
@@ -135,3 +135,28 @@ def test_no_line_when_the_file_is_gone(tiny: tuple[Path, Path, Path], tmp_path: 
     (copy / "metrics.json").write_text(json.dumps(metrics))
     (figure,) = draw_memory_plan(RunData.load(copy), tmp_path)
     assert "GGUF" not in figure.html and not [n for n in figure.notes if n.startswith("weights ")]
+
+
+@pytest.mark.parametrize("own_head", [False, True])
+def test_decode_reads_the_head_once_tied_or_not(tmp_path: Path, own_head: bool) -> None:
+    """The bytes a batch-1 decode step reads (bench --vs llama.cpp's read rate): the embedding table only where
+    it is the head, on both sides."""
+    import numpy as np
+
+    path = tmp_path / "tied.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    tensors = {"token_embd.weight": (16, 32), "blk.0.ffn_up.weight": (8, 32), "output_norm.weight": (32,)}
+    if own_head:
+        tensors["output.weight"] = (16, 32)
+    for name, shape in tensors.items():
+        writer.add_tensor(name, np.ones(shape, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    table, matrix, norm = 16 * 32 * 4, 8 * 32 * 4, 32 * 4
+    assert gguf_read_per_token(path) == matrix + norm + table  # its own head or the table as the head: one table
+    parts = {"embeddings": table, "matrices": matrix, "vectors": norm, "head": table if own_head else 0}
+    resident = {"parts": {p: {"bytes": b} for p, b in parts.items()}, "head_shares_embeddings": not own_head}
+    assert read_per_token(resident) == matrix + norm + table
+    assert read_per_token(resident | {"head_shares_embeddings": False}) == matrix + norm + parts["head"]
