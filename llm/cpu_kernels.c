@@ -1135,11 +1135,75 @@ int64_t bf16_dot_products(void) {
 #endif
 }
 
+// x rounded to bf16 into `xr` as fp32 values, then the exact product of the widened weights: the path of a CPU
+// without vdpbf16ps, and of many rows where its tiles do not pay (bf16_dot_tiles).
+static void xround_bf16_inputs(const float *x, float *xr, const uint16_t *w, float *y, int64_t M, int64_t N,
+                               int64_t K) {
+#pragma omp parallel for schedule(static) if (M * K >= ROUND_PARALLEL)
+    for (int64_t i = 0; i < M * K; i++) {
+        const uint32_t bits = (uint32_t)to_bf16(x[i]) << 16;
+        memcpy(xr + i, &bits, sizeof(bits));
+    }
+    gemm_half(xr, w, y, M, N, K, HALF_BF16);
+}
+
+static int dot_tiles = -1;  // bf16_dot_tiles' answer: -1 not measured yet (or measure again), 0 or 1
+
+#if defined(__AVX512BF16__)
+// Times one several-rows product (64 x 1024 against 192 rows, in L2) on the vdpbf16ps tiles and on the rounded x
+// with the exact tiles, alternating, the best of 7 each.
+static int measure_dot_tiles(void) {
+    enum { TM = 64, TN = 192, TK = 1024, REPS = 7 };
+    float *x = (float *)malloc(TM * TK * sizeof(float)), *xr = (float *)malloc(TM * TK * sizeof(float));
+    float *y = (float *)malloc(TM * TN * sizeof(float));
+    uint16_t *w = (uint16_t *)malloc(TN * TK * sizeof(uint16_t)), *xb = (uint16_t *)malloc(TM * KP_OF(TK) * 2);
+    if (!x || !xr || !y || !w || !xb) abort();
+    for (int64_t i = 0; i < TM * TK; i++) x[i] = (float)((i * 7919) % 201 - 100) / 64.0f;
+    for (int64_t i = 0; i < TN * TK; i++) w[i] = to_bf16((float)((i * 104729) % 199 - 99) / 128.0f);
+    int64_t best_dot = INT64_MAX, best_round = INT64_MAX;
+    for (int rep = 0; rep < REPS; rep++) {
+        int64_t t = now_ns();
+        round_rows_bf16(x, xb, TM, TK);
+        many_bf16_inputs(w, xb, y, TM, TN, TK);
+        t = now_ns() - t;
+        best_dot = t < best_dot ? t : best_dot;
+        t = now_ns();
+        xround_bf16_inputs(x, xr, w, y, TM, TN, TK);
+        t = now_ns() - t;
+        best_round = t < best_round ? t : best_round;
+    }
+    free(x), free(xr), free(y), free(w), free(xb);
+    return best_dot < best_round * 0.9;  // a clear win only: on a shared machine one time can be unlucky
+}
+#endif
+
+// Whether many rows (prefill chunks, batches over FEW_ROWS) of a bf16_inputs product run on the vdpbf16ps
+// tiles: measured once a process, as neither the vendor nor a feature bit tells. A Zen 5 runs vdpbf16ps on
+// both 512-bit pipes, so its tiles make 64 products a cycle where the FMA tiles make 32 (1.5-2.6x the exact
+// tiles); an Intel Xeon (AVX512_BF16 and AMX listed) ran them at 99 GMAC/s against 120 for the exact tiles on
+// the rounded x: 32 a cycle either way, plus the rounding pass. One row and a few rows keep vdpbf16ps
+// everywhere (decode is bound by the weights' bytes, which it reads as stored). set_bf16_dot_tiles(0 or 1)
+// forces the answer (the tests run both tiles), -1 measures again.
+int64_t bf16_dot_tiles(void) {
+#if defined(__AVX512BF16__)
+    int known = __atomic_load_n(&dot_tiles, __ATOMIC_ACQUIRE);
+    if (known < 0) {
+        known = bf16_dot_products() ? measure_dot_tiles() : 0;
+        __atomic_store_n(&dot_tiles, known, __ATOMIC_RELEASE);
+    }
+    return known;
+#else
+    return 0;
+#endif
+}
+
+void set_bf16_dot_tiles(int64_t v) { __atomic_store_n(&dot_tiles, v < 0 ? -1 : v > 0, __ATOMIC_RELEASE); }
+
 static void gemm_bf16_inputs(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N, int64_t K) {
 #if defined(__AVX512BF16__)
     static int dot = -1;  // the CPU does not change under a running process
     if (dot < 0) dot = (int)bf16_dot_products();
-    if (dot) {
+    if (dot && (M <= FEW_ROWS || bf16_dot_tiles())) {
         uint16_t *xb = (uint16_t *)xin_buffer(M * KP_OF(K) * 2);
         if (!xb) abort();  // out of memory for a few rows of activations: nothing sensible is left to do
         round_rows_bf16(x, xb, M, K);
@@ -1152,12 +1216,7 @@ static void gemm_bf16_inputs(const float *x, const uint16_t *w, float *y, int64_
 #endif
     float *xr = (float *)xin_buffer(M * K * (int64_t)sizeof(float));
     if (!xr) abort();
-#pragma omp parallel for schedule(static) if (M * K >= ROUND_PARALLEL)
-    for (int64_t i = 0; i < M * K; i++) {
-        const uint32_t bits = (uint32_t)to_bf16(x[i]) << 16;
-        memcpy(xr + i, &bits, sizeof(bits));
-    }
-    gemm_half(xr, w, y, M, N, K, HALF_BF16);
+    xround_bf16_inputs(x, xr, w, y, M, N, K);
 }
 
 // int4 groups (`Int4Weight`): w[n, k] = code[n, k] * scale[n, g] + zero[n, g] with g = k / G, codes two per

@@ -33,7 +33,9 @@ paths without it. Measured on the dev box (AMD EPYC Zen 3, AVX2, 2 threads; `ben
 * native bf16dot (`bf16_inputs`, AVX512_BF16): x rounded to bf16, as llama.cpp's BF16 does; on a Zen 5 at 2
   threads [2048, 640] 1.24x the exact path at 1 row, 1.60x at 16, 1.51x at 128; [640, 2048] at 128 rows 2.59x;
   the [262144, 640] head 4.2 ms (80 GB/s). SmolLM2's bf16 logits move 0.0091 relative from fp32 against 0.0057
-  for the exact path (tests/pipeline/test_smollm2_precisions.py).
+  for the exact path (tests/pipeline/test_smollm2_precisions.py). Past FEW_ROWS rows the vdpbf16ps tiles run
+  only where they measure faster than the exact tiles on the rounded x (`NativeKernels.bf16_dot_tiles`, once a
+  process): an Intel Xeon runs vdpbf16ps on one pipe, 99 GMAC/s at 128 rows against 120 for the exact tiles.
 * fbgemm-fp16: bf16 weights are converted to fp16, exact for every bf16 value with 2^-14 <= |w| <= 65504
   and off by < 2^-25 absolute below that; weights beyond fp16 range use the reference. More accurate than
   the reference (which rounds activations to bf16/fp16) and 2-4x faster.

@@ -92,6 +92,10 @@ class NativeKernels:
         lib.bf16_dot_products.restype = i64
         # bf16 products with bf16 inputs run on vdpbf16ps (AVX512_BF16), else on the exact path after rounding x
         self.bf16_dot: bool = bool(lib.bf16_dot_products())
+        lib.bf16_dot_tiles.argtypes = []
+        lib.bf16_dot_tiles.restype = i64
+        lib.set_bf16_dot_tiles.argtypes = [i64]
+        lib.set_bf16_dot_tiles.restype = None
         self._int4 = lib.gemm_int4
         self._int4.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
         self._int4.restype = None
@@ -108,6 +112,17 @@ class NativeKernels:
         self._stats = (ctypes.c_int64 * 8)()
         if os.environ.get("LLMPLAN_THREADS_ADAPT", "1") == "0":
             lib.set_kernel_threads(-1)  # every product on torch's thread count, as before #30
+
+    @property
+    def bf16_dot_tiles(self) -> bool:
+        """Whether many rows of a `bf16_inputs` product run on the vdpbf16ps tiles too (measured once a process,
+        a few ms: faster on a Zen 5, not on an Intel Xeon), else on the rounded x with the exact tiles."""
+        return bool(self.lib.bf16_dot_tiles())
+
+    def force_bf16_dot_tiles(self, use: bool | None) -> None:
+        """Run many rows on the vdpbf16ps tiles (True) or the exact ones (False) whatever they measure; None:
+        measure again on the next product."""
+        self.lib.set_bf16_dot_tiles(-1 if use is None else int(use))
 
     def set_threads(self, n: int) -> None:
         """Run every product on `n` threads from now on (tests, A/B runs); 0: adapt the count to the machine's

@@ -86,6 +86,27 @@ def test_bf16_inputs_kernel_equals_the_exact_product_of_rounded_inputs(
     _close(isa_path.linear_half(x, w, bf16_inputs=True), x.bfloat16().double() @ w.double().T)
 
 
+# Many rows run on the vdpbf16ps tiles or on the rounded x with the exact tiles, whichever this CPU measured
+# faster (`bf16_dot_tiles`): both give the exact product of the rounded inputs up to the sums' order, and a few
+# rows keep vdpbf16ps whatever the choice (their sums stay bitwise the one-row kernel's).
+@needs_native
+@pytest.mark.parametrize("tiles", [True, False])
+def test_bf16_inputs_tiles_either_way_equal_the_exact_product(isa_path: native.NativeKernels, tiles: bool) -> None:
+    gen = torch.Generator().manual_seed(5)
+    w, x = torch.randn(1027, 4136, generator=gen).bfloat16(), torch.randn(130, 4136, generator=gen)
+    want = x.bfloat16().double() @ w.double().T
+    one = isa_path.linear_half(x[:1], w, bf16_inputs=True)
+    try:
+        isa_path.force_bf16_dot_tiles(tiles)
+        assert isa_path.bf16_dot_tiles is (tiles and isa_path.bf16_dot)
+        _close(isa_path.linear_half(x, w, bf16_inputs=True), want)
+        assert torch.equal(isa_path.linear_half(x[:3], w, bf16_inputs=True)[:1], one)
+    finally:
+        isa_path.force_bf16_dot_tiles(None)
+    assert isinstance(isa_path.bf16_dot_tiles, bool)  # measured again
+    assert isa_path.bf16_dot or not isa_path.bf16_dot_tiles
+
+
 @needs_native
 def test_bf16_inputs_round_x_and_pass_non_finite_values_on(isa_path: native.NativeKernels) -> None:
     w = torch.ones(4, 64, dtype=torch.bfloat16)
