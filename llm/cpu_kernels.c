@@ -349,17 +349,30 @@ static inline __m256 load_i8(const int8_t *p) {
 // k step, and a tile's stores.
 typedef struct TilePrefetch {
     const char *const *next;
-    int64_t lines, per_step, fetched;
+    int64_t bytes, per_tile, per_step, at;  // bytes a row (whole lines); `at` walks row `row`, then the next
+    int row;
 } TilePrefetch;
 
+// Up to SPREAD_ROWS activation rows (a few tiles a block) the lines go a share a k step; more rows, a share a
+// tile at its start. A burst of a tile's share (60 lines at 16 rows, K = 640) fills the core's line-fill
+// buffers and stalls the tile behind it: 16-row fp32 products were 38 GMAC/s a core against 66 at 128 rows
+// (Xeon, weights from L3), 46 spread. At 128 rows a tile's share is 8 lines, and the check in every step
+// cost more (0.88-0.96x) than the burst.
+#define SPREAD_ROWS 32
 static inline TilePrefetch tile_prefetch_plan(const char *const *next, int64_t next_bytes, int64_t M, int64_t steps) {
-    const int64_t lines = next ? (next_bytes + 63) / 64 : 0, tiles = (M + MR - 1) / MR;
-    return (TilePrefetch){next, lines, (lines * NR + tiles * steps - 1) / (tiles * steps), 0};  // steps a tile
+    const int64_t lines = next ? (next_bytes + 63) / 64 : 0, tiles = (M + MR - 1) / MR, total = lines * NR;
+    const int spread = M <= SPREAD_ROWS;
+    return (TilePrefetch){next, lines * 64, spread ? 0 : (total + tiles - 1) / tiles,
+                          spread ? (total + tiles * steps - 1) / (tiles * steps) : 0, 0, next ? 0 : NR};
 }
 
-static inline void tile_prefetch(TilePrefetch *p) {
-    for (int64_t j = 0; j < p->per_step && p->fetched < p->lines * NR; j++, p->fetched++)
-        _mm_prefetch(p->next[p->fetched / p->lines] + (p->fetched % p->lines) * 64, _MM_HINT_T1);
+// n more lines, walking the rows with counters (no division: this runs beside a step's FMAs).
+static inline void tile_prefetch(TilePrefetch *p, int64_t n) {
+    for (int64_t j = 0; j < n && p->row < NR; j++) {
+        _mm_prefetch(p->next[p->row] + p->at, _MM_HINT_T1);
+        p->at += 64;
+        if (p->at == p->bytes) p->at = 0, p->row++;
+    }
 }
 
 // The activation row of a tile's slot i: rows past the last (mb of them are real) repeat the first, unstored.
@@ -389,12 +402,9 @@ static inline __attribute__((always_inline)) void tile_store(vf acc[NR][MR], int
 // Rows past nr (or m past M in the last tile) repeat row 0 and are not stored. K % 8 == 0.
 // An NR x MR register tile (NR * MR accumulators, NR weight vectors, 1 activation vector live).
 // next[r] (or NULL): the stored rows of the block this thread runs next, next_bytes each. Their cache lines are
-// prefetched into L2 one or two per k step: a block's weights come from memory once and are then reused by
-// every tile, so without it each block starts with a stall on its rows (in a prefill, 20-30 % of the GEMM).
-// Spread over the steps, not issued a tile's share at once: a burst of 60 prefetches (16 rows, K = 640) fills
-// the core's line-fill buffers and stalls the tile behind them, which is what held 16-row fp32 products to
-// 38 GMAC/s a core against 66 at 128 rows (Xeon, weights from L3): 46 spread, the [262144, 640] head at 16
-// rows 45 -> 41 ms, [151936, 896] 36 -> 31 ms; 128 rows unchanged.
+// prefetched into L2 as the tiles go (tile_prefetch_plan): a block's weights come from memory once and are then
+// reused by every tile, so without it each block starts with a stall on its rows (in a prefill, 20-30 % of
+// the GEMM).
 // x's rows lie ldx apart; with `add` the tile adds to y (a later block of K's columns, see gemm_f32).
 // One k step of a tile: NR weight vectors (type TV, row r's from W), each activation row's vector (X) against
 // all of them, MAC(acc, w, x) accumulating.
@@ -420,10 +430,14 @@ static inline __attribute__((always_inline)) void tile_store(vf acc[NR][MR], int
             vf acc[NR][MR];                                                                                         \
             tile_zero(acc);                                                                                         \
             int64_t k = 0;                                                                                          \
-            for (; k + (WIDTH) <= K; k += (WIDTH)) {                                                                \
-                tile_prefetch(&ahead);                                                                              \
-                TILE_STEP(TV, LOADW(wr[r] + k), LOADX(xr[i] + k), MAC)                                              \
-            }                                                                                                       \
+            tile_prefetch(&ahead, ahead.per_tile);                                                                  \
+            if (ahead.per_step)                                                                                     \
+                for (; k + (WIDTH) <= K; k += (WIDTH)) {                                                            \
+                    tile_prefetch(&ahead, ahead.per_step);                                                          \
+                    TILE_STEP(TV, LOADW(wr[r] + k), LOADX(xr[i] + k), MAC)                                          \
+                }                                                                                                   \
+            else                                                                                                    \
+                for (; k + (WIDTH) <= K; k += (WIDTH)) TILE_STEP(TV, LOADW(wr[r] + k), LOADX(xr[i] + k), MAC)       \
             if (k < K) TILE_STEP(TV, TAILW(wr[r] + k, K - k), TAILX(xr[i] + k), MAC)                                \
             tile_store(acc, nr, mb, y + m * ldy, ldy, cs, scale, add);                                              \
         }                                                                                                           \
