@@ -92,6 +92,10 @@ class NativeKernels:
         lib.bf16_dot_products.restype = i64
         # bf16 products with bf16 inputs run on vdpbf16ps (AVX512_BF16), else on the exact path after rounding x
         self.bf16_dot: bool = bool(lib.bf16_dot_products())
+        lib.set_int4_integer_tiles.argtypes = [i64]
+        lib.set_int4_integer_tiles.restype = None
+        lib.int4_integer_tile_rows.argtypes = []
+        lib.int4_integer_tile_rows.restype = i64
         lib.bf16_dot_tiles.argtypes = []
         lib.bf16_dot_tiles.restype = i64
         lib.set_bf16_dot_tiles.argtypes = [i64]
@@ -123,6 +127,17 @@ class NativeKernels:
         """Run many rows on the vdpbf16ps tiles (True) or the exact ones (False) whatever they measure; None:
         measure again on the next product."""
         self.lib.set_bf16_dot_tiles(-1 if use is None else int(use))
+
+    @property
+    def int4_integer_tile_rows(self) -> int:
+        """The most rows an int4 product takes on the integer tiles (x rounded to 16 bits per group, as one row
+        does); more rows, or 0 here (the AVX2 build), take the dequantizing fp32 tiles on x as it is."""
+        return int(self.lib.int4_integer_tile_rows())
+
+    def force_int4_integer_tiles(self, use: bool) -> None:
+        """Many-row int4 products on the integer tiles (True, the default on AVX-512) or the dequantizing fp32
+        tiles (False; the AVX2 build has only these): for A/B runs and the tests that hold both to one answer."""
+        self.lib.set_int4_integer_tiles(int(use))
 
     def set_threads(self, n: int) -> None:
         """Run every product on `n` threads from now on (tests, A/B runs); 0: adapt the count to the machine's

@@ -301,8 +301,10 @@ def test_native_error_terms_equal_the_torch_ones(
 
 
 # (7, 2112, 96): groups that do not divide the tiles' 1024-column blocks (blocks of 960 columns, 10 groups)
+# 13 and 24 rows: the integer tiles' 16-, 8-, 4- and 1-row tiles; 130: past them, the dequantizing tiles. K = 64,
+# 576, 2112: superblocks of 256 columns cut short (masked loads); 2112 also in 1024-column blocks.
 @needs_native
-@pytest.mark.parametrize("rows", [1, 3, 16, 130])
+@pytest.mark.parametrize("rows", [1, 3, 13, 16, 24, 130])
 @pytest.mark.parametrize(("n", "k", "group"), [(70, 64, 32), (9, 1536, 64), (5, 576, 32), (7, 2112, 96)])
 def test_int4_kernel_equals_the_exact_product(
     isa_path: native.NativeKernels, rows: int, n: int, k: int, group: int
@@ -314,15 +316,42 @@ def test_int4_kernel_equals_the_exact_product(
     assert isinstance(q, Int4Weight)
     x = torch.randn(rows, k, generator=gen)
     w = dequantize(q).double()
-    if rows > 8:  # many rows: the dequantized weights against x in fp32
+    if rows > max(8, isa_path.int4_integer_tile_rows):  # the dequantized weights against x in fp32
         _close(isa_path.linear_int4(x, q.packed, q.scale, q.zero), x.double() @ w.T)
         return
-    # One row and a few (the few-rows kernel): the codes against x rounded to 16 bits per group; the zero term
-    # takes x unrounded
+    # One row, a few (the few-rows kernel) and up to int4_integer_tile_rows (the integer tiles): the codes
+    # against x rounded to 16 bits per group; the zero term takes x unrounded
     rounded = _round_x16(x, group)
     zero = q.zero.double().repeat_interleave(group, dim=1)  # [n, k]
     want = rounded @ w.T + (x.double() - rounded) @ zero.T
     _close(isa_path.linear_int4(x, q.packed, q.scale, q.zero), want)
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [9, 16, 24])
+def test_int4_integer_tiles_switch_off_to_the_dequantizing_tiles(isa_path: native.NativeKernels, rows: int) -> None:
+    """Many rows take the integer tiles on AVX-512 (the AVX2 build has none): off, the same product runs on the
+    dequantizing fp32 tiles on x as it is, and the two differ by x's 16-bit rounding alone."""
+    from llmplan.llm.weight_formats import dequantize
+
+    gen = torch.Generator().manual_seed(rows)
+    q = quantize_weight(torch.randn(40, 640, generator=gen), "int4", 32)
+    x = torch.randn(rows, 640, generator=gen)
+    exact = x.double() @ dequantize(q).double().T
+    assert isa_path.int4_integer_tile_rows == (24 if isa_path.isa == "avx512" else 0)
+    integer = isa_path.linear_int4(x, q.packed, q.scale, q.zero).double()
+    try:
+        isa_path.force_int4_integer_tiles(False)
+        assert isa_path.int4_integer_tile_rows == 0
+        widened = isa_path.linear_int4(x, q.packed, q.scale, q.zero).double()
+    finally:
+        isa_path.force_int4_integer_tiles(True)
+    _close(widened, exact)
+    gap = (integer - exact).abs().max().item() / exact.abs().max().item()
+    if isa_path.isa == "avx512":
+        assert 1e-7 < gap < 1e-4  # the rounding shows, within its bound (measured ~3e-5)
+    else:
+        assert torch.equal(integer, widened)
 
 
 def _round_x16(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -354,15 +383,17 @@ def test_int4_one_row_rounding_of_x_moves_the_product_little(isa_path: native.Na
 
 
 @needs_native
+@pytest.mark.parametrize("rows", [1, 16])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_int4_one_row_passes_non_finite_x_on(isa_path: native.NativeKernels, bad: float) -> None:
+def test_int4_one_row_passes_non_finite_x_on(isa_path: native.NativeKernels, bad: float, rows: int) -> None:
     """A NaN or infinity in x must not be rounded away: every output row it meets is non-finite (the NaN check
-    of the generation loop relies on it)."""
+    of the generation loop relies on it), and the other rows stay finite."""
     q = quantize_weight(torch.randn(12, 64), "int4", 32)
-    x = torch.randn(1, 64)
+    x = torch.randn(rows, 64)
     x[0, 37] = bad
     got = isa_path.linear_int4(x, q.packed, q.scale, q.zero)
-    assert not bool(torch.isfinite(got).any())
+    assert not bool(torch.isfinite(got[0]).any())
+    assert bool(torch.isfinite(got[1:]).all())
 
 
 @needs_native
@@ -374,7 +405,8 @@ def test_int4_modules_read_the_packed_codes_or_fall_back_to_int8(isa_path: nativ
     native_module = make_linear(quantize_weight(w, "int4", 32))
     native_module.prepack()
     assert isinstance(native_module, Int4Linear) and native_module.path == f"native-{isa_path.isa}-int4"
-    x = torch.randn(9, 64)  # past the few-rows kernel (which rounds x as one row does): the exact product
+    # past the few-rows kernel and the integer tiles (which round x as one row does): the exact product
+    x = torch.randn(max(9, isa_path.int4_integer_tile_rows + 1), 64)
     _close(native_module(x), x.double() @ dequantize(native_module.quantized_weight()).double().T)
     odd_groups = make_linear(quantize_weight(w, "int4", 16))  # groups of 16: not the kernel's 32-column steps
     odd_groups.prepack()
