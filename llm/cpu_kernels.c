@@ -1503,11 +1503,11 @@ static void few_rows_int4(const float *x, const uint8_t *packed, const uint16_t 
 }
 
 #ifdef __AVX512F__
-// Several rows on AVX-512 (up to INT4_TILE_ROWS): the codes' products in integers, vpdpwssd doing 32
-// multiply-adds an instruction where an fp32 FMA does 16, on x rounded to 16 bits per group as the one-row
-// kernel rounds it (so 1 .. 24 rows share one arithmetic but for the fp32 order of the sums). The dequantizing
-// tiles these replace spent a third of a Gemma 3 batch-16 step turning codes into fp32 (perf: 25 % of the
-// samples in dequant_int4_row, 48 % in the fp32 tiles after it).
+// Several rows on AVX-512 (up to INT4_TILE_ROWS): the codes' products in integers (vpdpwssd, 32 multiply-adds
+// an instruction), on x rounded to 16 bits per group as the one-row kernel rounds it, so 1 .. 32 rows share one
+// arithmetic but for the fp32 order of the sums. The dequantizing tiles these replace spent a third of a Gemma
+// 3 batch-16 step turning codes into fp32 (perf: 25 % of the samples in dequant_int4_row, 48 % in the fp32
+// tiles after it). At 16 rows on the Xeon: the Gemma 3 head 34.7 -> 22.4 ms, the linears 1.4-1.6x.
 //
 // A superblock is 256 columns: 8 segments of 32 codes (each in one group), 128 bytes, two zmm loads. Two
 // dword permutes give each int32 lane t two 32-bit pieces (16 codes) of segment t / 2, so the lane sums 16
@@ -1515,9 +1515,10 @@ static void few_rows_int4(const float *x, const uint8_t *packed, const uint16_t 
 // the zero-point term (zero * x's sum over the segment) one more: no lane ever mixes groups. A mask and three
 // shifts split each 16-bit word (4 codes) into planes of one code a word, each multiplied (word pairs summed,
 // vpdpwssd) by the matching plane of x. A K that is not a multiple of 256 ends in masked loads: the absent
-// segments' codes, x and scales are 0. (128-column superblocks, 8 products a lane, cost 1.3x this.)
+// segments' codes, x and scales are 0. Tried and not kept: 128-column superblocks (one load, no permute;
+// same speed), two dependency chains a row or rows interleaved (same speed: not latency-bound).
 #define SB 256              // columns a superblock
-#define INT4_TILE_ROWS 24   // the most rows it takes: above, the dequantizing tiles' 24 accumulators win
+#define INT4_TILE_ROWS 32   // the most rows it takes: at 64 and 128 both tiles run at one speed (0.9-1.1x)
 #define MT4 16              // activation rows a tile: 16 fp32 accumulators and one weight row's 8 planes
 
 typedef struct Int4X {  // one activation row's superblock, prepared once a product (`int4_x_planes`)
@@ -1536,6 +1537,12 @@ int64_t int4_integer_tile_rows(void) { return __atomic_load_n(&int4_tiles_on, __
 // x [M, K] into S superblocks a row; the group scale and the rounding are quantize_x16's.
 static void int4_x_planes(const float *x, Int4X *out, int64_t M, int64_t K, int64_t G) {
     const int64_t S = (K + SB - 1) / SB;
+    int16_t order[32];
+    for (int w = 0; w < 32; w++) {
+        const int plane = w / 4, j = plane / 4, c = plane % 4, i = w % 4;
+        order[w] = (int16_t)(16 * (i / 2) + 8 * j + 4 * (i % 2) + c);
+    }
+    const __m512i plane_order = _mm512_loadu_si512(order);
 #pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
     for (int64_t m = 0; m < M; m++) {
         const float *xm = x + m * K;
@@ -1552,13 +1559,12 @@ static void int4_x_planes(const float *x, Int4X *out, int64_t M, int64_t K, int6
                 const int64_t at = g * G + k, seg = (at % SB) / 32;
                 Int4X *sb = o + at / SB;
                 const __m512 a = _mm512_loadu_ps(xg + k), b = _mm512_loadu_ps(xg + k + 16);
-                int32_t q[32];
-                _mm512_storeu_si512(q, _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)));  // round to nearest even
-                _mm512_storeu_si512(q + 16, _mm512_cvtps_epi32(_mm512_mul_ps(b, inv)));
-                for (int col = 0; col < 32; col++) {
-                    const int p = col / 8, w = col % 8 / 4, c = col % 4, t = 2 * (int)seg + p / 2;
-                    sb->q[4 * (p % 2) + c][2 * t + w] = (int16_t)q[col];
-                }
+                const __m512i q16 = _mm512_inserti64x4(  // round to nearest even, 16 bits, column order
+                    _mm512_castsi256_si512(_mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv)))),
+                    _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv))), 1);
+                int64_t words[8];  // plane 4 j + c's 4 words of this segment: columns 8j+c, 8j+4+c, 16+8j+c, 20+8j+c
+                _mm512_storeu_si512(words, _mm512_permutexvar_epi16(plane_order, q16));
+                for (int j = 0; j < 8; j++) memcpy(&sb->q[j][4 * seg], &words[j], sizeof(int64_t));
                 const float sum = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
                 for (int h = 0; h < 2; h++) {
                     sb->sx[2 * seg + h] = scale;
@@ -1569,11 +1575,27 @@ static void int4_x_planes(const float *x, Int4X *out, int64_t M, int64_t K, int6
     }
 }
 
+// The horizontal sums of 16 vectors in one: halves of 128-bit lanes folded across vector pairs (a[i] with
+// a[i + 8], then with a[i + 4]), then within the 128-bit lanes. Lane l of the result is a[SUM16_ROW(l)]'s sum.
+#define SUM16_ROW(l) ((int[]){0, 2, 1, 3}[(l) % 4] + (int[]){0, 8, 4, 12}[(l) / 4])
+static inline __m512 sums16(const __m512 *a) {
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++)  // lanes: a[i]'s 128-bit halves summed, then a[i + 8]'s
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], 0x44), _mm512_shuffle_f32x4(a[i], a[i + 8], 0xEE));
+    for (int i = 0; i < 4; i++)  // 128-bit lane j: a[i], a[i + 8], a[i + 4], a[i + 12], four partial sums each
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[i], b[i + 4], 0x88), _mm512_shuffle_f32x4(b[i], b[i + 4], 0xDD));
+    for (int i = 0; i < 2; i++)  // within each 128-bit lane: two partials of c[i]'s row, two of c[i + 2]'s
+        d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[i], c[i + 2], 0x44), _mm512_shuffle_ps(c[i], c[i + 2], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+}
+
 typedef struct Int4Tiles {
     const uint8_t *packed;
     const uint16_t *scale, *zero;
     const Int4X *x;
     const __m512i *seg_group;  // per superblock, lane t: the group of segment t / 2 less the superblock's first
+    const int64_t *first_group;  // per superblock: its first group (no division in the tile)
+    const __mmask8 *group_mask;  // per superblock: its groups of the (up to) 8 scales loaded from the first
     __m512i pick[2];           // lane t of permute j: dword 2 (t % 2) + j of segment t / 2 (of two loads)
     int64_t G, groups, S;
 } Int4Tiles;
@@ -1609,8 +1631,8 @@ static inline __attribute__((always_inline)) void int4_tile(const Int4Tiles *c, 
             _mm512_and_si512(_mm512_srli_epi16(t0, 8), low), _mm512_srli_epi16(t0, 12),
             _mm512_and_si512(t1, low), _mm512_and_si512(_mm512_srli_epi16(t1, 4), low),
             _mm512_and_si512(_mm512_srli_epi16(t1, 8), low), _mm512_srli_epi16(t1, 12)};
-        const int64_t g0 = k0 / c->G, ng = c->groups - g0 < 8 ? c->groups - g0 : 8;
-        const __mmask8 gm = (__mmask8)((1u << ng) - 1);
+        const int64_t g0 = c->first_group[s];
+        const __mmask8 gm = c->group_mask[s];
         const __m512 sw = _mm512_permutexvar_ps(c->seg_group[s], _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_maskz_loadu_epi16(gm, sc + g0)))),
                      zw = _mm512_permutexvar_ps(c->seg_group[s], _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_maskz_loadu_epi16(gm, ze + g0))));
         _Pragma("GCC unroll 16") for (int i = 0; i < mb; i++) {
@@ -1621,7 +1643,16 @@ static inline __attribute__((always_inline)) void int4_tile(const Int4Tiles *c, 
             acc[i] = _mm512_fmadd_ps(zw, _mm512_load_ps(xi->xs), acc[i]);
         }
     }
-    for (int i = 0; i < mb; i++) y[i * N] = (add ? y[i * N] : 0.0f) + _mm512_reduce_add_ps(acc[i]);
+    if (mb == MT4) {  // the 16 sums in one vector, 46 shuffles and adds where 16 reductions take ~130
+        float sums[16];
+        _mm512_storeu_ps(sums, sums16(acc));
+        for (int l = 0; l < 16; l++) {
+            const int i = SUM16_ROW(l);
+            y[i * N] = (add ? y[i * N] : 0.0f) + sums[l];
+        }
+    } else {
+        for (int i = 0; i < mb; i++) y[i * N] = (add ? y[i * N] : 0.0f) + _mm512_reduce_add_ps(acc[i]);
+    }
 }
 
 static void int4_tiles_block(const TilePass *p, int64_t b, const int64_t *n, int nr, const char *const *next,
@@ -1653,9 +1684,14 @@ static void many_rows_int4(const float *x, const uint8_t *packed, const uint16_t
     const int64_t S = (K + SB - 1) / SB;
     Int4X *xp = (Int4X *)_mm_malloc(M * S * sizeof(Int4X), 64);
     __m512i *seg_group = (__m512i *)_mm_malloc(S * sizeof(__m512i), 64);
-    if (!xp || !seg_group) abort();
+    int64_t *first_group = (int64_t *)malloc(S * sizeof(int64_t));
+    __mmask8 *group_mask = (__mmask8 *)malloc(S * sizeof(__mmask8));
+    if (!xp || !seg_group || !first_group || !group_mask) abort();
     int4_x_planes(x, xp, M, K, G);
     for (int64_t s = 0; s < S; s++) {
+        first_group[s] = s * SB / G;
+        const int64_t ng = K / G - first_group[s] < 8 ? K / G - first_group[s] : 8;
+        group_mask[s] = (__mmask8)((1u << ng) - 1);
         int32_t lanes[16];
         for (int t = 0; t < 16; t++) {
             const int64_t k = s * SB + 32 * (t / 2);
@@ -1663,7 +1699,8 @@ static void many_rows_int4(const float *x, const uint8_t *packed, const uint16_t
         }
         seg_group[s] = _mm512_loadu_si512(lanes);
     }
-    Int4Tiles c = {packed, scale, zero, xp, seg_group, {_mm512_setzero_si512(), _mm512_setzero_si512()}, G, K / G, S};
+    Int4Tiles c = {packed, scale, zero, xp, seg_group, first_group, group_mask,
+                   {_mm512_setzero_si512(), _mm512_setzero_si512()}, G, K / G, S};
     for (int j = 0; j < 2; j++) {
         int32_t lanes[16];
         for (int t = 0; t < 16; t++) {  // segment t / 2 is dword 4 (seg % 4) .. of load seg / 4 (16 + i: the second)
@@ -1677,6 +1714,8 @@ static void many_rows_int4(const float *x, const uint8_t *packed, const uint16_t
     // them again from L2 (0.6-0.9x the dequantizing tiles).
     const int64_t KB = K <= 1024 ? K : 1024;  // a multiple of SB: the column blocks' partial sums add up in y
     tiled_product(int4_tiles_block, &c, packed, K / 2, y, M, N, K, KB, MT4, 0, 0);
+    free(group_mask);
+    free(first_group);
     _mm_free(seg_group);
     _mm_free(xp);
 }

@@ -301,10 +301,10 @@ def test_native_error_terms_equal_the_torch_ones(
 
 
 # (7, 2112, 96): groups that do not divide the tiles' 1024-column blocks (blocks of 960 columns, 10 groups)
-# 13 and 24 rows: the integer tiles' 16-, 8-, 4- and 1-row tiles; 130: past them, the dequantizing tiles. K = 64,
+# 13 and 31 rows: the integer tiles' 16-, 8-, 4-, 2- and 1-row tiles; 130: past them, the dequantizing tiles. K = 64,
 # 576, 2112: superblocks of 256 columns cut short (masked loads); 2112 also in 1024-column blocks.
 @needs_native
-@pytest.mark.parametrize("rows", [1, 3, 13, 16, 24, 130])
+@pytest.mark.parametrize("rows", [1, 3, 13, 16, 31, 130])
 @pytest.mark.parametrize(("n", "k", "group"), [(70, 64, 32), (9, 1536, 64), (5, 576, 32), (7, 2112, 96)])
 def test_int4_kernel_equals_the_exact_product(
     isa_path: native.NativeKernels, rows: int, n: int, k: int, group: int
@@ -328,7 +328,7 @@ def test_int4_kernel_equals_the_exact_product(
 
 
 @needs_native
-@pytest.mark.parametrize("rows", [9, 16, 24])
+@pytest.mark.parametrize("rows", [9, 16, 32])
 def test_int4_integer_tiles_switch_off_to_the_dequantizing_tiles(isa_path: native.NativeKernels, rows: int) -> None:
     """Many rows take the integer tiles on AVX-512 (the AVX2 build has none): off, the same product runs on the
     dequantizing fp32 tiles on x as it is, and the two differ by x's 16-bit rounding alone."""
@@ -338,7 +338,7 @@ def test_int4_integer_tiles_switch_off_to_the_dequantizing_tiles(isa_path: nativ
     q = quantize_weight(torch.randn(40, 640, generator=gen), "int4", 32)
     x = torch.randn(rows, 640, generator=gen)
     exact = x.double() @ dequantize(q).double().T
-    assert isa_path.int4_integer_tile_rows == (24 if isa_path.isa == "avx512" else 0)
+    assert isa_path.int4_integer_tile_rows == (32 if isa_path.isa == "avx512" else 0)
     integer = isa_path.linear_int4(x, q.packed, q.scale, q.zero).double()
     try:
         isa_path.force_int4_integer_tiles(False)
