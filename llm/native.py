@@ -92,6 +92,9 @@ class NativeKernels:
         lib.bf16_dot_products.restype = i64
         # bf16 products with bf16 inputs run on vdpbf16ps (AVX512_BF16), else on the exact path after rounding x
         self.bf16_dot: bool = bool(lib.bf16_dot_products())
+        self._greedy = lib.greedy_pick
+        self._greedy.argtypes = [ptr, i64, ptr]
+        self._greedy.restype = i64
         lib.set_int4_integer_tiles.argtypes = [i64]
         lib.set_int4_integer_tiles.restype = None
         lib.int4_integer_tile_rows.argtypes = []
@@ -262,6 +265,15 @@ class NativeKernels:
         if bits.dtype != torch.int32 or bits.numel() * 32 < logits.numel() or not bits.is_contiguous():
             raise ValueError(f"apply_token_bitmask: bits must be int32 [>= {(logits.numel() + 31) // 32}]")
         return int(self._bitmask(logits.data_ptr(), bits.data_ptr(), logits.numel()))
+
+    def greedy_pick(self, logits: Tensor) -> tuple[int, float] | None:
+        """The first maximum of fp32 CPU logits [V] and its log-softmax, in one native call; None where the row
+        holds a NaN or an infinity (the caller's torch path handles those)."""
+        if logits.dtype != torch.float32 or not logits.is_contiguous() or logits.device.type != "cpu":
+            raise ValueError("greedy_pick: logits must be contiguous fp32 on the CPU")
+        logprob = ctypes.c_float()
+        token = int(self._greedy(logits.data_ptr(), logits.numel(), ctypes.byref(logprob)))
+        return None if token < 0 else (token, logprob.value)
 
     def int8_error_terms(self, w: Tensor, qweight: Tensor, scale: Tensor, row_step: int) -> tuple[float, float]:
         """(sum (w - q * scale)^2, sum w^2) over every `row_step`-th row of a 2-D weight."""

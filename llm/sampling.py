@@ -49,6 +49,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from . import native
 from .generate import Pick, TokenPicker
 from .sampling_params import SamplingParams
 from .token_mask import FormatMask
@@ -371,6 +372,11 @@ class Picker:
             if self.mask is not None:
                 logits = torch.from_numpy(raw_np.copy())
                 self.mask.reapply(logits)
+        if self.params.greedy and logits is raw and self.params.logprobs_top_n == 0:
+            fast = native.kernels()  # the first maximum and its logprob in one native pass over the row
+            picked = fast.greedy_pick(raw) if fast is not None else None
+            if picked is not None:
+                return Pick(token=picked[0], logprob=picked[1])
         best = None
         if self.params.logprobs_top_n > 0:
             best = torch.topk(raw, min(self.params.logprobs_top_n, raw.numel()))

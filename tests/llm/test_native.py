@@ -464,3 +464,25 @@ def test_the_isa_path_is_chosen_from_the_cpu_and_can_be_forced(monkeypatch: pyte
         native._load()
     assert native.kernels_for("avx2").isa == "avx2"  # type: ignore[union-attr]
     assert native.kernels() is not None and native.kernels().isa in native.describe()  # type: ignore[union-attr]
+
+
+@needs_native
+@pytest.mark.parametrize("vocab", [13, 1031, 49152, 262144])
+def test_greedy_pick_is_the_first_maximum_and_its_log_softmax(isa_path: native.NativeKernels, vocab: int) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(vocab, generator=gen) * 4
+    top = int(logits.argmax())
+    logits[vocab // 2 :][logits[vocab // 2 :] == logits[vocab // 2 :].max()] = logits[top]  # a tie past it
+    token, logprob = isa_path.greedy_pick(logits) or (-1, 0.0)
+    assert token == int(logits.argmax()) == top  # the first of equal maxima, as argmax
+    want = float(torch.log_softmax(logits.double(), -1)[top])
+    assert logprob == pytest.approx(want, abs=1e-5)  # fp32 sums in blocks of 1024, the blocks in double
+
+
+@needs_native
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_greedy_pick_leaves_non_finite_rows_to_the_caller(isa_path: native.NativeKernels, bad: float) -> None:
+    for at in (3, 1000):  # in the vector body and in the tail
+        logits = torch.randn(1003)
+        logits[at] = bad
+        assert isa_path.greedy_pick(logits) is None
