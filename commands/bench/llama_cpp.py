@@ -257,6 +257,8 @@ def bench_vs_llama_cpp(args: argparse.Namespace, say: Any, partial: Any = None) 
         if footprint:  # llmplan's resident weights against the GGUF, beside the files llama.cpp runs
             result.setdefault("memory", {})[label] = footprint
         model, cache, vocab = loaded.model, loaded.cache, loaded.ctx.model_config.vocab_size
+        # llama.cpp keeps its KV cache in F16 unless told otherwise; what llmplan keeps goes beside it
+        result["settings"].setdefault("kv_cache", {})[label] = str(cache.k.dtype).removeprefix("torch.")
         one, many = random_prompts(1, prompt, vocab, seed=1), random_prompts(batch, prompt, vocab, seed=batch)
         run_once(model, cache, one, min(8, gen))  # warm-up: lazy setup, allocator growth (within the cache)
         run_once(model, cache, many, min(4, gen))
@@ -333,6 +335,12 @@ def vs_markdown(result: dict[str, Any]) -> str:
         "median [min-max]. Decode at batch 1 against llama-bench tg at the prompt's depth, prefill against "
         f"llama-bench pp, batch {s['batch']} aggregate decode against llama-batched-bench.",
         *([f"Plan overrides: {' '.join('--set ' + o for o in s['set'])}."] if s.get("set") else []),
+        *(
+            [f"KV cache: llmplan {', '.join(f'{v} ({k})' for k, v in s['kv_cache'].items())}; llama.cpp float16 "
+             "(its default)."]
+            if s.get("kv_cache")
+            else []
+        ),
         "",
         "| figure | llmplan dtype | llama.cpp type | llmplan tok/s | llama.cpp tok/s | ratio |",
         "|---|---|---|---:|---:|---:|",

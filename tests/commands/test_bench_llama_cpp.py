@@ -147,10 +147,12 @@ def test_as_shipped_runs_the_file_itself_beside_a_requantized_one(
     args = ["bench", str(tiny_gguf_plan), "--vs", "llama.cpp", "--runs", "2", "--batch", "2"]
     args += ["--prompt-tokens", "6", "--gen-tokens", "3", "--llama-type", "Q8_0,as-shipped", "--format", "json"]
     args += ["--set", "convert.bf16_inputs=true"]  # a plan override: recorded, so that a rerun can pass it again
+    args += ["--set", "place.kv_cache.dtype=fp16"]  # llama.cpp's own KV cache format, said beside it
     args += ["--out", str(tmp_path / "vs-qwen2.5")]  # a dot in the prefix is kept: vs-qwen2.5.md
     assert main(args) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["settings"]["set"] == ["convert.bf16_inputs=true"]
+    assert result["settings"]["set"] == ["convert.bf16_inputs=true", "place.kv_cache.dtype=fp16"]
+    assert result["settings"]["kv_cache"] == {"int8": "float16", "int4": "float16"}
     rows = {(r["dtype"], r["figure"]): r for r in result["rows"]}
     assert set(rows) == {(d, f) for d in ("int8", "int4") for f in llama_cpp.FIGURES}
     int8, int4 = rows[("int8", "decode_b1")], rows[("int4", "decode_b1")]
@@ -184,7 +186,8 @@ def test_as_shipped_runs_the_file_itself_beside_a_requantized_one(
     assert benched == ["tiny-q4_1.requant-Q8_0.gguf"] * 6 + [shipped.name] * 6
     md = (tmp_path / "vs-qwen2.5.md").read_text()
     assert json.loads((tmp_path / "vs-qwen2.5.json").read_text())["rows"] == result["rows"]
-    assert "Plan overrides: --set convert.bf16_inputs=true." in md
+    assert "Plan overrides: --set convert.bf16_inputs=true --set place.kv_cache.dtype=fp16." in md
+    assert "KV cache: llmplan float16 (int8), float16 (int4); llama.cpp float16 (its default)." in md
     assert "| batch 1 decode | int4 | Q4_1 (as shipped) |" in md
     assert "| aggregate decode (batch 2) | int8 | Q8_0 (requantized) |" in md
     rate = int4["read_gb_s"]["llmplan"]
