@@ -6,8 +6,9 @@
 // arithmetic off the critical path. Weights stay in their stored format (fp32, bf16, fp16, int8, int4) and
 // are widened to fp32 in registers; activations and accumulation are fp32, so results equal the reference
 // up to summation order (no activation quantization, unlike fbgemm's dynamic int8 or llama.cpp's Q8_0 dot
-// products). One exception: int4 at 1..8 rows rounds x to 16 bits per group and sums the codes' products in
-// integers (see gemm_int4), 4e-4 relative on the bundled model's logits, 15 bits where Q8_0 keeps 8.
+// products). One exception: int4 rounds x to 16 bits per group and sums the codes' products in integers (see
+// gemm_int4) at 1 to 32 rows on AVX-512 (1 to 8 on AVX2), 4e-4 relative on the bundled model's logits, 15 bits
+// where Q8_0 keeps 8.
 //
 // Threads: OpenMP over blocks of output rows. This library needs libgomp.so.1, which resolves to the copy
 // torch has already loaded, so these loops share torch's thread pool and its thread count (the most a team
@@ -1241,7 +1242,9 @@ static void gemm_bf16_inputs(const float *x, const uint16_t *w, float *y, int64_
 // zero[n, :] . xsum[:] on the unrounded x, xsum[g] being the sum of x over group g. 4 weight rows at a time,
 // 0.5 byte/weight. Rounding x to 16 bits moves the bundled model's decode logits by 4e-4 (relative), against
 // the 0.058 that the int4 weights themselves cost (`tests/pipeline/test_smollm2_precisions.py`).
-// Several rows: NR rows are dequantized (code * scale + zero) into an fp32 scratch, then `rows_tile`.
+// A few rows (2 .. FEW_ROWS): the one-row kernel's blocks, each row's result bitwise the one-row kernel's.
+// Many rows: on AVX-512 up to INT4_TILE_ROWS the integer tiles (`many_rows_int4`, the same rounding of x);
+// else NR rows are dequantized (code * scale + zero) into an fp32 scratch, then `rows_tile`, on x as it is.
 
 static inline __m256 nibbles_lo8(__m128i codes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)); }
 static inline __m256 nibbles_hi8(__m128i codes) {

@@ -24,8 +24,9 @@ The native paths exist where `llm/native.py` loads (an AVX2 CPU with a C compile
 paths without it. Measured on the dev box (AMD EPYC Zen 3, AVX2, 2 threads; `benchmarks/kernels.py`):
 
 * native fp32/int8/int4: weights widened to fp32 in registers, fp32 activations and sums: the exact
-  weight-only product up to summation order (int4 at one row: x rounded to 16 bits per group, the codes'
-  products summed in integers; 4e-4 relative on SmolLM2's logits, see llm/cpu_kernels.c). [3072,576] int8
+  weight-only product up to summation order (int4 at up to 32 rows on AVX-512, 8 on AVX2: x rounded to 16 bits
+  per group, the codes' products summed in integers, vpdpwssd tiles past 8 rows; 4e-4 relative on SmolLM2's
+  logits, see llm/cpu_kernels.c). [3072,576] int8
   at 1 row 0.058 ms vs 0.136 for `_weight_int8pack_mm`; the int8 head [49152,576] 2.2 ms vs 4.6; at 16 and
   128 rows 42-53 GMAC/s, 1.1-2x MKL's fp32 sgemm. Activations stay fp32 on purpose: int8 activations
   (VNNI) measured 0.056-0.151 relative logit error against 0.043 weight-only
