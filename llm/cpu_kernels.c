@@ -1970,26 +1970,6 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
 }
 
-#ifdef __AVX512F__
-// exp8's arithmetic on 16 lanes.
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
-}
-#endif
-
 // SiLU(gate) * up over n values (n % 8 == 0 is not required).
 static void swiglu(const float *gate, const float *up, float *out, int64_t n) {
     int64_t i = 0;
@@ -2509,15 +2489,6 @@ static float greedy_logprob(const float *x, int64_t V, float top) {
     for (int64_t b = 0; b < V; b += 1024) {
         const int64_t end = b + 1024 < V ? b + 1024 : V;
         int64_t t = b;
-#ifdef __AVX512F__
-        const __m512 shift = _mm512_set1_ps(top);
-        __m512 s0 = _mm512_setzero_ps(), s1 = s0;
-        for (; t + 32 <= end; t += 32) {
-            s0 = _mm512_add_ps(s0, exp16(_mm512_sub_ps(_mm512_loadu_ps(x + t), shift)));
-            s1 = _mm512_add_ps(s1, exp16(_mm512_sub_ps(_mm512_loadu_ps(x + t + 16), shift)));
-        }
-        double part = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
-#else
         const __m256 shift = _mm256_set1_ps(top);
         __m256 s0 = _mm256_setzero_ps(), s1 = s0;
         for (; t + 16 <= end; t += 16) {
@@ -2525,18 +2496,17 @@ static float greedy_logprob(const float *x, int64_t V, float top) {
             s1 = _mm256_add_ps(s1, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + t + 8), shift)));
         }
         double part = hsum(_mm256_add_ps(s0, s1));
-#endif
         for (; t < end; t++) part += expf(x[t] - top);
         total += part;
     }
     return (float)-log(total);
 }
 
-/* Greedy picking (the bench's picker, the engine's greedy rows without samplers): the first maximum of a row of
-   V fp32 logits and its log-softmax, -log sum_v exp(x_v - max) (greedy_logprob: fp32 lanes over blocks of 1024
-   logits, the blocks added in double). torch's max(0) and logsumexp took 0.2-0.37 ms a row at Gemma 3's 262144
-   logits (3-6 ms of a 16-row decode step); this, 0.12 ms. Returns the token, or -1 where the row holds a NaN or
-   an infinity (the caller's own path decides what that means). */
+/* Greedy picking (the bench's picker, the engine's greedy rows without samplers): the first maximum of a row
+   of V fp32 logits and its log-softmax, -log sum_v exp(x_v - max) (greedy_logprob: exp8, fp32 lanes over
+   blocks of 1024 logits, the blocks added in double). torch's max(0) and logsumexp took 0.2-0.37 ms a row at
+   Gemma 3's 262144 logits (3-6 ms of a 16-row decode step); this, 0.12-0.15 ms. Returns the token, or -1 where
+   the row holds a NaN or an infinity (the caller's own path decides what that means). */
 int64_t greedy_pick(const float *x, int64_t V, float *logprob) {
     if (V <= 0) return -1;
     __m256 best = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
