@@ -1597,8 +1597,6 @@ typedef struct Int4Tiles {
     const uint16_t *scale, *zero;
     const Int4X *x;
     const __m512i *seg_group;  // per superblock, lane t: the group of segment t / 2 less the superblock's first
-    const int64_t *first_group;  // per superblock: its first group (no division in the tile)
-    const __mmask8 *group_mask;  // per superblock: its groups of the (up to) 8 scales loaded from the first
     __m512i pick[2];           // lane t of permute j: dword 2 (t % 2) + j of segment t / 2 (of two loads)
     int64_t G, groups, S;
 } Int4Tiles;
@@ -1634,8 +1632,8 @@ static inline __attribute__((always_inline)) void int4_tile(const Int4Tiles *c, 
             _mm512_and_si512(_mm512_srli_epi16(t0, 8), low), _mm512_srli_epi16(t0, 12),
             _mm512_and_si512(t1, low), _mm512_and_si512(_mm512_srli_epi16(t1, 4), low),
             _mm512_and_si512(_mm512_srli_epi16(t1, 8), low), _mm512_srli_epi16(t1, 12)};
-        const int64_t g0 = c->first_group[s];
-        const __mmask8 gm = c->group_mask[s];
+        const int64_t g0 = k0 / c->G, ng = c->groups - g0 < 8 ? c->groups - g0 : 8;  // the scales to load
+        const __mmask8 gm = (__mmask8)((1u << ng) - 1);
         const __m512 sw = _mm512_permutexvar_ps(c->seg_group[s], _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_maskz_loadu_epi16(gm, sc + g0)))),
                      zw = _mm512_permutexvar_ps(c->seg_group[s], _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_maskz_loadu_epi16(gm, ze + g0))));
         _Pragma("GCC unroll 16") for (int i = 0; i < mb; i++) {
@@ -1687,14 +1685,9 @@ static void many_rows_int4(const float *x, const uint8_t *packed, const uint16_t
     const int64_t S = (K + SB - 1) / SB;
     Int4X *xp = (Int4X *)_mm_malloc(M * S * sizeof(Int4X), 64);
     __m512i *seg_group = (__m512i *)_mm_malloc(S * sizeof(__m512i), 64);
-    int64_t *first_group = (int64_t *)malloc(S * sizeof(int64_t));
-    __mmask8 *group_mask = (__mmask8 *)malloc(S * sizeof(__mmask8));
-    if (!xp || !seg_group || !first_group || !group_mask) abort();
+    if (!xp || !seg_group) abort();
     int4_x_planes(x, xp, M, K, G);
     for (int64_t s = 0; s < S; s++) {
-        first_group[s] = s * SB / G;
-        const int64_t ng = K / G - first_group[s] < 8 ? K / G - first_group[s] : 8;
-        group_mask[s] = (__mmask8)((1u << ng) - 1);
         int32_t lanes[16];
         for (int t = 0; t < 16; t++) {
             const int64_t k = s * SB + 32 * (t / 2);
@@ -1702,8 +1695,7 @@ static void many_rows_int4(const float *x, const uint8_t *packed, const uint16_t
         }
         seg_group[s] = _mm512_loadu_si512(lanes);
     }
-    Int4Tiles c = {packed, scale, zero, xp, seg_group, first_group, group_mask,
-                   {_mm512_setzero_si512(), _mm512_setzero_si512()}, G, K / G, S};
+    Int4Tiles c = {packed, scale, zero, xp, seg_group, {_mm512_setzero_si512(), _mm512_setzero_si512()}, G, K / G, S};
     for (int j = 0; j < 2; j++) {
         int32_t lanes[16];
         for (int t = 0; t < 16; t++) {  // segment t / 2 is dword 4 (seg % 4) .. of load seg / 4 (16 + i: the second)
@@ -1717,8 +1709,6 @@ static void many_rows_int4(const float *x, const uint8_t *packed, const uint16_t
     // them again from L2 (0.6-0.9x the dequantizing tiles).
     const int64_t KB = K <= 1024 ? K : 1024;  // a multiple of SB: the column blocks' partial sums add up in y
     tiled_product(int4_tiles_block, &c, packed, K / 2, y, M, N, K, KB, MT4, 0, 0);
-    free(group_mask);
-    free(first_group);
     _mm_free(seg_group);
     _mm_free(xp);
 }
@@ -2525,13 +2515,14 @@ int64_t greedy_pick(const float *x, int64_t V, float *logprob) {
         top = fmaxf(top, x[t]);
     }
     if (!finite) return -1;
-    int64_t token = 0;  // the first maximum, as argmax and max(0) give it
+    int64_t token = -1, t = 0;  // the first maximum, as argmax and max(0) give it
     const __m256 want = _mm256_set1_ps(top);
-    for (; token + 8 <= V; token += 8) {
-        const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + token), want, _CMP_EQ_OQ));
-        if (hit) return *logprob = greedy_logprob(x, V, top), token + __builtin_ctz((unsigned)hit);
+    for (; token < 0 && t + 8 <= V; t += 8) {
+        const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + t), want, _CMP_EQ_OQ));
+        if (hit) token = t + __builtin_ctz((unsigned)hit);
     }
-    while (x[token] != top) token++;
+    for (; token < 0; t++)
+        if (x[t] == top) token = t;
     *logprob = greedy_logprob(x, V, top);
     return token;
 }

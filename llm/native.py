@@ -92,9 +92,6 @@ class NativeKernels:
         lib.bf16_dot_products.restype = i64
         # bf16 products with bf16 inputs run on vdpbf16ps (AVX512_BF16), else on the exact path after rounding x
         self.bf16_dot: bool = bool(lib.bf16_dot_products())
-        self._greedy = lib.greedy_pick
-        self._greedy.argtypes = [ptr, i64, ptr]
-        self._greedy.restype = i64
         lib.set_int4_integer_tiles.argtypes = [i64]
         lib.set_int4_integer_tiles.restype = None
         lib.int4_integer_tile_rows.argtypes = []
@@ -109,6 +106,9 @@ class NativeKernels:
         self._bitmask = lib.apply_token_bitmask
         self._bitmask.argtypes = [ptr, ptr, i64]
         self._bitmask.restype = i64
+        self._greedy = lib.greedy_pick
+        self._greedy.argtypes = [ptr, i64, ptr]
+        self._greedy.restype = i64
         lib.set_kernel_threads.argtypes = [i64]
         lib.set_kernel_threads.restype = None
         lib.kernel_threads_stats.argtypes = [ptr]

@@ -373,10 +373,9 @@ class Picker:
                 logits = torch.from_numpy(raw_np.copy())
                 self.mask.reapply(logits)
         if self.params.greedy and logits is raw and self.params.logprobs_top_n == 0:
-            fast = native.kernels()  # the first maximum and its logprob in one native pass over the row
-            picked = fast.greedy_pick(raw) if fast is not None else None
+            picked = native_greedy(raw)
             if picked is not None:
-                return Pick(token=picked[0], logprob=picked[1])
+                return picked
         best = None
         if self.params.logprobs_top_n > 0:
             best = torch.topk(raw, min(self.params.logprobs_top_n, raw.numel()))
@@ -400,6 +399,18 @@ class Picker:
         if best is not None:
             top = [(int(i), float(v) - lse) for i, v in zip(best.indices.tolist(), best.values.tolist(), strict=True)]
         return Pick(token=token, logprob=float(raw_np[token]) - lse, top=top)
+
+
+def native_greedy(logits_row: Tensor) -> Pick | None:
+    """The first maximum of a row and its logprob in one native pass (llm/native.py `greedy_pick`); None where
+    the kernels are not loaded, the row is not contiguous fp32 on the CPU, or it holds a NaN or an infinity:
+    the caller's own path decides then."""
+    fast = native.kernels()
+    if (fast is None or logits_row.device.type != "cpu" or logits_row.dtype != torch.float32
+            or not logits_row.is_contiguous()):  # fmt: skip
+        return None
+    picked = fast.greedy_pick(logits_row)
+    return None if picked is None else Pick(token=picked[0], logprob=picked[1])
 
 
 def log_sum_exp(row: np.ndarray) -> float:
