@@ -2138,6 +2138,203 @@ static void merge_partials(float *part, const float *extra, int64_t rep, int64_t
     }
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// Prefill attention by blocks. attend_chunk serves one input at a time: every input of a prompt chunk widens
+// its keys and values by itself and scores them as dot products, so a 128-token Gemma 3 prefill spent 18 of
+// its 144 ms there (fp16 cache) and a 512-token one 195 of 652 (the work grows with the square of the length).
+// A block of ATT_QB consecutive inputs of one row (a prompt chunk's, at consecutive slots) shares the slots of
+// a KV head instead: each step widens ATT_KB slots once for the whole block, scores them against all of its
+// query heads in register tiles (rows_tile), and adds them into the outputs under an online softmax (a
+// running maximum and sum per query head, as flash attention keeps them).
+#define ATT_QB 16       // inputs per block
+#define ATT_MIN_RUN 16  // runs this long go in blocks; shorter ones (decode rows, a speculative check's few inputs)
+                        // keep attend_chunk, so a decode step's arithmetic does not depend on its neighbours
+#define ATT_KB 64       // slots per step
+#if VW == 16
+#define PV_VECS 4  // 16 accumulators, 4 value vectors and a broadcast of AVX-512's 32 registers
+#else
+#define PV_VECS 2  // 8 accumulators, 2 value vectors and a broadcast of AVX2's 16
+#endif
+
+// A thread's buffers for attend_block (floats): the block's queries and outputs [QB rep, hd], its scores
+// [QB rep, ATT_KB], running maxima and sums [QB rep], a step's keys and values [ATT_KB, hd], a spare row.
+typedef struct {
+    float *q, *o, *s, *top, *sum, *k, *v, *spare;
+} BlockScratch;
+
+static int64_t block_scratch_floats(int64_t rep, int64_t hd) {
+    const int64_t R = ATT_QB * rep;
+    return 2 * R * hd + R * ATT_KB + 2 * R + 2 * ATT_KB * hd + hd;
+}
+
+static BlockScratch block_scratch(float *f, int64_t rep, int64_t hd) {
+    const int64_t R = ATT_QB * rep;
+    BlockScratch b;
+    b.q = f, b.o = b.q + R * hd, b.s = b.o + R * hd, b.top = b.s + R * ATT_KB, b.sum = b.top + R;
+    b.k = b.sum + R, b.v = b.k + ATT_KB * hd, b.spare = b.v + ATT_KB * hd;
+    return b;
+}
+
+// o_j += sum_{t < n} p_j[t] v_t for four rows j (hd floats each; p_j and o_j at pj[j], oj[j]): PV_VECS vectors
+// of columns at a time stay in registers over all n slots.
+static void add_weighted_values(const float *const pj[4], const float *v, int64_t n, int64_t hd, float *const oj[4]) {
+    int64_t d = 0;
+    for (; d + PV_VECS * VW <= hd; d += PV_VECS * VW) {
+        vf acc[4][PV_VECS];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++)
+#pragma GCC unroll 4
+            for (int u = 0; u < PV_VECS; u++) acc[j][u] = vld(oj[j] + d + u * VW);
+        for (int64_t t = 0; t < n; t++) {
+            vf vt[PV_VECS];
+#pragma GCC unroll 4
+            for (int u = 0; u < PV_VECS; u++) vt[u] = vld(v + t * hd + d + u * VW);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                const vf p = vset1(pj[j][t]);
+#pragma GCC unroll 4
+                for (int u = 0; u < PV_VECS; u++) acc[j][u] = vfma(p, vt[u], acc[j][u]);
+            }
+        }
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++)
+#pragma GCC unroll 4
+            for (int u = 0; u < PV_VECS; u++) vst(oj[j] + d + u * VW, acc[j][u]);
+    }
+    for (; d + VW <= hd; d += VW) {
+        vf acc[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) acc[j] = vld(oj[j] + d);
+        for (int64_t t = 0; t < n; t++) {
+            const vf vt = vld(v + t * hd + d);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) acc[j] = vfma(vset1(pj[j][t]), vt, acc[j]);
+        }
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) vst(oj[j] + d, acc[j]);
+    }
+    for (; d < hd; d++)
+        for (int j = 0; j < 4; j++)
+            for (int64_t t = 0; t < n; t++) oj[j][d] += pj[j][t] * v[t * hd + d];
+}
+
+// n slots of layer L's cache from element `at` into fp32 k and v ([n, hd]); a slot that is not valid (its
+// contents may be stale, or NaN) is zeroed, so a weight of 0 on it adds 0.
+static void load_slots(const DecodeModel *m, const Layer *L, int64_t at, const uint8_t *ok, int64_t n, int64_t hd,
+                       float *k, float *v) {
+    if (m->kv_format == KV_F32) {
+        memcpy(k, (const float *)L->k_cache + at, (size_t)(n * hd) * sizeof(float));
+        memcpy(v, (const float *)L->v_cache + at, (size_t)(n * hd) * sizeof(float));
+    } else {
+        const int f16 = m->kv_format == KV_F16;
+        widen_half((const uint16_t *)L->k_cache + at, k, n * hd, f16);
+        widen_half((const uint16_t *)L->v_cache + at, v, n * hd, f16);
+    }
+    for (int64_t t = 0; t < n; t++)
+        if (!ok[t]) {
+            memset(k + t * hd, 0, (size_t)hd * sizeof(float));
+            memset(v + t * hd, 0, (size_t)hd * sizeof(float));
+        }
+}
+
+// One score row of a step (input at slot s, its slots a..b-1 of the step's t0..): scaled and capped, -inf
+// where a slot is not valid; then the online softmax: the running maximum `top` and sum, the row's output
+// rescaled when the maximum grows, and the scores turned into the weights e^(score - top). Returns 0 when
+// no slot of the row is valid in this step (nothing to add).
+static int softmax_step(float *sj, const uint8_t *ok, int64_t n, float scale, float cap, float *top, float *sum,
+                        float *o, int64_t hd) {
+    float best = -INFINITY;
+    for (int64_t t = 0; t < n; t++) {
+        float x = sj[t] * scale;
+        if (cap > 0.0f) x = cap * tanhf(x / cap);
+        sj[t] = ok[t] ? x : -INFINITY;
+        best = sj[t] > best ? sj[t] : best;
+    }
+    if (best == -INFINITY) return 0;
+    if (best > *top) {
+        if (*top != -INFINITY) {
+            const float c = expf(*top - best);
+            *sum *= c;
+            for (int64_t i = 0; i < hd; i++) o[i] *= c;
+        }
+        *top = best;
+    }
+    const __m256 t8 = _mm256_set1_ps(*top), ninf = _mm256_set1_ps(-INFINITY);
+    __m256 sum8 = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+        const __m256 x = _mm256_loadu_ps(sj + t);
+        const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(x, t8)), _mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ));
+        _mm256_storeu_ps(sj + t, e);
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    float s = hsum(sum8);
+    for (; t < n; t++) {
+        sj[t] = sj[t] == -INFINITY ? 0.0f : expf(sj[t] - *top);
+        s += sj[t];
+    }
+    *sum += s;
+    return 1;
+}
+
+// Inputs r0..r0+nq-1 of cache row `row`, at slots s0..s0+nq-1, KV head g: the outputs of their query heads
+// (rep each) into att [.., H hd], normalized. An input at slot s attends to the valid slots up to s (and past
+// s - window on a sliding layer), as attend_chunk's callers give it; the block's steps cover the union.
+static void attend_block(const DecodeModel *m, const Layer *L, const float *qkv, int64_t qkv_w, int64_t r0,
+                         int64_t nq, int64_t s0, int64_t row, int64_t g, float scale, float *att, BlockScratch *b) {
+    const int64_t H = m->n_heads, KV = m->n_kv_heads, hd = m->head_dim, rep = H / KV, R = nq * rep;
+    const int64_t W = L->window, end = s0 + nq;
+    const uint8_t *ok = m->valid + row * m->max_tokens;
+    const int64_t base = (row * KV + g) * L->rows * hd;
+    for (int64_t i = 0; i < nq; i++)
+        memcpy(b->q + i * rep * hd, qkv + (r0 + i) * qkv_w + g * rep * hd, (size_t)(rep * hd) * sizeof(float));
+    memset(b->o, 0, (size_t)(R * hd) * sizeof(float));
+    for (int64_t j = 0; j < R; j++) b->top[j] = -INFINITY, b->sum[j] = 0.0f;
+    int64_t t0 = W > 0 && s0 + 1 - W > 0 ? s0 + 1 - W : 0;
+    while (t0 < end) {
+        // a step's slots lie at ring rows t0 % rows..: cut where the ring wraps
+        const int64_t at = t0 % L->rows;
+        int64_t n = end - t0 < ATT_KB ? end - t0 : ATT_KB;
+        if (n > L->rows - at) n = L->rows - at;
+        load_slots(m, L, base + at * hd, ok + t0, n, hd, b->k, b->v);
+        for (int64_t c = 0; c < n; c += NR) {  // scores [R, n]: the keys as a tile's weight rows
+            const int nr = n - c < NR ? (int)(n - c) : NR;
+            const float *kr[NR];
+            for (int r = 0; r < NR; r++) kr[r] = b->k + (c + (r < nr ? r : 0)) * hd;
+            rows_tile(kr, b->q, hd, R, hd, b->s + c, ATT_KB, 1, nr, NULL, 0, NULL, 0);
+        }
+        for (int64_t i = 0; i < nq; i++) {
+            // input i's slots in this step: from t0 (or its window's first) to its own slot
+            const int64_t s = s0 + i, first = W > 0 && s + 1 - W > t0 ? s + 1 - W : t0;
+            const int64_t last = s + 1 < t0 + n ? s + 1 : t0 + n;
+            if (first >= last) continue;
+            const float *pj[4];
+            float *oj[4];
+            int live = 0;
+            for (int64_t j = 0; j < rep; j++) {
+                const int64_t x = i * rep + j;
+                float *sj = b->s + x * ATT_KB + (first - t0);
+                if (softmax_step(sj, ok + first, last - first, scale, m->attn_softcap, b->top + x, b->sum + x,
+                                 b->o + x * hd, hd)) {
+                    pj[live] = sj, oj[live] = b->o + x * hd, live++;
+                }
+                if (live == 4 || (j == rep - 1 && live > 0)) {
+                    for (int u = live; u < 4; u++) pj[u] = pj[0], oj[u] = b->spare;  // padding rows, unread
+                    add_weighted_values(pj, b->v + (first - t0) * hd, last - first, hd, oj);
+                    live = 0;
+                }
+            }
+        }
+        t0 += n;
+    }
+    for (int64_t i = 0; i < nq; i++)
+        for (int64_t j = 0; j < rep; j++) {
+            const int64_t x = i * rep + j;
+                        float *out = att + (r0 + i) * H * hd + (g * rep + j) * hd;
+            for (int64_t d = 0; d < hd; d++) out[d] = b->o[x * hd + d] / b->sum[x];
+        }
+}
+
 // One token's K and V of one KV head (hd floats each) into layer L's cache at element `at`, in the cache's
 // format (fp16 and bf16 rounded to nearest even, as torch casts, so both paths store the same bits).
 static void store_kv(const DecodeModel *m, const Layer *L, int64_t at, const float *k, const float *v, int64_t hd) {
@@ -2183,16 +2380,35 @@ void forward_pass(const DecodeModel *m, const int64_t *tokens, const int64_t *po
     for (int64_t r = 0; r < M; r++) memcpy(h + r * D, m->embed + tokens[r] * D, D * sizeof(float));
     if (m->embed_scale != 1.0f)
         for (int64_t i = 0; i < M * D; i++) h[i] *= m->embed_scale;
-    // Attention work items: (input, KV head, chunk of slots); enough chunks that both threads have work even
-    // at batch 1 (3 KV heads), not so many that the merge costs more than it spreads.
+    // Runs of at least ATT_MIN_RUN inputs of one row at consecutive slots (prompt chunks) attend in blocks of
+    // at most ATT_QB (attend_block; block k is inputs blocks[2k] .. + blocks[2k + 1]); the others one by one.
+    int64_t *blocks = (int64_t *)malloc((size_t)(3 * M) * sizeof(int64_t)), *single = blocks + 2 * M;
+    int64_t n_blocks = 0, n_single = 0;
+    for (int64_t r = 0; r < M;) {
+        int64_t e = r + 1;
+        while (e < M && rows[e] == rows[r] && slots[e] == slots[e - 1] + 1) e++;
+        if (e - r >= ATT_MIN_RUN) {
+            const int64_t nb = (e - r + ATT_QB - 1) / ATT_QB;  // blocks of equal size (within one)
+            for (int64_t k = 0; k < nb; k++, n_blocks++) {
+                blocks[2 * n_blocks] = r + (e - r) * k / nb;
+                blocks[2 * n_blocks + 1] = r + (e - r) * (k + 1) / nb - blocks[2 * n_blocks];
+            }
+        } else {
+            for (int64_t i = r; i < e; i++) single[n_single++] = i;
+        }
+        r = e;
+    }
+    // Single inputs' work items: (input, KV head, chunk of slots); enough chunks that both threads have work
+    // even at batch 1 (3 KV heads), not so many that the merge costs more than it spreads.
     // Chunks are sized for the longest row; a shorter row's surplus chunks are empty.
     int64_t longest = 0;
-    for (int64_t r = 0; r < M; r++) longest = slots[r] + 1 > longest ? slots[r] + 1 : longest;
-    const int64_t want = 8, per_row_group = M * KV;
-    int64_t chunks = per_row_group >= want ? 1 : (want + per_row_group - 1) / per_row_group;
+    for (int64_t x = 0; x < n_single; x++) longest = slots[single[x]] + 1 > longest ? slots[single[x]] + 1 : longest;
+    const int64_t want = 8, per_row_group = n_single * KV;
+    int64_t chunks = per_row_group >= want || !per_row_group ? 1 : (want + per_row_group - 1) / per_row_group;
     if (chunks > (longest + 31) / 32) chunks = (longest + 31) / 32;  // at least 32 slots per chunk
-    const int64_t span = (longest + chunks - 1) / chunks, items = M * KV * chunks;
-    float *parts = (float *)malloc((size_t)items * rep * (hd + 2) * sizeof(float));
+    if (chunks < 1) chunks = 1;  // no single inputs
+    const int64_t span = (longest + chunks - 1) / chunks, items = n_single * KV * chunks;
+    float *parts = (float *)malloc((size_t)(items ? items : 1) * rep * (hd + 2) * sizeof(float));
 
     for (int64_t l = 0; l < m->n_layers; l++) {
         const Layer *L = m->layers + l;
@@ -2224,11 +2440,20 @@ void forward_pass(const DecodeModel *m, const int64_t *tokens, const int64_t *po
             float *wide = m->kv_format == KV_F32 ? NULL : (float *)malloc((size_t)2 * span * hd * sizeof(float));
             // a ring's second piece (its slots wrap past the last row): this thread's partials of it
             float *extra = L->rows < T ? (float *)malloc((size_t)rep * (hd + 2) * sizeof(float)) : NULL;
+            float *block_floats = n_blocks ? (float *)malloc((size_t)block_scratch_floats(rep, hd) * sizeof(float))
+                                           : NULL;
+            BlockScratch bs = block_scratch(block_floats, rep, hd);
             // One item at a time to whichever thread is free: a prompt chunk's later inputs attend over more
-            // slots than its first ones, and a descheduled thread leaves its share to the others.
+            // slots than its first ones (so its blocks go last first), and a descheduled thread leaves its
+            // share to the others.
+#pragma omp for schedule(dynamic, 1) nowait
+            for (int64_t item = 0; item < n_blocks * KV; item++) {
+                const int64_t k = n_blocks - 1 - item / KV, g = item % KV, r0 = blocks[2 * k];
+                attend_block(m, L, qkv, qkv_w, r0, blocks[2 * k + 1], slots[r0], rows[r0], g, scale, att, &bs);
+            }
 #pragma omp for schedule(dynamic, 1) nowait
             for (int64_t item = 0; item < items; item++) {
-                const int64_t rg = item / chunks, c = item % chunks, r = rg / KV, g = rg % KV;
+                const int64_t rg = item / chunks, c = item % chunks, r = single[rg / KV], g = rg % KV;
                 int64_t t0 = c * span, t1 = t0 + span < slots[r] + 1 ? t0 + span : slots[r] + 1;
                 if (L->window > 0 && t0 < slots[r] + 1 - L->window) t0 = slots[r] + 1 - L->window;  // slides
                 t1 = t1 > t0 ? t1 : t0;
@@ -2249,21 +2474,22 @@ void forward_pass(const DecodeModel *m, const int64_t *tokens, const int64_t *po
             free(scores);
             free(wide);
             free(extra);
+            free(block_floats);
             if (omp_get_thread_num() == 0) first_done = now_ns();
         }
         region_done(start, first_done);
-#pragma omp parallel for schedule(static) num_threads(team()) if (many)
-        for (int64_t r = 0; r < M; r++)  // merge the chunks: rescale each to the common max
+#pragma omp parallel for schedule(static) num_threads(team()) if (n_single >= MANY_INPUTS)
+        for (int64_t x = 0; x < n_single; x++)  // merge the chunks: rescale each to the common max
             for (int64_t hq = 0; hq < H; hq++) {
                 const int64_t g = hq / rep, j = hq % rep;
-                float top = -INFINITY, den = 0.0f, *out = att + r * H * hd + hq * hd;
+                float top = -INFINITY, den = 0.0f, *out = att + single[x] * H * hd + hq * hd;
                 for (int64_t c = 0; c < chunks; c++) {
-                    const float t = parts[((r * KV + g) * chunks + c) * rep * (hd + 2) + j];
+                    const float t = parts[((x * KV + g) * chunks + c) * rep * (hd + 2) + j];
                     if (t > top) top = t;
                 }
                 for (int64_t i = 0; i < hd; i++) out[i] = 0.0f;
                 for (int64_t c = 0; c < chunks; c++) {
-                    const float *part = parts + ((r * KV + g) * chunks + c) * rep * (hd + 2);
+                    const float *part = parts + ((x * KV + g) * chunks + c) * rep * (hd + 2);
                     if (part[j] == -INFINITY) continue;
                     const float w = expf(part[j] - top);
                     den += w * part[rep + j];
@@ -2290,6 +2516,7 @@ void forward_pass(const DecodeModel *m, const int64_t *tokens, const int64_t *po
         step_clock(m, 2 + 2 * l);
     }
     free(parts);
+    free(blocks);
     if (n_out >= 0) {  // the head's rows only: gather them (h is free now)
         for (int64_t i = 0; i < n_out; i++) memcpy(xn + i * D, h + outs[i] * D, D * sizeof(float));
         if (n_out) {

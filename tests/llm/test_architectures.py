@@ -153,18 +153,20 @@ def test_scheduler_with_other_requests_equals_transformers(family: dict[str, Any
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_logits_through_a_wrapping_ring_equal_transformers(family: dict[str, Any], path: str) -> None:
-    """Every position's logits of the prompt fed CHUNK tokens a pass into a cache whose sliding layers keep
-    WINDOW + CHUNK slots (the ring wraps from the second pass on), against transformers over the whole prompt."""
+@pytest.mark.parametrize("chunk", [CHUNK, 24])
+def test_logits_through_a_wrapping_ring_equal_transformers(family: dict[str, Any], path: str, chunk: int) -> None:
+    """Every position's logits of the prompt fed `chunk` tokens a pass into a cache whose sliding layers keep
+    WINDOW + chunk slots (the ring wraps from the second pass on), against transformers over the whole prompt.
+    Passes of 24 inputs attend in blocks (cpu_kernels.c's attend_block), whose steps split where the ring wraps."""
     model, ids = family["model"], family["prompts"][0]
-    cache = SlotCache.for_model(model, 2, PROMPT_LEN, chunk=CHUNK)
+    cache = SlotCache.for_model(model, 2, PROMPT_LEN, chunk=chunk)
     for layer, window in enumerate(model.cfg.layer_windows):
-        assert cache.store.rows[layer] == (WINDOW + CHUNK if window else PROMPT_LEN)
+        assert cache.store.rows[layer] == (WINDOW + chunk if window else PROMPT_LEN)
     runner = _runner(model, cache, path)
     got = []
     with torch.no_grad():
-        for lo in range(0, PROMPT_LEN, CHUNK):
-            piece = ids[lo : lo + CHUNK]
+        for lo in range(0, PROMPT_LEN, chunk):
+            piece = ids[lo : lo + chunk]
             n = torch.arange(lo, lo + len(piece))
             cache.claim([1], [piece])
             if runner.backend == "native":

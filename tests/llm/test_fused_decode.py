@@ -258,6 +258,77 @@ def test_fused_pass_on_a_16_bit_kv_cache_matches_the_torch_path(tiny_dir, dtype:
     assert stored.any() and (a == b).float().mean() > 0.99 and ((a - b).abs() <= one_step).all()
 
 
+# Runs of 16 or more inputs of one row (prompt chunks) attend in blocks (attend_block in cpu_kernels.c: a
+# block's queries against a step of 64 slots at once, an online softmax), shorter runs input by input. Prompts
+# of 150, 23, 17 and 5 tokens, left-padded to 150 (the blocks start past padding slots, which they must skip;
+# the longest row's later blocks take three steps, so the running maxima rescale), whole or in chunks of 20
+# columns (later chunks' blocks attend over earlier chunks' slots; a row's first inputs in a chunk may stay
+# single); head dims 8 (below one vector) and 96 (whole register tiles and a remainder).
+LONG_PROMPTS = [[(i * 37) % 250 + 3 for i in range(150)], list(range(50, 73)), list(range(100, 117)), [1, 5, 9, 11]]
+
+
+@pytest.fixture(scope="module")
+def wide_head_dir(tmp_path_factory: pytest.TempPathFactory):
+    path, _ = make_tiny_llama(tmp_path_factory.mktemp("hd96"), hidden=192, heads=2, kv_heads=1, seed=3)
+    return path
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("chunk", [None, 20])
+@pytest.mark.parametrize("head", ["hd8", "hd96"])
+def test_prompt_chunks_attend_in_blocks_like_the_torch_path(
+    tiny_dir, wide_head_dir, head: str, chunk: int | None, kv_dtype: torch.dtype
+) -> None:
+    model = load_tiny(tiny_dir if head == "hd8" else wide_head_dir)
+    n, width = len(LONG_PROMPTS), max(map(len, LONG_PROMPTS))
+    tokens = torch.tensor([[PAD] * (width - len(p)) + p for p in LONG_PROMPTS])
+    valid = tokens != PAD
+    positions = (valid.cumsum(1) - 1).clamp(min=0)
+    found = []
+    for fused in (False, True):
+        cache = KVCache.for_model(model, n, 160, dtype=kv_dtype)
+        runner = ModelRunner(model, cache, native=fused)
+        assert runner.backend == ("native" if fused else "torch")
+        step = chunk or width
+        with torch.inference_mode():
+            for lo in range(0, width, step):
+                hi = min(lo + step, width)
+                last = runner.static_prefill(
+                    tokens[:, lo:hi], positions[:, lo:hi], cache, valid[:, lo:hi], logits=hi == width
+                )
+            after = [runner.static_decode(torch.full((n, 1), t), cache.next_positions(), cache) for t in (7, 99)]
+        assert last is not None
+        found.append(torch.cat([last, *after], 1))
+    torch_path, fused_path = found
+    # fp16 K/V: an element the paths round to neighbouring fp16 values moves the scores by a rounding step
+    bound = 1e-5 if kv_dtype == torch.float32 else 1e-3
+    assert (fused_path - torch_path).abs().max() <= bound * torch_path.abs().max()
+
+
+def test_a_flat_batch_with_long_chunks_gives_the_same_on_both_backends(tiny_dir) -> None:
+    """A pass with a 20-input prompt chunk (blocks) beside a 3-input one and decode rows (single inputs)."""
+    model = _model(tiny_dir, "fp32")
+    long_a, long_b = list(range(3, 23)), list(range(30, 48))
+    passes = [
+        [Part(0, 0, long_a, True), Part(1, 0, [1, 5, 9], True)],
+        [Part(0, 20, [7], True), Part(1, 3, long_b, True), Part(2, 0, long_a[:17], False)],
+        [Part(2, 17, long_b, True), Part(0, 21, [8], True), Part(1, 21, [9], True)],
+    ]
+    found = []
+    for fused in (False, True):
+        cache = SlotCache.for_model(model, 3, 64)
+        runner = ModelRunner(model, cache, native=fused)
+        out = []
+        with torch.inference_mode():
+            for parts in passes:
+                cache.claim([p.row for p in parts], [p.tokens for p in parts])
+                out.append(runner.forward(FlatBatch(parts), cache))
+        found.append(torch.cat(out))
+    torch_logits, fused_logits = found
+    assert torch_logits.shape[0] == 7
+    assert (fused_logits - torch_logits).abs().max() <= 1e-5 * torch_logits.abs().max()
+
+
 def test_the_backend_is_chosen_once_when_the_runner_is_built(tiny_dir) -> None:
     model = _model(tiny_dir, "fp32")
     runner = ModelRunner(model, KVCache.for_model(model, 1, 16))
