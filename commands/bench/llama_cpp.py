@@ -45,6 +45,7 @@ from llmplan.llm.weight_formats import QuantDtype
 from llmplan.openmp_env import foreign_env
 
 from .measure import bench_overrides, load, random_prompts, run_once
+from .read_rate import READ_MIB, read_rate
 from .report import machine
 from .stats import summary
 
@@ -264,8 +265,10 @@ def bench_vs_llama_cpp(args: argparse.Namespace, say: Any, partial: Any = None) 
         run_once(model, cache, many, min(4, gen))
         ours: dict[str, list[float]] = {f: [] for f in FIGURES}
         theirs = {kind: {f: [] for f in FIGURES} for kind in ggufs}
+        memory: list[float] = []  # the memory's plain read rate, GB/s, once a run: what bounds batch-1 decode
         for r in range(args.runs):
             say(f"bench: {label} run {r + 1}/{args.runs} (llmplan, llama.cpp {', '.join(ggufs)}, alternating)")
+            memory.append(read_rate(threads))
             a = run_once(model, cache, one, gen)
             ours["decode_b1"].append(a["decode_tok_s"])
             ours["prefill"].append(a["prefill_tok_s"])
@@ -283,7 +286,7 @@ def bench_vs_llama_cpp(args: argparse.Namespace, say: Any, partial: Any = None) 
             for figure in FIGURES:
                 row = _row(figure, label, batch, ours[figure], theirs[kind][figure]) | ran
                 if figure == "decode_b1" and mine:
-                    row |= _read_rates(row, mine, gguf_read_per_token(path))
+                    row |= _read_rates(row, mine, gguf_read_per_token(path), memory)
                 result["rows"].append(row)
         del model, cache, loaded
         gc.collect()
@@ -303,14 +306,18 @@ def _row(figure: str, dtype: str, batch: int, ours: list[float], theirs: list[fl
             "llama_cpp": hers, "ratio": ratio}  # fmt: skip
 
 
-def _read_rates(row: dict[str, Any], mine: int, theirs: int) -> dict[str, Any]:
+def _read_rates(row: dict[str, Any], mine: int, theirs: int, memory: list[float]) -> dict[str, Any]:
     """Batch-1 decode reads every weight once a token, so its tok/s is also a read rate: the bytes a token
-    (llmplan's resident weights, llama.cpp's file but the embedding rows) and GB/s at the median tok/s."""
+    (llmplan's resident weights, llama.cpp's file but the embedding rows) and GB/s at the median tok/s; and
+    each side's share of the best plain read of the memory in the same runs (`memory`, GB/s a run)."""
     rates = {
         side: None if row[side]["median"] is None else read * row[side]["median"] / 1e9
         for side, read in (("llmplan", mine), ("llama_cpp", theirs))
     }
-    return {"read_bytes": {"llmplan": mine, "llama_cpp": theirs}, "read_gb_s": rates}
+    best = max(memory, default=0.0)
+    shares = {side: None if rate is None or not best else rate / best for side, rate in rates.items()}
+    return {"read_bytes": {"llmplan": mine, "llama_cpp": theirs}, "read_gb_s": rates,
+            "memory_read_gb_s": summary(memory), "memory_share": shares}  # fmt: skip
 
 
 def _gguf_fields(kind: GGUFType, path: Path, *, as_shipped: bool) -> dict[str, Any]:
@@ -359,7 +366,9 @@ def vs_markdown(result: dict[str, Any]) -> str:
             "",
             "Batch-1 decode reads every weight once a token, so its speed is a read rate too (llmplan's resident "
             "weights, llama.cpp's GGUF but the embedding rows; GB a token at the median tok/s). Where both sides "
-            "read at the memory's rate, the ratio is the ratio of the bytes:",
+            "read at the memory's rate, the ratio is the ratio of the bytes. Beside each rate, its share of the "
+            f"best plain read of the memory in the same runs (torch's sum over {READ_MIB} MiB on "
+            f"{s['threads']} threads, once a run): a side near 100 % decodes as fast as the memory lets it.",
             "",
         ]
         lines += [f"- {row['dtype']} / {row['gguf_type']}: {_read_line(row)}" for row in reads]
@@ -374,11 +383,13 @@ def vs_markdown(result: dict[str, Any]) -> str:
 
 def _read_line(row: dict[str, Any]) -> str:
     def side(name: str, key: str) -> str:
-        rate = row["read_gb_s"][key]
-        at = "" if rate is None else f" at {rate:.1f} GB/s"
+        rate, share = row["read_gb_s"][key], (row.get("memory_share") or {}).get(key)
+        at = "" if rate is None else f" at {rate:.1f} GB/s" + ("" if share is None else f" ({share:.0%})")
         return f"{name} {row['read_bytes'][key] / 1e9:.3f} GB a token{at}"
 
-    return f"{side('llmplan', 'llmplan')}, {side('llama.cpp', 'llama_cpp')}"
+    memory = row.get("memory_read_gb_s") or {}
+    plain = "" if memory.get("max") is None else f"; the memory {_fmt(memory)} GB/s"
+    return f"{side('llmplan', 'llmplan')}, {side('llama.cpp', 'llama_cpp')}{plain}"
 
 
 def _fmt(s: dict[str, Any]) -> str:

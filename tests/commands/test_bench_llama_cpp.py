@@ -9,6 +9,7 @@ one must come from llama-quantize, and the table must name the type each file's 
 from __future__ import annotations
 
 import json
+import math
 import stat
 import sys
 from pathlib import Path
@@ -176,6 +177,11 @@ def test_as_shipped_runs_the_file_itself_beside_a_requantized_one(
         assert row["read_bytes"] == {"llmplan": mine, "llama_cpp": theirs}
         assert row["read_gb_s"]["llama_cpp"] == pytest.approx(theirs * 123.0 / 1e9)
         assert row["read_gb_s"]["llmplan"] == pytest.approx(mine * row["llmplan"]["median"] / 1e9)
+        # beside them the memory's plain read, once a run, and each side's share of its best
+        memory = row["memory_read_gb_s"]
+        assert memory["n"] == 2 and all(math.isfinite(v) and v > 0 for v in memory["samples"])
+        for side in ("llmplan", "llama_cpp"):
+            assert row["memory_share"][side] == pytest.approx(row["read_gb_s"][side] / memory["max"])
     assert all("read_bytes" not in r for r in result["rows"] if r["figure"] != "decode_b1")
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     # one requantization, none of the file as shipped; each run: llama-bench (pp, tg) and the batched one
@@ -191,7 +197,10 @@ def test_as_shipped_runs_the_file_itself_beside_a_requantized_one(
     assert "| batch 1 decode | int4 | Q4_1 (as shipped) |" in md
     assert "| aggregate decode (batch 2) | int8 | Q8_0 (requantized) |" in md
     rate = int4["read_gb_s"]["llmplan"]
-    assert f"- int4 / Q4_1: llmplan {int4['read_bytes']['llmplan'] / 1e9:.3f} GB a token at {rate:.1f} GB/s" in md
+    share, memory = int4["memory_share"]["llmplan"], int4["memory_read_gb_s"]
+    line = f"- int4 / Q4_1: llmplan {int4['read_bytes']['llmplan'] / 1e9:.3f} GB a token at {rate:.1f} GB/s ({share:.0%})"
+    assert line in md
+    assert f"; the memory {memory['median']:.1f} [{memory['min']:.1f}-{memory['max']:.1f}] GB/s" in md
     sizes = f"Q8_0 {mib(int8['gguf_bytes'])}, Q4_1 {mib(shipped.stat().st_size)}"
     assert f"Memory: llama.cpp's GGUFs {sizes}; llmplan's resident weights per dtype:" in md
     for dtype in ("int8", "int4"):  # the footprint line per dtype, its ratio against the shipped file
