@@ -2020,6 +2020,25 @@ static void soft_cap(float *x, int64_t n, float cap) {
         if (x[i] != -INFINITY) x[i] = cap * tanhf(x[i] / cap);
 }
 
+// p[t] = e^(p[t] - top) over n scores, 0 where p[t] is -inf (a masked slot); returns their sum.
+static float exp_shifted(float *p, int64_t n, float top) {
+    const __m256 t8 = _mm256_set1_ps(top), ninf = _mm256_set1_ps(-INFINITY);
+    __m256 sum8 = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+        const __m256 x = _mm256_loadu_ps(p + t);
+        const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(x, t8)), _mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ));
+        _mm256_storeu_ps(p + t, e);
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    float sum = hsum(sum8);
+    for (; t < n; t++) {
+        p[t] = p[t] == -INFINITY ? 0.0f : expf(p[t] - top);
+        sum += p[t];
+    }
+    return sum;
+}
+
 // Attention of one (row, KV head, slot chunk) for the `rep` query heads that share the KV head: each key and
 // value is read from memory once for all of them (the cache is the largest stream of a long-context step).
 // Unnormalized partials, merged across chunks by the caller: top[j] = max score, total[j] = sum of
@@ -2062,20 +2081,7 @@ static void attend_chunk(const float *q, const float *kc, const float *vc, const
             for (i = 0; i < n; i++) pj[i] = 0.0f;
             continue;
         }
-        const __m256 t8 = _mm256_set1_ps(best), ninf = _mm256_set1_ps(-INFINITY);
-        __m256 sum8 = _mm256_setzero_ps();
-        for (i = 0; i + 8 <= n; i += 8) {
-            const __m256 s = _mm256_loadu_ps(pj + i);
-            const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(s, t8)), _mm256_cmp_ps(s, ninf, _CMP_NEQ_OQ));
-            _mm256_storeu_ps(pj + i, e);
-            sum8 = _mm256_add_ps(sum8, e);
-        }
-        float sum = hsum(sum8);
-        for (; i < n; i++) {
-            pj[i] = pj[i] == -INFINITY ? 0.0f : expf(pj[i] - best);
-            sum += pj[i];
-        }
-        total[j] = sum;
+        total[j] = exp_shifted(pj, n, best);
     }
     // out[j] = sum_t p[j, t] v_t, four slots per pass over out (a quarter of its loads and stores) where all
     // four are valid; a slot that is not is skipped, never multiplied by 0 (its V may be stale or NaN).
@@ -2274,21 +2280,7 @@ static int softmax_step(float *sj, const uint8_t *ok, int64_t n, float scale, fl
         }
         *top = best;
     }
-    const __m256 t8 = _mm256_set1_ps(*top), ninf = _mm256_set1_ps(-INFINITY);
-    __m256 sum8 = _mm256_setzero_ps();
-    int64_t t = 0;
-    for (; t + 8 <= n; t += 8) {
-        const __m256 x = _mm256_loadu_ps(sj + t);
-        const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(x, t8)), _mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ));
-        _mm256_storeu_ps(sj + t, e);
-        sum8 = _mm256_add_ps(sum8, e);
-    }
-    float s = hsum(sum8);
-    for (; t < n; t++) {
-        sj[t] = sj[t] == -INFINITY ? 0.0f : expf(sj[t] - *top);
-        s += sj[t];
-    }
-    *sum += s;
+    *sum += exp_shifted(sj, n, *top);
     return 1;
 }
 
