@@ -33,7 +33,7 @@ test: setup
 	$(VENV)/bin/llmplan validate plans/*.yaml
 	$(VENV)/bin/pytest $(TEST_WORKERS)
 
-# The real models against transformers (slow: ~30 min on 2 cores). The plans fetch and import them first.
+# The real models against transformers (slow: ~10 min on 2 cores once fetched). The plans fetch and import them first.
 test-real: setup
 	$(VENV)/bin/llmplan validate --deep plans/gemma3-270m-int8.yaml plans/qwen2.5-0.5b-int8.yaml
 	LLMPLAN_REAL_MODELS=1 $(VENV)/bin/pytest -q tests/llm/test_gguf_real.py

@@ -13,6 +13,8 @@ checked against its SHA-256 first. For each model:
   (benchmarks/real-models.md) with room for other CPUs' kernels, far below what a mis-mapped tensor moves;
 * greedy: at every step of transformers' greedy path, llmplan's argmax is transformers' token, unless
   transformers' top-two margin there is under TIE_MARGIN (a tie: printed, and that prompt ends there);
+* both checks again on the backend `llmplan run` takes on a CPU, the fused native pass (fp32 weights and K/V):
+  prompt and the path's first tokens as one chunk (its attention in blocks), the rest a decode step each;
 * the tokenizer: llmplan's encode (BOS as the file says) and decode equal transformers' on 300+ strings
   (CJK, emoji, code, whitespace runs, the special tokens as text).
 
@@ -30,9 +32,14 @@ import numpy as np
 import pytest
 import torch
 from tiny import load_tiny
+from torch import Tensor
 
 from llmplan.cache_home import cache_home
+from llmplan.llm import native
+from llmplan.llm.flat_batch import FlatBatch, Part
 from llmplan.llm.gguf_import import import_gguf
+from llmplan.llm.model_runner import ModelRunner
+from llmplan.llm.slot_cache import SlotCache
 from llmplan.llm.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -40,7 +47,7 @@ pytest.importorskip("gguf")
 
 REAL_DIR = os.environ.get("LLMPLAN_REAL_GGUF_DIR")
 if os.environ.get("LLMPLAN_REAL_MODELS") != "1":
-    pytest.skip("real-model checks are opt-in: make test-real (about 30 minutes on 2 cores)", allow_module_level=True)
+    pytest.skip("real-model checks are opt-in: make test-real (about 10 minutes on 2 cores once fetched)", allow_module_level=True)
 MODELS = {
     "gemma-3-270m-q4_k_m.gguf": "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf": "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
@@ -60,6 +67,7 @@ SPECIALS = {
 LOGIT_TOLERANCE = 5e-3  # measured: 0 (Gemma), 1.6e-3 (Qwen); see benchmarks/real-models.md
 TIE_MARGIN = 2 * LOGIT_TOLERANCE
 NEW_TOKENS = 32
+PREFIX_PATH = 16  # path tokens in the native test's first chunk: 17+ inputs attend in blocks
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    ",
@@ -124,31 +132,75 @@ def _greedy(hf: Any, ids: list[int]) -> tuple[list[int], list[float]]:
     return tokens, margins
 
 
-def test_logits_and_greedy_equal_transformers(real: dict[str, Any]) -> None:
+@pytest.fixture(scope="module")
+def theirs(real: dict[str, Any]) -> list[dict[str, Any]]:
+    """transformers' side of each prompt, computed once for both backends: its greedy path, the top-two margin
+    at each step, and its fp32 logits at every position of prompt + path."""
     tok = Tokenizer.from_dir(real["dir"])
     hf = _theirs(real["path"])
-    ours = load_tiny(real["dir"])
-    worst = 0.0
-    ties: list[str] = []
-    agreed = 0
+    cases = []
     for prompt in PROMPTS:
         ids = tok.encode(prompt)
         path, margins = _greedy(hf, ids)
-        seq = torch.tensor([ids + path])
         with torch.no_grad():
-            want = hf(seq).logits[0]
-            got = ours(seq, torch.arange(seq.shape[1])[None])[0]
-        worst = max(worst, (got - want).abs().max().item())
+            want = hf(torch.tensor([ids + path])).logits[0]
+        cases.append({"prompt": prompt, "ids": ids, "path": path, "margins": margins, "want": want})
+    return cases
+
+
+def _compare(name: str, backend: str, cases: list[dict[str, Any]], ours: list[Tensor]) -> None:
+    """Our logits at every position of each case against transformers': the worst |delta|, and our argmax at
+    each step of transformers' greedy path (a differing pick must be a tie, which ends that prompt)."""
+    worst = 0.0
+    ties: list[str] = []
+    agreed = 0
+    for case, got in zip(cases, ours, strict=True):
+        ids, path, margins = case["ids"], case["path"], case["margins"]
+        worst = max(worst, (got - case["want"]).abs().max().item())
         picks = got[len(ids) - 1 : -1].argmax(-1).tolist()  # our choice at each step of transformers' path
         for step, (mine, theirs, margin) in enumerate(zip(picks, path, margins, strict=True)):
             if mine != theirs:
-                assert margin < TIE_MARGIN, f"{prompt!r} step {step}: {mine} != {theirs}, margin {margin:.4f}"
-                ties.append(f"{prompt!r} step {step}: margin {margin:.5f} ({mine} vs {theirs})")
+                assert margin < TIE_MARGIN, f"{case['prompt']!r} step {step}: {mine} != {theirs}, margin {margin:.4f}"
+                ties.append(f"{case['prompt']!r} step {step}: margin {margin:.5f} ({mine} vs {theirs})")
                 break
             agreed += 1
-    print(f"\n{real['name']}: max |delta logit| {worst:.2e} over {len(PROMPTS)} prompts x (prompt + {NEW_TOKENS})")
-    print(f"{real['name']}: greedy steps identical {agreed}/{len(PROMPTS) * NEW_TOKENS}; ties: {ties or 'none'}")
+    print(f"\n{name} ({backend}): max |delta logit| {worst:.2e} over {len(cases)} prompts x (prompt + {NEW_TOKENS})")
+    print(f"{name} ({backend}): greedy steps identical {agreed}/{len(cases) * NEW_TOKENS}; ties: {ties or 'none'}")
     assert worst <= LOGIT_TOLERANCE
+
+
+def test_logits_and_greedy_equal_transformers(real: dict[str, Any], theirs: list[dict[str, Any]]) -> None:
+    """The torch modules (llm/model.py) over each whole sequence at once."""
+    model = load_tiny(real["dir"])
+    ours = []
+    for case in theirs:
+        seq = torch.tensor([case["ids"] + case["path"]])
+        with torch.no_grad():
+            ours.append(model(seq, torch.arange(seq.shape[1])[None])[0])
+    _compare(real["name"], "torch modules", theirs, ours)
+
+
+@pytest.mark.skipif(native.kernels() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")
+def test_the_native_pass_equals_transformers(real: dict[str, Any], theirs: list[dict[str, Any]]) -> None:
+    """The backend `llmplan run` takes on a CPU (the fused native pass, fp32 weights and K/V): the prompt and the
+    first PREFIX_PATH tokens of the path as one chunk, every input's logits (the chunk's attention in blocks),
+    then the rest of the path a token a pass, as decode steps feed it (the one-input attention)."""
+    model = load_tiny(real["dir"])
+    ours = []
+    for case in theirs:
+        seq = case["ids"] + case["path"]
+        cache = SlotCache.for_model(model, 1, len(seq), chunk=len(seq))
+        runner = ModelRunner(model, cache)
+        assert runner.backend == "native"
+        head = len(case["ids"]) + PREFIX_PATH
+        parts = [Part(0, 0, seq[:head], head)] + [Part(0, at, [seq[at]], True) for at in range(head, len(seq))]
+        rows = []
+        with torch.inference_mode():
+            for part in parts:
+                cache.claim([part.row], [part.tokens])
+                rows.append(runner.forward(FlatBatch([part]), cache))
+        ours.append(torch.cat(rows))
+    _compare(real["name"], "native pass", theirs, ours)
 
 
 def _strings(specials: list[str], seed: int = 0) -> list[str]:
