@@ -13,10 +13,11 @@ absolute numbers by 2x or more):
 * batch 16 aggregate decode (the largest `--batch`): against `llama-batched-bench -npp PROMPT -ntg GEN -npl B`
   (every sequence its own prompt, aggregate tg speed).
 
-llama.cpp is the one `benchmarks/build_llama_server.sh` builds from the vendored source of the pinned
-llama-cpp-python (GGML_NATIVE=ON, or `--llama-build avx2`: AVX2 only, the reference for `LLMPLAN_ISA=avx2`).
-Its GGUFs are requantized from the plan's bundled GGUF with that build's `llama-quantize`: F32 for fp32, Q8_0
-for int8, Q4_1 for int4 (BF16 and F16 for bf16 and fp16), the same weights llmplan quantizes.
+Each measured batch-1 run of llmplan's follows a short warm-up run (WARM_TOKENS), as each llama-bench measure
+follows its own warm-up pass. llama.cpp is the one `benchmarks/build_llama_server.sh` builds from the vendored
+source of the pinned llama-cpp-python (GGML_NATIVE=ON, or `--llama-build avx2`: AVX2 only, the reference for
+`LLMPLAN_ISA=avx2`). Its GGUFs are requantized from the plan's bundled GGUF with that build's `llama-quantize`:
+F32 for fp32, Q8_0 for int8, Q4_1 for int4 (BF16 and F16 for bf16 and fp16), the same weights llmplan quantizes.
 
 `--llama-type` chooses llama.cpp's side instead: a comma list of llama.cpp types (`Q8_0`, `Q4_1`, `F32`...),
 each requantized as above, or `as-shipped` (or the GGUF's own type name, e.g. `Q4_K_M`): the plan's GGUF
@@ -48,6 +49,12 @@ from .measure import bench_overrides, load, random_prompts, run_once
 from .read_rate import READ_MIB, read_rate
 from .report import machine
 from .stats import summary
+
+# Tokens of the short run before each measured batch-1 run. llama-bench runs a warm-up pass before each
+# measure; without one of ours, llmplan's run followed llama.cpp's (or the read rate's) idle CPU and cold
+# caches: a Gemma 3 fp32 prefill measured 750-785 tok/s after a llama-bench or an 8 s sleep against 822-886
+# back to back, which read as a 0.92x prefill in one run whose first (warm) run was 848.
+WARM_TOKENS = 2
 
 GGUF_TYPES = {"fp32": "F32", "int8": "Q8_0", "int4": "Q4_1", "bf16": "BF16", "fp16": "F16"}
 AS_SHIPPED = "as-shipped"
@@ -269,6 +276,7 @@ def bench_vs_llama_cpp(args: argparse.Namespace, say: Any, partial: Any = None) 
         for r in range(args.runs):
             say(f"bench: {label} run {r + 1}/{args.runs} (llmplan, llama.cpp {', '.join(ggufs)}, alternating)")
             memory.append(read_rate(threads))
+            run_once(model, cache, one, WARM_TOKENS)  # warm, as llama-bench warms before each of its measures
             a = run_once(model, cache, one, gen)
             ours["decode_b1"].append(a["decode_tok_s"])
             ours["prefill"].append(a["prefill_tok_s"])

@@ -13,6 +13,7 @@ import math
 import stat
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -150,7 +151,18 @@ def test_as_shipped_runs_the_file_itself_beside_a_requantized_one(
     args += ["--set", "convert.bf16_inputs=true"]  # a plan override: recorded, so that a rerun can pass it again
     args += ["--set", "place.kv_cache.dtype=fp16"]  # llama.cpp's own KV cache format, said beside it
     args += ["--out", str(tmp_path / "vs-qwen2.5")]  # a dot in the prefix is kept: vs-qwen2.5.md
+    ran: list[tuple[int, int]] = []  # llmplan's runs in order: (rows, tokens)
+    run_once = llama_cpp.run_once
+
+    def recorded(model: Any, cache: Any, prompts: list[list[int]], gen_tokens: int) -> dict[str, Any]:
+        ran.append((len(prompts), gen_tokens))
+        return run_once(model, cache, prompts, gen_tokens)
+
+    monkeypatch.setattr(llama_cpp, "run_once", recorded)
     assert main(args) == 0
+    # per dtype: the load's warm-ups, then each run warms batch 1 before measuring it, as llama-bench warms
+    warm = (1, llama_cpp.WARM_TOKENS)
+    assert ran == ([(1, 3), (2, 3)] + [warm, (1, 3), (2, 3)] * 2) * 2
     result = json.loads(capsys.readouterr().out)
     assert result["settings"]["set"] == ["convert.bf16_inputs=true", "place.kv_cache.dtype=fp16"]
     assert result["settings"]["kv_cache"] == {"int8": "float16", "int4": "float16"}
