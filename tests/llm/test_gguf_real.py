@@ -4,8 +4,9 @@ Opt-in (`make test-real`, which fetches the files through the plans first): runs
 on the joined files in `LLMPLAN_REAL_GGUF_DIR` or where the plans' `pieces:` source left them in the model cache
 ($LLMPLAN_CACHE/downloads/<sha256[:16]>/<name>), i.e.
 gemma-3-270m-q4_k_m.gguf (gemma3, SentencePiece 262,144 tokens) and
-qwen2.5-coder-0.5b-instruct-q4_k_m.gguf (qwen2, byte-level BPE 151,936 tokens, qwen2 pre-split); each is
-checked against its SHA-256 first. For each model:
+qwen2.5-coder-0.5b-instruct-q4_k_m.gguf (qwen2, byte-level BPE 151,936 tokens, qwen2 pre-split) and
+qwen2.5-coder-1.5b-instruct-q4_k_m.gguf (the same family and vocabulary at 1.5B, with its own output matrix);
+each is checked against its SHA-256 first. For each model:
 
 * fp32 logits of the import (llmplan's torch model) and of transformers' GGUF loader, at every position of
   16 prompts with 32 greedy tokens each: max |delta| within LOGIT_TOLERANCE. Both dequantize with gguf-py,
@@ -47,22 +48,28 @@ pytest.importorskip("gguf")
 
 REAL_DIR = os.environ.get("LLMPLAN_REAL_GGUF_DIR")
 if os.environ.get("LLMPLAN_REAL_MODELS") != "1":
-    pytest.skip("real-model checks are opt-in: make test-real (about 10 minutes on 2 cores once fetched)", allow_module_level=True)
+    pytest.skip(
+        "real-model checks are opt-in: make test-real (about 15 minutes on 2 cores once fetched)",
+        allow_module_level=True,
+    )
 MODELS = {
     "gemma-3-270m-q4_k_m.gguf": "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf": "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf": "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
 }
+QWEN_SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<tool_call>",
+]
 SPECIALS = {
     "gemma-3-270m-q4_k_m.gguf": ["<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>", "<mask>"],
-    "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf": [
-        "<|endoftext|>",
-        "<|im_start|>",
-        "<|im_end|>",
-        "<|fim_prefix|>",
-        "<|fim_middle|>",
-        "<|fim_suffix|>",
-        "<tool_call>",
-    ],
+    "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf": QWEN_SPECIALS,
+    "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf": QWEN_SPECIALS,
 }
 LOGIT_TOLERANCE = 5e-3  # measured: 0 (Gemma), 1.6e-3 (Qwen); see benchmarks/real-models.md
 TIE_MARGIN = 2 * LOGIT_TOLERANCE
@@ -128,7 +135,11 @@ def _greedy(hf: Any, ids: list[int]) -> tuple[list[int], list[float]]:
             top = out.logits[0, -1].topk(2)
             tokens.append(int(top.indices[0]))
             margins.append(float(top.values[0] - top.values[1]))
-            out = hf(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+            step = torch.tensor([[tokens[-1]]])
+            if hasattr(out, "cache"):  # transformers 5 renamed past_key_values (the old name goes in 5.40)
+                out = hf(step, cache=out.cache, use_cache=True)
+            else:
+                out = hf(step, past_key_values=out.past_key_values, use_cache=True)
     return tokens, margins
 
 
