@@ -158,8 +158,9 @@ def run_child(
         status = Path(f"/proc/{process.pid}/status")
         while process.poll() is None:
             with contextlib.suppress(OSError, ValueError):
-                line = next(x for x in status.read_text().splitlines() if x.startswith("VmRSS:"))
-                if int(line.split()[1]) / 1024 > memory_mb:
+                # an exited child not yet reaped (a zombie) has a status without VmRSS
+                line = next((x for x in status.read_text().splitlines() if x.startswith("VmRSS:")), None)
+                if line is not None and int(line.split()[1]) / 1024 > memory_mb:
                     over.set()
                     process.kill()
                     return
