@@ -33,7 +33,8 @@ test: setup
 	$(VENV)/bin/llmplan validate plans/*.yaml
 	$(VENV)/bin/pytest $(TEST_WORKERS)
 
-# The real models against transformers (slow: ~15 min on 2 cores once fetched, 9 of them the 1.5B model). The plans fetch and import them first.
+# The real models against transformers (slow: ~15 min on 2 cores once fetched, 9 of them the 1.5B model).
+# The plans fetch and import them first; the test reads those imports from the model cache.
 test-real: setup
 	$(VENV)/bin/llmplan validate --deep plans/gemma3-270m-int8.yaml plans/qwen2.5-0.5b-int8.yaml plans/qwen2.5-1.5b-int4.yaml
 	LLMPLAN_REAL_MODELS=1 $(VENV)/bin/pytest -q tests/llm/test_gguf_real.py

@@ -1,4 +1,4 @@
-"""The GGUF import of two real models, against transformers loading the very same files (slow; run alone).
+"""The GGUF import of three real models, against transformers loading the very same files (slow; run alone).
 
 Opt-in (`make test-real`, which fetches the files through the plans first): runs when LLMPLAN_REAL_MODELS=1,
 on the joined files in `LLMPLAN_REAL_GGUF_DIR` or where the plans' `pieces:` source left them in the model cache
@@ -42,6 +42,7 @@ from llmplan.llm.gguf_import import import_gguf
 from llmplan.llm.model_runner import ModelRunner
 from llmplan.llm.slot_cache import SlotCache
 from llmplan.llm.tokenizer import Tokenizer
+from llmplan.stages.model_source import default_cache_dir
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
@@ -104,7 +105,7 @@ def _sha256(path: Path) -> str:
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
-def real(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def real(request: pytest.FixtureRequest) -> dict[str, Any]:
     name = request.param
     places = [Path(REAL_DIR) / name] if REAL_DIR else []
     places.append(cache_home() / "downloads" / MODELS[name][:16] / name)
@@ -112,7 +113,9 @@ def real(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     if not path.is_file():
         pytest.skip(f"{path} is not there (make test-real fetches it; or set LLMPLAN_REAL_GGUF_DIR)")
     assert _sha256(path) == MODELS[name], f"{path}: not the pinned file"
-    out = import_gguf(path, tmp_path_factory.mktemp("real-gguf"))
+    # the model cache the plans import into: `make test-real` has just imported these files there, and a
+    # finished import is only read (7.1 GB and a minute for the 1.5B model, not done again)
+    out = import_gguf(path, default_cache_dir())
     return {"name": name, "path": path, "dir": out}
 
 
