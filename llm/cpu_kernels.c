@@ -1198,12 +1198,14 @@ static int measure_dot_tiles(void) {
 // tiles); an Intel Xeon (AVX512_BF16 and AMX listed) ran them at 99 GMAC/s against 120 for the exact tiles on
 // the rounded x: 32 a cycle either way, plus the rounding pass. One row and a few rows keep vdpbf16ps
 // everywhere (decode is bound by the weights' bytes, which it reads as stored). set_bf16_dot_tiles(0 or 1)
-// forces the answer (the tests run both tiles), -1 measures again.
+// forces the answer (the tests run both tiles), -1 measures again; a CPU without vdpbf16ps (an AVX-512 Xeon
+// whose hypervisor hides AVX512_BF16) answers 0 even when forced, as gemm_bf16_inputs never takes them there.
 int64_t bf16_dot_tiles(void) {
 #if defined(__AVX512BF16__)
+    if (!bf16_dot_products()) return 0;
     int known = __atomic_load_n(&dot_tiles, __ATOMIC_ACQUIRE);
     if (known < 0) {
-        known = bf16_dot_products() ? measure_dot_tiles() : 0;
+        known = measure_dot_tiles();
         __atomic_store_n(&dot_tiles, known, __ATOMIC_RELEASE);
     }
     return known;
