@@ -897,9 +897,10 @@ void gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, in
     // weights come from memory once: whole rows keep each of the 6 streams one sequential read (a block of
     // columns reads 4 KB of each row and skips the rest until the next pass), and a pass fewer is a barrier
     // fewer. 16 rows from memory, Xeon: +8-17 % at K = 1536, 4864 and 8960, +40 % with the weights in L3.
-    const int64_t KB = M <= STREAM_ROWS ? K : column_block(K, 0);
+    const int streams = M <= STREAM_ROWS;
+    const int64_t KB = streams ? K : column_block(K, 0);
     const float *c[2] = {x, w};
-    tiled_product(f32_block, c, w, K * (int64_t)sizeof(float), y, M, N, K, KB, chunk_rows(M, KB), M <= STREAM_ROWS, 0);
+    tiled_product(f32_block, c, w, K * (int64_t)sizeof(float), y, M, N, K, KB, chunk_rows(M, KB), streams, 0);
 }
 
 // Widen 16-bit floats (bf16, or fp16 when `f16`) to fp32 (K % 8 == 0).
