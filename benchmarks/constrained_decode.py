@@ -43,7 +43,7 @@ def load(plan: str) -> Any:
     from llmplan.engine.plan import load_plan
     from llmplan.engine.registry import discover
     from llmplan.engine.runner import Runner
-    from llmplan.llm.tokenizer import Tokenizer
+    from llmplan.llm.text.tokenizer import Tokenizer
     from llmplan.stages.slots import InferenceContext
 
     bound = load_plan(Path(plan), discover(), ["place.max_batch=16"])
@@ -57,9 +57,9 @@ def load(plan: str) -> Any:
 
 
 def batch(ctx: Any, prompts: list[list[int]], tokens: int, grammar: Any) -> dict[str, Any]:
-    from llmplan.llm.engine_loop import EngineLoop, GenerationRequest
-    from llmplan.llm.sampling import SamplingParams, build_picker
-    from llmplan.llm.slot_cache import SlotCache
+    from llmplan.llm.generation.engine_loop import EngineLoop, GenerationRequest
+    from llmplan.llm.kv.slot_cache import SlotCache
+    from llmplan.llm.sampling.chain import SamplingParams, build_picker
 
     loop = EngineLoop(ctx.model_runner, SlotCache.over(ctx.kv_cache), max_running=len(prompts))
     eos = frozenset(i for i in (ctx.tokenizer.eos_id,) if i is not None)
@@ -83,7 +83,7 @@ def batch(ctx: Any, prompts: list[list[int]], tokens: int, grammar: Any) -> dict
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from llmplan.llm.output_format import OutputFormat, compile_format
+    from llmplan.llm.sampling.constrained_format import OutputFormat, compile_format
 
     ctx = load(args.plan)
     eos = frozenset(i for i in (ctx.tokenizer.eos_id,) if i is not None)

@@ -1,5 +1,5 @@
 """The cost of the dynamic split (#30) on its own: one product at a time, the kernels of another git revision
-(static split, built from `git show REV:llm/cpu_kernels.c`) against this checkout's with the team fixed at
+(static split, built from `git show REV:llm/kernels/cpu_kernels.c`) against this checkout's with the team fixed at
 torch's count (no adaptation), call by call alternating in one process, so machine load hits both alike.
 
 Usage: python benchmarks/kernel_split_ab.py OUT_PREFIX [--rev main] [--calls 300]
@@ -27,13 +27,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ab_checkouts import cpu_flags
 
-from llmplan.llm import native
+from llmplan.llm.kernels import native
 
+KERNEL_PATHS = ("llm/kernels/cpu_kernels.c", "llm/cpu_kernels.c")
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}
 
 
 def old_library(rev: str, isa: str, where: Path) -> ctypes.CDLL:
-    source = subprocess.run(["git", "show", f"{rev}:llm/cpu_kernels.c"], capture_output=True, text=True, check=True)
+    # the kernels' source moved from llm/ to llm/kernels/ (issue 53); an older revision has it at the old path
+    show = [subprocess.run(["git", "show", f"{rev}:{p}"], capture_output=True, text=True) for p in KERNEL_PATHS]
+    source = next(s for s in show if s.returncode == 0)
     src = where / "old_kernels.c"
     src.write_text(source.stdout)
     out = where / "old_kernels.so"

@@ -38,7 +38,7 @@ SLOTS = 16  # `llmplan serve --slots 16`, under as many concurrent requests
 # server), then the RSS the load starts from, then `llmplan serve` itself (engine/cli.main).
 SERVE_CHILD = """
 import gc, json, sys
-import llmplan.commands.server
+import llmplan.commands.serve.app
 from llmplan.engine.cli import main
 from llmplan.engine.memory import rss_bytes
 from llmplan.engine.plan import load_plan

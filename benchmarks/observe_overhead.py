@@ -60,10 +60,10 @@ def interleaved(plan: str, tokens: int, prompt_tokens: int = 128) -> dict[str, A
     from llmplan.engine.plan import load_plan
     from llmplan.engine.registry import discover
     from llmplan.engine.runner import Runner
-    from llmplan.llm.engine_loop import EngineLoop, GenerationRequest
-    from llmplan.llm.layer_clock import LayerClock
-    from llmplan.llm.sampling import SamplingParams, build_picker
-    from llmplan.llm.slot_cache import SlotCache
+    from llmplan.llm.generation.engine_loop import EngineLoop, GenerationRequest
+    from llmplan.llm.kv.slot_cache import SlotCache
+    from llmplan.llm.model.layer_clock import LayerClock
+    from llmplan.llm.sampling.chain import SamplingParams, build_picker
     from llmplan.stages.slots import InferenceContext
 
     bound = load_plan(Path(plan), discover())

@@ -81,7 +81,7 @@ def load(plan: str) -> Any:
         if result.status != "ok":
             raise SystemExit(f"loading {plan}: {result.message}")
     if ctx.tokenizer is None:  # the tokenizer stage is not upstream of the placement
-        from llmplan.llm.tokenizer import Tokenizer
+        from llmplan.llm.text.tokenizer import Tokenizer
 
         ctx.tokenizer = Tokenizer.from_dir(ctx.model_source.model_dir)
     return ctx
@@ -89,9 +89,9 @@ def load(plan: str) -> Any:
 
 def answer(ctx: Any, prompt: list[int], tokens: int, spec: Any) -> dict[str, Any]:
     """One greedy answer through the engine loop: its tokens, decode speed and the guesses it verified."""
-    from llmplan.llm.engine_loop import EngineLoop, GenerationRequest
-    from llmplan.llm.sampling import SamplingParams, build_picker
-    from llmplan.llm.slot_cache import SlotCache
+    from llmplan.llm.generation.engine_loop import EngineLoop, GenerationRequest
+    from llmplan.llm.kv.slot_cache import SlotCache
+    from llmplan.llm.sampling.chain import SamplingParams, build_picker
 
     loop = EngineLoop(ctx.model_runner, SlotCache.over(ctx.kv_cache), draft=ctx.draft_model)
     picker = build_picker(SamplingParams(temperature=0.0), len(prompt))
@@ -123,7 +123,7 @@ def encode(ctx: Any, text: str) -> list[int]:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from llmplan.llm.sampling_params import Speculation
+    from llmplan.llm.sampling.params import Speculation
 
     ctx = load(args.plan)
     if args.threads is not None:
@@ -162,7 +162,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 file=sys.stderr,
             )
     result = summarize(args, rows)
-    costs = ctx.model_runner.pass_costs  # what the runner learnt a pass of n inputs costs (llm/speculative.py)
+    costs = ctx.model_runner.pass_costs  # what the runner learnt a pass of n inputs costs (generation/speculative.py)
     result["pass_costs"] = {n: round(costs.cost(n), 3) for n in range(1, args.spec_tokens + 2)}
     return result
 

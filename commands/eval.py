@@ -3,7 +3,7 @@
 Each plan's model is loaded through its own stages (as `llmplan bench` does: the plan's precision, kernels and
 threads), then scored on the same tokens as the reference (default: the first plan in fp32): perplexity, the
 KL-divergence of the next-token distributions (mean, p99), top-1 agreement, per-layer hidden-state drift, and
-the same-token rate of free-running greedy continuations. See llm/quality.py for what each figure means.
+the same-token rate of free-running greedy continuations. See llm/evaluation/quality.py for what each figure means.
 
 The default text ships with the installed Python itself — the documentation topics of `pydoc_data` — so every
 machine scores the same words without fetching anything; `--text FILE` scores the user's own.
@@ -76,7 +76,7 @@ def read_text(path: str | None) -> tuple[str, str]:
 
     if path is None:
         return default_text(), f"pydoc_data.topics (Python {sys.version.split()[0]})"
-    from llmplan.llm.files import describe_os_error
+    from llmplan.llm.trust.files import describe_os_error
 
     try:
         return Path(path).read_text(encoding="utf-8"), path
@@ -179,7 +179,7 @@ def evaluate(args: argparse.Namespace, text: str, source: str) -> dict[str, Any]
     from llmplan.commands.tokenize import load_tokenizer
     from llmplan.engine.cli import CliError
     from llmplan.engine.console import RichProgress
-    from llmplan.llm import quality
+    from llmplan.llm.evaluation import quality
 
     need = max(args.context, GREEDY_PROMPT_TOKENS + args.greedy + 1)
     ref_variant, rows_wanted = variants(args)
@@ -232,7 +232,7 @@ def evaluate(args: argparse.Namespace, text: str, source: str) -> dict[str, Any]
 def _greedy(loaded: Any, prompts: list[list[int]], tokens: int) -> list[list[int]]:
     """Free-running greedy continuations, one prompt at a time (batch 1: no padding to differ on)."""
     from llmplan.commands.bench.measure import greedy
-    from llmplan.llm.generate import generate
+    from llmplan.llm.generation.static_batch import generate
 
     out = []
     for prompt in prompts:

@@ -30,8 +30,8 @@ def text_hash(text: str) -> str:
 def check_db(db: str) -> None:
     """Before any model is loaded: the path can hold a results database, and what is there already is one."""
     from llmplan.engine.cli import CliError
-    from llmplan.stages.results_file import path_problem
-    from llmplan.stages.results_store import StoreError, identify
+    from llmplan.stages.results.file import path_problem
+    from llmplan.stages.results.store import StoreError, identify
 
     problem = path_problem(db)
     if problem is not None:
@@ -45,7 +45,7 @@ def check_db(db: str) -> None:
 def store(db: str, report: dict[str, Any], text: str) -> list[int]:
     """One `evals` row per plan of the report, in one transaction; returns their ids."""
     from llmplan.engine.cli import CliError
-    from llmplan.stages.results_store import EvalRow, ResultsStore, StoreError
+    from llmplan.stages.results.store import EvalRow, ResultsStore, StoreError
 
     ref = report["reference"]
     settings = {key: report[key] for key in SETTINGS if key in report}

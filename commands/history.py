@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 from llmplan.commands.arguments import positive
 from llmplan.data_home import default_db, shown
 from llmplan.engine.cli import CliError
-from llmplan.llm.ending import shown_finish
-from llmplan.stages.results_store import ResultsStore, StoreError
+from llmplan.llm.generation.ending import shown_finish
+from llmplan.stages.results.store import ResultsStore, StoreError
 
 T = TypeVar("T")
 _MARKERS = re.compile(r"<\|[^|<>]{1,40}\|>|</?s>")  # chat-template markers, hidden in the listing

@@ -1,7 +1,7 @@
 """Bounded spinning of OpenMP threads (#30), set before torch loads libgomp; other programs' env without it.
 
 An OpenMP thread that waits for work spins GOMP_SPINCOUNT times, then sleeps. libgomp's default, 300000
-(~3 ms), keeps a thread that the native kernels' adapted team left out (llm/cpu_kernels.c, "Threads on a
+(~3 ms), keeps a thread that the native kernels' adapted team left out (llm/kernels/cpu_kernels.c, "Threads on a
 busy machine") spinning after every torch op, taking CPU from the thread doing the work when other jobs hold
 the cores. SPINCOUNT (~0.3 ms) still spans every gap between the products of a forward pass (microseconds);
 fully passive waiting lost half the quiet decode speed (a sleep and a wake-up at each of ~150 products a

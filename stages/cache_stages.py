@@ -44,11 +44,11 @@ from pydantic import Field, field_validator
 from llmplan.data_home import in_home
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
-from llmplan.llm.manifest import MANIFEST_NAME, ManifestError, read_sha256sums
+from llmplan.llm.trust.manifest import MANIFEST_NAME, ManifestError, read_sha256sums
 
-from .result_rows import DamagedRow, check_replay
-from .results_file import path_problem
-from .results_store import (
+from .results.file import path_problem
+from .results.rows import DamagedRow, check_replay
+from .results.store import (
     DEFAULT_DB,
     ResultRow,
     ResultsStore,
@@ -144,7 +144,7 @@ def model_identity(model_dir: Path) -> dict[str, str]:
 
     A file listed in SHA256SUMS is identified by that SHA-256 (what verify checks it against); any other
     file by (size, mtime_ns, ctime_ns, inode): no hashing on the lookup path, and any rewrite changes
-    ctime (see llm/hash_cache.py), so a changed unlisted file makes the key miss rather than replay.
+    ctime (see llm/trust/hash_cache.py), so a changed unlisted file makes the key miss rather than replay.
     """
     sums: dict[str, str] = {}
     if (model_dir / MANIFEST_NAME).is_file():

@@ -1,6 +1,6 @@
 """`compute.generate`: prefill + KV-cached decode, the sampler chain or beam search, stopping, streaming.
 
-Requests run through the engine loop (llm/engine_loop.py: continuous batching) on slots of the plan's KV
+Requests run through the engine loop (llm/generation/engine_loop.py: continuous batching) on slots of the plan's KV
 cache: each request joins as soon as a slot is free and leaves the moment it ends, with its own sampler,
 seed and limits; prompts sharing a prefix (a chat template's system prompt) reuse its K/V. Each sequence
 ends with a finish reason: eos | length | stop_string | cache_full | error. Out-of-memory and NaN/inf logits
@@ -24,19 +24,19 @@ from pydantic import Field, model_validator
 
 from llmplan.engine.findings import InputRefused, StageFailure
 from llmplan.engine.stage import Phase, Stage
-from llmplan.llm.beam_search import beam_search
-from llmplan.llm.draft_model import DraftModel
-from llmplan.llm.engine_loop import EngineLoop
-from llmplan.llm.generate import Generation, TokenPicker, generate
-from llmplan.llm.model_runner import ModelRunner
-from llmplan.llm.output_format import CompiledFormat, OutputFormat, UnsupportedFormat, compile_format
-from llmplan.llm.sampling import build_picker
-from llmplan.llm.sampling_params import Speculation
-from llmplan.llm.scheduler import GenerationRequest, Sequence
-from llmplan.llm.slot_cache import SlotCache
-from llmplan.llm.stop_strings import StopStringStream, stop_checker
-from llmplan.llm.token_mask import complete
-from llmplan.llm.tokenizer import StreamDecoder
+from llmplan.llm.generation.beam_search import beam_search
+from llmplan.llm.generation.draft_model import DraftModel
+from llmplan.llm.generation.engine_loop import EngineLoop
+from llmplan.llm.generation.model_runner import ModelRunner
+from llmplan.llm.generation.scheduler import GenerationRequest, Sequence
+from llmplan.llm.generation.static_batch import Generation, TokenPicker, generate
+from llmplan.llm.kv.slot_cache import SlotCache
+from llmplan.llm.sampling.chain import build_picker
+from llmplan.llm.sampling.constrained_format import CompiledFormat, OutputFormat, UnsupportedFormat, compile_format
+from llmplan.llm.sampling.params import Speculation
+from llmplan.llm.sampling.token_mask import complete
+from llmplan.llm.text.stop_strings import StopStringStream, stop_checker
+from llmplan.llm.text.tokenizer import StreamDecoder
 from llmplan.plain_errors import plain_error
 
 from .compute_tokenize import truncate

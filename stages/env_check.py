@@ -41,10 +41,10 @@ def resolve_device(requested: str) -> str:
 
 
 def native_kernels_status(device: str) -> str:
-    """Whether the CPU decode kernels (llm/cpu_kernels.c) run here; building them now, not at the first token."""
+    """Whether the CPU decode kernels (llm/kernels/cpu_kernels.c) run here; built now, not at the first token."""
     if not device.startswith("cpu"):
         return f"not used on {device}"
-    from llmplan.llm import native
+    from llmplan.llm.kernels import native
 
     return native.describe()  # names the instruction-set path taken (avx512 or avx2) and why
 

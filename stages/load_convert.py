@@ -19,10 +19,10 @@ from torch import Tensor
 
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
-from llmplan.llm.checkpoint_writer import check_checkpoint_target, write_checkpoint
-from llmplan.llm.config import ModelConfig
-from llmplan.llm.layer_names import is_linear_weight
-from llmplan.llm.weight_formats import (
+from llmplan.llm.formats.checkpoint_writer import check_checkpoint_target, write_checkpoint
+from llmplan.llm.model.config import ModelConfig
+from llmplan.llm.model.layer_names import is_linear_weight
+from llmplan.llm.model.weight_formats import (
     FLOAT_DTYPES,
     QuantDtype,
     concat_quantized,
@@ -35,7 +35,7 @@ from llmplan.llm.weight_formats import (
     value_problem,
     value_range,
 )
-from llmplan.llm.weights import expected_hf_names, fusion_table, internal_shapes
+from llmplan.llm.model.weights import expected_hf_names, fusion_table, internal_shapes
 from llmplan.ownership import NotOurs
 
 from .load_peak import converting_peak, shard_tensor_bytes

@@ -1,6 +1,6 @@
 """The peak while loading, predicted for `validate --deep`: what load.shard_stream and load.convert hold at once.
 
-The stream clones each shard's wanted tensors out of its mapping (llm/shard_reader.py), so while a shard is
+The stream clones each shard's wanted tensors out of its mapping (llm/formats/shard_reader.py), so while a shard is
 read its mapped pages and its clone are both resident; up to `buffer_shards` cloned shards wait for the
 converter. The converter keeps what it has converted, and the source parts of a fused tensor (q, k, v;
 gate, up) until the last part arrives. The peak is the largest of those sums over the shards, in order.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from llmplan.llm.checkpoint import IntegrityError, ShardManifest, read_safetensors_header
+from llmplan.llm.trust.checkpoint import IntegrityError, ShardManifest, read_safetensors_header
 
 _ELEMENT = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
@@ -46,7 +46,7 @@ def converting_peak(
 ) -> int:
     """Bytes resident at the worst moment of the streamed conversion.
 
-    `table` maps each converted tensor to its source parts (llm/weights.py fusion_table), `converted` gives
+    `table` maps each converted tensor to its source parts (llm/model/weights.py fusion_table), `converted` gives
     each converted tensor's bytes (0 for one that shares another's storage, as a tied fp32 head does).
     """
     arrived: set[str] = set()

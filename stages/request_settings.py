@@ -26,12 +26,12 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 from llmplan.engine.stage import Params
-from llmplan.llm.output_format import CompiledFormat, OutputFormat
-from llmplan.llm.sampling_params import Limit, SamplingParams, Speculation, request_fields, setting_kinds
+from llmplan.llm.sampling.constrained_format import CompiledFormat, OutputFormat
+from llmplan.llm.sampling.params import Limit, SamplingParams, Speculation, request_fields, setting_kinds
 
 
 class FormatSetting(Params):
-    """`format`: the answer's shape (llm/output_format.py), exactly one of these. Checked here, before any
+    """`format`: the answer's shape (llm/sampling/constrained_format.py), exactly one of these. Checked here, before any
     model is loaded: a keyword llguidance cannot enforce is refused, named at its own line and column."""
 
     json_: bool | None = Field(None, alias="json", description="any JSON object")

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from llmplan.llm.beam_search import Candidate  # stated once, where beam search makes them
-from llmplan.llm.ending import OpenAIFinish, openai_finish
-from llmplan.llm.generate import FinishReason  # stated once, where generation ends sequences
-from llmplan.llm.generation import Generation  # one row's output, as every generation loop makes it
+from llmplan.llm.generation.beam_search import Candidate  # stated once, where beam search makes them
+from llmplan.llm.generation.ending import OpenAIFinish, openai_finish
+from llmplan.llm.generation.outputs import Generation  # one row's output, as every generation loop makes it
+from llmplan.llm.generation.static_batch import FinishReason  # stated once, where generation ends sequences
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class ModelSource:
     origin: str  # "hf-dir" | "gguf" | "package" | "pieces"
     fingerprint: str  # hash of SHA256SUMS when present, else of the shard names and sizes
     gguf_file: Path | None = None
-    first_use: Path | None = None  # a first-use record (llm/first_use.py) standing in for SHA256SUMS
+    first_use: Path | None = None  # a first-use record (llm/trust/first_use.py) standing in for SHA256SUMS
 
 
 @dataclass
@@ -141,7 +141,7 @@ class Result:
 
     @property
     def finish_reason(self) -> OpenAIFinish:
-        """What a reader is told (OpenAI's vocabulary, llm/ending.py): content_filter once a filter acted."""
+        """What a reader is told (OpenAI's vocabulary, llm/generation/ending.py): content_filter once a filter acted."""
         return openai_finish(self.finish_detail, filtered=bool(self.flagged) or self.rejected is not None)
 
     @property

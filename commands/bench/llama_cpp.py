@@ -25,7 +25,7 @@ itself, untouched. Each is paired with the llmplan dtype closest in bits among t
 all five; Q4_K_M pairs with int4), or with the one named: `int8=as-shipped`. A dtype of `--dtype` that no
 type names is run against its default type. One load per dtype; each run measures llmplan once, then each
 of its llama.cpp types, alternating. The table names the type each GGUF actually is, read from the file
-(llm/gguf_type.py).
+(llm/formats/gguf/file_type.py).
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ from typing import Any, get_args
 
 from llmplan.engine.cli import CliError
 from llmplan.engine.memory import mib
-from llmplan.llm.gguf_footprint import footprint_line, gguf_read_per_token, read_per_token, recorded_footprint
-from llmplan.llm.gguf_type import GGUFType, file_type_names, gguf_type, nominal_bits
-from llmplan.llm.weight_formats import QuantDtype
+from llmplan.llm.formats.gguf.file_type import GGUFType, file_type_names, gguf_type, nominal_bits
+from llmplan.llm.formats.gguf.footprint import footprint_line, gguf_read_per_token, read_per_token, recorded_footprint
+from llmplan.llm.model.weight_formats import QuantDtype
 from llmplan.openmp_env import foreign_env
 
 from .measure import bench_overrides, load, random_prompts, run_once
@@ -220,7 +220,7 @@ def batched_bench(bin_dir: Path, gguf: Path, prompt: int, gen: int, batch: int, 
 def bench_vs_llama_cpp(args: argparse.Namespace, say: Any, partial: Any = None) -> dict[str, Any]:
     """Alternating runs, llmplan then llama.cpp, per precision of the grid; see the module doc. `partial`,
     when given, is called with the result so far after each precision."""
-    from llmplan.llm import native
+    from llmplan.llm.kernels import native
 
     from .traffic import cpu_features
 

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from llmplan.llm.engine_loop import EngineLoop, GenerationRequest
-from llmplan.llm.generate import generate
-from llmplan.llm.kv_cache import KVCache
-from llmplan.llm.slot_cache import SlotCache
+from llmplan.llm.generation.engine_loop import EngineLoop, GenerationRequest
+from llmplan.llm.generation.static_batch import generate
+from llmplan.llm.kv.cache import KVCache
+from llmplan.llm.kv.slot_cache import SlotCache
 
 from .measure import greedy
 

@@ -1,7 +1,7 @@
 """Per-layer timings (layer_timings.json): attention and MLP per layer, the median over every pass and its
 spread (10th to 90th percentile), prefill and decode apart, on the path the run really took.
 
-The fused native decode step marks its own layers (llm/layer_clock.py), so an observed run decodes as an
+The fused native decode step marks its own layers (llm/model/layer_clock.py), so an observed run decodes as an
 unobserved one does; the page says which path ran the passes and how busy the machine was.
 """
 

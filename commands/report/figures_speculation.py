@@ -1,7 +1,7 @@
 """Speculative decoding over the answer (generations.json's `speculation`), drawn only where it ran.
 
 Each verify pass is recorded as (tokens generated before it, guesses verified, guesses accepted)
-(llm/speculative.py). One panel per request that speculated: the guesses of each pass (light) and those
+(llm/generation/speculative.py). One panel per request that speculated: the guesses of each pass (light) and those
 accepted (dark) at the answer position where the pass ran, and the acceptance over the last WINDOW passes'
 guesses as a line. Gaps are stretches decoded plainly: where a row's matches were not worth guessing.
 """

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from llmplan.commands.serve import build_host
-from llmplan.commands.server import ServerSettings, ThreadedServer, create_app, uvicorn_config
+from llmplan.commands.serve.app import ServerSettings, ThreadedServer, create_app, uvicorn_config
+from llmplan.commands.serve.command import build_host
 from tests.stages.tiny_run import load_stages, make_tiny_model_dir
 
 MAX_NEW = 40

@@ -1,4 +1,4 @@
-"""The incremental reader of tool calls (commands/call_reader.py) and the stream's end (CallStream.finish):
+"""The incremental reader of tool calls (commands/serve/call_reader.py) and the stream's end (CallStream.finish):
 fed an answer a character at a time, in random splits or whole, its events are the calls the whole answer's
 reading (ToolMode.read) finds, header first, the arguments' fragments joined to the read's string."""
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from llmplan.commands.call_reader import MARKER, NATIVE_END, CallArguments, CallEvent, CallReader, CallStart
-from llmplan.commands.tool_calls import CallStream, ToolMode
+from llmplan.commands.serve.call_reader import MARKER, NATIVE_END, CallArguments, CallEvent, CallReader, CallStart
+from llmplan.commands.serve.tool_calls import CallStream, ToolMode
 
 # raw JSON as a model may write it: escapes the reading rewrites, braces, brackets and quotes inside strings
 ARGUMENTS = [

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from llmplan.commands.chat import Conversation
-from llmplan.commands.chat_commands import COMMANDS
-from llmplan.commands.serve import build_host
+from llmplan.commands.chat.command import Conversation
+from llmplan.commands.chat.slash_commands import COMMANDS
+from llmplan.commands.serve.command import build_host
 
 from .conftest import write_serve_plan
 

@@ -9,7 +9,7 @@ import pytest
 from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 
-from llmplan.commands.chat_input import EditingReader, PlainReader, history_path, open_history
+from llmplan.commands.chat.input_lines import EditingReader, PlainReader, history_path, open_history
 
 LEFT, UP = "\x1b[D", "\x1b[A"
 

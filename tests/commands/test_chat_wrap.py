@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from llmplan.commands.chat_wrap import WordWrap, columns
+from llmplan.commands.chat.wrap import WordWrap, columns
 
 TEXT = "The cache keeps keys and values so each new token is cheap; supercalifragilisticexpialidocious words too."
 

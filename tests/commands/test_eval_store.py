@@ -9,7 +9,7 @@ import pytest
 
 from llmplan.commands.eval_store import plan_hash
 from llmplan.engine.cli import main
-from llmplan.stages.results_store import ResultsStore
+from llmplan.stages.results.store import ResultsStore
 from tests.stages.tiny_run import SENTENCES, make_tiny_model_dir, write_plan
 
 

@@ -100,7 +100,7 @@ def _ray_args(setup: dict[str, Path], run: str, db: str, *extra: str, prompts: s
 
 
 def _shards(run_dir: Path) -> list[dict[str, Any]]:
-    from llmplan.commands.result_shards import read_shards
+    from llmplan.commands.ray.result_shards import read_shards
 
     return read_shards(run_dir)
 
@@ -152,7 +152,7 @@ def test_ray_run_equals_local_then_rerun_generates_nothing(cluster: Any, setup: 
 def test_a_replica_killed_mid_run_loses_nothing(
     cluster: Any, setup: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from llmplan.commands.ray_executor import execute
+    from llmplan.commands.ray.executor import execute
     from llmplan.engine.cli import build_parser, plan_overrides
     from llmplan.engine.executors import ExecutorJob
     from llmplan.engine.plan import load_plan

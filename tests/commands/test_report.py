@@ -20,7 +20,7 @@ from llmplan.commands.report.figures_plan import stage_label
 from llmplan.commands.report.figures_speculation import running_acceptance
 from llmplan.commands.report.tokens import token_labels
 from llmplan.engine.memory import mib
-from llmplan.llm import speculative
+from llmplan.llm.generation import speculative
 from tests.commands.browser import Browser, find_chromium
 from tests.stages.tiny_run import make_tiny_model_dir, run_plan, wire_observers, write_plan
 

@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from llmplan.commands.server import ServerSettings
+from llmplan.commands.serve.app import ServerSettings
 
 from .conftest import MAX_NEW, LiveServer, free_port, hold_after, write_serve_plan
 
@@ -196,7 +196,7 @@ def test_metrics_count_requests_tokens_and_latency(served: LiveServer) -> None:
 
 
 def test_metrics_count_speculative_guesses(served: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    from llmplan.llm import speculative
+    from llmplan.llm.generation import speculative
 
     # Every match guessed in full: whether guesses pay on this random model and machine is not the point here.
     monkeypatch.setattr(speculative, "best_guesses", lambda p, most, cost: most)
@@ -234,7 +234,7 @@ def test_a_served_draft_plan_answers_as_the_plain_one(
     answers equal the plain server's, guesses made and counted."""
     import yaml
 
-    from llmplan.llm import speculative
+    from llmplan.llm.generation import speculative
 
     # A tiny model's draft step costs what its target step does, so no guess would pay: guess in full.
     monkeypatch.setattr(speculative, "best_guesses", lambda p, most, cost: most)

@@ -17,9 +17,9 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
-from llmplan.commands.openai_api import CompletionRequest, chat_logprobs, completion_logprobs
-from llmplan.commands.request_body import validate
-from llmplan.commands.server import Answering, ServerMetrics, ServerSettings, create_app
+from llmplan.commands.serve.app import Answering, ServerMetrics, ServerSettings, create_app
+from llmplan.commands.serve.openai_api import CompletionRequest, chat_logprobs, completion_logprobs
+from llmplan.commands.serve.request_body import validate
 
 from .conftest import LiveServer, write_serve_plan
 from .openai_shapes import conforms, conforms_event, stream_bodies
@@ -368,7 +368,7 @@ def test_a_bad_logit_bias_is_refused_by_name(live: LiveServer, bias: dict[str, f
 
 
 def test_slots_size_the_kv_cache(tiny_model: Path, tmp_path: Path) -> None:
-    from llmplan.commands.serve import build_host
+    from llmplan.commands.serve.command import build_host
 
     plan = write_serve_plan(tmp_path, tiny_model, name="slotted", slots=1)
     host = build_host(str(plan), [], keep_alive_s=None, run_dir=tmp_path / "run", slots=3)
@@ -380,8 +380,8 @@ def test_slots_size_the_kv_cache(tiny_model: Path, tmp_path: Path) -> None:
 
 
 def test_slots_default_to_what_the_memory_allows_unless_the_plan_sets_them(tiny_model: Path, tmp_path: Path) -> None:
-    from llmplan.commands.serve import build_host
-    from llmplan.commands.slot_sizing import MAX_AUTO_SLOTS, auto_slots
+    from llmplan.commands.serve.command import build_host
+    from llmplan.commands.serve.slot_sizing import MAX_AUTO_SLOTS, auto_slots
     from llmplan.engine.plan import load_plan
     from llmplan.engine.registry import discover
 
@@ -482,7 +482,7 @@ def test_the_sdk_end_to_end_with_every_field_at_once(live: LiveServer) -> None:
 
 
 def test_an_imported_gguf_is_named_by_its_file_not_the_cache_directory(tmp_path: Path) -> None:
-    from llmplan.commands.model_card import model_card
+    from llmplan.commands.serve.model_card import model_card
     from llmplan.stages.types import ModelSource
 
     imported = tmp_path / "b179c9523d0e6a0f-f2-Model.Q8_0"  # the importer's cache directory

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmplan.commands.server import ServerSettings
+from llmplan.commands.serve.app import ServerSettings
 from llmplan.engine.cli import deep_memory_check
 from llmplan.engine.plan import load_plan
 from llmplan.engine.registry import discover

@@ -19,7 +19,7 @@ import jsonschema
 import openai
 import pytest
 
-from llmplan.commands.server import ServerSettings
+from llmplan.commands.serve.app import ServerSettings
 
 from .conftest import LiveServer, write_serve_plan
 from .openai_shapes import conforms, stream_bodies

@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 import torch
 
-from llmplan.commands.openai_api import ChatRequest
-from llmplan.commands.request_body import validate
-from llmplan.commands.server import ServerSettings
-from llmplan.commands.tool_calls import MARKER, NATIVE_END, Tool, ToolMode
-from llmplan.llm.output_format import UnsupportedFormat, compile_format
-from llmplan.llm.tokenizer import Tokenizer
+from llmplan.commands.serve.app import ServerSettings
+from llmplan.commands.serve.openai_api import ChatRequest
+from llmplan.commands.serve.request_body import validate
+from llmplan.commands.serve.tool_calls import MARKER, NATIVE_END, Tool, ToolMode
+from llmplan.llm.sampling.constrained_format import UnsupportedFormat, compile_format
+from llmplan.llm.text.tokenizer import Tokenizer
 
 from .conftest import LiveServer, write_serve_plan
 from .openai_shapes import conforms

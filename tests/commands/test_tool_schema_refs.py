@@ -1,5 +1,5 @@
 """A tool whose parameters use `$ref` into their own root (`#/$defs/...`, `#`): the call's grammar nests the
-parameters under "arguments", so the references are moved with them (commands/tool_calls.py), and the grammar
+parameters under "arguments", so the references are moved with them (commands/serve/tool_calls.py), and the grammar
 compiles and holds the same arguments as the parameters alone."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any
 import jsonschema
 import pytest
 
-from llmplan.commands.tool_calls import Tool, ToolMode
-from llmplan.llm.output_format import compile_format
-from llmplan.llm.tokenizer import Tokenizer
+from llmplan.commands.serve.tool_calls import Tool, ToolMode
+from llmplan.llm.sampling.constrained_format import compile_format
+from llmplan.llm.text.tokenizer import Tokenizer
 from tests.stages.tiny_run import make_tokenizer
 
 POINT = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"], "additionalProperties": False}

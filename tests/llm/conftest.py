@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from llmplan.llm import native
+from llmplan.llm.kernels import native
 
 
 @pytest.fixture(scope="module", params=list(native.ISAS))

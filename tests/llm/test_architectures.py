@@ -9,7 +9,7 @@ through `generate` (KV cache, prefill then decode) and through the scheduler bes
 
 The caches there are built with a small `chunk` (CHUNK tokens a write), so a sliding layer holds a ring of
 WINDOW + CHUNK slots, far fewer than prompt + generated: the ring wraps during the prefill and keeps wrapping
-while generation runs past the window (llm/kv_layers.py).
+while generation runs past the window (llm/kv/layers.py).
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ from archs import FAMILIES, WINDOW, make_tiny
 from tiny import load_tiny
 from torch import Tensor
 
-from llmplan.llm import native
-from llmplan.llm.engine_loop import EngineLoop
-from llmplan.llm.fused_decode import FusedDecoder
-from llmplan.llm.generate import Pick, generate
-from llmplan.llm.kv_cache import CacheFullError, KVCache
-from llmplan.llm.model import Transformer
-from llmplan.llm.model_runner import ModelRunner
-from llmplan.llm.scheduler import GenerationRequest
-from llmplan.llm.slot_cache import SlotCache
+from llmplan.llm.generation.engine_loop import EngineLoop
+from llmplan.llm.generation.fused_decode import FusedDecoder
+from llmplan.llm.generation.model_runner import ModelRunner
+from llmplan.llm.generation.scheduler import GenerationRequest
+from llmplan.llm.generation.static_batch import Pick, generate
+from llmplan.llm.kernels import native
+from llmplan.llm.kv.cache import CacheFullError, KVCache
+from llmplan.llm.kv.slot_cache import SlotCache
+from llmplan.llm.model.transformer import Transformer
 
 TOLERANCE = 1e-4
 PROMPT_LEN, NEW = 64, 32
@@ -224,7 +224,7 @@ def test_a_prefix_is_reused_only_while_the_ring_holds_its_window(family: dict[st
 def test_beams_reorder_rings_as_whole_rows(family: dict[str, Any], path: str) -> None:
     """Beam search through ring caches (the beams' rows reordered each step) picks what it picks with every
     layer full."""
-    from llmplan.llm.beam_search import beam_search
+    from llmplan.llm.generation.beam_search import beam_search
 
     model, ids = family["model"], family["prompts"][1]
     found = []
@@ -242,7 +242,7 @@ def test_beams_reorder_rings_as_whole_rows(family: dict[str, Any], path: str) ->
 def test_native_pass_refuses_what_it_does_not_compute(family: dict[str, Any]) -> None:
     """The native pass either computes the family (the tests above prove it) or declines: never computes it
     wrongly. Declining leaves the torch path, which is what generation then runs."""
-    from llmplan.llm.fused_decode import architecture_problem
+    from llmplan.llm.generation.fused_decode import architecture_problem
 
     model = family["model"]
     problem = architecture_problem(model.cfg)
@@ -300,7 +300,7 @@ def test_each_familys_config_reads_its_departures(family: dict[str, Any]) -> Non
 def test_fields_no_description_covers_are_refused_naming_config_json(
     tmp_path: Path, model_type: str, changes: dict[str, Any], message: str
 ) -> None:
-    from llmplan.llm.config import ConfigError, ModelConfig
+    from llmplan.llm.model.config import ConfigError, ModelConfig
 
     raw = {"model_type": model_type, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
     raw |= {"intermediate_size": 128, "vocab_size": 256, **changes}
@@ -312,7 +312,7 @@ def test_fields_no_description_covers_are_refused_naming_config_json(
 
 
 def test_qwen_window_applies_only_with_use_sliding_window(tmp_path: Path) -> None:
-    from llmplan.llm.config import ModelConfig
+    from llmplan.llm.model.config import ModelConfig
 
     raw = {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
     raw |= {"intermediate_size": 128, "vocab_size": 256, "sliding_window": 32, "max_window_layers": 0}
@@ -322,7 +322,7 @@ def test_qwen_window_applies_only_with_use_sliding_window(tmp_path: Path) -> Non
 
 def test_older_gemma3_fields_read_like_rope_parameters(tmp_path: Path) -> None:
     """transformers 4 wrote rope_theta, rope_local_base_freq, rope_scaling and sliding_window_pattern."""
-    from llmplan.llm.config import ModelConfig
+    from llmplan.llm.model.config import ModelConfig
 
     raw = {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4}
     raw |= {"intermediate_size": 128, "vocab_size": 256, "sliding_window": 512, "sliding_window_pattern": 3}
@@ -349,10 +349,10 @@ def test_converted_weights_run_the_same_on_both_backends(family: dict[str, Any],
 
     from safetensors.torch import load_file
 
-    from llmplan.llm.layer_names import is_linear_weight
-    from llmplan.llm.linear import make_linear
-    from llmplan.llm.weight_formats import quantize_weight
-    from llmplan.llm.weights import fuse_hf_state_dict
+    from llmplan.llm.model.layer_names import is_linear_weight
+    from llmplan.llm.model.linear import make_linear
+    from llmplan.llm.model.weight_formats import quantize_weight
+    from llmplan.llm.model.weights import fuse_hf_state_dict
 
     cfg = family["model"].cfg
     sd = {k: v for f in Path(family["path"]).glob("*.safetensors") for k, v in load_file(f).items()}

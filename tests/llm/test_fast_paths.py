@@ -14,13 +14,13 @@ import torch.nn.functional as F
 from tiny import load_tiny, make_tiny_llama
 from torch import Tensor
 
-from llmplan.llm import native
-from llmplan.llm.generate import Pick, generate
-from llmplan.llm.kv_cache import KVCache
-from llmplan.llm.linear import make_linear
-from llmplan.llm.model import RMSNorm, Transformer, apply_rope, apply_rope_full, rope_tables
-from llmplan.llm.weight_formats import quantize_weight
-from llmplan.llm.weights import fuse_hf_state_dict
+from llmplan.llm.generation.static_batch import Pick, generate
+from llmplan.llm.kernels import native
+from llmplan.llm.kv.cache import KVCache
+from llmplan.llm.model.linear import make_linear
+from llmplan.llm.model.transformer import RMSNorm, Transformer, apply_rope, apply_rope_full, rope_tables
+from llmplan.llm.model.weight_formats import quantize_weight
+from llmplan.llm.model.weights import fuse_hf_state_dict
 
 PAD = 0
 PROMPTS = [[1, 17, 99, 4, 250, 31, 8, 40, 41], [1, 5, 9], [1, 200, 13, 77, 3, 3]]
@@ -143,7 +143,7 @@ def test_quantized_fast_paths_have_bounded_error(tiny, precision: str, bound: fl
     path, _, _ = tiny
     from safetensors.torch import load_file
 
-    from llmplan.llm.config import ModelConfig
+    from llmplan.llm.model.config import ModelConfig
 
     cfg = ModelConfig.from_file(path / "config.json")
     weights = fuse_hf_state_dict(

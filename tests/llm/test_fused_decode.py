@@ -15,17 +15,17 @@ import torch
 from tiny import load_tiny, make_tiny_llama
 from torch import Tensor
 
-from llmplan.llm import native
-from llmplan.llm.beam_search import beam_search
-from llmplan.llm.flat_batch import FlatBatch, Part
-from llmplan.llm.fused_decode import FusedDecoder
-from llmplan.llm.generate import Pick, generate
-from llmplan.llm.kv_cache import KVCache
-from llmplan.llm.linear import make_linear
-from llmplan.llm.model import Transformer
-from llmplan.llm.model_runner import ModelRunner
-from llmplan.llm.slot_cache import SlotCache
-from llmplan.llm.weight_formats import quantize_weight
+from llmplan.llm.generation.beam_search import beam_search
+from llmplan.llm.generation.flat_batch import FlatBatch, Part
+from llmplan.llm.generation.fused_decode import FusedDecoder
+from llmplan.llm.generation.model_runner import ModelRunner
+from llmplan.llm.generation.static_batch import Pick, generate
+from llmplan.llm.kernels import native
+from llmplan.llm.kv.cache import KVCache
+from llmplan.llm.kv.slot_cache import SlotCache
+from llmplan.llm.model.linear import make_linear
+from llmplan.llm.model.transformer import Transformer
+from llmplan.llm.model.weight_formats import quantize_weight
 
 pytestmark = [
     pytest.mark.skipif(native.kernels() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}"),
@@ -52,8 +52,8 @@ def _model(path, precision: str) -> Transformer:
         return load_tiny(path)
     from safetensors.torch import load_file
 
-    from llmplan.llm.config import ModelConfig
-    from llmplan.llm.weights import fuse_hf_state_dict
+    from llmplan.llm.model.config import ModelConfig
+    from llmplan.llm.model.weights import fuse_hf_state_dict
 
     cfg = ModelConfig.from_file(path / "config.json")
     weights = fuse_hf_state_dict({k: v for f in path.glob("*.safetensors") for k, v in load_file(f).items()}, cfg)
@@ -141,7 +141,7 @@ def test_fused_logits_match_the_torch_path(tiny_dir, precision: str) -> None:
 def test_fused_prefill_matches_the_torch_prefill(
     tiny_dir, precision: str, chunk: int | None, cap: int | None, monkeypatch
 ) -> None:
-    from llmplan.llm import fused_decode
+    from llmplan.llm.generation import fused_decode
 
     if cap is not None:
         monkeypatch.setattr(fused_decode, "MAX_PASS_INPUTS", cap)

@@ -7,10 +7,10 @@ import torch
 from tiny import load_tiny, make_tiny_llama
 from torch import Tensor
 
-from llmplan.llm.generate import Generation, Pick, generate
-from llmplan.llm.kv_cache import KVCache
-from llmplan.llm.model import Transformer, apply_rope
-from llmplan.llm.model_runner import ModelRunner
+from llmplan.llm.generation.model_runner import ModelRunner
+from llmplan.llm.generation.static_batch import Generation, Pick, generate
+from llmplan.llm.kv.cache import KVCache
+from llmplan.llm.model.transformer import Transformer, apply_rope
 
 PAD, EOS = 0, 2
 PROMPTS = [[1, 17, 99, 4, 250, 31, 8], [1, 5], [1, 200, 13, 77]]
@@ -197,7 +197,7 @@ def test_out_of_memory_ends_running_rows_not_the_run(tiny) -> None:
 
 
 def test_finite_rows_flags_nan_and_both_infinities() -> None:
-    from llmplan.llm.generate import finite_rows
+    from llmplan.llm.generation.static_batch import finite_rows
 
     logits = torch.randn(5, 300)
     logits[1, 7], logits[2, 299], logits[3, 0] = float("nan"), float("inf"), float("-inf")

@@ -25,8 +25,8 @@ import pytest
 import torch
 from tiny import load_tiny
 
-from llmplan.llm.gguf_import import GGUFImportError, import_gguf
-from llmplan.llm.tokenizer import Tokenizer
+from llmplan.llm.formats.gguf.importer import GGUFImportError, import_gguf
+from llmplan.llm.text.tokenizer import Tokenizer
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -259,7 +259,7 @@ def theirs(gguf_path: Path) -> torch.Tensor:
     config = transformers.AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     if config.model_type == "gemma3_text":
         # The one field transformers' GGUF loader leaves at its class default (256, Gemma 3 270M-12B's head_dim)
-        # where llama.cpp, which keeps no such key, scales by head_dim ** -0.5 (llm/gguf_config.py).
+        # where llama.cpp, which keeps no such key, scales by head_dim ** -0.5 (llm/formats/gguf/hf_config.py).
         config.query_pre_attn_scalar = config.head_dim
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         gguf_path.parent,
@@ -333,7 +333,7 @@ def test_every_block_type_dequantizes_as_gguf_py(qtype: Q, tmp_path: Path) -> No
 
 
 def gguf_file_of(path: Path) -> Any:
-    from llmplan.llm.gguf_file import open_gguf
+    from llmplan.llm.formats.gguf.file import open_gguf
 
     return open_gguf(path)
 

@@ -19,12 +19,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from llmplan.llm import gguf_import
-from llmplan.llm.config import ModelConfig
-from llmplan.llm.gguf_import import GGUFImportError, import_gguf, unpermute_rope_rows
-from llmplan.llm.hash_cache import CACHE_NAME as HASHES
-from llmplan.llm.manifest import MANIFEST_NAME, read_sha256sums, sha256_file
-from llmplan.llm.tokenizer import Tokenizer
+from llmplan.llm.formats.gguf import importer as gguf_import
+from llmplan.llm.formats.gguf.importer import GGUFImportError, import_gguf, unpermute_rope_rows
+from llmplan.llm.model.config import ModelConfig
+from llmplan.llm.text.tokenizer import Tokenizer
+from llmplan.llm.trust.hash_cache import CACHE_NAME as HASHES
+from llmplan.llm.trust.manifest import MANIFEST_NAME, read_sha256sums, sha256_file
 
 gguf = pytest.importorskip("gguf")
 

@@ -36,12 +36,12 @@ from tiny import load_tiny
 from torch import Tensor
 
 from llmplan.cache_home import cache_home
-from llmplan.llm import native
-from llmplan.llm.flat_batch import FlatBatch, Part
-from llmplan.llm.gguf_import import import_gguf
-from llmplan.llm.model_runner import ModelRunner
-from llmplan.llm.slot_cache import SlotCache
-from llmplan.llm.tokenizer import Tokenizer
+from llmplan.llm.formats.gguf.importer import import_gguf
+from llmplan.llm.generation.flat_batch import FlatBatch, Part
+from llmplan.llm.generation.model_runner import ModelRunner
+from llmplan.llm.kernels import native
+from llmplan.llm.kv.slot_cache import SlotCache
+from llmplan.llm.text.tokenizer import Tokenizer
 from llmplan.stages.model_source import default_cache_dir
 
 transformers = pytest.importorskip("transformers")
@@ -184,7 +184,7 @@ def _compare(name: str, backend: str, cases: list[dict[str, Any]], ours: list[Te
 
 
 def test_logits_and_greedy_equal_transformers(real: dict[str, Any], theirs: list[dict[str, Any]]) -> None:
-    """The torch modules (llm/model.py) over each whole sequence at once."""
+    """The torch modules (llm/model/transformer.py) over each whole sequence at once."""
     model = load_tiny(real["dir"])
     ours = []
     for case in theirs:

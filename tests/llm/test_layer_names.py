@@ -7,8 +7,8 @@ from pathlib import Path
 from tiny import load_tiny, make_tiny_llama
 from torch import nn
 
-from llmplan.llm.layer_names import HEAD_NAME, LAYER_MODULES, LINEAR_NAMES, is_linear_weight
-from llmplan.llm.weights import internal_shapes
+from llmplan.llm.model.layer_names import HEAD_NAME, LAYER_MODULES, LINEAR_NAMES, is_linear_weight
+from llmplan.llm.model.weights import internal_shapes
 
 
 def test_the_table_names_every_weighted_module_of_a_block(tmp_path: Path) -> None:

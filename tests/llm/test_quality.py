@@ -1,4 +1,4 @@
-"""The figures of llm/quality.py on passes whose answers are known."""
+"""The figures of llm/evaluation/quality.py on passes whose answers are known."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from llmplan.llm import quality
+from llmplan.llm.evaluation import quality
 
 
 def a_pass(logits: torch.Tensor, layers: int = 2) -> quality.Pass:

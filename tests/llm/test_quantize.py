@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from llmplan.llm.linear import make_linear
-from llmplan.llm.weight_formats import (
+from llmplan.llm.model.linear import make_linear
+from llmplan.llm.model.weight_formats import (
     QUANT_DTYPES,
     Int4Weight,
     Int8Weight,

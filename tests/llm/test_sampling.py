@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from llmplan.llm.sampling import (
+from llmplan.llm.sampling.chain import (
     SamplingParams,
     StepContext,
     build_picker,

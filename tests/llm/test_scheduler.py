@@ -16,19 +16,19 @@ import torch
 from tiny import load_tiny, make_tiny_llama
 from torch import Tensor
 
-from llmplan.llm import native
-from llmplan.llm.engine_loop import EngineLoop
-from llmplan.llm.flat_batch import FlatBatch
-from llmplan.llm.fused_decode import FusedDecoder
-from llmplan.llm.generate import Generation, Pick, generate
-from llmplan.llm.kv_cache import KVCache
-from llmplan.llm.kv_layers import LayerKV
-from llmplan.llm.linear import make_linear
-from llmplan.llm.model import Transformer
-from llmplan.llm.model_runner import ModelRunner
-from llmplan.llm.scheduler import GenerationRequest, Scheduler, Sequence
-from llmplan.llm.slot_cache import SlotCache
-from llmplan.llm.weight_formats import quantize_weight
+from llmplan.llm.generation.engine_loop import EngineLoop
+from llmplan.llm.generation.flat_batch import FlatBatch
+from llmplan.llm.generation.fused_decode import FusedDecoder
+from llmplan.llm.generation.model_runner import ModelRunner
+from llmplan.llm.generation.scheduler import GenerationRequest, Scheduler, Sequence
+from llmplan.llm.generation.static_batch import Generation, Pick, generate
+from llmplan.llm.kernels import native
+from llmplan.llm.kv.cache import KVCache
+from llmplan.llm.kv.layers import LayerKV
+from llmplan.llm.kv.slot_cache import SlotCache
+from llmplan.llm.model.linear import make_linear
+from llmplan.llm.model.transformer import Transformer
+from llmplan.llm.model.weight_formats import quantize_weight
 
 PROMPTS = [
     [1, 17, 99, 4, 250, 31, 8, 40, 41, 9, 12],
@@ -97,7 +97,9 @@ def test_requests_arriving_at_different_steps_equal_each_alone(fp32: Transformer
         want = alone(model, prompt, new)
         got = seq.generation
         assert got.tokens == want.tokens and got.finish_reason == "length"
-        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+        # torch's CPU GEMM blocks a batch of rows differently from one row, so sums are taken in another order:
+        # 1.3e-5 measured on an AVX-512 Zen 5 (fp32 eps 1.2e-7 over ~10^2 terms a dot, a few layers deep)
+        assert got.logprobs == pytest.approx(want.logprobs, abs=5e-5)
     assert sched.stats.busy_max == 3 and sched.stats.finished == len(PROMPTS)
     assert sched.stats.reused_tokens >= 6  # the fourth prompt started from the first one's prefix
 
@@ -107,8 +109,8 @@ def test_requests_arriving_at_different_steps_equal_each_alone(fp32: Transformer
 def test_quantized_models_through_the_fused_step_equal_alone(tiny_dir, precision: str, monkeypatch) -> None:
     from safetensors.torch import load_file
 
-    from llmplan.llm.config import ModelConfig
-    from llmplan.llm.weights import fuse_hf_state_dict
+    from llmplan.llm.model.config import ModelConfig
+    from llmplan.llm.model.weights import fuse_hf_state_dict
 
     cfg = ModelConfig.from_file(tiny_dir / "config.json")
     weights = fuse_hf_state_dict({k: v for f in tiny_dir.glob("*.safetensors") for k, v in load_file(f).items()}, cfg)
@@ -365,13 +367,13 @@ def test_the_scheduler_decides_and_a_fake_runner_computes() -> None:
 
 
 def test_the_scheduler_module_imports_no_model() -> None:
-    """llm/scheduler.py decides only: importing it loads neither the model, the native pass nor the runner."""
+    """llm/generation/scheduler.py decides only: importing it loads neither the model, the native pass nor the runner."""
     import subprocess
     import sys
 
     code = (
-        "import sys, llmplan.llm.scheduler\n"
-        "bad = [m for m in ('llmplan.llm.model', 'llmplan.llm.fused_decode', 'llmplan.llm.model_runner') if m in sys.modules]\n"
+        "import sys, llmplan.llm.generation.scheduler\n"
+        "bad = [m for m in ('llmplan.llm.model.transformer', 'llmplan.llm.generation.fused_decode', 'llmplan.llm.generation.model_runner') if m in sys.modules]\n"
         "print(bad)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from llmplan.llm import checkpoint_writer
-from llmplan.llm.checkpoint import IntegrityError, build_manifest, verify
-from llmplan.llm.checkpoint_writer import write_checkpoint
-from llmplan.llm.manifest import MANIFEST_NAME, read_sha256sums
-from llmplan.llm.shard_reader import MissingTensorsError, read_shards
+from llmplan.llm.formats import checkpoint_writer
+from llmplan.llm.formats.checkpoint_writer import write_checkpoint
+from llmplan.llm.formats.shard_reader import MissingTensorsError, read_shards
+from llmplan.llm.trust.checkpoint import IntegrityError, build_manifest, verify
+from llmplan.llm.trust.manifest import MANIFEST_NAME, read_sha256sums
 
 
 @pytest.fixture(scope="module")

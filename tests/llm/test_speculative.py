@@ -1,4 +1,4 @@
-"""Speculative decoding (llm/speculative.py) through the engine loop, against the same loop without it.
+"""Speculative decoding (llm/generation/speculative.py) through the engine loop, against the same loop without it.
 
 Exactness: a row's answer must not depend on whether it speculated. The tiny random models here seldom
 repeat themselves, so most rows pick with `echo`: the token PERIOD back (text that quotes itself, which
@@ -12,7 +12,7 @@ Distribution: sampled answers with and without speculation (different seeds) hav
 within a total-variation distance that sampling noise stays far below, and a wrong acceptance rule (take a
 guess whenever the sampler would allow it) lands far above it.
 
-A draft model (llm/draft_model.py) is held to the same: the same rows and pickers under a draft of the same
+A draft model (llm/generation/draft_model.py) is held to the same: the same rows and pickers under a draft of the same
 weights in int8 (mostly right), the fp32 model under an int8 target, and echo rows, which the draft's argmax
 often gets wrong; its own cache must hold the row's text after each use, rejected guesses cut off; with a
 draft that guesses the bigram chain's likeliest token, sampled answers keep the chain's exact distribution.
@@ -29,21 +29,29 @@ from archs import make_tiny
 from tiny import load_tiny, make_tiny_llama
 from torch import Tensor
 
-from llmplan.llm import engine_loop, native, speculative
-from llmplan.llm.draft_model import DraftModel
-from llmplan.llm.engine_loop import EngineLoop
-from llmplan.llm.flat_batch import FlatBatch
-from llmplan.llm.generate import Pick
-from llmplan.llm.kv_layers import LayerKV
-from llmplan.llm.linear import make_linear
-from llmplan.llm.model import Transformer
-from llmplan.llm.model_runner import ModelRunner
-from llmplan.llm.sampling import build_picker
-from llmplan.llm.sampling_params import SamplingParams, Speculation
-from llmplan.llm.scheduler import GenerationRequest, Scheduler, Sequence
-from llmplan.llm.slot_cache import SlotCache
-from llmplan.llm.speculative import DRAFT_PRIOR, DraftGuesser, NgramIndex, PassCosts, Speculator, best_guesses
-from llmplan.llm.weight_formats import quantize_weight
+from llmplan.llm.generation import engine_loop, speculative
+from llmplan.llm.generation.draft_model import DraftModel
+from llmplan.llm.generation.engine_loop import EngineLoop
+from llmplan.llm.generation.flat_batch import FlatBatch
+from llmplan.llm.generation.model_runner import ModelRunner
+from llmplan.llm.generation.scheduler import GenerationRequest, Scheduler, Sequence
+from llmplan.llm.generation.speculative import (
+    DRAFT_PRIOR,
+    DraftGuesser,
+    NgramIndex,
+    PassCosts,
+    Speculator,
+    best_guesses,
+)
+from llmplan.llm.generation.static_batch import Pick
+from llmplan.llm.kernels import native
+from llmplan.llm.kv.layers import LayerKV
+from llmplan.llm.kv.slot_cache import SlotCache
+from llmplan.llm.model.linear import make_linear
+from llmplan.llm.model.transformer import Transformer
+from llmplan.llm.model.weight_formats import quantize_weight
+from llmplan.llm.sampling.chain import build_picker
+from llmplan.llm.sampling.params import SamplingParams, Speculation
 
 NATIVE = native.kernels() is not None
 PATHS = ["torch", pytest.param("native", marks=pytest.mark.skipif(not NATIVE, reason="native kernels unavailable"))]
@@ -83,8 +91,8 @@ def fp32(tiny_dir: Path) -> Transformer:
 def int8(tiny_dir: Path) -> Transformer:
     from safetensors.torch import load_file
 
-    from llmplan.llm.config import ModelConfig
-    from llmplan.llm.weights import fuse_hf_state_dict
+    from llmplan.llm.model.config import ModelConfig
+    from llmplan.llm.model.weights import fuse_hf_state_dict
 
     cfg = ModelConfig.from_file(tiny_dir / "config.json")
     weights = fuse_hf_state_dict({k: v for f in tiny_dir.glob("*.safetensors") for k, v in load_file(f).items()}, cfg)

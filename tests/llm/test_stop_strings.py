@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from llmplan.llm.stop_strings import StopStringStream
+from llmplan.llm.text.stop_strings import StopStringStream
 
 CASES = [
     ("Hello world. The end. More", ["The end"], "Hello world. "),

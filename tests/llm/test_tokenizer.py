@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from llmplan.llm.gguf_import import import_gguf
-from llmplan.llm.tokenizer import StreamDecoder, Tokenizer, TokenizerError
+from llmplan.llm.formats.gguf.importer import import_gguf
+from llmplan.llm.text.tokenizer import StreamDecoder, Tokenizer, TokenizerError
 
 SMOLLM_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

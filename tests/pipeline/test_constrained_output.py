@@ -24,7 +24,7 @@ import jsonschema
 import openai
 import pytest
 
-from llmplan.commands.server import ServerSettings
+from llmplan.commands.serve.app import ServerSettings
 from tests.commands.conftest import LiveServer
 
 from .conftest import PLANS

@@ -20,8 +20,8 @@ import torch
 
 from llmplan.commands.eval import default_text, evaluate, markdown, read_text
 from llmplan.engine.cli import CliError, build_parser
-from llmplan.llm import quality
-from llmplan.llm.tokenizer import Tokenizer
+from llmplan.llm.evaluation import quality
+from llmplan.llm.text.tokenizer import Tokenizer
 
 from .conftest import PLANS
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import openai
 
-from llmplan.commands.server import ServerSettings
+from llmplan.commands.serve.app import ServerSettings
 from tests.commands.conftest import LiveServer
 
 from .conftest import PLANS

@@ -1,7 +1,7 @@
 """`llmplan serve` on the bundled SmolLM2 (fp32, greedy): structured answers whose content matters.
 
 SmolLM2's template knows no tools, so the server describes them in the system turn and holds the answer to
-their format (commands/tool_calls.py): asked for the weather in Paris with a weather and a time tool, the
+their format (commands/serve/tool_calls.py): asked for the weather in Paris with a weather and a time tool, the
 model calls the weather tool for Paris. `json_object` answers parse, and a schema's answer validates,
 streamed or not. (Protocol cases, refusals and the many shapes: tests/commands/test_serve_structured.py and
 test_serve_tools.py, on the tiny model.)
@@ -18,7 +18,7 @@ import jsonschema
 import openai
 import pytest
 
-from llmplan.commands.server import ServerSettings
+from llmplan.commands.serve.app import ServerSettings
 from tests.commands.conftest import LiveServer
 
 from .conftest import PLANS

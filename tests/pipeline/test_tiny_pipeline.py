@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from llmplan.engine.cli import main
-from llmplan.llm.manifest import write_sha256sums
+from llmplan.llm.trust.manifest import write_sha256sums
 from tests.stages.tiny_run import write_plan
 
 from .conftest import run_plan

@@ -7,7 +7,7 @@ import pytest
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.runner import Runner
 from llmplan.stages.cache_stages import CacheLookup, LookupParams, OutputCache, StoreParams, generation_params
-from llmplan.stages.results_store import ResultsStore, cache_key
+from llmplan.stages.results.store import ResultsStore, cache_key
 from llmplan.stages.types import ModelSource, Result
 
 

@@ -92,7 +92,7 @@ def test_same_seed_same_text_different_seed_different_text(tmp_path: Path, model
 
 
 def test_env_check_says_whether_the_native_kernels_run(tmp_path: Path, model_dir: Path) -> None:
-    from llmplan.llm import native
+    from llmplan.llm.kernels import native
 
     status = run(tmp_path, model_dir, ["generate.max_new_tokens=2"]).context.metrics.get("env", "native_kernels")
     if native.kernels() is None:

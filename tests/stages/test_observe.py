@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from llmplan.llm.model import Transformer
+from llmplan.llm.model.transformer import Transformer
 from llmplan.stages import compute_generate
 from llmplan.stages.observe import install_observers, model_summary
 from llmplan.stages.observe_settings import AttentionCapture, Observe
@@ -183,7 +183,7 @@ def test_attention_choice_is_checked_against_the_model(tiny: tuple[Path, Any], t
 def test_layer_timings_keep_the_fused_step(tiny: tuple[Path, Any], tmp_path: Path, wired: dict[str, int]) -> None:
     """Timings need no hooks: prefill and decode stay on the path they take unobserved (the fused native pass
     where it applies)."""
-    from llmplan.llm import native
+    from llmplan.llm.kernels import native
 
     run = run_plan(write_plan(tmp_path, tiny[0], observe={"layer_timings": True}), tmp_path / "run")
     assert wired["hooks"] == 0

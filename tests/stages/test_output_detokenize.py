@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmplan.llm.tokenizer import StreamDecoder
+from llmplan.llm.text.tokenizer import StreamDecoder
 from llmplan.stages.output_detokenize import OutputDetokenize
 from llmplan.stages.output_postprocess import OutputPostprocess, PostprocessParams
 from llmplan.stages.types import Candidate
@@ -97,7 +97,7 @@ def test_stop_string_is_not_part_of_the_text(ctx, tokenizer, gen, req):
 
 
 def test_top_logprobs_reach_the_result(ctx, tokenizer, gen, req):
-    from llmplan.stages.output_format import result_object
+    from llmplan.stages.completion_rendering import result_object
 
     g = gen(tokenizer, "t", "The sky", finish="length")
     g.generation.logprobs = [-0.1 * (i + 1) for i in range(len(g.tokens))]

@@ -7,8 +7,9 @@ import pytest
 from pydantic import ValidationError
 
 from llmplan.engine.findings import StageFailure
-from llmplan.stages import output_format, output_write
-from llmplan.stages.output_format import RESULT_KEYS, SCHEMA
+from llmplan.stages import completion_rendering as output_format
+from llmplan.stages import output_write
+from llmplan.stages.completion_rendering import RESULT_KEYS, SCHEMA
 from llmplan.stages.output_write import OutputWrite, WriteParams
 from llmplan.stages.types import Candidate, Generation, ModelSource, Result
 

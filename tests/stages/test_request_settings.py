@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from llmplan.llm.sampling import SamplingParams
+from llmplan.llm.sampling.chain import SamplingParams
 from llmplan.stages.compute_generate import GenerateParams
 from llmplan.stages.compute_tokenize import RequestLine
 from llmplan.stages.request_settings import SAMPLING_FIELDS, Overrides, RequestSettings

@@ -9,7 +9,7 @@ import pytest
 
 from llmplan.commands import history as history_commands
 from llmplan.engine.cli import CliError
-from llmplan.stages.results_store import (
+from llmplan.stages.results.store import (
     SCHEMA_VERSION,
     EvalRow,
     ResultRow,

@@ -16,7 +16,7 @@ import pytest
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.runner import Runner
 from llmplan.engine.stage import DeepCheck
-from llmplan.stages.output_format import SCHEMA
+from llmplan.stages.completion_rendering import SCHEMA
 from llmplan.stages.output_write import OutputWrite, WriteParams, atomic_write, check_target
 from llmplan.stages.slots import InferenceContext
 

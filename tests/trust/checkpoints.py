@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from llmplan.llm.manifest import write_sha256sums
+from llmplan.llm.trust.manifest import write_sha256sums
 from tests.stages.tiny_run import load_stages
 
 LISTED = ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json")

@@ -85,7 +85,7 @@ def test_a_changed_model_file_is_a_miss(model_dir: Path, tmp_path: Path, capsys)
 
 
 def test_rows_stored_under_the_old_key_format_are_not_replayed() -> None:
-    from llmplan.stages.results_store import cache_key
+    from llmplan.stages.results.store import cache_key
 
     args = ("fp", [1, 2, 3], {"temperature": 0.7}, {}, 0)
     # How v1 built a key (generation params only): a row stored under it must never match any more.

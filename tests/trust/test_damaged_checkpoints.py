@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from llmplan.engine.cli import main
-from llmplan.llm.manifest import write_sha256sums
+from llmplan.llm.trust.manifest import write_sha256sums
 
 from .checkpoints import LISTED, make_checkpoint, plan_for
 

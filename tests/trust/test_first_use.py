@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from llmplan.engine.cli import main
-from llmplan.llm.first_use import RECORDS_DIR
+from llmplan.llm.trust.first_use import RECORDS_DIR
 from tests.stages.tiny_run import make_tiny_model_dir
 from tests.trust.checkpoints import private_cache_home
 

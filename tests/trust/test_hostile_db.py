@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from llmplan.engine.cli import main
-from llmplan.stages.results_file import APPLICATION_ID
-from llmplan.stages.results_store import _SCHEMA, ResultRow, ResultsStore, RunRow
+from llmplan.stages.results.file import APPLICATION_ID
+from llmplan.stages.results.store import _SCHEMA, ResultRow, ResultsStore, RunRow
 
 from .checkpoints import make_checkpoint, plan_for
 from .hostile import EXCEPTION_NAME, assert_clean_message, assert_untouched, memory_bound, refused, snapshot, time_bound
@@ -603,7 +603,7 @@ def test_a_damaged_row_is_never_served(model_dir, tmp_path) -> None:
     empty string from the cache), stores the fresh one, and replays that."""
     import httpx
 
-    from llmplan.commands.server import ServerSettings
+    from llmplan.commands.serve.app import ServerSettings
     from tests.commands.conftest import LiveServer, write_serve_plan
 
     db = tmp_path / "results.sqlite"

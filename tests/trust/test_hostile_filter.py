@@ -28,10 +28,10 @@ import pytest
 import torch
 import yaml
 
-from llmplan.llm import sampling
-from llmplan.llm.tokenizer import Tokenizer
+from llmplan.llm.sampling import chain as sampling
+from llmplan.llm.text.text_match import _LEET_I, _LEET_L, Matcher, literal_entry, normalize
+from llmplan.llm.text.tokenizer import Tokenizer
 from llmplan.stages.output_filter import load_blocklist
-from llmplan.stages.text_match import _LEET_I, _LEET_L, Matcher, literal_entry, normalize
 from tests.stages.tiny_run import load_stages, make_tiny_model_dir
 from tests.trust.hostile import assert_untouched, memory_bound, refused, snapshot, time_bound
 
@@ -392,7 +392,7 @@ def masked_run_blocklist(run: Run) -> Path:
 
 @pytest.fixture(scope="module")
 def beam_run(scripted, tokenizer, model_dir, blocklist, tmp_path_factory) -> Iterator[Run]:
-    from llmplan.llm.beam_search import Candidate
+    from llmplan.llm.generation.beam_search import Candidate
     from llmplan.stages import compute_generate
 
     tmp = tmp_path_factory.mktemp("beams")
@@ -433,7 +433,7 @@ def test_a_beam_candidate_that_spells_a_blocked_word_is_withheld(case, beam_run)
 
 def token_pieces(tokenizer: Tokenizer, text: str) -> list[str]:
     """The text as generation streams it: the real stream decoder's output, token by token."""
-    from llmplan.llm.tokenizer import StreamDecoder
+    from llmplan.llm.text.tokenizer import StreamDecoder
 
     decoder = StreamDecoder(tokenizer, skip_special_tokens=True)
     pieces = [decoder.push(token) for token in ids(tokenizer, text)]
@@ -443,7 +443,7 @@ def token_pieces(tokenizer: Tokenizer, text: str) -> list[str]:
 @pytest.mark.parametrize("action", ["mask", "reject"])
 @pytest.mark.parametrize("case", NAMES)
 def test_the_stream_never_shows_a_blocked_word(case, action, tokenizer, blocklist):
-    from llmplan.stages.text_match import StreamGuard
+    from llmplan.llm.text.text_match import StreamGuard
 
     _, spelling = FAMILIES[case]
     shown: list[str] = []
@@ -463,7 +463,7 @@ def test_the_stream_never_shows_a_blocked_word(case, action, tokenizer, blocklis
 
 @pytest.fixture(scope="module")
 def served(scripted, tokenizer, model_dir, blocklist, tmp_path_factory) -> Iterator[Any]:
-    from llmplan.commands.server import ServerSettings
+    from llmplan.commands.serve.app import ServerSettings
     from tests.commands.conftest import LiveServer
 
     tmp = tmp_path_factory.mktemp("served")

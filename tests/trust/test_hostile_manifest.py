@@ -31,10 +31,10 @@ import pytest
 import yaml
 
 from llmplan.engine.cli import main
-from llmplan.llm.gguf_import import import_gguf
-from llmplan.llm.hash_cache import CACHE_NAME, FORMAT, KEY_NAME, identity
-from llmplan.llm.import_dirs import OWNER_NAME, make_import_dir, remove_stale_imports
-from llmplan.llm.manifest import MANIFEST_NAME, read_sha256sums, sha256_file, write_sha256sums
+from llmplan.llm.formats.gguf.importer import import_gguf
+from llmplan.llm.formats.import_dirs import OWNER_NAME, make_import_dir, remove_stale_imports
+from llmplan.llm.trust.hash_cache import CACHE_NAME, FORMAT, KEY_NAME, identity
+from llmplan.llm.trust.manifest import MANIFEST_NAME, read_sha256sums, sha256_file, write_sha256sums
 from tests.stages.tiny_run import load_stages
 
 from .checkpoints import LISTED, make_checkpoint, plan_for, private_cache_home
@@ -539,7 +539,7 @@ def test_an_import_killed_midway_is_cleaned_up_by_the_next(tiny_gguf: Path, tmp_
         f"""
         import os, signal
         from pathlib import Path
-        from llmplan.llm import gguf_import
+        from llmplan.llm.formats.gguf import importer as gguf_import
         def die(*args):
             os.kill(os.getpid(), signal.SIGKILL)
         gguf_import._write_shards = die
@@ -696,7 +696,7 @@ def test_a_live_import_is_left_alone(tmp_path: Path) -> None:
 
 
 def _start_of(pid: int) -> int | None:
-    from llmplan.llm.import_dirs import _start_time
+    from llmplan.llm.formats.import_dirs import _start_time
 
     return _start_time(pid)
 

@@ -24,8 +24,8 @@ import httpx
 import openai
 import pytest
 
-from llmplan.commands.http_guard import ENDPOINTS
-from llmplan.commands.server import ServerSettings
+from llmplan.commands.serve.app import ServerSettings
+from llmplan.commands.serve.http_guard import ENDPOINTS
 from tests.commands.conftest import LiveServer, write_serve_plan
 from tests.stages.tiny_run import make_tiny_model_dir
 from tests.trust.hostile import assert_clean_message, memory_bound, refused, time_bound
@@ -469,7 +469,7 @@ def test_the_key_is_compared_in_constant_time(served: Served, monkeypatch: pytes
     """Every check compares two SHA-256 digests with `secrets.compare_digest`: constant time, and equal lengths
     whatever the client sent (compare_digest returns at once on a length mismatch, which would time the key's
     length)."""
-    from llmplan.commands import http_guard
+    from llmplan.commands.serve import http_guard
 
     compared: list[tuple[int, int, bool]] = []
     real = http_guard.secrets.compare_digest

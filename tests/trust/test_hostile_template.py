@@ -20,8 +20,8 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from llmplan.llm.manifest import write_sha256sums
-from llmplan.llm.tokenizer import Tokenizer, TokenizerError
+from llmplan.llm.text.tokenizer import Tokenizer, TokenizerError
+from llmplan.llm.trust.manifest import write_sha256sums
 
 from .checkpoints import make_checkpoint, plan_for
 from .hostile import assert_clean_message, assert_untouched, memory_bound, refused, snapshot, time_bound

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from llmplan.llm.checkpoint import IntegrityError, build_manifest, verify
-from llmplan.llm.hash_cache import HashCache
-from llmplan.llm.manifest import write_sha256sums
+from llmplan.llm.trust.checkpoint import IntegrityError, build_manifest, verify
+from llmplan.llm.trust.hash_cache import HashCache
+from llmplan.llm.trust.manifest import write_sha256sums
 
 
 @pytest.fixture

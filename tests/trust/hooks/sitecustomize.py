@@ -69,7 +69,7 @@ def _patch_release(module: Any) -> None:
 
 
 TARGETS = {
-    "read": ("llmplan.llm.shard_reader", _patch_shard_reader),
+    "read": ("llmplan.llm.formats.shard_reader", _patch_shard_reader),
     "convert": ("llmplan.stages.load_convert", _patch_convert),
     "place": ("llmplan.stages.load_to_device", _patch_place),
     "generate": ("llmplan.stages.compute_generate", _patch_generate),

@@ -1,0 +1,1 @@
+"""`llmplan chat`: a conversation in the terminal."""

@@ -1,0 +1,1 @@
+"""`llmplan serve`: the OpenAI-compatible HTTP API over a resident model."""

@@ -1,0 +1,77 @@
+"""What `/v1/models` says about the served model: its own name (not the plan's), its aliases, the plan as metadata.
+
+The model's id is the name its files give it: a GGUF's `general.name` (else its file's stem), or for an HF
+directory its config's `_name_or_path` (the last part), else the directory's name. The plan's name and the
+GGUF file's stem are aliases: a server started with `--strict-model` answers to those and the id only;
+otherwise every name is accepted, as llama-server does (clients send `gpt-4o-mini` by default).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmplan.llm.formats.gguf.file import GGUFFileError, open_gguf
+
+NAME_CHARS = 256  # a requested name is echoed back up to this length (OpenAI's ids are far shorter)
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    id: str
+    aliases: tuple[str, ...]
+    plan: str
+    created: int
+
+    def answers_to(self, name: str) -> bool:
+        return name == self.id or name in self.aliases
+
+    def shown_name(self, requested: str | None) -> str:
+        """The `model` of a response: the name the client asked for (clients compare it), else the id."""
+        if requested is not None and 0 < len(requested) <= NAME_CHARS:
+            return requested
+        return self.id
+
+    def entry(self) -> dict[str, Any]:
+        """One `/v1/models` entry: OpenAI's four keys, the plan under `llmplan` (a key OpenAI's SDK keeps)."""
+        return {
+            "id": self.id,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "llmplan",
+            "llmplan": {"plan": self.plan, "aliases": list(self.aliases)},
+        }
+
+
+def model_card(source: Any, plan_name: str, created: int) -> ModelCard:
+    """The card of the model at `source` (a `ModelSource`, or None before any load)."""
+    names: list[str] = []
+    gguf = getattr(source, "gguf_file", None)
+    if gguf is not None:
+        names += [n for n in (_gguf_name(Path(gguf)), Path(gguf).stem) if n]
+    model_dir = getattr(source, "model_dir", None)
+    if model_dir is not None and gguf is None:  # an imported GGUF's directory is the cache's (a hash in its name)
+        names += [n for n in (_config_name(Path(model_dir)), Path(model_dir).name) if n]
+    names.append(plan_name)
+    unique = list(dict.fromkeys(names))
+    return ModelCard(unique[0], tuple(unique[1:]), plan_name, created)
+
+
+def _gguf_name(path: Path) -> str | None:
+    try:
+        with open_gguf(path) as gguf:
+            name = gguf.metadata.get("general.name")
+    except (GGUFFileError, OSError):
+        return None
+    return name.strip() or None if isinstance(name, str) else None
+
+
+def _config_name(model_dir: Path) -> str | None:
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    name = config.get("_name_or_path") if isinstance(config, dict) else None
+    return name.rstrip("/").rsplit("/", 1)[-1] or None if isinstance(name, str) else None

@@ -1,0 +1,1 @@
+"""What a precision costs: perplexity and divergence from a reference."""

@@ -1,0 +1,1 @@
+"""Files weights come in: safetensors shards read through a bounded buffer, checkpoints written, GGUF files."""

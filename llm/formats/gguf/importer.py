@@ -1,0 +1,256 @@
+"""Import a GGUF once into an HF-format directory: config, tokenizer, fp32 safetensors shards.
+
+The GGUF is the distribution format; everything downstream (config.py, the tokenizer, the weight
+loader) reads plain HF files. Importing is a one-off cost, cached under the GGUF's content hash and
+this importer's format version:
+
+    model_dir = import_gguf(Path("SmolLM2-135M-Instruct.Q4_1.gguf"), Path.home() / ".cache/llmplan")
+
+Tensors are dequantized with gguf-py (`gguf.quants.dequantize`, llama.cpp's own definitions of every
+block type) into float32, one at a time and one shard in memory at a time; gguf_config.py maps names and
+metadata per family and says which of llama.cpp's conventions to undo (Llama's q/k row permutation,
+Gemma's `1 + w` norms); gguf_vocab.py rebuilds the tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from llmplan.bounded_read import NotRegularFileError
+
+from ...trust.files import describe_os_error
+from ...trust.hash_cache import HashCache, identity_of
+from ...trust.manifest import MANIFEST_NAME, open_regular_fd, sha256_fd, write_sha256sums
+from ..import_dirs import TEMP_MARK, finish_import_dir, make_import_dir, remove_stale_imports
+from .file import GGUFFile, GGUFFileError, open_gguf
+from .hf_config import SUPPORTED_ARCHITECTURES, Planned, family_of, hf_config, plan_tensors
+from .metadata import GGUFImportError, GGUFMetadata, fail
+from .vocab import hf_tokenizer
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "GGUFImportError", "import_gguf", "unpermute_rope_rows"]
+
+ProgressFn = Callable[[str, int, int], None]
+"""Called as progress(stage, done, total); stages: "hash" (bytes), "tensors" (tensors written)."""
+
+DEFAULT_SHARD_BYTES = 200 * 1000 * 1000
+IMPORT_FORMAT = 2
+"""Part of the import's directory name: bumped whenever what an import writes changes (2: every family of
+architecture.py, SentencePiece vocabularies), so an import written by older code is never reused."""
+_TEMP_MARK = TEMP_MARK  # temp dirs are ".<name>.importing-<pid>-<nonce>": hidden, never a finished import
+_fail = fail
+
+
+def import_dir_name(digest: str, gguf_path: Path) -> str:
+    """The cache directory of an import: the GGUF's content, this importer's format, the file's stem."""
+    return f"{digest[:16]}-f{IMPORT_FORMAT}-{Path(gguf_path).stem}"
+
+
+def import_gguf(
+    gguf_path: Path,
+    cache_root: Path,
+    progress: ProgressFn | None = None,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    note: Callable[[str], None] | None = None,
+) -> Path:
+    """Import `gguf_path` into `cache_root/<sha256[:16]>-f<format>-<stem>` (once) and return that directory.
+
+    A finished import is only read, so a read-only cache works once it holds the import; recording the
+    GGUF's hash for the next warm start is an optimisation, skipped (and `note` told why) where it cannot be.
+    """
+    gguf_path, cache_root = Path(gguf_path), Path(cache_root)
+    try:
+        fd = open_regular_fd(gguf_path)
+    except NotRegularFileError as bad:
+        raise GGUFImportError(str(bad)) from None
+    except OSError as bad:
+        raise GGUFImportError(describe_os_error(gguf_path, bad)) from None
+    known = HashCache(cache_root)
+    try:
+        digest = _gguf_digest(fd, gguf_path, known, progress)
+    finally:
+        os.close(fd)
+    target = cache_root / import_dir_name(digest, gguf_path)
+    # The rename below is the commit point, so an existing target is a finished import.
+    if (target / MANIFEST_NAME).is_file():
+        remove_stale_imports(cache_root)  # what a killed import left, even when another one finished since
+        _save_hashes(known, note)
+        return target
+    if target.exists() or target.is_symlink():  # only something outside this module can leave it half-made
+        raise GGUFImportError(f"{target}: exists but has no {MANIFEST_NAME}, so it is not a finished import")
+    try:
+        cache_root.mkdir(parents=True, exist_ok=True)
+        remove_stale_imports(cache_root)
+        temp = make_import_dir(target)
+    except OSError as bad:
+        raise GGUFImportError(
+            f"{cache_root}: cannot import {gguf_path.name} there ({bad.strerror or bad}); "
+            "set LLMPLAN_CACHE or model.source's cache_dir to a writable folder"
+        ) from None
+    try:
+        _write_import(gguf_path, temp, progress, shard_bytes)
+        finish_import_dir(temp)
+        for item in [*temp.iterdir(), temp]:  # durable before the rename publishes it as finished
+            _fsync(item)
+        try:
+            os.rename(temp, target)
+        except OSError:
+            # Another process finished the same import first; theirs is as good as ours.
+            if not (target / MANIFEST_NAME).is_file():
+                raise
+            shutil.rmtree(temp, ignore_errors=True)
+        else:
+            _fsync(cache_root)
+    except OSError as bad:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise GGUFImportError(
+            f"{cache_root}: cannot write the import of {gguf_path.name} ({bad.strerror or bad}); nothing was kept"
+        ) from None
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    _save_hashes(known, note)  # only once the import is done: an interrupted one leaves nothing behind
+    return target
+
+
+def _save_hashes(known: HashCache, note: Callable[[str], None] | None) -> None:
+    if not known.save() and note is not None and known.note:
+        note(known.note)
+
+
+def _gguf_digest(fd: int, path: Path, known: HashCache, progress: ProgressFn | None) -> str:
+    """The GGUF's SHA-256: from the cache root's hash cache for this very file identity, else hashed.
+
+    A warm start finds the import by the file's identity instead of re-hashing it: 0.15 s for SmolLM2's
+    98 MB, seconds for a multi-GB GGUF. Same trust as `load.verify`'s hash cache (authenticated entries).
+    """
+    name = str(path.absolute())
+    before = identity_of(os.fstat(fd))
+    digest = known.lookup(name, before)
+    if digest is not None:
+        return digest
+    done = 0
+
+    def on_hashed(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress("hash", done, before[0])
+
+    try:
+        digest = sha256_fd(fd, on_hashed)
+    except OSError as bad:
+        raise _fail(path, f"cannot read ({bad.strerror or bad})") from None
+    if identity_of(os.fstat(fd)) == before:
+        known.record(name, before, digest)
+    return digest
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_import(gguf_path: Path, out: Path, progress: ProgressFn | None, shard_bytes: int) -> None:
+    try:
+        with open_gguf(gguf_path) as gguf_file:
+            _write_from(gguf_file, out, progress, shard_bytes)
+    except GGUFFileError as bad:
+        detail = str(bad).removeprefix(f"{gguf_path}: ")
+        raise GGUFImportError(f"{gguf_path}: not a readable GGUF file: {detail}") from None
+
+
+def _write_from(gguf_file: GGUFFile, out: Path, progress: ProgressFn | None, shard_bytes: int) -> None:
+    meta = GGUFMetadata(gguf_file)
+    family = family_of(meta)
+    tensors = gguf_file.tensors
+    config = hf_config(meta, family, tensors)
+    plan = plan_tensors(family, tensors, config, gguf_file.path)
+
+    tokenizer_json, tokenizer_config = hf_tokenizer(meta)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
+    weight_files = _write_shards(gguf_file, plan, out, progress, shard_bytes)
+    # The manifest is written last: its presence marks a complete directory.
+    write_sha256sums(out, ["config.json", "tokenizer.json", "tokenizer_config.json", *weight_files])
+
+
+def unpermute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo convert_hf_to_gguf.py's q/k row permutation (per head: interleaved pairs -> two halves)."""
+    rows = weight.shape[0]
+    head_dim = rows // n_heads
+    # GGUF row order within a head is (i, pair-member) for i < head_dim/2; HF wants (pair-member, i).
+    return weight.reshape(n_heads, head_dim // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _dequantized(gguf_file: GGUFFile, planned: Planned) -> np.ndarray:
+    """The tensor as float32 in HF layout; NaN or infinity (a damaged block scale) is refused here, at import,
+    not found at the first token."""
+    from gguf import GGMLQuantizationType, quants
+
+    tensor = gguf_file.tensors[planned.gguf_name]
+    path = gguf_file.path
+    try:
+        values = quants.dequantize(gguf_file.read(tensor), GGMLQuantizationType(tensor.ggml_type))
+        values = np.ascontiguousarray(values, dtype=np.float32).reshape(planned.hf_shape)
+    except NotImplementedError:
+        raise _fail(path, f"tensor {tensor.name}: type {tensor.type_name} is not supported") from None
+    except ValueError as bad:
+        raise _fail(path, f"tensor {tensor.name} is corrupt ({bad})") from None
+    # max and min propagate NaN and show an infinity: two passes, no temporary the size of the tensor
+    if not (np.isfinite(values.max()) and np.isfinite(values.min())):
+        raise _fail(path, f"tensor {tensor.name} holds NaN or infinite values (damaged data); refused")
+    if planned.unpermute_heads is not None:
+        values = np.ascontiguousarray(unpermute_rope_rows(values, planned.unpermute_heads))
+    if planned.norm_shift:
+        values = values - np.float32(planned.norm_shift)  # the read may be a read-only view
+    return values
+
+
+def _write_shards(
+    gguf_file: GGUFFile,
+    plan: list[Planned],
+    out: Path,
+    progress: ProgressFn | None,
+    shard_bytes: int,
+) -> list[str]:
+    from safetensors.numpy import save_file
+
+    # Assign shards up front (sizes are known from shapes), so file names can carry the shard count.
+    shards: list[list[Planned]] = [[]]
+    size = 0
+    for p in plan:
+        if shards[-1] and size + p.nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(p)
+        size += p.nbytes
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+
+    written = 0
+    weight_map: dict[str, str] = {}
+    for shard, name in zip(shards, names, strict=True):
+        arrays = {}
+        for p in shard:  # one shard in memory at a time
+            arrays[p.hf_name] = _dequantized(gguf_file, p)
+            weight_map[p.hf_name] = name
+            written += 1
+            if progress is not None:
+                progress("tensors", written, len(plan))
+        save_file(arrays, str(out / name), metadata={"format": "pt"})
+        os.chmod(out / name, 0o644)  # safetensors creates 0600; the rest of the dir is world-readable
+        del arrays
+    index = {"metadata": {"total_size": sum(p.nbytes for p in plan)}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    return [*names, "model.safetensors.index.json"]

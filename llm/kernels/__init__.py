@@ -1,0 +1,1 @@
+"""The native CPU kernels: one C source built per instruction set, loaded with ctypes."""

@@ -1,0 +1,1 @@
+"""How a token is chosen: the request's settings, the sampler chain, picks, grammar masks, constrained formats."""

@@ -1,0 +1,396 @@
+"""The `format` setting: the shape an answer must have, enforced token by token, failing closed.
+
+Public API (a plan's `format`, a JSONL line's, and the server's `response_format` all become one of these):
+
+    fmt = OutputFormat.of({"json_schema": {...}})   # or {"json": True}, {"regex": "..."}, {"grammar": "..."},
+                                                    # {"choice": ["a", "b"]}; a schema may be a file path
+    fmt = OutputFormat.from_json_schema(schema)     # the same from a schema dict (a server's response_format)
+    fmt.check()           # raises UnsupportedFormat before any model is loaded: no tokenizer needed
+    fmt.record()          # {"kind": "json_schema", "sha256": "...", "summary": "object {name, tags}"}: what
+                          # results and databases record (the summary: a short line to tell formats apart)
+    compiled = compile_format(fmt, tokenizer, eos_ids, vocab)  # per (tokenizer, format): cached
+    matcher = compiled.matcher()    # a fresh llguidance matcher for one row (llm/sampling/token_mask.py uses it)
+
+`UnsupportedFormat` (a ValueError) carries `keyword` (the schema keyword, regex or grammar construct that
+cannot be enforced), `path` (the keyword's JSON path inside the schema, () when unknown) and `detail`
+(llguidance's own words); `field_path` is ("json_schema", *path), which the plan's validation appends to
+the setting's location so `llmplan validate` names the keyword's own file:line:col.
+
+Why llguidance (MIT, no Python dependencies): it compiles JSON Schema, regexes and Lark grammars (GBNF is
+converted by its own `gbnf_to_lark`), it refuses (`lenient` off) every keyword it cannot enforce instead of
+ignoring it, and it checks a grammar without a tokenizer, so validation needs no model. JSON output is
+compact (", " and ": ", no free whitespace) unless the schema's own `x-guidance` asks otherwise: a small
+model left free whitespace can spend its whole token budget on newlines.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher, LLTokenizer
+
+    from ..text.tokenizer import Tokenizer
+
+__all__ = ["KINDS", "CompiledFormat", "OutputFormat", "UnsupportedFormat", "compile_format"]
+
+FormatKind = Literal["json", "json_schema", "regex", "grammar", "choice"]
+KINDS: tuple[str, ...] = ("json", "json_schema", "regex", "grammar", "choice")
+MAX_SCHEMA_BYTES = 1 << 20  # a schema file is read bounded
+MAX_CHOICES = 1024
+SUMMARY_CHARS = 80
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JsonPath = tuple[str | int, ...]
+
+
+class UnsupportedFormat(ValueError):
+    """A format that cannot be enforced: the keyword (or construct), where it is, and llguidance's words."""
+
+    def __init__(self, kind: str, keyword: str, path: JsonPath = (), detail: str = "") -> None:
+        self.kind, self.keyword, self.path, self.detail = kind, keyword, tuple(path), detail
+        where = f" at {_pointer(self.path)}" if self.path else ""
+        said = f" ({detail})" if detail and detail != keyword else ""
+        super().__init__(f"{kind}: {keyword!r}{where} cannot be enforced{said}")
+
+    @property
+    def field_path(self) -> JsonPath:
+        """Where the keyword is, under the setting (a plan's finding appends it to `format`)."""
+        return (self.kind, *self.path) if self.kind == "json_schema" else (self.kind,)
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    """One constraint: its kind and its canonical text (a schema as JSON, its key order kept, a regex, a grammar, the
+    choices as a JSON list; "" for plain JSON). `source`: the schema file it was read from, if any."""
+
+    kind: FormatKind
+    spec: str
+    source: str | None = field(default=None, compare=False)
+
+    @classmethod
+    def from_json_schema(cls, schema: Mapping[str, Any] | bool, source: str | None = None) -> OutputFormat:
+        if not isinstance(schema, Mapping | bool):
+            raise ValueError(f"json_schema: must be a mapping (a JSON Schema) or a file path (got {schema!r})")
+        # no sort_keys: the order of `properties` is the order of the answer's keys
+        return cls("json_schema", json.dumps(schema, ensure_ascii=False), source)
+
+    @classmethod
+    def of(cls, value: Any, base: Path | None = None) -> OutputFormat | None:
+        """A setting as given: a mapping with exactly one of the kinds, built already, or None (free text).
+        A json_schema given as a string is a file, relative to `base` (the plan's folder) when relative."""
+        if value is None or isinstance(value, OutputFormat):
+            return value
+        if not isinstance(value, Mapping) or len(value) != 1 or next(iter(value)) not in KINDS:
+            raise ValueError(f"must be a mapping with exactly one of {', '.join(KINDS)} (got {value!r})")
+        kind, spec = next(iter(value.items()))
+        if kind == "json":
+            if spec is not True:
+                raise ValueError(f"json: must be true (got {spec!r})")
+            return cls("json", "")
+        if kind == "json_schema":
+            if isinstance(spec, str):
+                return cls._schema_file(spec, base)
+            return cls.from_json_schema(spec)
+        if kind == "choice":
+            if not isinstance(spec, list) or not spec or len(spec) > MAX_CHOICES:
+                raise ValueError(f"choice: must be a list of 1 to {MAX_CHOICES} strings")
+            if not all(isinstance(c, str) and c for c in spec):
+                raise ValueError("choice: every choice must be a non-empty string")
+            return cls("choice", json.dumps(spec, ensure_ascii=False))
+        if not isinstance(spec, str) or not spec:
+            raise ValueError(f"{kind}: must be a non-empty string")
+        return cls(kind, spec)
+
+    @classmethod
+    def _schema_file(cls, name: str, base: Path | None) -> OutputFormat:
+        from ..trust.files import FileProblem, read_text_limited
+
+        path = Path(name).expanduser()
+        if not path.is_absolute() and base is not None:
+            path = base / path
+        try:
+            schema = json.loads(read_text_limited(path, MAX_SCHEMA_BYTES))
+        except FileProblem as bad:
+            raise ValueError(f"json_schema: {bad}") from None
+        except ValueError as bad:  # JSONDecodeError, UnicodeDecodeError
+            raise ValueError(f"json_schema: {path}: not JSON ({bad})") from None
+        return cls.from_json_schema(schema, source=str(path))
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(f"{self.kind}\n{self.spec}".encode()).hexdigest()
+
+    def record(self) -> dict[str, Any]:
+        """What a result records of the constraint that ran: its kind, a hash of its text, a short summary."""
+        return {"kind": self.kind, "sha256": self.sha256, "summary": self.summary()}
+
+    def summary(self, limit: int = SUMMARY_CHARS) -> str:
+        """One short line saying what the format asks: `object {name, age, tags}`, the regex, the choices."""
+        if self.kind == "json":
+            text = "any JSON object"
+        elif self.kind == "json_schema":
+            text = _schema_summary(json.loads(self.spec))
+        elif self.kind == "choice":
+            text = " | ".join(json.loads(self.spec))
+        else:
+            text = next((line.strip() for line in self.spec.splitlines() if line.strip()), "")
+        return text if len(text) <= limit else text[: limit - 1] + "…"
+
+    def setting(self) -> dict[str, Any]:
+        """Back to the setting's plain shape (a plan's resolved settings, a cache key)."""
+        if self.kind == "json":
+            return {"json": True}
+        if self.kind in ("json_schema", "choice"):
+            return {self.kind: json.loads(self.spec)}
+        return {self.kind: self.spec}
+
+    def grammar(self) -> str:
+        """The llguidance grammar text; UnsupportedFormat for a GBNF grammar its converter cannot read."""
+        from llguidance import LLMatcher
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        if self.kind in ("json", "json_schema"):
+            schema = json.loads(self.spec) if self.kind == "json_schema" else {"type": "object"}
+            if isinstance(schema, dict):  # the schema's own x-guidance wins over these defaults
+                return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+            return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+        if self.kind == "regex":
+            return LLMatcher.grammar_from_regex(self.spec)
+        if self.kind == "choice":
+            alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(self.spec))
+            return LLMatcher.grammar_from_lark(f"start: {alternatives}")
+        try:
+            lark = any_to_lark(self.spec)
+        except Exception as bad:  # the converter raises its own error types and plain ones
+            raise UnsupportedFormat("grammar", _first_line(str(bad)) or "GBNF", detail=str(bad)) from None
+        return LLMatcher.grammar_from_lark(lark)
+
+    def check(self) -> None:
+        """Raise UnsupportedFormat if llguidance cannot enforce this format (no tokenizer needed)."""
+        _checked(self)
+
+
+_check_lock = threading.Lock()
+_check_cache: OrderedDict[OutputFormat, UnsupportedFormat | None] = OrderedDict()
+
+
+def _checked(fmt: OutputFormat) -> None:
+    with _check_lock:
+        if fmt in _check_cache:
+            _check_cache.move_to_end(fmt)
+            problem = _check_cache[fmt]
+            if problem is not None:
+                raise problem
+            return
+    problem = _problem(fmt)
+    with _check_lock:
+        _check_cache[fmt] = problem
+        while len(_check_cache) > 256:
+            _check_cache.popitem(last=False)
+    if problem is not None:
+        raise problem
+
+
+def _problem(fmt: OutputFormat) -> UnsupportedFormat | None:
+    from llguidance import LLMatcher
+
+    try:
+        grammar = fmt.grammar()
+    except UnsupportedFormat as bad:
+        return bad
+    except ValueError as bad:
+        return UnsupportedFormat(fmt.kind, fmt.kind, detail=str(bad))
+    failed, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    if not failed:
+        return None
+    return explain(fmt, messages[0] if messages else "refused")
+
+
+_UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[(.*?)\]")
+_UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
+_LOOKAROUND = re.compile(r"error: (look-around|backreferences|[^\n]*not supported)")
+
+
+def explain(fmt: OutputFormat, message: str) -> UnsupportedFormat:
+    """llguidance's refusal as the keyword and where it is."""
+    detail = _first_line(message)
+    if fmt.kind not in ("json", "json_schema"):
+        construct = _LOOKAROUND.search(message)
+        return UnsupportedFormat(fmt.kind, construct.group(1) if construct else fmt.kind, detail=detail)
+    schema = json.loads(fmt.spec) if fmt.kind == "json_schema" else {}
+    keys = _UNIMPLEMENTED.search(message)
+    if keys:
+        names = json.loads(f"[{keys.group(1)}]")
+        path = _find(schema, lambda node: any(name in node for name in names))
+        keyword = next((n for n in names if path is not None and n in _at(schema, path)), names[0])
+        return UnsupportedFormat(fmt.kind, keyword, (*(path or ()), keyword), detail)
+    unknown = _UNKNOWN_FORMAT.search(message)
+    if unknown:
+        path = _find(schema, lambda node: node.get("format") == unknown.group(1))
+        return UnsupportedFormat(fmt.kind, "format", (*(path or ()), "format"), detail)
+    if "regex parse error" in message:
+        path = _find(schema, lambda node: isinstance(node.get("pattern"), str) and _bad_regex(node["pattern"]))
+        construct = _LOOKAROUND.search(message)
+        keyword = "pattern" + (f" ({construct.group(1)})" if construct else "")
+        return UnsupportedFormat(fmt.kind, keyword, (*(path or ()), "pattern"), detail)
+    if "not present in a registry" in message or "retriev" in message:
+        path = _find(schema, lambda node: isinstance(node.get("$ref"), str) and not node["$ref"].startswith("#"))
+        return UnsupportedFormat(fmt.kind, "$ref", (*(path or ()), "$ref"), detail)
+    return UnsupportedFormat(fmt.kind, fmt.kind, detail=detail)
+
+
+def _schema_summary(schema: Any) -> str:
+    """The schema's top level in a few words: its type, and an object's property names."""
+    if not isinstance(schema, dict):
+        return "anything" if schema is True else "nothing"
+    for word in ("anyOf", "oneOf", "allOf"):
+        if isinstance(schema.get(word), list):
+            return f"{word} of {len(schema[word])}"
+    if "enum" in schema and isinstance(schema["enum"], list):
+        return f"one of {len(schema['enum'])} values"
+    if "$ref" in schema:
+        return f"$ref {schema['$ref']}"
+    kind = schema.get("type", "object" if "properties" in schema else "any")
+    kind = "/".join(map(str, kind)) if isinstance(kind, list) else str(kind)
+    properties = schema.get("properties")
+    if isinstance(properties, dict) and properties:
+        return f"{kind} {{{', '.join(map(str, properties))}}}"
+    items = schema.get("items")
+    if kind == "array" and isinstance(items, dict):
+        return f"array of {_schema_summary(items)}"
+    return kind
+
+
+def _bad_regex(pattern: str) -> bool:
+    from llguidance import LLMatcher
+
+    failed, _ = LLMatcher.validate_grammar_with_warnings(LLMatcher.grammar_from_regex(pattern))
+    return failed
+
+
+def _find(node: Any, wanted: Any, path: JsonPath = ()) -> JsonPath | None:
+    """The first (depth-first) JSON path of a mapping inside `node` for which `wanted(mapping)` holds."""
+    if isinstance(node, dict):
+        if wanted(node):
+            return path
+        children: Any = node.items()
+    elif isinstance(node, list):
+        children = enumerate(node)
+    else:
+        return None
+    for key, child in children:
+        found = _find(child, wanted, (*path, key))
+        if found is not None:
+            return found
+    return None
+
+
+def _at(node: Any, path: JsonPath) -> Any:
+    for part in path:
+        node = node[part]
+    return node
+
+
+def _pointer(path: JsonPath) -> str:
+    return "/" + "/".join(str(p) for p in path)
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else ""
+
+
+# --- compiling against a tokenizer ------------------------------------------------------------------------
+
+
+@dataclass(eq=False)  # compared and hashed by identity: one per (tokenizer, format), cached
+class CompiledFormat:
+    """A format compiled for one tokenizer: a checked matcher to copy for each row (a copy is cheap; a
+    matcher built from the grammar text rebuilds its lexer)."""
+
+    format: OutputFormat
+    vocab: int  # the logits' width (the model's vocabulary, which may exceed the tokenizer's)
+    eos_ids: frozenset[int]
+    _template: LLMatcher
+    # The tokenizer's control tokens other than EOS, ascending: llguidance's mask may allow one where a literal
+    # spells its text (e.g. "<|user|>"), which its matcher then refuses; llm/sampling/token_mask.py checks these.
+    control_ids: tuple[int, ...] = ()
+
+    def matcher(self) -> LLMatcher:
+        return self._template.deep_copy()
+
+
+_compile_lock = threading.Lock()
+_tokenizers: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
+MAX_COMPILED = 128  # per tokenizer, least recently used dropped
+
+
+def compile_format(fmt: OutputFormat, tokenizer: Tokenizer, eos_ids: frozenset[int], vocab: int) -> CompiledFormat:
+    """The format compiled against this tokenizer (cached per tokenizer and format); UnsupportedFormat when
+    llguidance refuses it, which `check` would have found already for all but tokenizer-dependent limits."""
+    fmt.check()
+    key = (fmt, frozenset(eos_ids), vocab)
+    with _compile_lock:
+        per = _tokenizers.setdefault(tokenizer, {"compiled": OrderedDict()})
+        compiled: OrderedDict[Any, CompiledFormat] = per["compiled"]
+        if key in compiled:
+            compiled.move_to_end(key)
+            return compiled[key]
+    ll = _ll_tokenizer(tokenizer, eos_ids, vocab)
+    from llguidance import LLMatcher
+
+    template = LLMatcher(ll, fmt.grammar(), log_level=0)
+    if template.is_error():
+        raise explain(fmt, template.get_error())
+    made = CompiledFormat(fmt, vocab, frozenset(eos_ids), template, _control_ids(tokenizer, ll, eos_ids, vocab))
+    from .token_mask import first_refused, no_token_left
+
+    refused = first_refused(made)
+    if refused is not None:
+        name = tokenizer.decode(refused[:1], skip_special_tokens=False) if refused else None
+        raise UnsupportedFormat(fmt.kind, name or fmt.kind, detail=no_token_left(refused, name))
+    with _compile_lock:
+        compiled[key] = made
+        while len(compiled) > MAX_COMPILED:
+            compiled.popitem(last=False)
+    return made
+
+
+def _control_ids(tokenizer: Tokenizer, ll: LLTokenizer, eos_ids: frozenset[int], vocab: int) -> tuple[int, ...]:
+    """The tokens llguidance treats as special (its view, not the tokenizer's `special` flags: Qwen's
+    `<tool_call>` is one of them), EOS aside: once per llguidance tokenizer (0.01-0.06 s a vocabulary)."""
+    key = ("control", frozenset(eos_ids), vocab)
+    with _compile_lock:
+        per = _tokenizers.setdefault(tokenizer, {"compiled": OrderedDict()})
+        if key in per:
+            return per[key]  # type: ignore[no-any-return]
+    found = tuple(i for i in range(min(ll.vocab_size, vocab)) if i not in eos_ids and ll.is_special_token(i))
+    with _compile_lock:
+        per[key] = found
+    return found
+
+
+def _ll_tokenizer(tokenizer: Tokenizer, eos_ids: frozenset[int], vocab: int) -> LLTokenizer:
+    """llguidance's view of the tokenizer (about a second to build: once per tokenizer, EOS set, width)."""
+    from llguidance import LLTokenizer
+
+    key = ("ll", frozenset(eos_ids), vocab)
+    with _compile_lock:
+        per = _tokenizers.setdefault(tokenizer, {"compiled": OrderedDict()})
+        if key in per:
+            return per[key]  # type: ignore[no-any-return]
+    eos = sorted(eos_ids) or ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
+    if not eos:
+        raise UnsupportedFormat("format", "eos", detail="a constrained answer needs an end-of-sequence token")
+    made = LLTokenizer(tokenizer.to_json(), n_vocab=max(vocab, tokenizer.vocab_size), eos_token=eos)
+    with _compile_lock:
+        per[key] = made
+    return made
