@@ -83,7 +83,8 @@ def batch(ctx: Any, prompts: list[list[int]], tokens: int, grammar: Any) -> dict
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from llmplan.llm.sampling.constrained_format import OutputFormat, compile_format
+    from llmplan.llm.sampling.constrained_format import OutputFormat
+    from llmplan.llm.sampling.format_compiler import compile_format
 
     ctx = load(args.plan)
     eos = frozenset(i for i in (ctx.tokenizer.eos_id,) if i is not None)

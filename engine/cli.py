@@ -620,8 +620,3 @@ def cmd_schema(args: argparse.Namespace) -> int:
     print(json.dumps(plan_schema(_registry()), indent=2))
     return 0
 
-
-if __name__ == "__main__":
-    from llmplan.engine.entry import main as entry_main  # the console script's path: same Ctrl-C handling
-
-    sys.exit(entry_main(sys.argv[1:]))

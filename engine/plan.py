@@ -12,32 +12,25 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, create_model, field_validator
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, create_model, field_validator
 
 from .findings import Finding, PlanError, format_path
 from .findings import Path as FieldPath
+from .graph import PlanGraph, build_graph, dag_findings, link_findings
 from .messages import describe, suggest
 from .observing import ObserveSettings
 from .registry import Registry
-from .stage import Stage
+from .stage_spec import ID_PATTERN, BoundStage, StageSpec, Strict
 from .strict import strict_numbers
 from .yaml_source import Source, load_file, load_text
 
-if TYPE_CHECKING:
-    from .plan_graph import PlanGraph
-
-ID_PATTERN = r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$"
 MAX_STAGES = 200
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-
-class _Numbers(_Strict):
+class _Numbers(Strict):
     """Numeric fields take numbers only (no `true` -> 1); not on StageSpec, whose `uses` is a discriminator."""
 
     @field_validator("*", mode="before")
@@ -72,14 +65,6 @@ class Executor(_Numbers):
         return value
 
 
-class StageSpec(_Strict):
-    id: str = Field(pattern=ID_PATTERN, description="unique name of this step; --set and --until use it")
-    uses: str = Field(min_length=1, description="the registered stage to run (see `llmplan stages`)")
-    with_: dict[str, Any] = Field(default_factory=dict, alias="with", description="the stage's parameters")
-    after: list[str] = Field(default_factory=list, description="extra ordering: run after these stage ids")
-    description: str = ""
-
-
 class Plan(_Numbers):
     version: Literal[1] = 1
     name: str = Field(pattern=ID_PATTERN)
@@ -111,20 +96,6 @@ def plan_model(observe: type[ObserveSettings]) -> type[Plan]:
 
 
 @dataclass
-class BoundStage:
-    """A plan step joined to its registered class and validated parameters."""
-
-    index: int
-    spec: StageSpec
-    cls: type[Stage]
-    params: Any
-
-    @property
-    def id(self) -> str:
-        return self.spec.id
-
-
-@dataclass
 class BoundPlan:
     """A validated plan; `graph` is its stage graph, built once (by `bind`, or here when made by hand)."""
 
@@ -136,7 +107,6 @@ class BoundPlan:
 
     def __post_init__(self) -> None:
         if self.graph is None:
-            from .plan_graph import PlanGraph
 
             self.graph = PlanGraph.build(self.stages)
 
@@ -224,8 +194,6 @@ def load_plan(
 
 
 def bind(source: Source, registry: Registry, overrides: list[str] | None = None) -> BoundPlan:
-    from .graph import build_graph, dag_findings, link_findings
-    from .plan_graph import PlanGraph
 
     if not isinstance(source.data, dict):
         kind = "empty" if source.data is None else type(source.data).__name__

@@ -10,8 +10,9 @@ from typing import Any, Literal
 
 from pydantic import Field, create_model
 
-from .plan import ID_PATTERN, StageSpec, plan_model
+from .plan import plan_model
 from .registry import Registry
+from .stage_spec import ID_PATTERN, StageSpec
 
 
 def plan_schema(registry: Registry) -> dict[str, Any]:

@@ -24,9 +24,9 @@ from llmplan.ownership import check_writable, claim
 
 from .context import Context, Metrics
 from .findings import StageFailure
+from .graph import PlanGraph
 from .messages import describe
 from .plan import BoundPlan
-from .plan_graph import PlanGraph
 from .runner import EVENTS_FILE, Runner, RunResult, event_logger
 from .stage_loop import StageLoop, Timings
 

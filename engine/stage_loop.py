@@ -18,11 +18,10 @@ from llmplan.plain_errors import plain_error
 
 from .context import Context
 from .findings import StageFailure
-from .graph import DATA, FILL
-from .plan_graph import PlanGraph
+from .graph import DATA, FILL, PlanGraph
 
 if TYPE_CHECKING:
-    from .plan import BoundStage
+    from .stage_spec import BoundStage
 
 NOT_NEEDED = "outputs already available"
 INPUTS_MISSING = "inputs missing"

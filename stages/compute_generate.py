@@ -29,12 +29,13 @@ from llmplan.llm.generation.draft_model import DraftModel
 from llmplan.llm.generation.engine_loop import EngineLoop
 from llmplan.llm.generation.model_runner import ModelRunner
 from llmplan.llm.generation.scheduler import GenerationRequest, Sequence
-from llmplan.llm.generation.static_batch import Generation, TokenPicker, generate
+from llmplan.llm.generation.static_batch import Generation, generate
 from llmplan.llm.kv.slot_cache import SlotCache
 from llmplan.llm.sampling.chain import build_picker
-from llmplan.llm.sampling.constrained_format import CompiledFormat, OutputFormat, UnsupportedFormat, compile_format
+from llmplan.llm.sampling.constrained_format import OutputFormat, UnsupportedFormat
+from llmplan.llm.sampling.format_compiler import CompiledFormat, compile_format, complete
 from llmplan.llm.sampling.params import Speculation
-from llmplan.llm.sampling.token_mask import complete
+from llmplan.llm.sampling.picks import TokenPicker
 from llmplan.llm.text.stop_strings import StopStringStream, stop_checker
 from llmplan.llm.text.tokenizer import StreamDecoder
 from llmplan.plain_errors import plain_error

@@ -26,7 +26,8 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 from llmplan.engine.stage import Params
-from llmplan.llm.sampling.constrained_format import CompiledFormat, OutputFormat
+from llmplan.llm.sampling.constrained_format import OutputFormat
+from llmplan.llm.sampling.format_compiler import CompiledFormat
 from llmplan.llm.sampling.params import Limit, SamplingParams, Speculation, request_fields, setting_kinds
 
 

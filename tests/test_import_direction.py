@@ -1,4 +1,7 @@
 """Imports go one way: commands → stages → llm, and any of them may use engine; engine uses none of them.
+Inside llm/ the sub-packages are layers too (`LLM_LAYERS`, lowest first), and llm/ and engine/ hold no import
+cycle between modules, type-only (`if TYPE_CHECKING:`) and late (inside a function) imports counted: a cycle
+kept alive by such an import is still two modules that cannot be read, tested or moved apart.
 
 Read from the source (every `import` and `from … import`, relative ones resolved), so a forbidden import
 fails here even when no test happens to execute it.
@@ -9,6 +12,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import networkx as nx
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,6 +54,78 @@ def test_no_layer_imports_against_the_direction(layer: str) -> None:
             if target in FORBIDDEN[layer]:
                 wrong.append(f"{path.relative_to(REPO)}:{line}: imports {target}")
     assert not wrong, "\n".join(wrong)
+
+
+# llm/'s sub-packages, lowest first: each may import its own package and those before it, never one after it
+LLM_LAYERS = ("kernels", "trust", "text", "model", "formats", "kv", "sampling", "generation", "evaluation")
+
+
+def imported_modules(source: str, module: str, is_package: bool) -> set[tuple[str, int]]:
+    """(module or package, line) of every llmplan import in `module`, relative ones resolved; for
+    `from X import name` both X and X.name (which may be a module)."""
+    found: set[tuple[str, int]] = set()
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update((alias.name, node.lineno) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - (node.level - 1)] if node.level else []
+            target = ".".join([*base, node.module] if node.module else base)
+            found.add((target, node.lineno))
+            found.update((f"{target}.{alias.name}", node.lineno) for alias in node.names)
+    return {(name, line) for name, line in found if name.startswith("llmplan.")}
+
+
+def layer_modules(layer: str) -> dict[str, Path]:
+    modules = {}
+    for path in sorted((REPO / layer).rglob("*.py")):
+        parts = ["llmplan", layer, *path.relative_to(REPO / layer).with_suffix("").parts]
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def import_graph(layer: str) -> nx.DiGraph:
+    modules = layer_modules(layer)
+    graph = nx.DiGraph()
+    for module, path in modules.items():
+        source = path.read_text(encoding="utf-8")
+        for target, _ in imported_modules(source, module, path.name == "__init__.py"):
+            if target in modules and target != module:
+                graph.add_edge(module, target)
+    return graph
+
+
+def cycles(graph: nx.DiGraph) -> list[list[str]]:
+    return [sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1]
+
+
+@pytest.mark.parametrize("layer", ["llm", "engine"])
+def test_no_import_cycle_inside_the_layer(layer: str) -> None:
+    found = cycles(import_graph(layer))
+    assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_the_cycle_check_sees_a_type_only_cycle() -> None:
+    a = imported_modules("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\n", "llmplan.x.a", False)
+    b = imported_modules("def f():\n    from .a import A\n", "llmplan.x.b", False)
+    graph = nx.DiGraph([("llmplan.x.a", t) for t, _ in a] + [("llmplan.x.b", t) for t, _ in b])
+    graph.remove_nodes_from([n for n in list(graph) if n not in {"llmplan.x.a", "llmplan.x.b"}])
+    assert cycles(graph) == [["llmplan.x.a", "llmplan.x.b"]]
+
+
+def test_llm_sub_packages_import_only_downward() -> None:
+    assert {p.name for p in (REPO / "llm").iterdir() if (p / "__init__.py").exists()} == set(LLM_LAYERS)
+    wrong = []
+    for module, path in layer_modules("llm").items():
+        parts = module.split(".")
+        if len(parts) < 3:
+            continue  # llm/__init__.py
+        own = LLM_LAYERS.index(parts[2])
+        for target, line in imported_modules(path.read_text(encoding="utf-8"), module, path.name == "__init__.py"):
+            tparts = target.split(".")
+            if tparts[:2] == ["llmplan", "llm"] and len(tparts) > 2 and LLM_LAYERS.index(tparts[2]) > own:
+                wrong.append(f"{path.relative_to(REPO)}:{line}: llm/{parts[2]} imports llm/{tparts[2]}")
+    assert not wrong, "\n".join(sorted(set(wrong)))
 
 
 def test_the_shared_top_package_imports_no_layer() -> None:

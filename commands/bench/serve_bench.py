@@ -132,7 +132,7 @@ def bench_serve(args: Any, say: Any) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="llmplan-bench-serve-"))
     ours_port = free_port()
     ours_url = f"http://127.0.0.1:{ours_port}"
-    ours = [sys.executable, "-m", "llmplan.engine.cli", "serve", args.plan, "--port", str(ours_port), "--quiet"]
+    ours = [sys.executable, "-m", "llmplan", "serve", args.plan, "--port", str(ours_port), "--quiet"]
     ours += [a for o in overrides for a in ("--set", o)]
     ours += ["--max-queue", str(max(64, 4 * slots))]
     servers: list[tuple[str, list[str], str, str]] = [("llmplan", ours, ours_url, "")]

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ..kv.cache import KVCache
 from ..model.transformer import Transformer
-from ..sampling.constrained_format import CompiledFormat
+from ..sampling.format_compiler import CompiledFormat
 from ..sampling.token_mask import BeamMasks
 from .ending import FinishReason, end_after_token
 from .model_runner import ModelRunner

@@ -26,10 +26,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from ..sampling.picks import Pick
 from ..sampling.token_mask import MaskError
 from .ending import FinishReason, end_after_token, non_finite, out_of_memory
 from .flat_batch import FlatBatch, Part
-from .outputs import Pick, finite_rows, is_oom, release_memory
+from .outputs import finite_rows, is_oom, release_memory
 from .scheduler import GenerationRequest, Scheduler, SchedulerStats, Sequence
 from .speculative import DraftGuesser, accept
 

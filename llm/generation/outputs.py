@@ -3,27 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from torch import Tensor
 
+from ..sampling.picks import Pick
 from .ending import FinishReason
-
-
-@dataclass
-class Pick:
-    """One chosen token. `logprob` is log-softmax of the raw model logits at that token."""
-
-    token: int
-    logprob: float
-    top: list[tuple[int, float]] | None = None
-
-
-class TokenPicker(Protocol):
-    """Chooses the next token of one row from its fp32 logits [V] and the ids seen so far."""
-
-    def __call__(self, logits_row: Tensor, seen: list[int]) -> Pick: ...
 
 
 @dataclass

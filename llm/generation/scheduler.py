@@ -33,8 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..sampling.picks import TokenPicker
 from .ending import FinishReason
-from .outputs import Generation, TokenPicker
+from .outputs import Generation
 from .speculative import DRAFT_COST_PRIOR, DraftGuesser, PassCosts, Speculator
 
 if TYPE_CHECKING:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from .outputs import Pick
+from ..sampling.picks import Pick
 
 ROW_COST = 0.15  # prior: each input past the first adds this share of a one-token pass (a 2-row pass ≈ 1.14x)
 COST_SMOOTHING = 0.2  # the weight of a new measured pass of several inputs in PassCosts

@@ -16,9 +16,10 @@ from torch import Tensor
 
 from ..kv.cache import KVCache
 from ..model.transformer import Transformer
+from ..sampling.picks import Pick, TokenPicker
 from .ending import FinishReason, end_after_token, non_finite, out_of_memory
 from .model_runner import ModelRunner
-from .outputs import Generation, Pick, TokenPicker, finite_rows, is_oom, release_memory
+from .outputs import Generation, finite_rows, is_oom, release_memory
 
 __all__ = ["FinishReason", "Generation", "Pick", "TokenPicker", "finite_rows", "generate", "is_oom", "release_memory"]
 

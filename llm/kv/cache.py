@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import Tensor
 
-from ..model.transformer import apply_rope, attention_mask
+from ..model.masks import attention_mask
+from ..model.rope import apply_rope
 from .layers import DEFAULT_CHUNK, LayerKV, layer_rows, ring_mask, ring_slots
 
 if TYPE_CHECKING:

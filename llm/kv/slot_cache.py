@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ..model.transformer import attention_mask
+from ..model.masks import attention_mask
 from .layers import LayerKV, ring_mask, ring_slots
 
 if TYPE_CHECKING:

@@ -9,9 +9,8 @@ x[..., in_features] -> [..., out_features]; `dense_linear` handles plain tensors
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -20,10 +19,25 @@ from torch import Tensor, nn
 from .config import ModelConfig
 from .layer_clock import LayerClock, now_ns
 from .layer_names import LINEAR_NAMES
+from .masks import attention_mask, window_mask
+from .rope import apply_rope_full, rope_inv_freq, rope_tables
 from .weights import NORM_SUFFIX, WeightError, internal_shapes
 
-if TYPE_CHECKING:
-    from ..kv.cache import KVCache
+
+class AttentionCache(Protocol):
+    """What the model needs of a KV cache (llm/kv/ implements it): slots for a pass's tokens, K/V written
+    per layer, and the masks of its valid slots."""
+
+    max_tokens: int
+    padded: bool
+
+    def append(self, positions: Tensor, valid: Tensor | None) -> int: ...
+
+    def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
+
+    def ring_mask(self, layer: int, start: int, seqlen: int) -> Tensor | None: ...
+
+    def attention_mask(self, start: int, seqlen: int) -> Tensor: ...
 
 LinearFactory = Callable[[Any], nn.Module]
 """Builds a module computing x[..., in] -> [..., out] from one weight object (a tensor, a quantized blob)."""
@@ -43,53 +57,6 @@ def dense_linear(weight: Any) -> nn.Module:
     linear = nn.Linear(in_features, out_features, bias=False, device="meta")
     linear.weight = nn.Parameter(weight, requires_grad=False)
     return linear
-
-
-# --- RoPE ------------------------------------------------------------------------------------------------
-
-
-def rope_inv_freq(cfg: ModelConfig, device: torch.device | str | None = None, *, local: bool = False) -> Tensor:
-    """Inverse frequencies [head_dim/2] in fp32, llama3 or linear frequency scaling applied when configured;
-    `local`: those of the sliding layers that have their own base (Gemma 3), never scaled.
-
-    Same fp32 arithmetic as transformers, so positions rotate identically.
-    """
-    dim = cfg.head_dim
-    theta = cfg.rope_local_theta if local and cfg.rope_local_theta is not None else cfg.rope_theta
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
-    s = None if local else cfg.rope_scaling
-    if s is None:
-        return inv_freq
-    if s.rope_type == "linear":
-        return inv_freq / s.factor
-    # llama3: keep high frequencies, divide low ones by `factor`, interpolate smoothly in between.
-    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate x[..., head_dim] by angles whose cos/sin are [..., head_dim/2] (HF's rotate-half layout)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-def rope_tables(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """Full-width (cos, sign-folded sin) [..., head_dim] for `apply_rope_full`, built once per forward."""
-    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
-
-
-def apply_rope_full(x: Tensor, cos2: Tensor, sin2: Tensor) -> Tensor:
-    """`apply_rope` in 4 ops instead of 7, bit-identical: x*cos + rotate_half(x)*(±sin)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos2 + torch.cat((x2, x1), dim=-1) * sin2
 
 
 # --- layers ----------------------------------------------------------------------------------------------
@@ -133,22 +100,6 @@ class ScaledEmbedding(nn.Embedding):
         return super().forward(tokens) * torch.tensor(self.embedding_dim**0.5, dtype=self.weight.dtype)
 
 
-def window_mask(mask: Tensor | None, start: int, seqlen: int, keys: int, window: int, device: torch.device) -> Tensor:
-    """`mask` ([B, 1, T, S] bool, or None: causal, the queries at slots start..) narrowed to a sliding window,
-    as transformers' sliding-window mask: the query at slot q sees only slots above q - window (itself and the
-    window - 1 before it). Valid slots of a row are consecutive, so slot distance is position distance.
-
-    One query per row may sit at a different slot per row (a scheduler's decode rows): its slot is then its
-    row's last visible one."""
-    slots = torch.arange(keys, device=device)
-    if mask is not None and seqlen == 1:
-        last = keys - 1 - mask[..., 0, :].flip(-1).int().argmax(-1)  # [B, 1]
-        return mask & (slots > last[..., None, None] - window).view(mask.shape[0], 1, 1, keys)
-    query_slots = torch.arange(start, start + seqlen, device=device).unsqueeze(1)
-    band = (slots.unsqueeze(0) > query_slots - window) & (slots.unsqueeze(0) <= query_slots)
-    return band[None, None] if mask is None else mask & band
-
-
 def softcapped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, cap: float) -> Tensor:
     """Attention whose scores become cap * tanh(score / cap) before the mask and softmax (Gemma 2): SDPA has
     no such step. q [B, H, T, d], k/v [B, KV, S, d], mask [B|1, 1, T, S] bool; softmax in fp32, as HF."""
@@ -186,7 +137,7 @@ class Attention(nn.Module):
         cos: Tensor,
         sin: Tensor,
         mask: Tensor | None,
-        cache: KVCache | None,
+        cache: AttentionCache | None,
         layer: int,
         start: int,
     ) -> Tensor:
@@ -302,7 +253,7 @@ class Block(nn.Module):
         cos: Tensor,
         sin: Tensor,
         mask: Tensor | None,
-        cache: KVCache | None,
+        cache: AttentionCache | None,
         layer: int,
         start: int,
         marks: list[int] | None = None,
@@ -321,20 +272,6 @@ class Block(nn.Module):
         if marks is not None:
             marks.append(now_ns(out.device))
         return out
-
-
-def attention_mask(valid: Tensor, start: int, seqlen: int) -> Tensor:
-    """Bool mask [B, 1, T, S] for T queries at slots start..start+T-1 over keys in slots 0..S-1 (S = start+T).
-
-    A query sees earlier-or-same slots whose key is valid, and always its own slot: padding queries then
-    attend to something (no all-masked row, whose softmax would be NaN and leak into the cache as NaN keys).
-    """
-    total = start + seqlen
-    slots = torch.arange(total, device=valid.device)
-    query_slots = slots[start:].unsqueeze(1)
-    causal = slots.unsqueeze(0) <= query_slots
-    own = slots.unsqueeze(0) == query_slots
-    return (causal & (valid[:, None, :total] | own)).unsqueeze(1)
 
 
 class Transformer(nn.Module):
@@ -392,7 +329,7 @@ class Transformer(nn.Module):
         self,
         tokens: Tensor,
         positions: Tensor,
-        cache: KVCache | None = None,
+        cache: AttentionCache | None = None,
         *,
         valid: Tensor | None = None,
         last_only: bool = False,

@@ -49,20 +49,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..generation.static_batch import Pick, TokenPicker
 from ..kernels import native
 from .params import SamplingParams
+from .picks import Pick, StepContext, TokenPicker
 from .token_mask import FormatMask
 
 __all__ = ["ORDER", "Chain", "Pick", "Sampler", "SamplingParams", "StepContext", "TokenPicker", "build_picker"]
-
-
-@dataclass
-class StepContext:
-    """What a sampler may look at besides the logits: the seen ids and where the prompt ends."""
-
-    seen: list[int]
-    prompt_len: int
 
 
 # ---------------------------------------------------------------------------------------------------------

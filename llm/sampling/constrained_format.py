@@ -8,8 +8,8 @@ Public API (a plan's `format`, a JSONL line's, and the server's `response_format
     fmt.check()           # raises UnsupportedFormat before any model is loaded: no tokenizer needed
     fmt.record()          # {"kind": "json_schema", "sha256": "...", "summary": "object {name, tags}"}: what
                           # results and databases record (the summary: a short line to tell formats apart)
-    compiled = compile_format(fmt, tokenizer, eos_ids, vocab)  # per (tokenizer, format): cached
-    matcher = compiled.matcher()    # a fresh llguidance matcher for one row (llm/sampling/token_mask.py uses it)
+
+Compiled against a tokenizer (`compile_format`, `CompiledFormat`) in format_compiler.py.
 
 `UnsupportedFormat` (a ValueError) carries `keyword` (the schema keyword, regex or grammar construct that
 cannot be enforced), `path` (the keyword's JSON path inside the schema, () when unknown) and `detail`
@@ -29,7 +29,6 @@ import hashlib
 import json
 import re
 import threading
-import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -37,11 +36,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from llguidance import LLMatcher, LLTokenizer
 
-    from ..text.tokenizer import Tokenizer
+    pass
 
-__all__ = ["KINDS", "CompiledFormat", "OutputFormat", "UnsupportedFormat", "compile_format"]
+__all__ = ["KINDS", "OutputFormat", "UnsupportedFormat", "explain"]
 
 FormatKind = Literal["json", "json_schema", "regex", "grammar", "choice"]
 KINDS: tuple[str, ...] = ("json", "json_schema", "regex", "grammar", "choice")
@@ -306,91 +304,3 @@ def _pointer(path: JsonPath) -> str:
 
 def _first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else ""
-
-
-# --- compiling against a tokenizer ------------------------------------------------------------------------
-
-
-@dataclass(eq=False)  # compared and hashed by identity: one per (tokenizer, format), cached
-class CompiledFormat:
-    """A format compiled for one tokenizer: a checked matcher to copy for each row (a copy is cheap; a
-    matcher built from the grammar text rebuilds its lexer)."""
-
-    format: OutputFormat
-    vocab: int  # the logits' width (the model's vocabulary, which may exceed the tokenizer's)
-    eos_ids: frozenset[int]
-    _template: LLMatcher
-    # The tokenizer's control tokens other than EOS, ascending: llguidance's mask may allow one where a literal
-    # spells its text (e.g. "<|user|>"), which its matcher then refuses; llm/sampling/token_mask.py checks these.
-    control_ids: tuple[int, ...] = ()
-
-    def matcher(self) -> LLMatcher:
-        return self._template.deep_copy()
-
-
-_compile_lock = threading.Lock()
-_tokenizers: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
-MAX_COMPILED = 128  # per tokenizer, least recently used dropped
-
-
-def compile_format(fmt: OutputFormat, tokenizer: Tokenizer, eos_ids: frozenset[int], vocab: int) -> CompiledFormat:
-    """The format compiled against this tokenizer (cached per tokenizer and format); UnsupportedFormat when
-    llguidance refuses it, which `check` would have found already for all but tokenizer-dependent limits."""
-    fmt.check()
-    key = (fmt, frozenset(eos_ids), vocab)
-    with _compile_lock:
-        per = _tokenizers.setdefault(tokenizer, {"compiled": OrderedDict()})
-        compiled: OrderedDict[Any, CompiledFormat] = per["compiled"]
-        if key in compiled:
-            compiled.move_to_end(key)
-            return compiled[key]
-    ll = _ll_tokenizer(tokenizer, eos_ids, vocab)
-    from llguidance import LLMatcher
-
-    template = LLMatcher(ll, fmt.grammar(), log_level=0)
-    if template.is_error():
-        raise explain(fmt, template.get_error())
-    made = CompiledFormat(fmt, vocab, frozenset(eos_ids), template, _control_ids(tokenizer, ll, eos_ids, vocab))
-    from .token_mask import first_refused, no_token_left
-
-    refused = first_refused(made)
-    if refused is not None:
-        name = tokenizer.decode(refused[:1], skip_special_tokens=False) if refused else None
-        raise UnsupportedFormat(fmt.kind, name or fmt.kind, detail=no_token_left(refused, name))
-    with _compile_lock:
-        compiled[key] = made
-        while len(compiled) > MAX_COMPILED:
-            compiled.popitem(last=False)
-    return made
-
-
-def _control_ids(tokenizer: Tokenizer, ll: LLTokenizer, eos_ids: frozenset[int], vocab: int) -> tuple[int, ...]:
-    """The tokens llguidance treats as special (its view, not the tokenizer's `special` flags: Qwen's
-    `<tool_call>` is one of them), EOS aside: once per llguidance tokenizer (0.01-0.06 s a vocabulary)."""
-    key = ("control", frozenset(eos_ids), vocab)
-    with _compile_lock:
-        per = _tokenizers.setdefault(tokenizer, {"compiled": OrderedDict()})
-        if key in per:
-            return per[key]  # type: ignore[no-any-return]
-    found = tuple(i for i in range(min(ll.vocab_size, vocab)) if i not in eos_ids and ll.is_special_token(i))
-    with _compile_lock:
-        per[key] = found
-    return found
-
-
-def _ll_tokenizer(tokenizer: Tokenizer, eos_ids: frozenset[int], vocab: int) -> LLTokenizer:
-    """llguidance's view of the tokenizer (about a second to build: once per tokenizer, EOS set, width)."""
-    from llguidance import LLTokenizer
-
-    key = ("ll", frozenset(eos_ids), vocab)
-    with _compile_lock:
-        per = _tokenizers.setdefault(tokenizer, {"compiled": OrderedDict()})
-        if key in per:
-            return per[key]  # type: ignore[no-any-return]
-    eos = sorted(eos_ids) or ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
-    if not eos:
-        raise UnsupportedFormat("format", "eos", detail="a constrained answer needs an end-of-sequence token")
-    made = LLTokenizer(tokenizer.to_json(), n_vocab=max(vocab, tokenizer.vocab_size), eos_token=eos)
-    with _compile_lock:
-        per[key] = made
-    return made

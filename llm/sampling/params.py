@@ -16,7 +16,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .constrained_format import CompiledFormat, OutputFormat
+from .constrained_format import OutputFormat
+from .format_compiler import CompiledFormat
 
 __all__ = ["Limit", "SamplingParams", "Speculation", "request_fields", "setting", "setting_kinds"]
 

@@ -26,12 +26,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .constrained_format import CompiledFormat
+from .format_compiler import CompiledFormat, ControlTokens, no_token_left
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
 
-    from .chain import StepContext
+    from .picks import StepContext
 
 
 class MaskError(RuntimeError):
@@ -52,7 +52,7 @@ class FormatMask:
     def __post_init__(self) -> None:
         self.matcher = self.compiled.matcher()
         self._bits = torch.zeros((self.compiled.vocab + 31) // 32, dtype=torch.int32)
-        self._controls = _Controls(self.compiled.control_ids)
+        self._controls = ControlTokens(self.compiled.control_ids)
 
     @classmethod
     def of(cls, params: Any) -> FormatMask | None:
@@ -107,7 +107,7 @@ class BeamMasks:
     def __init__(self, compiled: CompiledFormat, beams: int) -> None:
         self.matchers = [compiled.matcher() for _ in range(beams)]
         self._bits = torch.zeros((beams, (compiled.vocab + 31) // 32), dtype=torch.int32)
-        self._controls = _Controls(compiled.control_ids)
+        self._controls = ControlTokens(compiled.control_ids)
         self.allowed: list[int] = []  # tokens allowed to the best running beam, per step
 
     def apply(self, logits: Tensor) -> Tensor:
@@ -131,60 +131,6 @@ class BeamMasks:
                 raise MaskError(f"the grammar refused token {token}: {matcher.get_error()}")
             moved.append(matcher)
         self.matchers = moved
-
-
-class _Controls:
-    """The control tokens (other than EOS) a mask must not allow unless the matcher takes them. llguidance's
-    mask allows a control token wherever a literal spells its text ("<|user|>" in a grammar, a schema's
-    `const`, a choice), and its matcher then refuses the token: picked, it would end the answer in an error.
-    A grammar that names the token as one (`<|user|>` in Lark) is taken, so it stays allowed. Usually no
-    control bit is set, and the check is one gather over the few control ids."""
-
-    def __init__(self, ids: tuple[int, ...]) -> None:
-        self.ids = np.asarray(ids, dtype=np.int64)
-        self._words, self._shifts = self.ids >> 5, (self.ids & 31).astype(np.uint32)
-
-    def clear_refused(self, matcher: LLMatcher, bits: Tensor) -> list[int]:
-        """Clear the allowed control tokens the matcher refuses; the ones cleared."""
-        if not self.ids.size:
-            return []
-        words = bits.numpy().view(np.uint32)
-        set_ = ((words[self._words] >> self._shifts) & 1).astype(bool)
-        refused = [token for token in self.ids[set_].tolist() if matcher.validate_tokens([token]) == 0]
-        for token in refused:
-            words[token >> 5] &= ~np.uint32(1 << (token & 31))
-        return refused
-
-
-def no_token_left(refused: list[int], name: str | None = None) -> str:
-    """Why a mask left nothing: usually a literal that spells a control token, which llguidance only lets
-    the model write as that token (and then refuses)."""
-    if not refused:
-        return "the grammar allows no token"
-    return (
-        f"it spells the tokenizer's control token {refused[0]}{f' {name}' if name else ''}, which an answer "
-        "cannot write as text; a Lark grammar may name it as a token (<|name|>)"
-    )
-
-
-def first_refused(compiled: CompiledFormat) -> list[int] | None:
-    """None when a fresh matcher's first mask leaves a token; else the control tokens it had to clear
-    (checked when a format is compiled, so a format that can never start is refused before any request)."""
-    matcher = compiled.matcher()
-    bits = torch.zeros((compiled.vocab + 31) // 32, dtype=torch.int32)
-    matcher.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * 4)
-    refused = _Controls(compiled.control_ids).clear_refused(matcher, bits)
-    return None if matcher.is_error() or bits.any() else refused
-
-
-def complete(compiled: CompiledFormat, tokens: list[int]) -> bool:
-    """Whether these generated tokens (EOS included or not) make a whole answer of the format: a row cut by
-    its length limit may stop mid-answer (its text may then not parse). Replayed on a fresh matcher."""
-    matcher = compiled.matcher()
-    for token in tokens:
-        if matcher.is_stopped() or not matcher.consume_token(token):
-            return bool(matcher.is_stopped()) and token in compiled.eos_ids
-    return bool(matcher.is_accepting() or matcher.is_stopped())
 
 
 def apply_bitmask(logits: Tensor, bits: Tensor) -> int:

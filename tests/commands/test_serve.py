@@ -333,7 +333,7 @@ def test_serve_command_stops_on_sigterm_and_releases(tiny_model: Path, tmp_path:
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "llmplan.engine.cli", "serve", str(plan), "--port", str(port), "--quiet"],
+        [sys.executable, "-m", "llmplan", "serve", str(plan), "--port", str(port), "--quiet"],
         stderr=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from llmplan.commands.serve.tool_calls import Tool, ToolMode
-from llmplan.llm.sampling.constrained_format import compile_format
+from llmplan.llm.sampling.format_compiler import compile_format
 from llmplan.llm.text.tokenizer import Tokenizer
 from tests.stages.tiny_run import make_tokenizer
 

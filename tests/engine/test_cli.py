@@ -126,7 +126,7 @@ def test_cli_entry_point_exit_code_and_stderr(tmp_path):
     bad = tmp_path / "x.yaml"
     bad.write_text("name: [\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "llmplan.engine.cli", "validate", str(bad)], capture_output=True, text=True
+        [sys.executable, "-m", "llmplan", "validate", str(bad)], capture_output=True, text=True
     )
     assert proc.returncode == 1
     assert proc.stdout.strip().startswith(f"{bad}:2:1: YAML syntax error")
@@ -149,7 +149,7 @@ def test_ctrl_c_from_outside_runs_cleanup_and_exits_130(tmp_path):
     )
     env = {**os.environ, "PYTHONPATH": f"{TOY}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "llmplan.engine.cli", "run", str(plan), "--out", str(tmp_path / "run")],
+        [sys.executable, "-m", "llmplan", "run", str(plan), "--out", str(tmp_path / "run")],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

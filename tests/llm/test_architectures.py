@@ -27,11 +27,12 @@ from llmplan.llm.generation.engine_loop import EngineLoop
 from llmplan.llm.generation.fused_decode import FusedDecoder
 from llmplan.llm.generation.model_runner import ModelRunner
 from llmplan.llm.generation.scheduler import GenerationRequest
-from llmplan.llm.generation.static_batch import Pick, generate
+from llmplan.llm.generation.static_batch import generate
 from llmplan.llm.kernels import native
 from llmplan.llm.kv.cache import CacheFullError, KVCache
 from llmplan.llm.kv.slot_cache import SlotCache
 from llmplan.llm.model.transformer import Transformer
+from llmplan.llm.sampling.picks import Pick
 
 TOLERANCE = 1e-4
 PROMPT_LEN, NEW = 64, 32

@@ -14,13 +14,15 @@ import torch.nn.functional as F
 from tiny import load_tiny, make_tiny_llama
 from torch import Tensor
 
-from llmplan.llm.generation.static_batch import Pick, generate
+from llmplan.llm.generation.static_batch import generate
 from llmplan.llm.kernels import native
 from llmplan.llm.kv.cache import KVCache
 from llmplan.llm.model.linear import make_linear
-from llmplan.llm.model.transformer import RMSNorm, Transformer, apply_rope, apply_rope_full, rope_tables
+from llmplan.llm.model.rope import apply_rope, apply_rope_full, rope_tables
+from llmplan.llm.model.transformer import RMSNorm, Transformer
 from llmplan.llm.model.weight_formats import quantize_weight
 from llmplan.llm.model.weights import fuse_hf_state_dict
+from llmplan.llm.sampling.picks import Pick
 
 PAD = 0
 PROMPTS = [[1, 17, 99, 4, 250, 31, 8, 40, 41], [1, 5, 9], [1, 200, 13, 77, 3, 3]]

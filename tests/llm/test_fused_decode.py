@@ -19,13 +19,14 @@ from llmplan.llm.generation.beam_search import beam_search
 from llmplan.llm.generation.flat_batch import FlatBatch, Part
 from llmplan.llm.generation.fused_decode import FusedDecoder
 from llmplan.llm.generation.model_runner import ModelRunner
-from llmplan.llm.generation.static_batch import Pick, generate
+from llmplan.llm.generation.static_batch import generate
 from llmplan.llm.kernels import native
 from llmplan.llm.kv.cache import KVCache
 from llmplan.llm.kv.slot_cache import SlotCache
 from llmplan.llm.model.linear import make_linear
 from llmplan.llm.model.transformer import Transformer
 from llmplan.llm.model.weight_formats import quantize_weight
+from llmplan.llm.sampling.picks import Pick
 
 pytestmark = [
     pytest.mark.skipif(native.kernels() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}"),

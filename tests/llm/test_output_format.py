@@ -179,7 +179,7 @@ def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def _compiled(tok: Any, grammar: str) -> Any:
-    from llmplan.llm.sampling.constrained_format import compile_format
+    from llmplan.llm.sampling.format_compiler import compile_format
 
     return compile_format(OutputFormat("grammar", grammar), tok, frozenset([tok.eos_id]), tok.vocab_size)
 

@@ -21,7 +21,7 @@ from llmplan.llm.generation.flat_batch import FlatBatch
 from llmplan.llm.generation.fused_decode import FusedDecoder
 from llmplan.llm.generation.model_runner import ModelRunner
 from llmplan.llm.generation.scheduler import GenerationRequest, Scheduler, Sequence
-from llmplan.llm.generation.static_batch import Generation, Pick, generate
+from llmplan.llm.generation.static_batch import Generation, generate
 from llmplan.llm.kernels import native
 from llmplan.llm.kv.cache import KVCache
 from llmplan.llm.kv.layers import LayerKV
@@ -29,6 +29,7 @@ from llmplan.llm.kv.slot_cache import SlotCache
 from llmplan.llm.model.linear import make_linear
 from llmplan.llm.model.transformer import Transformer
 from llmplan.llm.model.weight_formats import quantize_weight
+from llmplan.llm.sampling.picks import Pick
 
 PROMPTS = [
     [1, 17, 99, 4, 250, 31, 8, 40, 41, 9, 12],

@@ -43,7 +43,6 @@ from llmplan.llm.generation.speculative import (
     Speculator,
     best_guesses,
 )
-from llmplan.llm.generation.static_batch import Pick
 from llmplan.llm.kernels import native
 from llmplan.llm.kv.layers import LayerKV
 from llmplan.llm.kv.slot_cache import SlotCache
@@ -52,6 +51,7 @@ from llmplan.llm.model.transformer import Transformer
 from llmplan.llm.model.weight_formats import quantize_weight
 from llmplan.llm.sampling.chain import build_picker
 from llmplan.llm.sampling.params import SamplingParams, Speculation
+from llmplan.llm.sampling.picks import Pick
 
 NATIVE = native.kernels() is not None
 PATHS = ["torch", pytest.param("native", marks=pytest.mark.skipif(not NATIVE, reason="native kernels unavailable"))]

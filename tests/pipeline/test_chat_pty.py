@@ -65,7 +65,7 @@ class Terminal:
 
 def test_a_conversation_with_commands_ctrl_c_and_storage(tmp_path: Path, model_cache: Path, smollm2_dir: Path) -> None:
     env = {**os.environ, "LLMPLAN_CACHE": str(model_cache), "PYTHONUNBUFFERED": "1", "TERM": "dumb"}
-    args = [sys.executable, "-m", "llmplan.engine.cli", "chat", str(PLANS / "llama-int8.yaml")]
+    args = [sys.executable, "-m", "llmplan", "chat", str(PLANS / "llama-int8.yaml")]
     args += ["--set", "place.kv_cache.max_tokens=1024", "--set", "generate.max_new_tokens=600"]
     term = Terminal(args, tmp_path, env)
     try:

@@ -81,7 +81,7 @@ def test_a_closed_stdout_ends_the_run_quietly(tmp_path: Path, model_dir: Path, j
     flags = "--json" if json_mode else ""
     # `| true` closes the pipe before llmplan writes a byte, so its first write always meets EPIPE.
     command = (
-        f"{sys.executable} -m llmplan.engine.cli run {plan} --out {tmp_path / 'run'} --quiet {flags} | true; "
+        f"{sys.executable} -m llmplan run {plan} --out {tmp_path / 'run'} --quiet {flags} | true; "
         'echo "exit=${PIPESTATUS[0]}" >&2'
     )
     done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300)

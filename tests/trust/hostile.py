@@ -138,13 +138,13 @@ def run_child(
     cwd: Path | None = None,
     stdin: str | None = None,
 ) -> Child:
-    """`python -m llmplan.engine.cli ARGV` in a child watched for time and memory.
+    """`python -m llmplan ARGV` in a child watched for time and memory.
 
     A watcher reads the child's RSS every 20 ms and kills it past `memory_mb` (before the kernel's OOM
     killer would take the machine's other work with it); past `seconds` it is killed and the case fails.
     """
     process = subprocess.Popen(
-        [sys.executable, "-m", "llmplan.engine.cli", *argv],
+        [sys.executable, "-m", "llmplan", *argv],
         stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

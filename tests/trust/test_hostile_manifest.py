@@ -728,7 +728,7 @@ def read_only_child(argv: list[str], read_only: Path, seconds: float = 120) -> C
     As root, permission bits do not stop writes: a read-only mount in a private mount namespace does,
     and it vanishes with the child. Without root, the tree's write bits are removed for the run instead.
     """
-    cli = [sys.executable, "-m", "llmplan.engine.cli", *argv]
+    cli = [sys.executable, "-m", "llmplan", *argv]
     if os.geteuid() == 0:
         if not shutil.which("unshare") or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
             pytest.skip("no private mount namespace here (unshare -m)")

@@ -74,7 +74,7 @@ def test_plan_that_is_not_a_regular_file_is_refused_without_hanging(tmp_path: Pa
         target = Path("/dev/zero")
     # In a subprocess with a timeout: the bug is a hang (FIFO) or unbounded growth (/dev/zero).
     done = subprocess.run(
-        [sys.executable, "-m", "llmplan.engine.cli", "validate", str(target)],
+        [sys.executable, "-m", "llmplan", "validate", str(target)],
         capture_output=True,
         text=True,
         timeout=60,
