@@ -2,8 +2,8 @@
 // Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K. Built into the same shared object as cpu_kernels.c (llm/kernels/native.py).
 //
 // Every type is read as int8 weights q with one fp32 scale `wd` and one offset `c` per 16 columns (a weight is
-// wd * q + c; c is the min of Q4_1/Q5_1/Q4_K/Q5_K, else 0): a weight row is decoded into that form in an L1
-// scratch, then dotted with each activation row. Activations are rounded per 32 columns to int8 (scale amax/127,
+// wd * q + c; c is the min of Q4_1/Q5_1/Q4_K/Q5_K, else 0): each 256 columns of a weight row are decoded into
+// that form in registers (`SB`) and dotted with up to MR activation rows at once. Activations are rounded per 32 columns to int8 (scale amax/127,
 // as llama.cpp's Q8_0), so the products are integer dot products (AVX-512 VNNI vpdpbusd, AVX2 vpmaddubsw):
 // sum q * xq per 16 columns, times wd * dx in fp32; the offsets add c * dx * sum(xq) per 16 columns.
 // Columns are padded to a multiple of 256 with zero weights and zero activations, so the loops have no tails.
@@ -50,147 +50,151 @@ static inline float h2f(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-// A decoded weight row: q [Kp], wd and c [Kp / 16].
+#define INLINE static inline __attribute__((always_inline))
+
+// 256 columns of a weight row, decoded: q as 8 x 32 int8, wd and c per 16 columns (2 x 8 floats each).
 typedef struct {
-    int8_t *q;
-    float *wd, *c;
-} Decoded;
-
-static void put_groups(const Decoded *o, int64_t g, int count, float wd, float c) {
-    for (int i = 0; i < count; i++) o->wd[g + i] = wd, o->c[g + i] = c;
-}
-
-// The 32-column types: block b holds columns 32b..32b+31 (low nibbles first, then high).
-static void dec_q8_0(const uint8_t *p, int64_t b, const Decoded *o) {
-    memcpy(o->q + 32 * b, p + 2, 32);
-    put_groups(o, 2 * b, 2, h2f(p), 0.0f);
-}
-
-static void dec_q4(const uint8_t *qs, int8_t *q, int off) {
-    for (int j = 0; j < 16; j++) q[j] = (int8_t)((qs[j] & 15) - off), q[j + 16] = (int8_t)((qs[j] >> 4) - off);
-}
-
-static void dec_q5(const uint8_t *qh4, const uint8_t *qs, int8_t *q, int off) {
-    uint32_t qh;
-    memcpy(&qh, qh4, 4);
-    for (int j = 0; j < 16; j++) {
-        q[j] = (int8_t)(((qs[j] & 15) | (((qh >> j) & 1) << 4)) - off);
-        q[j + 16] = (int8_t)(((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - off);
-    }
-}
-
-static void dec_q4_0(const uint8_t *p, int64_t b, const Decoded *o) {
-    dec_q4(p + 2, o->q + 32 * b, 8);
-    put_groups(o, 2 * b, 2, h2f(p), 0.0f);
-}
-
-static void dec_q4_1(const uint8_t *p, int64_t b, const Decoded *o) {
-    dec_q4(p + 4, o->q + 32 * b, 0);
-    put_groups(o, 2 * b, 2, h2f(p), h2f(p + 2));
-}
-
-static void dec_q5_0(const uint8_t *p, int64_t b, const Decoded *o) {
-    dec_q5(p + 2, p + 6, o->q + 32 * b, 16);
-    put_groups(o, 2 * b, 2, h2f(p), 0.0f);
-}
-
-static void dec_q5_1(const uint8_t *p, int64_t b, const Decoded *o) {
-    dec_q5(p + 4, p + 8, o->q + 32 * b, 0);
-    put_groups(o, 2 * b, 2, h2f(p), h2f(p + 2));
-}
-
-// Q4_K/Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins packed in 12 bytes (get_scale_min_k4).
-static void k4_scales(const uint8_t *p, int64_t b, const Decoded *o) {
-    const float d = h2f(p), dmin = h2f(p + 2);
-    const uint8_t *s = p + 4;
-    for (int j = 0; j < 8; j++) {
-        const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
-        const int m = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-        put_groups(o, 16 * b + 2 * j, 2, d * (float)sc, -(dmin * (float)m));
-    }
-}
-
-static void dec_q4_k(const uint8_t *p, int64_t b, const Decoded *o) {
-    k4_scales(p, b, o);
-    const uint8_t *qs = p + 16;
-    int8_t *q = o->q + SBK * b;
-    for (int j = 0; j < 4; j++)
-        for (int l = 0; l < 32; l++)
-            q[64 * j + l] = (int8_t)(qs[32 * j + l] & 15), q[64 * j + 32 + l] = (int8_t)(qs[32 * j + l] >> 4);
-}
-
-static void dec_q5_k(const uint8_t *p, int64_t b, const Decoded *o) {
-    k4_scales(p, b, o);
-    const uint8_t *qh = p + 16, *qs = p + 48;
-    int8_t *q = o->q + SBK * b;
-    for (int j = 0; j < 4; j++)
-        for (int l = 0; l < 32; l++) {
-            const int lo = qs[32 * j + l], h = qh[l];
-            q[64 * j + l] = (int8_t)((lo & 15) | (((h >> (2 * j)) & 1) << 4));
-            q[64 * j + 32 + l] = (int8_t)((lo >> 4) | (((h >> (2 * j + 1)) & 1) << 4));
-        }
-}
-
-// Q6_K: 16 groups of 16 with int8 scales; ql low 4 bits, qh high 2 bits, 128 columns a half.
-static void dec_q6_k(const uint8_t *p, int64_t b, const Decoded *o) {
-    const uint8_t *ql = p, *qh = p + 128;
-    const int8_t *sc = (const int8_t *)(p + 192);
-    const float d = h2f(p + 208);
-    for (int g = 0; g < 16; g++) put_groups(o, 16 * b + g, 1, d * (float)sc[g], 0.0f);
-    int8_t *q = o->q + SBK * b;
-    for (int h = 0; h < 2; h++)
-        for (int c = 0; c < 4; c++)
-            for (int l = 0; l < 32; l++) {
-                const int lo = (ql[64 * h + 32 * (c & 1) + l] >> (4 * (c >> 1))) & 15;
-                q[128 * h + 32 * c + l] = (int8_t)((lo | (((qh[32 * h + l] >> (2 * c)) & 3) << 4)) - 32);
-            }
-}
-
-typedef void (*BlockDecoder)(const uint8_t *p, int64_t b, const Decoded *o);
-
-static BlockDecoder decoder_of(int64_t type) {
-    switch (type) {
-        case Q8_0: return dec_q8_0;
-        case Q4_0: return dec_q4_0;
-        case Q4_1: return dec_q4_1;
-        case Q5_0: return dec_q5_0;
-        case Q5_1: return dec_q5_1;
-        case Q4_K: return dec_q4_k;
-        case Q5_K: return dec_q5_k;
-        case Q6_K: return dec_q6_k;
-        default: return NULL;
-    }
-}
+    __m256i q[8];
+    __m256 wd[2], c[2];
+} SB;
 
 static inline int64_t padded(int64_t K) { return (K + SBK - 1) / SBK * SBK; }
 
-// One weight row into `o`, zero past K.
-static void decode_row(BlockDecoder dec, const uint8_t *row, int64_t bs, int64_t bytes, int64_t K, const Decoded *o) {
-    const int64_t nb = K / bs, Kp = padded(K);
-    for (int64_t b = 0; b < nb; b++) dec(row + b * bytes, b, o);
-    memset(o->q + K, 0, (size_t)(Kp - K));
-    for (int64_t g = K / 16; g < Kp / 16; g++) o->wd[g] = 0.0f, o->c[g] = 0.0f;
+static int has_mins(int64_t type) { return type == Q4_1 || type == Q5_1 || type == Q4_K || type == Q5_K; }
+
+// The decoders are 256-bit byte operations (AVX2; the AVX-512 build runs them too).
+INLINE __m256i lo4(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
+INLINE __m256i hi4(__m256i v) { return lo4(_mm256_srli_epi16(v, 4)); }
+INLINE __m256i ld32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+// 16 bytes of nibbles: the 32 columns of a block (low nibbles first, then high).
+INLINE __m256i nibbles32(const uint8_t *qs) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)qs);
+    return lo4(_mm256_set_m128i(_mm_srli_epi16(v, 4), v));
 }
 
-// Per-thread scratch for one decoded row (grows, never shrinks).
-static __thread void *dec_buf;
-static __thread int64_t dec_cap;
+// Bit j of the 32 bits as 16 (or 0) in byte j.
+INLINE __m256i bit4_bytes(const uint8_t *qh4) {
+    uint32_t bits;
+    memcpy(&bits, qh4, 4);
+#ifdef __AVX512BW__
+    return _mm256_maskz_set1_epi8((__mmask32)bits, 16);
+#else
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                               _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                                 0x0101010101010101, 0));
+    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+#endif
+}
 
-static int scratch(int64_t Kp, Decoded *o) {
-    const int64_t bytes = Kp + 2 * (Kp / 16) * (int64_t)sizeof(float);
-    if (bytes > dec_cap) {
-        _mm_free(dec_buf);
-        dec_buf = _mm_malloc((size_t)bytes, 64);
-        dec_cap = dec_buf ? bytes : 0;
-        if (!dec_buf) return 0;
+// 8 floats, each twice: per 16 columns from per 32.
+INLINE void twice(__m256 v, __m256 out[2]) {
+    out[0] = _mm256_permutevar8x32_ps(v, _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0));
+    out[1] = _mm256_permutevar8x32_ps(v, _mm256_set_epi32(7, 7, 6, 6, 5, 5, 4, 4));
+}
+
+// The fp16 at byte `at` of each of 8 blocks `bytes` apart (0 past nblk) as 8 floats, built in registers (8 scalar
+// stores and a vector load would stall on store forwarding every 256 columns).
+INLINE __m256 halves8(const uint8_t *p, int64_t bytes, int at, int nblk) {
+    short h[8];
+    for (int j = 0; j < 8; j++) {
+        uint16_t v = 0;
+        if (j < nblk) memcpy(&v, p + j * bytes + at, 2);
+        h[j] = (short)v;
     }
-    o->wd = (float *)dec_buf;
-    o->c = o->wd + Kp / 16;
-    o->q = (int8_t *)(o->c + Kp / 16);
-    return 1;
+    return _mm256_cvtph_ps(_mm_set_epi16(h[7], h[6], h[5], h[4], h[3], h[2], h[1], h[0]));
 }
 
-// fp32 rows [N, K] of the blocks, equal to gguf-py's dequantize (wd * q + c in fp32, not fused).
+// The 32-column types: 8 blocks (nblk of them; the rest zero) of `bytes`, q from block j into q[j].
+INLINE void sb_small(int64_t type, const uint8_t *p, int nblk, SB *o) {
+    const int64_t bytes = type == Q8_0 ? 34 : type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q5_0 ? 22 : 24;
+    const int min = type == Q4_1 || type == Q5_1;
+    for (int j = 0; j < 8; j++) {
+        const uint8_t *b = p + j * bytes;
+        if (j >= nblk) {
+            o->q[j] = _mm256_setzero_si256();
+        } else if (type == Q8_0) {
+            o->q[j] = ld32(b + 2);
+        } else if (type == Q4_0 || type == Q4_1) {
+            o->q[j] = _mm256_sub_epi8(nibbles32(b + 2 + 2 * min), _mm256_set1_epi8(type == Q4_0 ? 8 : 0));
+        } else {
+            const __m256i q = _mm256_or_si256(nibbles32(b + 6 + 2 * min), bit4_bytes(b + 2 + 2 * min));
+            o->q[j] = _mm256_sub_epi8(q, _mm256_set1_epi8(type == Q5_0 ? 16 : 0));
+        }
+    }
+    twice(halves8(p, bytes, 0, nblk), o->wd);
+    if (min) twice(halves8(p, bytes, 2, nblk), o->c);
+}
+
+// Q4_K/Q5_K's 8 6-bit scales and mins from 12 bytes (get_scale_min_k4), as bytes 0-7 and 8-15.
+INLINE __m128i k4_scale_bytes(const uint8_t *s) {
+    uint32_t u[4];
+    memcpy(u, s, 12);
+    const uint32_t m1 = 0x3f3f3f3f, m2 = 0x0f0f0f0f, m3 = 0x03030303;
+    u[3] = ((u[2] >> 4) & m2) | (((u[1] >> 6) & m3) << 4);
+    const uint32_t mins_lo = u[1] & m1;
+    u[1] = (u[2] & m2) | (((u[0] >> 6) & m3) << 4);
+    u[2] = mins_lo;
+    u[0] &= m1;
+    return _mm_loadu_si128((const __m128i *)u);
+}
+
+// Q4_K/Q5_K: sub-block 2j and 2j + 1 are the low and high nibbles of 32 bytes; Q5_K's fifth bit of
+// sub-block j is bit j of the 32 qh bytes.
+INLINE void sb_k45(int64_t type, const uint8_t *p, SB *o) {
+    const __m128i sm = k4_scale_bytes(p + 4);
+    const __m256 d = _mm256_set1_ps(h2f(p)), dmin = _mm256_set1_ps(h2f(p + 2));
+    twice(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm))), o->wd);
+    const __m256 m = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
+    twice(_mm256_sub_ps(_mm256_setzero_ps(), m), o->c);
+    const uint8_t *qs = p + (type == Q4_K ? 16 : 48);
+    const __m256i qh = type == Q5_K ? ld32(p + 16) : _mm256_setzero_si256(), one = _mm256_set1_epi8(1);
+    for (int j = 0; j < 4; j++) {
+        const __m256i v = ld32(qs + 32 * j);
+        o->q[2 * j] = lo4(v), o->q[2 * j + 1] = hi4(v);
+        if (type == Q5_K) {
+            const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), one);
+            const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), one);
+            o->q[2 * j] = _mm256_or_si256(o->q[2 * j], _mm256_slli_epi16(h0, 4));
+            o->q[2 * j + 1] = _mm256_or_si256(o->q[2 * j + 1], _mm256_slli_epi16(h1, 4));
+        }
+    }
+}
+
+// Q6_K: 16 int8 scales; per half of 128 columns, 64 ql bytes (low 4 bits: A, B) and 32 qh bytes H (2 high
+// bits for each of the half's 4 chunks of 32).
+INLINE void sb_q6_k(const uint8_t *p, SB *o) {
+    const __m128i sc = _mm_loadu_si128((const __m128i *)(p + 192));
+    const __m256 d = _mm256_set1_ps(h2f(p + 208));
+    o->wd[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+    o->wd[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+    const __m256i m2 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+    for (int h = 0; h < 2; h++) {
+        const __m256i A = ld32(p + 64 * h), B = ld32(p + 64 * h + 32), H = ld32(p + 128 + 32 * h);
+        const __m256i hb[4] = {_mm256_and_si256(_mm256_slli_epi16(H, 4), m2),
+                               _mm256_and_si256(_mm256_slli_epi16(H, 2), m2), _mm256_and_si256(H, m2),
+                               _mm256_and_si256(_mm256_srli_epi16(H, 2), m2)};
+        const __m256i lo[4] = {lo4(A), lo4(B), hi4(A), hi4(B)};
+        for (int c = 0; c < 4; c++) o->q[4 * h + c] = _mm256_sub_epi8(_mm256_or_si256(lo[c], hb[c]), off);
+    }
+}
+
+// Superblock s (columns 256s..) of a row of `type` over K columns; the columns past K are zero.
+INLINE void sb_decode(int64_t type, const uint8_t *row, int64_t s, int64_t K, SB *o) {
+    o->c[0] = o->c[1] = _mm256_setzero_ps();
+    if (type == Q4_K || type == Q5_K) {
+        sb_k45(type, row + s * (type == Q4_K ? 144 : 176), o);
+    } else if (type == Q6_K) {
+        sb_q6_k(row + s * 210, o);
+    } else {
+        const int64_t left = K / 32 - 8 * s, bytes = type == Q8_0 ? 34 : type == Q4_0 ? 18 : type == Q4_1 ? 20
+                                                                     : type == Q5_0 ? 22 : 24;
+        sb_small(type, row + 8 * s * bytes, left < 8 ? (int)left : 8, o);
+    }
+}
+
+// fp32 rows [N, K] of F32/F16/BF16 blocks.
 static void widen_row(int64_t type, const uint8_t *row, int64_t K, float *out) {
     if (type == F32) {
         memcpy(out, row, (size_t)K * 4);
@@ -204,28 +208,45 @@ static void widen_row(int64_t type, const uint8_t *row, int64_t K, float *out) {
     }
 }
 
-// 0, -1 for an unknown type or K not whole blocks, -2 out of memory.
+
+// A quantized row as fp32, equal to gguf-py's dequantize: wd * q + c in fp32, not fused.
+#define DEQ_ROW(T) \
+    case T: deq_row(T, row, K, dst); break
+INLINE void deq_row(int64_t type, const uint8_t *row, int64_t K, float *dst) {
+    for (int64_t s = 0; s < padded(K) / SBK; s++) {
+        SB o;
+        sb_decode(type, row, s, K, &o);
+        int8_t q[SBK];
+        float wd[16], c[16];
+        for (int j = 0; j < 8; j++) _mm256_storeu_si256((__m256i *)(q + 32 * j), o.q[j]);
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(wd + 8 * h, o.wd[h]), _mm256_storeu_ps(c + 8 * h, o.c[h]);
+        const int64_t n = K - SBK * s < SBK ? K - SBK * s : SBK;
+        for (int64_t i = 0; i < n; i++) dst[SBK * s + i] = wd[i / 16] * (float)q[i] + c[i / 16];
+    }
+}
+
+// 0, or -1 for an unknown type or K not whole blocks.
 int64_t gguf_dequantize_rows(int64_t type, const void *blocks, float *out, int64_t N, int64_t K) {
     int64_t shape[2];
     if (!gguf_block_shape(type, shape) || K % shape[0]) return -1;
-    const int64_t row_bytes = K / shape[0] * shape[1], Kp = padded(K);
-    const BlockDecoder dec = decoder_of(type);
-    int failed = 0;
+    const int64_t row_bytes = K / shape[0] * shape[1];
 #pragma omp parallel for schedule(static) if (N * K >= 65536)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *row = (const uint8_t *)blocks + n * row_bytes;
         float *dst = out + n * K;
-        Decoded o;
-        if (!dec) {
-            widen_row(type, row, K, dst);
-        } else if (scratch(Kp, &o)) {
-            decode_row(dec, row, shape[0], shape[1], K, &o);
-            for (int64_t i = 0; i < K; i++) dst[i] = o.wd[i / 16] * (float)o.q[i] + o.c[i / 16];
-        } else {
-            __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+        switch (type) {
+            DEQ_ROW(Q8_0);
+            DEQ_ROW(Q4_0);
+            DEQ_ROW(Q4_1);
+            DEQ_ROW(Q5_0);
+            DEQ_ROW(Q5_1);
+            DEQ_ROW(Q4_K);
+            DEQ_ROW(Q5_K);
+            DEQ_ROW(Q6_K);
+            default: widen_row(type, row, K, dst);
         }
     }
-    return failed ? -2 : 0;
+    return 0;
 }
 
 // Activations rounded per 32 columns: q [M, Kp] int8, and per 16 columns dx (the block's scale) and
@@ -266,36 +287,38 @@ static int quantize_x(const float *x, int64_t M, int64_t K, XQ *out) {
     return 1;
 }
 
-#define MR 4  // activation rows a pass over one decoded weight row
+#define MR 4  // activation rows a pass over one weight row
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 // 64 columns (4 groups) a step: |q| (unsigned) against xq with q's sign, 16 int32 lanes, 4 a group; each lane's
 // sum times its group's wd * dx. q = -128 never occurs (|q| <= 127 in every type, x rounded to +-127).
-static inline __attribute__((always_inline)) void dot_rows(const Decoded *w, const XQ *x, int64_t m, int mb, int mins,
-                                                           float *out) {
+INLINE void dot_rows(int64_t type, const uint8_t *row, int64_t K, const XQ *x, int64_t m, int mb, float *out) {
     const int64_t Kp = x->Kp, G = Kp / 16;
+    const int mins = has_mins(type), sign = !mins;  // the types with mins have q >= 0
     __m512 acc[MR], macc[MR];
     __m512i idx[4];
-    for (int c = 0; c < 4; c++) idx[c] = _mm512_srli_epi32(_mm512_add_epi32(_mm512_set1_epi32(16 * c),
-                                                                             _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)), 2);
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int c = 0; c < 4; c++) idx[c] = _mm512_srli_epi32(_mm512_add_epi32(_mm512_set1_epi32(16 * c), lane), 2);
     for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps(), macc[r] = _mm512_setzero_ps();
     for (int64_t s = 0; s < Kp / SBK; s++) {
-        const __m512 wd = _mm512_loadu_ps(w->wd + 16 * s);
+        SB o;
+        sb_decode(type, row, s, K, &o);
+        const __m512 wd = _mm512_insertf32x8(_mm512_castps256_ps512(o.wd[0]), o.wd[1], 1);
         __m512 sv[MR];
         for (int r = 0; r < mb; r++) sv[r] = _mm512_mul_ps(wd, _mm512_loadu_ps(x->dx + (m + r) * G + 16 * s));
         for (int c = 0; c < 4; c++) {
-            const __m512i wv = _mm512_loadu_si512(w->q + SBK * s + 64 * c);
-            const __m512i au = _mm512_abs_epi8(wv);
-            const __mmask64 neg = _mm512_movepi8_mask(wv);
+            const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(o.q[2 * c]), o.q[2 * c + 1], 1);
+            const __m512i au = sign ? _mm512_abs_epi8(wv) : wv;
+            const __mmask64 neg = sign ? _mm512_movepi8_mask(wv) : 0;
             for (int r = 0; r < mb; r++) {
                 __m512i xv = _mm512_loadu_si512(x->q + (m + r) * Kp + SBK * s + 64 * c);
-                xv = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+                if (sign) xv = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
                 const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), au, xv);
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(idx[c], sv[r]), acc[r]);
             }
         }
         if (mins) {
-            const __m512 cv = _mm512_loadu_ps(w->c + 16 * s);
+            const __m512 cv = _mm512_insertf32x8(_mm512_castps256_ps512(o.c[0]), o.c[1], 1);
             for (int r = 0; r < mb; r++)
                 macc[r] = _mm512_fmadd_ps(cv, _mm512_loadu_ps(x->xs + (m + r) * G + 16 * s), macc[r]);
         }
@@ -309,53 +332,74 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(lo, _mm_movehdup_ps(lo)));
 }
 
-// 32 columns (2 groups) a step: vpmaddubsw of |q| and xq with q's sign (pairs of products, |sum| <= 2 * 128 * 127,
-// no saturation), vpmaddwd with ones: 8 int32 lanes, 4 a group.
-static inline __attribute__((always_inline)) void dot_rows(const Decoded *w, const XQ *x, int64_t m, int mb, int mins,
-                                                           float *out) {
+// 32 columns (2 groups) a step: vpmaddubsw of |q| and xq with q's sign (pairs of products, |sum| <= 2 * 128 *
+// 127, no saturation), vpmaddwd with ones: 8 int32 lanes, 4 a group.
+INLINE void dot_rows(int64_t type, const uint8_t *row, int64_t K, const XQ *x, int64_t m, int mb, float *out) {
     const int64_t Kp = x->Kp, G = Kp / 16;
+    const int mins = has_mins(type), sign = !mins;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[MR], macc[MR];
     for (int r = 0; r < mb; r++) acc[r] = _mm256_setzero_ps(), macc[r] = _mm256_setzero_ps();
     for (int64_t s = 0; s < Kp / SBK; s++) {
+        SB o;
+        sb_decode(type, row, s, K, &o);
         for (int h = 0; h < 2; h++) {  // 8 groups: 128 columns
             const int64_t g0 = 16 * s + 8 * h;
-            const __m256 wd = _mm256_loadu_ps(w->wd + g0);
             __m256 sv[MR];
-            for (int r = 0; r < mb; r++) sv[r] = _mm256_mul_ps(wd, _mm256_loadu_ps(x->dx + (m + r) * G + g0));
+            for (int r = 0; r < mb; r++) sv[r] = _mm256_mul_ps(o.wd[h], _mm256_loadu_ps(x->dx + (m + r) * G + g0));
             for (int c = 0; c < 4; c++) {
                 const __m256i idx = _mm256_set_epi32(2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c, 2 * c, 2 * c, 2 * c);
-                const int64_t col = SBK * s + 128 * h + 32 * c;
-                const __m256i wv = _mm256_loadu_si256((const __m256i *)(w->q + col));
-                const __m256i au = _mm256_abs_epi8(wv);
+                const __m256i wv = o.q[4 * h + c], au = sign ? _mm256_abs_epi8(wv) : wv;
                 for (int r = 0; r < mb; r++) {
-                    const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(x->q + (m + r) * Kp + col)), wv);
+                    __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q + (m + r) * Kp + g0 * 16 + 32 * c));
+                    if (sign) xv = _mm256_sign_epi8(xv, wv);
                     const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(au, xv), ones);
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_permutevar8x32_ps(sv[r], idx), acc[r]);
                 }
             }
-            if (mins) {
-                const __m256 cv = _mm256_loadu_ps(w->c + g0);
+            if (mins)
                 for (int r = 0; r < mb; r++)
-                    macc[r] = _mm256_fmadd_ps(cv, _mm256_loadu_ps(x->xs + (m + r) * G + g0), macc[r]);
-            }
+                    macc[r] = _mm256_fmadd_ps(o.c[h], _mm256_loadu_ps(x->xs + (m + r) * G + g0), macc[r]);
         }
     }
     for (int r = 0; r < mb; r++) out[r] = hsum8(_mm256_add_ps(acc[r], macc[r]));
 }
 #endif
 
-// mb as a constant in each case: the compiler keeps the accumulators in registers.
-static void dot_group(const Decoded *w, const XQ *x, int64_t m, int mb, int mins, float *out) {
-    switch (mb) {
-        case 1: dot_rows(w, x, m, 1, mins, out); break;
-        case 2: dot_rows(w, x, m, 2, mins, out); break;
-        case 3: dot_rows(w, x, m, 3, mins, out); break;
-        default: dot_rows(w, x, m, MR, mins, out); break;
+// One function per type, mb a constant in each case: the decoder and the accumulators stay in registers.
+#define DOT_TYPE(T)                                                                                          \
+    static void dot_##T(const uint8_t *row, int64_t K, const XQ *x, int64_t m, int mb, float *out) {        \
+        switch (mb) {                                                                                        \
+            case 1: dot_rows(T, row, K, x, m, 1, out); break;                                                \
+            case 2: dot_rows(T, row, K, x, m, 2, out); break;                                                \
+            case 3: dot_rows(T, row, K, x, m, 3, out); break;                                                \
+            default: dot_rows(T, row, K, x, m, MR, out); break;                                              \
+        }                                                                                                    \
+    }
+DOT_TYPE(Q8_0)
+DOT_TYPE(Q4_0)
+DOT_TYPE(Q4_1)
+DOT_TYPE(Q5_0)
+DOT_TYPE(Q5_1)
+DOT_TYPE(Q4_K)
+DOT_TYPE(Q5_K)
+DOT_TYPE(Q6_K)
+
+typedef void (*RowDot)(const uint8_t *row, int64_t K, const XQ *x, int64_t m, int mb, float *out);
+
+static RowDot dot_of(int64_t type) {
+    switch (type) {
+        case Q8_0: return dot_Q8_0;
+        case Q4_0: return dot_Q4_0;
+        case Q4_1: return dot_Q4_1;
+        case Q5_0: return dot_Q5_0;
+        case Q5_1: return dot_Q5_1;
+        case Q4_K: return dot_Q4_K;
+        case Q5_K: return dot_Q5_K;
+        case Q6_K: return dot_Q6_K;
+        default: return NULL;
     }
 }
-
-static int has_mins(int64_t type) { return type == Q4_1 || type == Q5_1 || type == Q4_K || type == Q5_K; }
 
 static inline int team_size(void) {
     int64_t stats[8];
@@ -363,38 +407,30 @@ static inline int team_size(void) {
     return stats[0] > 0 ? (int)stats[0] : 1;
 }
 
-// y [M, N] = x [M, K] @ W.T for W's N rows of `type` blocks; each thread decodes a weight row once and runs
-// every activation row against it. 0, or -1 for an unknown type or K not whole blocks, -2 out of memory.
+// y [M, N] = x [M, K] @ W.T for W's N rows of `type` blocks: each weight row is read once per MR activation
+// rows (from L1 after the first). 0, or -1 for an unknown type or K not whole blocks, -2 out of memory.
 int64_t gguf_linear(int64_t type, const void *blocks, const float *x, float *y, int64_t M, int64_t N, int64_t K) {
     int64_t shape[2];
-    const BlockDecoder dec = decoder_of(type);
-    if (!dec || !gguf_block_shape(type, shape) || K % shape[0]) return -1;
+    const RowDot dot = dot_of(type);
+    if (!dot || !gguf_block_shape(type, shape) || K % shape[0]) return -1;
     XQ xq;
     if (!quantize_x(x, M, K, &xq)) {
         _mm_free(xq.q), _mm_free(xq.dx);
         return -2;
     }
     const int64_t row_bytes = K / shape[0] * shape[1];
-    const int mins = has_mins(type), nt = team_size();
+    const int nt = team_size();
     const int64_t g = N / ((int64_t)nt * 8) > 1 ? N / ((int64_t)nt * 8) : 1;
-    int failed = 0;
-#pragma omp parallel num_threads(nt)
-    {
-        Decoded o;
-        const int ok = scratch(xq.Kp, &o);
-        if (!ok) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
-#pragma omp for schedule(dynamic, g)
-        for (int64_t n = 0; n < N; n++) {
-            if (!ok) continue;
-            decode_row(dec, (const uint8_t *)blocks + n * row_bytes, shape[0], shape[1], K, &o);
-            for (int64_t m = 0; m < M; m += MR) {
-                float out[MR];
-                const int mb = M - m < MR ? (int)(M - m) : MR;
-                dot_group(&o, &xq, m, mb, mins, out);
-                for (int r = 0; r < mb; r++) y[(m + r) * N + n] = out[r];
-            }
+#pragma omp parallel for num_threads(nt) schedule(dynamic, g)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *row = (const uint8_t *)blocks + n * row_bytes;
+        for (int64_t m = 0; m < M; m += MR) {
+            float out[MR];
+            const int mb = M - m < MR ? (int)(M - m) : MR;
+            dot(row, K, &xq, m, mb, out);
+            for (int r = 0; r < mb; r++) y[(m + r) * N + n] = out[r];
         }
     }
     _mm_free(xq.q), _mm_free(xq.dx);
-    return failed ? -2 : 0;
+    return 0;
 }
