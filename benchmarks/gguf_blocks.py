@@ -76,6 +76,15 @@ def _project(fast: native.NativeKernels, n: int, k: int, mib: int, x: torch.Tens
     _row("int4 g32 (project)", q4[0].numel() + 4 * q4[1].numel(), s4, plain)
 
 
+def _gguf(
+    fast: native.NativeKernels, name: str, n: int, k: int, x: torch.Tensor, args: argparse.Namespace, plain: float
+) -> None:
+    copies = _gguf_copies(name, n, k, args.mib)
+    qtype = BY_NAME[name].ggml_type
+    seconds = _best([lambda c=c: fast.gguf_linear(x, c, qtype, n, k) for c in copies], args.passes)
+    _row(f"{name} (gguf blocks)", copies[0].numel(), seconds, plain)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--isa", default="avx512", choices=list(native.ISAS))
@@ -94,11 +103,7 @@ def main() -> None:
         print(f"[{n}, {k}] batch 1 (rate / plain read)")
         x = torch.randn(1, k)
         for name in TYPES:
-            copies = _gguf_copies(name, n, k, args.mib)
-            qtype = BY_NAME[name].ggml_type
-            seconds = _best([lambda c=c: fast.gguf_linear(x, c, qtype, n, k) for c in copies], args.passes)
-            _row(f"{name} (gguf blocks)", copies[0].numel(), seconds, plain)
-            del copies
+            _gguf(fast, name, n, k, x, args, plain)
         _project(fast, n, k, args.mib, x, args.passes, plain)
     fast.set_threads(0)
 
