@@ -4,8 +4,8 @@ int8/int4 kernels on the same shapes.
     .venv/bin/python benchmarks/gguf_blocks.py [--isa avx512|avx2] [--threads 2] [--mib 256] [--passes 3]
 
 Each kernel cycles through enough distinct copies of its weight (about `mib` MiB in all) that every call reads
-the weight from memory, not from cache; GB/s is the weight bytes a call reads over its time (best of `passes`
-passes over all copies). The plain read is torch's sum over a 512 MiB fp32 tensor, in the same run, on the same
+the weight from memory, not from cache; GB/s is the weight bytes a call reads over its time (the fastest call of
+`passes` passes over all copies). The plain read is torch's sum over a 512 MiB fp32 tensor, in the same run, on the same
 thread count. On a shared machine read the ratios, measured back to back, not the absolute numbers.
 """
 
@@ -41,20 +41,22 @@ def _count(nbytes: int, mib: int) -> int:
 
 
 def _best(calls: list[Callable[[], object]], passes: int) -> float:
-    """Seconds a call, the best pass over every copy (the first call of each warms nothing: distinct memory)."""
+    """Seconds of the fastest call over `passes` passes through every copy: each call reads its copy from memory
+    (the copies together far exceed the caches), and the fastest is the one the other processes of a shared
+    machine disturbed least."""
     calls[0]()
     best = float("inf")
     for _ in range(passes):
-        start = time.perf_counter()
         for call in calls:
+            start = time.perf_counter()
             call()
-        best = min(best, (time.perf_counter() - start) / len(calls))
+            best = min(best, time.perf_counter() - start)
     return best
 
 
 def _read_rate(passes: int) -> float:
     big = torch.ones(128 * 2**20, dtype=torch.float32)  # 512 MiB
-    seconds = _best([big.sum], passes)
+    seconds = _best([big.sum] * 4, passes)
     return big.numel() * 4 / seconds / 1e9
 
 
