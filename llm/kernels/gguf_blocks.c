@@ -1,12 +1,14 @@
 // y = x @ W.T straight from a GGUF file's quantized blocks (llama.cpp's layouts, ggml-common.h): Q8_0, Q4_0,
 // Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K. Built into the same shared object as cpu_kernels.c (llm/kernels/native.py).
 //
-// Every type is read as int8 weights q with one fp32 scale `wd` and one offset `c` per 16 columns (a weight is
-// wd * q + c; c is the min of Q4_1/Q5_1/Q4_K/Q5_K, else 0): each 256 columns of a weight row are decoded into
-// that form in registers (`SB`) and dotted with up to MR activation rows at once. Activations are rounded per 32 columns to int8 (scale amax/127,
-// as llama.cpp's Q8_0), so the products are integer dot products (AVX-512 VNNI vpdpbusd, AVX2 vpmaddubsw):
-// sum q * xq per 16 columns, times wd * dx in fp32; the offsets add c * dx * sum(xq) per 16 columns.
-// Columns are padded to a multiple of 256 with zero weights and zero activations, so the loops have no tails.
+// Every type is read as int8 codes q with one fp32 scale `wd` and one offset `c` per 16 columns (a weight is
+// wd * q + c; c is the min of Q4_1/Q5_1/Q4_K/Q5_K, else 0). Each 256 columns of a weight row are decoded into
+// that form in registers (`SB`: no scratch in memory, whose 32-byte stores and 64-byte loads stalled on store
+// forwarding) and dotted with up to MR activation rows; more rows decode the row again (from L1) per MR rows.
+// Activations are rounded per 32 columns to int8 (scale amax / 127, as llama.cpp's Q8_0), so the products are
+// integer dot products (AVX-512 VNNI vpdpbusd, AVX2 vpmaddubsw): sum q * xq per 16 columns, times wd * dx in
+// fp32; the offsets add c * dx * sum(xq) per 16 columns. The activations are padded with zeros to a multiple of
+// 256 columns and the weights' missing blocks decode as zeros, so the loops have no tails.
 
 #pragma GCC optimize("fp-contract=off")  // dequantized values must equal gguf-py's unfused d * q + m exactly
 
@@ -180,8 +182,13 @@ INLINE void sb_q6_k(const uint8_t *p, SB *o) {
     }
 }
 
-// Superblock s (columns 256s..) of a row of `type` over K columns; the columns past K are zero.
-INLINE void sb_decode(int64_t type, const uint8_t *row, int64_t s, int64_t K, SB *o) {
+// The offset Q4_0, Q5_0 and Q6_K subtract from their unsigned codes (0: the type has none).
+static inline int code_offset(int64_t type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q6_K ? 32 : 0; }
+
+// Superblock s (columns 256s..) of a row of `type` over K columns; the columns past K are zero. `biased`: the
+// codes of Q4_0/Q5_0/Q6_K kept unsigned (q + offset, the offset moved into c = -offset * wd, exact), so the
+// products need no sign fix (the compiler folds the offset's subtraction and addition).
+INLINE void sb_decode(int64_t type, const uint8_t *row, int64_t s, int64_t K, int biased, SB *o) {
     o->c[0] = o->c[1] = _mm256_setzero_ps();
     if (type == Q4_K || type == Q5_K) {
         sb_k45(type, row + s * (type == Q4_K ? 144 : 176), o);
@@ -191,6 +198,11 @@ INLINE void sb_decode(int64_t type, const uint8_t *row, int64_t s, int64_t K, SB
         const int64_t left = K / 32 - 8 * s, bytes = type == Q8_0 ? 34 : type == Q4_0 ? 18 : type == Q4_1 ? 20
                                                                      : type == Q5_0 ? 22 : 24;
         sb_small(type, row + 8 * s * bytes, left < 8 ? (int)left : 8, o);
+    }
+    const int off = code_offset(type);
+    if (biased && off) {
+        for (int j = 0; j < 8; j++) o->q[j] = _mm256_add_epi8(o->q[j], _mm256_set1_epi8((char)off));
+        for (int h = 0; h < 2; h++) o->c[h] = _mm256_mul_ps(o->wd[h], _mm256_set1_ps((float)-off));
     }
 }
 
@@ -215,7 +227,7 @@ static void widen_row(int64_t type, const uint8_t *row, int64_t K, float *out) {
 INLINE void deq_row(int64_t type, const uint8_t *row, int64_t K, float *dst) {
     for (int64_t s = 0; s < padded(K) / SBK; s++) {
         SB o;
-        sb_decode(type, row, s, K, &o);
+        sb_decode(type, row, s, K, 0, &o);
         int8_t q[SBK];
         float wd[16], c[16];
         for (int j = 0; j < 8; j++) _mm256_storeu_si256((__m256i *)(q + 32 * j), o.q[j]);
@@ -290,11 +302,12 @@ static int quantize_x(const float *x, int64_t M, int64_t K, XQ *out) {
 #define MR 4  // activation rows a pass over one weight row
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
-// 64 columns (4 groups) a step: |q| (unsigned) against xq with q's sign, 16 int32 lanes, 4 a group; each lane's
-// sum times its group's wd * dx. q = -128 never occurs (|q| <= 127 in every type, x rounded to +-127).
+// 64 columns (4 groups) a step: vpdpbusd of q (unsigned; for Q8_0 |q|, against xq with q's sign) and xq,
+// 16 int32 lanes, 4 a group; each lane's sum times its group's wd * dx. Q8_0's q = -128 works too: vpabsb
+// gives 0x80, 128 as the unsigned operand.
 INLINE void dot_rows(int64_t type, const uint8_t *row, int64_t K, const XQ *x, int64_t m, int mb, float *out) {
     const int64_t Kp = x->Kp, G = Kp / 16;
-    const int mins = has_mins(type), sign = !mins;  // the types with mins have q >= 0
+    const int mins = has_mins(type) || code_offset(type), sign = type == Q8_0;  // the others' codes are >= 0
     __m512 acc[MR], macc[MR];
     __m512i idx[4];
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -302,7 +315,7 @@ INLINE void dot_rows(int64_t type, const uint8_t *row, int64_t K, const XQ *x, i
     for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps(), macc[r] = _mm512_setzero_ps();
     for (int64_t s = 0; s < Kp / SBK; s++) {
         SB o;
-        sb_decode(type, row, s, K, &o);
+        sb_decode(type, row, s, K, 1, &o);
         const __m512 wd = _mm512_insertf32x8(_mm512_castps256_ps512(o.wd[0]), o.wd[1], 1);
         __m512 sv[MR];
         for (int r = 0; r < mb; r++) sv[r] = _mm512_mul_ps(wd, _mm512_loadu_ps(x->dx + (m + r) * G + 16 * s));
@@ -332,23 +345,24 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(lo, _mm_movehdup_ps(lo)));
 }
 
-// 32 columns (2 groups) a step: vpmaddubsw of |q| and xq with q's sign (pairs of products, |sum| <= 2 * 128 *
-// 127, no saturation), vpmaddwd with ones: 8 int32 lanes, 4 a group.
+// 32 columns (2 groups) a step: vpmaddubsw of q (unsigned; for Q8_0 |q|, against xq with q's sign) and xq
+// (pairs of products, |sum| <= 2 * 128 * 127: no saturation), vpmaddwd with ones: 8 int32 lanes, 4 a group.
 INLINE void dot_rows(int64_t type, const uint8_t *row, int64_t K, const XQ *x, int64_t m, int mb, float *out) {
     const int64_t Kp = x->Kp, G = Kp / 16;
-    const int mins = has_mins(type), sign = !mins;
+    const int mins = has_mins(type) || code_offset(type), sign = type == Q8_0;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[MR], macc[MR];
     for (int r = 0; r < mb; r++) acc[r] = _mm256_setzero_ps(), macc[r] = _mm256_setzero_ps();
     for (int64_t s = 0; s < Kp / SBK; s++) {
         SB o;
-        sb_decode(type, row, s, K, &o);
+        sb_decode(type, row, s, K, 1, &o);
         for (int h = 0; h < 2; h++) {  // 8 groups: 128 columns
             const int64_t g0 = 16 * s + 8 * h;
             __m256 sv[MR];
             for (int r = 0; r < mb; r++) sv[r] = _mm256_mul_ps(o.wd[h], _mm256_loadu_ps(x->dx + (m + r) * G + g0));
             for (int c = 0; c < 4; c++) {
-                const __m256i idx = _mm256_set_epi32(2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c, 2 * c, 2 * c, 2 * c);
+                const int a = 2 * c, b = 2 * c + 1;
+                const __m256i idx = _mm256_set_epi32(b, b, b, b, a, a, a, a);
                 const __m256i wv = o.q[4 * h + c], au = sign ? _mm256_abs_epi8(wv) : wv;
                 for (int r = 0; r < mb; r++) {
                     __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q + (m + r) * Kp + g0 * 16 + 32 * c));
