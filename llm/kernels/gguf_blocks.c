@@ -421,8 +421,16 @@ static inline int team_size(void) {
     return stats[0] > 0 ? (int)stats[0] : 1;
 }
 
-// y [M, N] = x [M, K] @ W.T for W's N rows of `type` blocks: each weight row is read once per MR activation
-// rows (from L1 after the first). 0, or -1 for an unknown type or K not whole blocks, -2 out of memory.
+// Activation rows a pass over the weights: their rounded rows (K bytes and 2 floats per 16 columns) fit half
+// of L2, so each weight row's dot products read them from L2, not L3 (more rows re-read the weights instead).
+#define X_CHUNK_BYTES (512 * 1024)
+static int64_t chunk_rows(int64_t Kp) {
+    const int64_t rows = X_CHUNK_BYTES / (Kp + Kp / 2) / MR * MR;
+    return rows > MR ? rows : MR;
+}
+
+// y [M, N] = x [M, K] @ W.T for W's N rows of `type` blocks: each weight row is read once a chunk of activation
+// rows, decoded once per MR of them. 0, or -1 for an unknown type or K not whole blocks, -2 out of memory.
 int64_t gguf_linear(int64_t type, const void *blocks, const float *x, float *y, int64_t M, int64_t N, int64_t K) {
     int64_t shape[2];
     const RowDot dot = dot_of(type);
@@ -432,17 +440,20 @@ int64_t gguf_linear(int64_t type, const void *blocks, const float *x, float *y, 
         _mm_free(xq.q), _mm_free(xq.dx);
         return -2;
     }
-    const int64_t row_bytes = K / shape[0] * shape[1];
+    const int64_t row_bytes = K / shape[0] * shape[1], chunk = chunk_rows(xq.Kp);
     const int nt = team_size();
     const int64_t g = N / ((int64_t)nt * 8) > 1 ? N / ((int64_t)nt * 8) : 1;
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+        const int64_t m1 = m0 + chunk < M ? m0 + chunk : M;
 #pragma omp parallel for num_threads(nt) schedule(dynamic, g)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *row = (const uint8_t *)blocks + n * row_bytes;
-        for (int64_t m = 0; m < M; m += MR) {
-            float out[MR];
-            const int mb = M - m < MR ? (int)(M - m) : MR;
-            dot(row, K, &xq, m, mb, out);
-            for (int r = 0; r < mb; r++) y[(m + r) * N + n] = out[r];
+        for (int64_t n = 0; n < N; n++) {
+            const uint8_t *row = (const uint8_t *)blocks + n * row_bytes;
+            for (int64_t m = m0; m < m1; m += MR) {
+                float out[MR];
+                const int mb = m1 - m < MR ? (int)(m1 - m) : MR;
+                dot(row, K, &xq, m, mb, out);
+                for (int r = 0; r < mb; r++) y[(m + r) * N + n] = out[r];
+            }
         }
     }
     _mm_free(xq.q), _mm_free(xq.dx);

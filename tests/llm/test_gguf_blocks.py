@@ -158,3 +158,20 @@ def test_unknown_types_and_wrong_shapes_are_refused_in_python() -> None:
         FAST.gguf_linear(torch.randn(1, 64), raw, 8, 4, 32)
     with pytest.raises(ValueError, match="not whole"):
         BY_NAME["Q4_K"].row_bytes(300)
+
+
+@needs_native
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0"])
+def test_long_rows_in_several_chunks_of_activation_rows(isa_path: native.NativeKernels, name: str) -> None:
+    """K = 8960 (Qwen2.5-1.5B's MLP): 36 activation rows a chunk (512 KiB of rounded rows), so 40 rows take
+    two passes over the weights; each row's result is bitwise the one-row product's."""
+    n, k, rows = 5, 8960, 40
+    raw = _blocks(name, n, k, seed=5)
+    w = _reference(raw, name, k).astype(np.float64)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(5))
+    qtype = BY_NAME[name].ggml_type
+    got = isa_path.gguf_linear(x, torch.from_numpy(raw), qtype, n, k)
+    rounded, _ = _round_x(x.numpy())
+    assert np.all(np.abs(got.double().numpy() - rounded @ w.T) <= 1e-5 * (np.abs(rounded) @ np.abs(w).T))
+    for r in (0, 37, 39):
+        assert torch.equal(got[r], isa_path.gguf_linear(x[r : r + 1], torch.from_numpy(raw), qtype, n, k)[0])
