@@ -139,7 +139,7 @@ INLINE __m128i k4_scale_bytes(const uint8_t *s) {
     u[1] = (u[2] & m2) | (((u[0] >> 6) & m3) << 4);
     u[2] = mins_lo;
     u[0] &= m1;
-    return _mm_loadu_si128((const __m128i *)u);
+    return _mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]);  // in registers: no store-forwarding stall
 }
 
 // Q4_K/Q5_K: sub-block 2j and 2j + 1 are the low and high nibbles of 32 bytes; Q5_K's fifth bit of
