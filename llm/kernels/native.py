@@ -1,4 +1,5 @@
-"""The native decode kernels (`cpu_kernels.c`): built once with the system C compiler, loaded with ctypes.
+"""The native decode kernels (`cpu_kernels.c`, and `gguf_blocks.c`'s products on GGUF blocks): built once with
+the system C compiler (both sources in one shared object), loaded with ctypes.
 
 Why C and ctypes rather than a torch extension: the kernels need no torch headers (raw pointers in, raw
 pointers out), so they build with one `cc` call in under a second and need no ninja or Python headers.
@@ -33,6 +34,8 @@ import torch
 from torch import Tensor
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# Compiled with SOURCE into the one shared object (one cc call; both hashed for the cache key)
+SOURCES = (SOURCE, Path(__file__).with_name("gguf_blocks.c"))
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 _AVX2 = ("-mavx2", "-mfma", "-mf16c")
 # Not -march=x86-64-v4 or -march=native: the build must not pick up AMX or other extensions that a CPU may
@@ -44,6 +47,9 @@ LIBS = ("-lm",)
 FEATURE_AVX2, FEATURE_AVX512, FEATURE_VNNI, FEATURE_BF16 = 1, 2, 4, 8
 # gemm_half's weight formats (cpu_kernels.c)
 HALF_BF16, HALF_F16, HALF_BF16_INPUTS = 0, 1, 2
+
+# GGML's float types (ids from ggml.h), run on the fp32/half kernels rather than gguf_blocks.c
+_GGUF_FLOATS = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}
 
 _lock = threading.Lock()
 _loaded: NativeKernels | None = None
@@ -109,6 +115,14 @@ class NativeKernels:
         self._greedy = lib.greedy_pick
         self._greedy.argtypes = [ptr, i64, ptr]
         self._greedy.restype = i64
+        self._gguf = lib.gguf_linear
+        self._gguf.argtypes = [i64, ptr, ptr, ptr, i64, i64, i64]
+        self._gguf.restype = i64
+        self._gguf_rows = lib.gguf_dequantize_rows
+        self._gguf_rows.argtypes = [i64, ptr, ptr, i64, i64]
+        self._gguf_rows.restype = i64
+        lib.gguf_block_shape.argtypes = [i64, ptr]
+        lib.gguf_block_shape.restype = i64
         lib.set_kernel_threads.argtypes = [i64]
         lib.set_kernel_threads.restype = None
         lib.kernel_threads_stats.argtypes = [ptr]
@@ -232,6 +246,55 @@ class NativeKernels:
         fmt = HALF_BF16_INPUTS if bf16_inputs else HALF_F16 if weight.dtype == torch.float16 else HALF_BF16
         self._half(x2.data_ptr(), weight.data_ptr(), y.data_ptr(), x2.shape[0], *weight.shape, fmt)
         return _restore(x, y)
+
+    def gguf_block_shape(self, qtype: int) -> tuple[int, int] | None:
+        """(elements, bytes) of a block of GGML type `qtype` as gguf_blocks.c reads it; None for a type it
+        does not know."""
+        out = (ctypes.c_int64 * 2)()
+        return (int(out[0]), int(out[1])) if self.lib.gguf_block_shape(qtype, out) else None
+
+    def _gguf_rows_bytes(self, blocks: Tensor, qtype: int, n: int, k: int) -> None:
+        """Refuse, in Python, blocks that are not N whole rows of `qtype` blocks over K columns."""
+        shape = self.gguf_block_shape(qtype)
+        if shape is None:
+            raise ValueError(f"GGUF block type {qtype} is not one the native kernels read")
+        elements, nbytes = shape
+        if k <= 0 or n <= 0 or k % elements:
+            raise ValueError(f"GGUF type {qtype}: K={k} must be a positive multiple of its {elements}-column blocks")
+        if blocks.dtype != torch.uint8 or blocks.device.type != "cpu" or not blocks.is_contiguous():
+            raise ValueError("GGUF blocks must be a contiguous uint8 CPU tensor")
+        if blocks.numel() != n * (k // elements) * nbytes:
+            raise ValueError(f"GGUF blocks: {blocks.numel()} bytes, expected {n * (k // elements) * nbytes}")
+
+    def gguf_linear(self, x: Tensor, blocks: Tensor, qtype: int, n: int, k: int) -> Tensor:
+        """y = x @ W.T in fp32 for W [n, k] stored as GGUF blocks of `qtype` (uint8, the file's bytes). The
+        quantized types round x per 32 columns to int8 (llama.cpp's Q8_0 activations, see gguf_blocks.c);
+        F32/F16/BF16 run on linear_f32/linear_half, exact."""
+        self._gguf_rows_bytes(blocks, qtype, n, k)
+        if x.shape[-1] != k:
+            raise ValueError(f"gguf_linear: x has {x.shape[-1]} columns, the weight {k}")
+        if qtype in _GGUF_FLOATS:
+            return self._gguf_float(x, blocks, _GGUF_FLOATS[qtype], n, k)
+        x2, y = _rows(x, n)
+        if self._gguf(qtype, blocks.data_ptr(), x2.data_ptr(), y.data_ptr(), x2.shape[0], n, k):
+            raise MemoryError("gguf_linear: no memory for the rounded activations or a row's scratch")
+        return _restore(x, y)
+
+    def _gguf_float(self, x: Tensor, blocks: Tensor, dtype: torch.dtype, n: int, k: int) -> Tensor:
+        weight = blocks.view(dtype).view(n, k)
+        if dtype == torch.float32 and k % 8 == 0:
+            return self.linear_f32(x, weight)
+        if k % 8 == 0:
+            return self.linear_half(x, weight)
+        return (x.to(torch.float32) @ weight.to(torch.float32).T).to(x.dtype)  # the kernels need K % 8 == 0
+
+    def gguf_dequantize(self, blocks: Tensor, qtype: int, n: int, k: int) -> Tensor:
+        """fp32 [n, k] of GGUF blocks, equal to gguf-py's `quants.dequantize` (for embeddings, and as a fallback)."""
+        self._gguf_rows_bytes(blocks, qtype, n, k)
+        out = torch.empty(n, k, dtype=torch.float32)
+        if self._gguf_rows(qtype, blocks.data_ptr(), out.data_ptr(), n, k):
+            raise MemoryError("gguf_dequantize: no memory for a row's scratch")
+        return out
 
     def quantize_int8(self, w: Tensor) -> tuple[Tensor, Tensor] | None:
         """(codes int8 [N, K], scale fp32 [N]) of a 2-D CPU tensor, bit-identical to the torch version;
@@ -390,6 +453,10 @@ def _load_isa(isa: str) -> NativeKernels:
         raise NativeUnavailable(f"cannot load {path}: {err}") from None
 
 
+def _names() -> str:
+    return " and ".join(path.name for path in SOURCES)
+
+
 def cache_dir() -> Path:
     root = os.environ.get("LLMPLAN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "llmplan")
     return Path(root) / "kernels"
@@ -405,7 +472,7 @@ def compiler() -> str | None:
 def build(isa: str = "avx2") -> Path:
     """Compile the source for `isa` unless a build of this exact source (and flags) is cached; the .so path."""
     flags = (*FLAGS, *ISAS[isa])
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
     target = cache_dir() / f"cpu_kernels-{isa}-{digest}.so"
     if target.exists():
@@ -420,13 +487,14 @@ def build(isa: str = "avx2") -> Path:
         raise NativeUnavailable(f"cannot write to {target.parent}: {err.strerror or err}") from None
     os.close(fd)
     try:
-        done = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, *LIBS], capture_output=True, text=True, timeout=120)
+        sources = [str(path) for path in SOURCES]
+        done = subprocess.run([cc, *flags, *sources, "-o", tmp, *LIBS], capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             first = (done.stderr.strip().splitlines() or ["no output"])[0]
-            raise NativeUnavailable(f"{cc} failed to build {SOURCE.name}: {first}")
+            raise NativeUnavailable(f"{cc} failed to build {_names()}: {first}")
         os.replace(tmp, target)  # atomic: a concurrent reader sees no file or a whole one
     except (OSError, subprocess.TimeoutExpired) as err:
-        raise NativeUnavailable(f"{cc} failed to build {SOURCE.name}: {err}") from None
+        raise NativeUnavailable(f"{cc} failed to build {_names()}: {err}") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

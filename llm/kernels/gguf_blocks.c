@@ -1,0 +1,461 @@
+// y = x @ W.T straight from a GGUF file's quantized blocks (llama.cpp's layouts, ggml-common.h): Q8_0, Q4_0,
+// Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K. Built into the same shared object as cpu_kernels.c (llm/kernels/native.py).
+//
+// Every type is read as int8 codes q with one fp32 scale `wd` and one offset `c` per 16 columns (a weight is
+// wd * q + c; c is the min of Q4_1/Q5_1/Q4_K/Q5_K, else 0). Each 256 columns of a weight row are decoded into
+// that form in registers (`SB`: no scratch in memory, whose 32-byte stores and 64-byte loads stalled on store
+// forwarding) and dotted with up to MR activation rows; more rows decode the row again (from L1) per MR rows.
+// Activations are rounded per 32 columns to int8 (scale amax / 127, as llama.cpp's Q8_0), so the products are
+// integer dot products (AVX-512 VNNI vpdpbusd, AVX2 vpmaddubsw): sum q * xq per 16 columns, times wd * dx in
+// fp32; the offsets add c * dx * sum(xq) per 16 columns. The activations are padded with zeros to a multiple of
+// 256 columns and the weights' missing blocks decode as zeros, so the loops have no tails.
+
+#pragma GCC optimize("fp-contract=off")  // dequantized values must equal gguf-py's unfused d * q + m exactly
+
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+void kernel_threads_stats(int64_t *out);  // cpu_kernels.c: out[0] is the team size the other products use
+
+enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30 };
+
+#define SBK 256  // columns a padded superblock: 16 groups of 16
+
+// Elements and bytes a block of `type`; 0 for a type these kernels do not read.
+int64_t gguf_block_shape(int64_t type, int64_t *out) {
+    int64_t bs = 0, bytes = 0;
+    switch (type) {
+        case F32: bs = 1, bytes = 4; break;
+        case F16: bs = 1, bytes = 2; break;
+        case BF16: bs = 1, bytes = 2; break;
+        case Q4_0: bs = 32, bytes = 18; break;
+        case Q4_1: bs = 32, bytes = 20; break;
+        case Q5_0: bs = 32, bytes = 22; break;
+        case Q5_1: bs = 32, bytes = 24; break;
+        case Q8_0: bs = 32, bytes = 34; break;
+        case Q4_K: bs = 256, bytes = 144; break;
+        case Q5_K: bs = 256, bytes = 176; break;
+        case Q6_K: bs = 256, bytes = 210; break;
+        default: return 0;
+    }
+    out[0] = bs, out[1] = bytes;
+    return 1;
+}
+
+static inline float h2f(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+#define INLINE static inline __attribute__((always_inline))
+
+// 256 columns of a weight row, decoded: q as 8 x 32 int8, wd and c per 16 columns (2 x 8 floats each).
+typedef struct {
+    __m256i q[8];
+    __m256 wd[2], c[2];
+} SB;
+
+static inline int64_t padded(int64_t K) { return (K + SBK - 1) / SBK * SBK; }
+
+static int has_mins(int64_t type) { return type == Q4_1 || type == Q5_1 || type == Q4_K || type == Q5_K; }
+
+// The decoders are 256-bit byte operations (AVX2; the AVX-512 build runs them too).
+INLINE __m256i lo4(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
+INLINE __m256i hi4(__m256i v) { return lo4(_mm256_srli_epi16(v, 4)); }
+INLINE __m256i ld32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+// 16 bytes of nibbles: the 32 columns of a block (low nibbles first, then high).
+INLINE __m256i nibbles32(const uint8_t *qs) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)qs);
+    return lo4(_mm256_set_m128i(_mm_srli_epi16(v, 4), v));
+}
+
+// Bit j of the 32 bits as 16 (or 0) in byte j.
+INLINE __m256i bit4_bytes(const uint8_t *qh4) {
+    uint32_t bits;
+    memcpy(&bits, qh4, 4);
+#ifdef __AVX512BW__
+    return _mm256_maskz_set1_epi8((__mmask32)bits, 16);
+#else
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                               _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                                 0x0101010101010101, 0));
+    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+#endif
+}
+
+// 8 floats, each twice: per 16 columns from per 32.
+INLINE void twice(__m256 v, __m256 out[2]) {
+    out[0] = _mm256_permutevar8x32_ps(v, _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0));
+    out[1] = _mm256_permutevar8x32_ps(v, _mm256_set_epi32(7, 7, 6, 6, 5, 5, 4, 4));
+}
+
+// The fp16 at byte `at` of each of 8 blocks `bytes` apart (0 past nblk) as 8 floats, built in registers (8 scalar
+// stores and a vector load would stall on store forwarding every 256 columns).
+INLINE __m256 halves8(const uint8_t *p, int64_t bytes, int at, int nblk) {
+    short h[8];
+    for (int j = 0; j < 8; j++) {
+        uint16_t v = 0;
+        if (j < nblk) memcpy(&v, p + j * bytes + at, 2);
+        h[j] = (short)v;
+    }
+    return _mm256_cvtph_ps(_mm_set_epi16(h[7], h[6], h[5], h[4], h[3], h[2], h[1], h[0]));
+}
+
+// The 32-column types: 8 blocks (nblk of them; the rest zero) of `bytes`, q from block j into q[j].
+INLINE void sb_small(int64_t type, const uint8_t *p, int nblk, SB *o) {
+    const int64_t bytes = type == Q8_0 ? 34 : type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q5_0 ? 22 : 24;
+    const int min = type == Q4_1 || type == Q5_1;
+    for (int j = 0; j < 8; j++) {
+        const uint8_t *b = p + j * bytes;
+        if (j >= nblk) {
+            o->q[j] = _mm256_setzero_si256();
+        } else if (type == Q8_0) {
+            o->q[j] = ld32(b + 2);
+        } else if (type == Q4_0 || type == Q4_1) {
+            o->q[j] = _mm256_sub_epi8(nibbles32(b + 2 + 2 * min), _mm256_set1_epi8(type == Q4_0 ? 8 : 0));
+        } else {
+            const __m256i q = _mm256_or_si256(nibbles32(b + 6 + 2 * min), bit4_bytes(b + 2 + 2 * min));
+            o->q[j] = _mm256_sub_epi8(q, _mm256_set1_epi8(type == Q5_0 ? 16 : 0));
+        }
+    }
+    twice(halves8(p, bytes, 0, nblk), o->wd);
+    if (min) twice(halves8(p, bytes, 2, nblk), o->c);
+}
+
+// Q4_K/Q5_K's 8 6-bit scales and mins from 12 bytes (get_scale_min_k4), as bytes 0-7 and 8-15.
+INLINE __m128i k4_scale_bytes(const uint8_t *s) {
+    uint32_t u[4];
+    memcpy(u, s, 12);
+    const uint32_t m1 = 0x3f3f3f3f, m2 = 0x0f0f0f0f, m3 = 0x03030303;
+    u[3] = ((u[2] >> 4) & m2) | (((u[1] >> 6) & m3) << 4);
+    const uint32_t mins_lo = u[1] & m1;
+    u[1] = (u[2] & m2) | (((u[0] >> 6) & m3) << 4);
+    u[2] = mins_lo;
+    u[0] &= m1;
+    return _mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]);  // in registers: no store-forwarding stall
+}
+
+// Q4_K/Q5_K: sub-block 2j and 2j + 1 are the low and high nibbles of 32 bytes; Q5_K's fifth bit of
+// sub-block j is bit j of the 32 qh bytes.
+INLINE void sb_k45(int64_t type, const uint8_t *p, SB *o) {
+    const __m128i sm = k4_scale_bytes(p + 4);
+    const __m256 d = _mm256_set1_ps(h2f(p)), dmin = _mm256_set1_ps(h2f(p + 2));
+    twice(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm))), o->wd);
+    const __m256 m = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
+    twice(_mm256_sub_ps(_mm256_setzero_ps(), m), o->c);
+    const uint8_t *qs = p + (type == Q4_K ? 16 : 48);
+    const __m256i qh = type == Q5_K ? ld32(p + 16) : _mm256_setzero_si256(), one = _mm256_set1_epi8(1);
+    for (int j = 0; j < 4; j++) {
+        const __m256i v = ld32(qs + 32 * j);
+        o->q[2 * j] = lo4(v), o->q[2 * j + 1] = hi4(v);
+        if (type == Q5_K) {
+            const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), one);
+            const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), one);
+            o->q[2 * j] = _mm256_or_si256(o->q[2 * j], _mm256_slli_epi16(h0, 4));
+            o->q[2 * j + 1] = _mm256_or_si256(o->q[2 * j + 1], _mm256_slli_epi16(h1, 4));
+        }
+    }
+}
+
+// Q6_K: 16 int8 scales; per half of 128 columns, 64 ql bytes (low 4 bits: A, B) and 32 qh bytes H (2 high
+// bits for each of the half's 4 chunks of 32).
+INLINE void sb_q6_k(const uint8_t *p, SB *o) {
+    const __m128i sc = _mm_loadu_si128((const __m128i *)(p + 192));
+    const __m256 d = _mm256_set1_ps(h2f(p + 208));
+    o->wd[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+    o->wd[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+    const __m256i m2 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+    for (int h = 0; h < 2; h++) {
+        const __m256i A = ld32(p + 64 * h), B = ld32(p + 64 * h + 32), H = ld32(p + 128 + 32 * h);
+        const __m256i hb[4] = {_mm256_and_si256(_mm256_slli_epi16(H, 4), m2),
+                               _mm256_and_si256(_mm256_slli_epi16(H, 2), m2), _mm256_and_si256(H, m2),
+                               _mm256_and_si256(_mm256_srli_epi16(H, 2), m2)};
+        const __m256i lo[4] = {lo4(A), lo4(B), hi4(A), hi4(B)};
+        for (int c = 0; c < 4; c++) o->q[4 * h + c] = _mm256_sub_epi8(_mm256_or_si256(lo[c], hb[c]), off);
+    }
+}
+
+// The offset Q4_0, Q5_0 and Q6_K subtract from their unsigned codes (0: the type has none).
+static inline int code_offset(int64_t type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q6_K ? 32 : 0; }
+
+// Superblock s (columns 256s..) of a row of `type` over K columns; the columns past K are zero. `biased`: the
+// codes of Q4_0/Q5_0/Q6_K kept unsigned (q + offset, the offset moved into c = -offset * wd, exact), so the
+// products need no sign fix (the compiler folds the offset's subtraction and addition).
+INLINE void sb_decode(int64_t type, const uint8_t *row, int64_t s, int64_t K, int biased, SB *o) {
+    o->c[0] = o->c[1] = _mm256_setzero_ps();
+    if (type == Q4_K || type == Q5_K) {
+        sb_k45(type, row + s * (type == Q4_K ? 144 : 176), o);
+    } else if (type == Q6_K) {
+        sb_q6_k(row + s * 210, o);
+    } else {
+        const int64_t left = K / 32 - 8 * s, bytes = type == Q8_0 ? 34 : type == Q4_0 ? 18 : type == Q4_1 ? 20
+                                                                     : type == Q5_0 ? 22 : 24;
+        sb_small(type, row + 8 * s * bytes, left < 8 ? (int)left : 8, o);
+    }
+    const int off = code_offset(type);
+    if (biased && off) {
+        for (int j = 0; j < 8; j++) o->q[j] = _mm256_add_epi8(o->q[j], _mm256_set1_epi8((char)off));
+        for (int h = 0; h < 2; h++) o->c[h] = _mm256_mul_ps(o->wd[h], _mm256_set1_ps((float)-off));
+    }
+}
+
+// fp32 rows [N, K] of F32/F16/BF16 blocks.
+static void widen_row(int64_t type, const uint8_t *row, int64_t K, float *out) {
+    if (type == F32) {
+        memcpy(out, row, (size_t)K * 4);
+    } else if (type == F16) {
+        for (int64_t i = 0; i < K; i++) out[i] = h2f(row + 2 * i);
+    } else {
+        for (int64_t i = 0; i < K; i++) {
+            uint32_t u = (uint32_t)(row[2 * i] | (row[2 * i + 1] << 8)) << 16;
+            memcpy(out + i, &u, 4);
+        }
+    }
+}
+
+
+// A quantized row as fp32, equal to gguf-py's dequantize: wd * q + c in fp32, not fused.
+#define DEQ_ROW(T) \
+    case T: deq_row(T, row, K, dst); break
+INLINE void deq_row(int64_t type, const uint8_t *row, int64_t K, float *dst) {
+    for (int64_t s = 0; s < padded(K) / SBK; s++) {
+        SB o;
+        sb_decode(type, row, s, K, 0, &o);
+        int8_t q[SBK];
+        float wd[16], c[16];
+        for (int j = 0; j < 8; j++) _mm256_storeu_si256((__m256i *)(q + 32 * j), o.q[j]);
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(wd + 8 * h, o.wd[h]), _mm256_storeu_ps(c + 8 * h, o.c[h]);
+        const int64_t n = K - SBK * s < SBK ? K - SBK * s : SBK;
+        for (int64_t i = 0; i < n; i++) dst[SBK * s + i] = wd[i / 16] * (float)q[i] + c[i / 16];
+    }
+}
+
+// 0, or -1 for an unknown type or K not whole blocks.
+int64_t gguf_dequantize_rows(int64_t type, const void *blocks, float *out, int64_t N, int64_t K) {
+    int64_t shape[2];
+    if (!gguf_block_shape(type, shape) || K % shape[0]) return -1;
+    const int64_t row_bytes = K / shape[0] * shape[1];
+#pragma omp parallel for schedule(static) if (N * K >= 65536)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *row = (const uint8_t *)blocks + n * row_bytes;
+        float *dst = out + n * K;
+        switch (type) {
+            DEQ_ROW(Q8_0);
+            DEQ_ROW(Q4_0);
+            DEQ_ROW(Q4_1);
+            DEQ_ROW(Q5_0);
+            DEQ_ROW(Q5_1);
+            DEQ_ROW(Q4_K);
+            DEQ_ROW(Q5_K);
+            DEQ_ROW(Q6_K);
+            default: widen_row(type, row, K, dst);
+        }
+    }
+    return 0;
+}
+
+// Activations rounded per 32 columns: q [M, Kp] int8, and per 16 columns dx (the block's scale) and
+// xs = dx * sum(q over the 16), both [M, Kp / 16].
+typedef struct {
+    int8_t *q;
+    float *dx, *xs;
+    int64_t Kp;
+} XQ;
+
+static void quantize_row(const float *x, int64_t K, int8_t *q, float *dx, float *xs) {
+    for (int64_t b = 0; b < K / 32; b++) {
+        const float *xb = x + 32 * b;
+        float amax = 0.0f;
+        for (int l = 0; l < 32; l++) amax = fmaxf(amax, fabsf(xb[l]));
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        int8_t *qb = q + 32 * b;
+        for (int l = 0; l < 32; l++) qb[l] = (int8_t)nearbyintf(xb[l] * id);  // |x * id| <= 127 (+ rounding)
+        for (int h = 0; h < 2; h++) {
+            int s = 0;
+            for (int l = 0; l < 16; l++) s += qb[16 * h + l];
+            dx[2 * b + h] = d, xs[2 * b + h] = d * (float)s;
+        }
+    }
+}
+
+static int quantize_x(const float *x, int64_t M, int64_t K, XQ *out) {
+    const int64_t Kp = padded(K), G = Kp / 16;
+    out->Kp = Kp;
+    out->q = _mm_malloc((size_t)(M * Kp), 64);
+    out->dx = _mm_malloc((size_t)(2 * M * G) * sizeof(float), 64);
+    if (!out->q || !out->dx) return 0;
+    out->xs = out->dx + M * G;
+    memset(out->q, 0, (size_t)(M * Kp));
+    memset(out->dx, 0, (size_t)(2 * M * G) * sizeof(float));
+#pragma omp parallel for schedule(static) if (M * K >= 65536)
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, out->q + m * Kp, out->dx + m * G, out->xs + m * G);
+    return 1;
+}
+
+#define MR 4  // activation rows a pass over one weight row
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+// 64 columns (4 groups) a step: vpdpbusd of q (unsigned; for Q8_0 |q|, against xq with q's sign) and xq,
+// 16 int32 lanes, 4 a group; each lane's sum times its group's wd * dx. Q8_0's q = -128 works too: vpabsb
+// gives 0x80, 128 as the unsigned operand.
+INLINE void dot_rows(int64_t type, const uint8_t *row, int64_t K, const XQ *x, int64_t m, int mb, float *out) {
+    const int64_t Kp = x->Kp, G = Kp / 16;
+    const int mins = has_mins(type) || code_offset(type), sign = type == Q8_0;  // the others' codes are >= 0
+    __m512 acc[MR], macc[MR];
+    __m512i idx[4];
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int c = 0; c < 4; c++) idx[c] = _mm512_srli_epi32(_mm512_add_epi32(_mm512_set1_epi32(16 * c), lane), 2);
+    for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps(), macc[r] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < Kp / SBK; s++) {
+        SB o;
+        sb_decode(type, row, s, K, 1, &o);
+        const __m512 wd = _mm512_insertf32x8(_mm512_castps256_ps512(o.wd[0]), o.wd[1], 1);
+        __m512 sv[MR];
+        for (int r = 0; r < mb; r++) sv[r] = _mm512_mul_ps(wd, _mm512_loadu_ps(x->dx + (m + r) * G + 16 * s));
+        for (int c = 0; c < 4; c++) {
+            const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(o.q[2 * c]), o.q[2 * c + 1], 1);
+            const __m512i au = sign ? _mm512_abs_epi8(wv) : wv;
+            const __mmask64 neg = sign ? _mm512_movepi8_mask(wv) : 0;
+            for (int r = 0; r < mb; r++) {
+                __m512i xv = _mm512_loadu_si512(x->q + (m + r) * Kp + SBK * s + 64 * c);
+                if (sign) xv = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+                const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), au, xv);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(idx[c], sv[r]), acc[r]);
+            }
+        }
+        if (mins) {
+            const __m512 cv = _mm512_insertf32x8(_mm512_castps256_ps512(o.c[0]), o.c[1], 1);
+            for (int r = 0; r < mb; r++)
+                macc[r] = _mm512_fmadd_ps(cv, _mm512_loadu_ps(x->xs + (m + r) * G + 16 * s), macc[r]);
+        }
+    }
+    for (int r = 0; r < mb; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], macc[r]));
+}
+#else
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    return _mm_cvtss_f32(_mm_add_ss(lo, _mm_movehdup_ps(lo)));
+}
+
+// 32 columns (2 groups) a step: vpmaddubsw of q (unsigned; for Q8_0 |q|, against xq with q's sign) and xq
+// (pairs of products, |sum| <= 2 * 128 * 127: no saturation), vpmaddwd with ones: 8 int32 lanes, 4 a group.
+INLINE void dot_rows(int64_t type, const uint8_t *row, int64_t K, const XQ *x, int64_t m, int mb, float *out) {
+    const int64_t Kp = x->Kp, G = Kp / 16;
+    const int mins = has_mins(type) || code_offset(type), sign = type == Q8_0;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[MR], macc[MR];
+    for (int r = 0; r < mb; r++) acc[r] = _mm256_setzero_ps(), macc[r] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < Kp / SBK; s++) {
+        SB o;
+        sb_decode(type, row, s, K, 1, &o);
+        for (int h = 0; h < 2; h++) {  // 8 groups: 128 columns
+            const int64_t g0 = 16 * s + 8 * h;
+            __m256 sv[MR];
+            for (int r = 0; r < mb; r++) sv[r] = _mm256_mul_ps(o.wd[h], _mm256_loadu_ps(x->dx + (m + r) * G + g0));
+            for (int c = 0; c < 4; c++) {
+                const int a = 2 * c, b = 2 * c + 1;
+                const __m256i idx = _mm256_set_epi32(b, b, b, b, a, a, a, a);
+                const __m256i wv = o.q[4 * h + c], au = sign ? _mm256_abs_epi8(wv) : wv;
+                for (int r = 0; r < mb; r++) {
+                    __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q + (m + r) * Kp + g0 * 16 + 32 * c));
+                    if (sign) xv = _mm256_sign_epi8(xv, wv);
+                    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(au, xv), ones);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_permutevar8x32_ps(sv[r], idx), acc[r]);
+                }
+            }
+            if (mins)
+                for (int r = 0; r < mb; r++)
+                    macc[r] = _mm256_fmadd_ps(o.c[h], _mm256_loadu_ps(x->xs + (m + r) * G + g0), macc[r]);
+        }
+    }
+    for (int r = 0; r < mb; r++) out[r] = hsum8(_mm256_add_ps(acc[r], macc[r]));
+}
+#endif
+
+// One function per type, mb a constant in each case: the decoder and the accumulators stay in registers.
+#define DOT_TYPE(T)                                                                                          \
+    static void dot_##T(const uint8_t *row, int64_t K, const XQ *x, int64_t m, int mb, float *out) {        \
+        switch (mb) {                                                                                        \
+            case 1: dot_rows(T, row, K, x, m, 1, out); break;                                                \
+            case 2: dot_rows(T, row, K, x, m, 2, out); break;                                                \
+            case 3: dot_rows(T, row, K, x, m, 3, out); break;                                                \
+            default: dot_rows(T, row, K, x, m, MR, out); break;                                              \
+        }                                                                                                    \
+    }
+DOT_TYPE(Q8_0)
+DOT_TYPE(Q4_0)
+DOT_TYPE(Q4_1)
+DOT_TYPE(Q5_0)
+DOT_TYPE(Q5_1)
+DOT_TYPE(Q4_K)
+DOT_TYPE(Q5_K)
+DOT_TYPE(Q6_K)
+
+typedef void (*RowDot)(const uint8_t *row, int64_t K, const XQ *x, int64_t m, int mb, float *out);
+
+static RowDot dot_of(int64_t type) {
+    switch (type) {
+        case Q8_0: return dot_Q8_0;
+        case Q4_0: return dot_Q4_0;
+        case Q4_1: return dot_Q4_1;
+        case Q5_0: return dot_Q5_0;
+        case Q5_1: return dot_Q5_1;
+        case Q4_K: return dot_Q4_K;
+        case Q5_K: return dot_Q5_K;
+        case Q6_K: return dot_Q6_K;
+        default: return NULL;
+    }
+}
+
+static inline int team_size(void) {
+    int64_t stats[8];
+    kernel_threads_stats(stats);
+    return stats[0] > 0 ? (int)stats[0] : 1;
+}
+
+// Activation rows a pass over the weights: their rounded rows (K bytes and 2 floats per 16 columns) fit half
+// of L2, so each weight row's dot products read them from L2, not L3 (more rows re-read the weights instead).
+#define X_CHUNK_BYTES (512 * 1024)
+static int64_t chunk_rows(int64_t Kp) {
+    const int64_t rows = X_CHUNK_BYTES / (Kp + Kp / 2) / MR * MR;
+    return rows > MR ? rows : MR;
+}
+
+// y [M, N] = x [M, K] @ W.T for W's N rows of `type` blocks: each weight row is read once a chunk of activation
+// rows, decoded once per MR of them. 0, or -1 for an unknown type or K not whole blocks, -2 out of memory.
+int64_t gguf_linear(int64_t type, const void *blocks, const float *x, float *y, int64_t M, int64_t N, int64_t K) {
+    int64_t shape[2];
+    const RowDot dot = dot_of(type);
+    if (!dot || !gguf_block_shape(type, shape) || K % shape[0]) return -1;
+    XQ xq;
+    if (!quantize_x(x, M, K, &xq)) {
+        _mm_free(xq.q), _mm_free(xq.dx);
+        return -2;
+    }
+    const int64_t row_bytes = K / shape[0] * shape[1], chunk = chunk_rows(xq.Kp);
+    const int nt = team_size();
+    const int64_t g = N / ((int64_t)nt * 8) > 1 ? N / ((int64_t)nt * 8) : 1;
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+        const int64_t m1 = m0 + chunk < M ? m0 + chunk : M;
+#pragma omp parallel for num_threads(nt) schedule(dynamic, g)
+        for (int64_t n = 0; n < N; n++) {
+            const uint8_t *row = (const uint8_t *)blocks + n * row_bytes;
+            for (int64_t m = m0; m < m1; m += MR) {
+                float out[MR];
+                const int mb = m1 - m < MR ? (int)(m1 - m) : MR;
+                dot(row, K, &xq, m, mb, out);
+                for (int r = 0; r < mb; r++) y[(m + r) * N + n] = out[r];
+            }
+        }
+    }
+    _mm_free(xq.q), _mm_free(xq.dx);
+    return 0;
+}
