@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -227,6 +228,23 @@ def _convert_group(params: Any, internal: str, parts: list[Tensor], errors: dict
     return quantize_weight(whole.float(), precision, params.group_size)
 
 
+def _fp32_range(where: Callable[[str], Any], name: str, tensor: Tensor) -> tuple[float, float]:
+    """The tensor's (min, max). Every tensor, whatever its precision path: one min/max pass, so weights that
+    would give NaN are refused here, naming the tensor, and never reach the first token."""
+    found = value_range(tensor)
+    problem = value_problem(*found, "fp32")
+    if problem:
+        raise StageFailure(f"{where(name)}: tensor {name!r} {problem}")
+    return found
+
+
+def _check_complete(table: dict[str, list[str]], out: dict[str, Any]) -> None:
+    """Every tensor of the fusion table was converted; else the first few missing are named."""
+    missing = sorted(set(table) - set(out))
+    if missing:
+        raise StageFailure(f"conversion incomplete: no tensors for {', '.join(missing[:5])}")
+
+
 class Convert(Stage):
     """Fuse q/k/v and gate/up, convert to the plan's precision; report bytes and quantization error."""
 
@@ -285,12 +303,7 @@ class Convert(Stage):
         def on_tensor(name: str, tensor: Tensor) -> None:
             nonlocal bytes_in
             bytes_in += tensor.nbytes
-            # Every tensor, whatever its precision path: one min/max pass, so weights that would give NaN
-            # are refused here, naming the tensor, and never reach the first token.
-            ranges[name] = value_range(tensor)
-            problem = value_problem(*ranges[name], "fp32")
-            if problem:
-                raise StageFailure(f"{where(name)}: tensor {name!r} {problem}")
+            ranges[name] = _fp32_range(where, name, tensor)
             pending[name] = tensor
             for internal in waiting.get(name, []):
                 parts = table[internal]
@@ -302,9 +315,7 @@ class Convert(Stage):
                             del pending[p]  # the fp32 source is no longer needed
 
         host.stream(on_tensor)
-        missing = sorted(set(table) - set(out))
-        if missing:
-            raise StageFailure(f"conversion incomplete: no tensors for {', '.join(missing[:5])}")
+        _check_complete(table, out)
         self._publish(ctx, params, out, errors, bytes_in, start)
 
     def _publish(

@@ -28,6 +28,7 @@ from llmplan.llm.model.weights import WeightError
 from .load_convert import activation_dtype
 from .observe import begin_observing
 from .slots import InferenceContext
+from .types import ConvertedWeights
 
 CACHE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -109,6 +110,69 @@ def attention_problems(plan: Any, cfg: Any) -> list[tuple[str, str]]:
     return problems
 
 
+def _build_model(ctx: InferenceContext, weights: ConvertedWeights, max_tokens: int) -> Transformer:
+    """The model on the device from the converted weights, each linear in the precision load.convert gave it."""
+    cfg = ctx.model_config
+    assert cfg is not None
+    factory = functools.partial(make_linear, kernel=weights.kernel, bf16_inputs=weights.bf16_inputs)
+    try:
+        return Transformer.from_weights(
+            cfg,
+            weights.tensors,
+            linear_factory=factory,
+            device=ctx.device,
+            dtype=activation_dtype(weights.dtype, torch.device(ctx.device).type),
+            max_seq_len=max_tokens,
+            keep_linear_dtype=True,  # each linear weight in the precision load.convert gave it
+        )
+    except WeightError as bad:
+        raise StageFailure(f"weights do not fit the config: {bad}") from None
+
+
+def _allocate_cache(model: Transformer, params: Any) -> KVCache:
+    """The KV cache the params ask for (its dtype the model's unless named); StageFailure when it cannot be."""
+    kv = params.kv_cache
+    cache_dtype = CACHE_DTYPES.get(kv.dtype, model.dtype)
+    try:
+        return KVCache.for_model(
+            model,
+            params.max_batch,
+            kv.max_tokens,
+            dtype=cache_dtype,
+            policy=kv.policy,
+            sink_tokens=kv.sink_tokens,
+            chunk=kv.chunk,
+        )
+    except (ValueError, torch.OutOfMemoryError) as bad:
+        raise StageFailure(f"kv_cache: {bad}") from None
+
+
+def _record_placement(
+    ctx: InferenceContext, params: Any, weights: ConvertedWeights, model: Transformer, cache: KVCache
+) -> None:
+    """The metrics of what was placed: the regions allocated and predicted, the kernels, the cache's shape."""
+    cfg, kv = ctx.model_config, params.kv_cache
+    assert cfg is not None
+    # Only the RoPE tables: model.buffers() also holds quantized weights' codes and scales, which
+    # are counted under weights (summing all buffers reported 129.5 MiB of "work buffers").
+    work = work_buffer_bytes(cfg, kv.max_tokens)
+    ctx.metrics.set("regions", {"weights": weights.nbytes, "kv_cache": cache.nbytes, "work_buffers": work})
+    source = ctx.model_source
+    if source is not None and source.gguf_file is not None:  # for the memory tables' line (gguf_footprint)
+        ctx.metrics.set("resident_weights", resident_parts(weights.tensors) | {"gguf_file": str(source.gguf_file)})
+    # What `validate --deep` predicts for the cache, for the report to put beside what was allocated.
+    predicted_kv = kv_cache_bytes(cfg, params, activation_dtype(weights.dtype, torch.device(ctx.device).type))
+    ctx.metrics.set("predicted_regions", {"kv_cache": predicted_kv, "work_buffers": work})
+    ctx.metrics.set("device", str(model.device))
+    # each linear module's kernel path, chosen by prepack() above: e.g. {"native-avx512-int8": 151}
+    ctx.metrics.set("linear_kernels", kernel_paths(model))
+    ctx.metrics.set("activation_dtype", str(model.dtype).removeprefix("torch."))
+    ctx.metrics.set("kv_cache_shape", list(cache.shape))  # as if every layer were full
+    ctx.metrics.set("kv_cache_layer_tokens", list(cache.store.rows))  # what each layer keeps
+    # The loader's tensors are gone: from here on every step's tensors are reused from the heap.
+    ctx.metrics.set("heap_for_decoding", heap.for_decoding())
+
+
 class ToDevice(Stage):
     """Move weights to the device, preallocate the KV cache and work buffers, check every shape."""
 
@@ -126,35 +190,11 @@ class ToDevice(Stage):
             raise StageFailure(
                 f"kv_cache.max_tokens {kv.max_tokens} exceeds the model's context ({cfg.max_position_embeddings})"
             )
-        factory = functools.partial(make_linear, kernel=weights.kernel, bf16_inputs=weights.bf16_inputs)
         began = time.perf_counter_ns()
-        try:
-            model = Transformer.from_weights(
-                cfg,
-                weights.tensors,
-                linear_factory=factory,
-                device=ctx.device,
-                dtype=activation_dtype(weights.dtype, torch.device(ctx.device).type),
-                max_seq_len=kv.max_tokens,
-                keep_linear_dtype=True,  # each linear weight in the precision load.convert gave it
-            )
-        except WeightError as bad:
-            raise StageFailure(f"weights do not fit the config: {bad}") from None
-        cache_dtype = CACHE_DTYPES.get(kv.dtype, model.dtype)
+        model = _build_model(ctx, weights, kv.max_tokens)
         built = time.perf_counter_ns()
         ctx.trace.add("build the model on the device", "load", began, built)
-        try:
-            cache = KVCache.for_model(
-                model,
-                params.max_batch,
-                kv.max_tokens,
-                dtype=cache_dtype,
-                policy=kv.policy,
-                sink_tokens=kv.sink_tokens,
-                chunk=kv.chunk,
-            )
-        except (ValueError, torch.OutOfMemoryError) as bad:
-            raise StageFailure(f"kv_cache: {bad}") from None
+        cache = _allocate_cache(model, params)
         allocated = time.perf_counter_ns()
         ctx.trace.add("allocate the KV cache", "load", built, allocated, bytes=cache.nbytes)
         for module in model.modules():  # pack fast-kernel weights now, so the first token does not pay for it
@@ -167,24 +207,7 @@ class ToDevice(Stage):
         ctx.model, ctx.kv_cache, ctx.model_runner = model, cache, runner
         begin_observing(ctx, model, cache, runner)  # model.json always; hooks only when plan.observe asks
         ctx.weights = None  # the model owns the tensors now
-        # Only the RoPE tables: model.buffers() also holds quantized weights' codes and scales, which
-        # are counted under weights (summing all buffers reported 129.5 MiB of "work buffers").
-        work = work_buffer_bytes(cfg, kv.max_tokens)
-        ctx.metrics.set("regions", {"weights": weights.nbytes, "kv_cache": cache.nbytes, "work_buffers": work})
-        source = ctx.model_source
-        if source is not None and source.gguf_file is not None:  # for the memory tables' line (gguf_footprint)
-            ctx.metrics.set("resident_weights", resident_parts(weights.tensors) | {"gguf_file": str(source.gguf_file)})
-        # What `validate --deep` predicts for the cache, for the report to put beside what was allocated.
-        predicted_kv = kv_cache_bytes(cfg, params, activation_dtype(weights.dtype, torch.device(ctx.device).type))
-        ctx.metrics.set("predicted_regions", {"kv_cache": predicted_kv, "work_buffers": work})
-        ctx.metrics.set("device", str(model.device))
-        # each linear module's kernel path, chosen by prepack() above: e.g. {"native-avx512-int8": 151}
-        ctx.metrics.set("linear_kernels", kernel_paths(model))
-        ctx.metrics.set("activation_dtype", str(model.dtype).removeprefix("torch."))
-        ctx.metrics.set("kv_cache_shape", list(cache.shape))  # as if every layer were full
-        ctx.metrics.set("kv_cache_layer_tokens", list(cache.store.rows))  # what each layer keeps
-        # The loader's tensors are gone: from here on every step's tensors are reused from the heap.
-        ctx.metrics.set("heap_for_decoding", heap.for_decoding())
+        _record_placement(ctx, params, weights, model, cache)
 
     def check(self, params: Any, deep: DeepCheck) -> None:
         cfg = deep.facts.get("model_config")

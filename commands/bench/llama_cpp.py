@@ -222,30 +222,14 @@ def bench_vs_llama_cpp(args: argparse.Namespace, say: Any, partial: Any = None) 
     when given, is called with the result so far after each precision."""
     from llmplan.llm.kernels import native
 
-    from .traffic import cpu_features
-
     entries = getattr(args, "llama_type", None)
     shipped_file = plan_gguf(args.plan, args.set) if entries else None
     shipped = gguf_type(shipped_file).name if shipped_file is not None else None
     grid = llama_grid(args.dtype, entries, shipped)  # before the build: a bad pairing costs no minutes
     bin_dir = llama_bin(args.llama_build, say)
-    flags_file = bin_dir.parent / ("BUILD_FLAGS" + ("" if args.llama_build == "native" else f"-{args.llama_build}"))
-    prompt, gen, batch, threads = args.prompt_tokens, args.gen_tokens, max(args.batch), args.threads
-    info = machine() | {"cpu_features": cpu_features()}
-    info["llama_cpp_build"] = flags_file.read_text().strip() if flags_file.is_file() else args.llama_build
-    result: dict[str, Any] = {
-        "plan": args.plan,
-        "machine": info,
-        "settings": {
-            "prompt_tokens": prompt,
-            "gen_tokens": gen,
-            "batch": batch,
-            "runs": args.runs,
-            "threads": threads,
-            "set": list(args.set or []),  # the plan's overrides: what a rerun must pass again
-        },
-        "rows": [],
-    }
+    prompt, gen, batch = args.prompt_tokens, args.gen_tokens, max(args.batch)
+    info = _machine_info(args.llama_build, bin_dir)
+    result = _new_result(args, info)
     for dtype, kinds in grid:
         overrides = bench_overrides(args.plan, args.set, dtype=dtype, max_batch=batch, max_tokens=prompt + gen)
         say(f"bench: load {dtype or 'the plan dtype'}")
@@ -270,32 +254,8 @@ def bench_vs_llama_cpp(args: argparse.Namespace, say: Any, partial: Any = None) 
         one, many = random_prompts(1, prompt, vocab, seed=1), random_prompts(batch, prompt, vocab, seed=batch)
         run_once(model, cache, one, min(8, gen))  # warm-up: lazy setup, allocator growth (within the cache)
         run_once(model, cache, many, min(4, gen))
-        ours: dict[str, list[float]] = {f: [] for f in FIGURES}
-        theirs = {kind: {f: [] for f in FIGURES} for kind in ggufs}
-        memory: list[float] = []  # the memory's plain read rate, GB/s, once a run: what bounds batch-1 decode
-        for r in range(args.runs):
-            say(f"bench: {label} run {r + 1}/{args.runs} (llmplan, llama.cpp {', '.join(ggufs)}, alternating)")
-            memory.append(read_rate(threads))
-            run_once(model, cache, one, WARM_TOKENS)  # warm, as llama-bench warms before each of its measures
-            a = run_once(model, cache, one, gen)
-            ours["decode_b1"].append(a["decode_tok_s"])
-            ours["prefill"].append(a["prefill_tok_s"])
-            for kind, path in ggufs.items():
-                for figure, value in llama_bench(bin_dir, path, prompt, gen, threads).items():
-                    theirs[kind][figure].append(value)
-            ours["decode_batch"].append(run_once(model, cache, many, gen)["decode_tok_s"])
-            for kind, path in ggufs.items():
-                theirs[kind]["decode_batch"].append(
-                    batched_bench(bin_dir, path, prompt, gen, batch, threads)["decode_batch"]
-                )
-        mine = read_per_token(resident) if resident else None
-        for kind, path in ggufs.items():
-            ran = _gguf_fields(types[kind], path, as_shipped=path == source)
-            for figure in FIGURES:
-                row = _row(figure, label, batch, ours[figure], theirs[kind][figure]) | ran
-                if figure == "decode_b1" and mine:
-                    row |= _read_rates(row, mine, gguf_read_per_token(path), memory)
-                result["rows"].append(row)
+        samples = _alternating_runs(args, say, label, (model, cache, one, many), ggufs, bin_dir)
+        result["rows"] += _dtype_rows(label, batch, source, ggufs, types, resident, samples)
         del model, cache, loaded
         gc.collect()
         info["loadavg_end"] = machine()["loadavg"]
@@ -305,6 +265,93 @@ def bench_vs_llama_cpp(args: argparse.Namespace, say: Any, partial: Any = None) 
         if partial is not None:  # each precision's rows as soon as they exist: a run on a busy machine is long
             partial(result)
     return result
+
+
+def _machine_info(build: str, bin_dir: Path) -> dict[str, Any]:
+    """The machine, its CPU features and the llama.cpp build's flags (as the build script recorded them)."""
+    from .traffic import cpu_features
+
+    flags_file = bin_dir.parent / ("BUILD_FLAGS" + ("" if build == "native" else f"-{build}"))
+    info = machine() | {"cpu_features": cpu_features()}
+    info["llama_cpp_build"] = flags_file.read_text().strip() if flags_file.is_file() else build
+    return info
+
+
+def _new_result(args: argparse.Namespace, info: dict[str, Any]) -> dict[str, Any]:
+    """The result before any row: the plan, the machine and the settings a rerun needs."""
+    return {
+        "plan": args.plan,
+        "machine": info,
+        "settings": {
+            "prompt_tokens": args.prompt_tokens,
+            "gen_tokens": args.gen_tokens,
+            "batch": max(args.batch),
+            "runs": args.runs,
+            "threads": args.threads,
+            "set": list(args.set or []),  # the plan's overrides: what a rerun must pass again
+        },
+        "rows": [],
+    }
+
+
+Samples = tuple[dict[str, list[float]], dict[str, dict[str, list[float]]], list[float]]
+
+
+def _alternating_runs(
+    args: argparse.Namespace,
+    say: Any,
+    label: str,
+    ours_setup: tuple[Any, Any, list[list[int]], list[list[int]]],
+    ggufs: dict[str, Path],
+    bin_dir: Path,
+) -> Samples:
+    """`args.runs` runs of one dtype, each llmplan then every llama.cpp type, batch 1 then batched: the samples
+    per figure (ours, theirs per type) and the memory's plain read rate once a run. `ours_setup` is (model,
+    cache, the batch-1 prompt, the batch prompts)."""
+    model, cache, one, many = ours_setup
+    prompt, gen, batch, threads = args.prompt_tokens, args.gen_tokens, max(args.batch), args.threads
+    ours: dict[str, list[float]] = {f: [] for f in FIGURES}
+    theirs = {kind: {f: [] for f in FIGURES} for kind in ggufs}
+    memory: list[float] = []  # the memory's plain read rate, GB/s, once a run: what bounds batch-1 decode
+    for r in range(args.runs):
+        say(f"bench: {label} run {r + 1}/{args.runs} (llmplan, llama.cpp {', '.join(ggufs)}, alternating)")
+        memory.append(read_rate(threads))
+        run_once(model, cache, one, WARM_TOKENS)  # warm, as llama-bench warms before each of its measures
+        a = run_once(model, cache, one, gen)
+        ours["decode_b1"].append(a["decode_tok_s"])
+        ours["prefill"].append(a["prefill_tok_s"])
+        for kind, path in ggufs.items():
+            for figure, value in llama_bench(bin_dir, path, prompt, gen, threads).items():
+                theirs[kind][figure].append(value)
+        ours["decode_batch"].append(run_once(model, cache, many, gen)["decode_tok_s"])
+        for kind, path in ggufs.items():
+            theirs[kind]["decode_batch"].append(
+                batched_bench(bin_dir, path, prompt, gen, batch, threads)["decode_batch"]
+            )
+    return ours, theirs, memory
+
+
+def _dtype_rows(
+    label: str,
+    batch: int,
+    source: Path,
+    ggufs: dict[str, Path],
+    types: dict[str, GGUFType],
+    resident: Any,
+    samples: Samples,
+) -> list[dict[str, Any]]:
+    """One dtype's rows: each llama.cpp type's figures against ours, batch-1 decode with its read rates."""
+    ours, theirs, memory = samples
+    rows: list[dict[str, Any]] = []
+    mine = read_per_token(resident) if resident else None
+    for kind, path in ggufs.items():
+        ran = _gguf_fields(types[kind], path, as_shipped=path == source)
+        for figure in FIGURES:
+            row = _row(figure, label, batch, ours[figure], theirs[kind][figure]) | ran
+            if figure == "decode_b1" and mine:
+                row |= _read_rates(row, mine, gguf_read_per_token(path), memory)
+            rows.append(row)
+    return rows
 
 
 def _row(figure: str, dtype: str, batch: int, ours: list[float], theirs: list[float]) -> dict[str, Any]:

@@ -165,7 +165,18 @@ class TokenClock:
 def create_app(host: ModelHost, settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics(host)
     service = Answering(host, settings, metrics)
-    card = service.card
+    app = FastAPI(title="llmplan", lifespan=_lifespan(host, settings, service))
+    app.state.host, app.state.metrics = host, metrics
+    _add_gates(app, settings, metrics)
+    _add_info_routes(app, host, settings, metrics, service.card)
+    _add_answer_routes(app, service)
+    return app
+
+
+def _lifespan(
+    host: ModelHost, settings: ServerSettings, service: Answering
+) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+    """The app's lifespan: the keep-alive watcher while it serves; the request threads shut down after."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -177,8 +188,11 @@ def create_app(host: ModelHost, settings: ServerSettings) -> FastAPI:
                 watcher.cancel()
             service.executor.shutdown(wait=False, cancel_futures=True)  # the model thread's owner releases the model
 
-    app = FastAPI(title="llmplan", lifespan=lifespan)
-    app.state.host, app.state.metrics = host, metrics
+    return lifespan
+
+
+def _add_gates(app: FastAPI, settings: ServerSettings, metrics: ServerMetrics) -> None:
+    """The request gate (key, body size and time), and the access log outside it when one is asked for."""
     app.add_middleware(
         RequestGate,
         api_key=settings.api_key,
@@ -189,6 +203,12 @@ def create_app(host: ModelHost, settings: ServerSettings) -> FastAPI:
     )
     if settings.access_log is not None:  # outermost: the gate's refusals are logged too
         app.add_middleware(AccessLog, stream=settings.access_log)
+
+
+def _add_info_routes(
+    app: FastAPI, host: ModelHost, settings: ServerSettings, metrics: ServerMetrics, card: Any
+) -> None:
+    """The routes that answer without the model: errors in OpenAI's shape, health, metrics, the model list."""
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, bad: HTTPException) -> JSONResponse:
@@ -219,6 +239,10 @@ def create_app(host: ModelHost, settings: ServerSettings) -> FastAPI:
             ).response()
         return JSONResponse(card.entry() | ({} if card.answers_to(name) else {"id": card.shown_name(name)}))
 
+
+def _add_answer_routes(app: FastAPI, service: Answering) -> None:
+    """The three OpenAI endpoints that run the plan."""
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await service.answer(request, "/v1/chat/completions", ChatRequest)
@@ -230,8 +254,6 @@ def create_app(host: ModelHost, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         return await service.answer(request, "/v1/responses", ResponsesRequest)
-
-    return app
 
 
 class Answering:
@@ -265,22 +287,7 @@ class Answering:
         taken = 0
         try:
             body = await self._parse(request, schema)
-            if self.settings.strict_model and body.model is not None and not self.card.answers_to(body.model):
-                raise ApiError(
-                    404,
-                    f"model {shown(body.model)} not found (this server has {self.card.id!r})",
-                    "not_found_error",
-                    "model",
-                )
-            choices = body.prompt_count * body.n
-            if choices > self.settings.max_queue:  # could never be admitted: the request's fault, not load
-                field = "n" if body.prompt_count == 1 else "prompt"
-                raise ApiError(
-                    400,
-                    f"{field}: {choices} choices (prompts x n) are more than this server's queue of "
-                    f"{self.settings.max_queue}; send fewer",
-                    param=field,
-                )
+            self._refuse_unanswerable(body)
             jobs = self._jobs(body)
             for _ in jobs:  # one queue place per choice; all or none
                 if not self.admitted.acquire(blocking=False):
@@ -289,25 +296,9 @@ class Answering:
                     )
                 taken += 1
             if body.stream:
-                queue: asyncio.Queue[tuple[str, int, Any]] = asyncio.Queue()
-                cancels = [threading.Event() for _ in jobs]
-                self._start_streaming(jobs, queue, cancels, arrived)
-                try:  # a refusal (a prompt too long) is a status, not an event after a 200
-                    seen = await self._opened(queue, len(jobs))
-                except BaseException:
-                    for ev in cancels:
-                        ev.set()
-                    raise
+                queue, cancels, seen = await self._open_stream(jobs, arrived)
                 release, taken = taken, 0  # the stream gives its places back when it ends
-
-                def on_end() -> None:
-                    for _ in range(release):
-                        self.admitted.release()
-
-                stream = self._stream(body, jobs, queue, cancels, seen, endpoint, on_end)
-                if isinstance(body, ResponsesRequest):
-                    stream = response_events(stream, body, self.card.shown_name(body.model))
-                return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                return self._streaming_response(body, jobs, (queue, cancels, seen), endpoint, release)
             runs = await self._run_all(request, jobs, arrived)
             self.metrics.requests.labels(endpoint, "200").inc()
             replayed = all(r.context.generations[0].from_cache for r in runs)
@@ -322,6 +313,61 @@ class Answering:
         finally:
             for _ in range(taken):
                 self.admitted.release()
+
+    def _refuse_unanswerable(self, body: Any) -> None:
+        """ApiError for a request no wait could answer: another model (when strict), more choices than the queue."""
+        if self.settings.strict_model and body.model is not None and not self.card.answers_to(body.model):
+            raise ApiError(
+                404,
+                f"model {shown(body.model)} not found (this server has {self.card.id!r})",
+                "not_found_error",
+                "model",
+            )
+        choices = body.prompt_count * body.n
+        if choices > self.settings.max_queue:  # could never be admitted: the request's fault, not load
+            field = "n" if body.prompt_count == 1 else "prompt"
+            raise ApiError(
+                400,
+                f"{field}: {choices} choices (prompts x n) are more than this server's queue of "
+                f"{self.settings.max_queue}; send fewer",
+                param=field,
+            )
+
+    async def _open_stream(
+        self, jobs: list[Any], arrived: float
+    ) -> tuple[asyncio.Queue[tuple[str, int, Any]], list[threading.Event], list[tuple[str, int, Any]]]:
+        """Start the jobs of a streamed answer and wait until each prompt is known to fit: a refusal (a prompt
+        too long) is a status, not an event after a 200. The queue, the jobs' cancels and the events seen."""
+        queue: asyncio.Queue[tuple[str, int, Any]] = asyncio.Queue()
+        cancels = [threading.Event() for _ in jobs]
+        self._start_streaming(jobs, queue, cancels, arrived)
+        try:
+            seen = await self._opened(queue, len(jobs))
+        except BaseException:
+            for ev in cancels:
+                ev.set()
+            raise
+        return queue, cancels, seen
+
+    def _streaming_response(
+        self,
+        body: Any,
+        jobs: list[Any],
+        opened: tuple[asyncio.Queue[tuple[str, int, Any]], list[threading.Event], list[tuple[str, int, Any]]],
+        endpoint: str,
+        release: int,
+    ) -> StreamingResponse:
+        """The server-sent events of opened jobs; the stream gives back its `release` queue places when it ends."""
+        queue, cancels, seen = opened
+
+        def on_end() -> None:
+            for _ in range(release):
+                self.admitted.release()
+
+        stream = self._stream(body, jobs, queue, cancels, seen, endpoint, on_end)
+        if isinstance(body, ResponsesRequest):
+            stream = response_events(stream, body, self.card.shown_name(body.model))
+        return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _parse(self, request: Request, schema: type[Any]) -> Any:
         raw = await request.body()  # read (bounded in size and time) by the RequestGate already
@@ -569,13 +615,8 @@ class Answering:
             while remaining:
                 what, index, payload = replay.pop(0) if replay else await queue.get()
                 if what == "text":
-                    held = calling[index]
-                    shown, events = held.push(payload) if held is not None else (payload, [])
-                    if shown:
-                        streamed[index] += shown
-                        yield chunk([delta(index, shown)])
-                    for event in events:  # a call's header once its name is known, then its arguments' pieces
-                        yield chunk([delta(index, None) | {"delta": {"tool_calls": [event.delta()]}}])
+                    for piece in _text_chunks(chunks, index, payload, calling[index], streamed):
+                        yield piece
                     continue
                 remaining -= 1
                 try:
@@ -585,28 +626,8 @@ class Answering:
                     yield f"data: {json.dumps(error_body(str(bad), bad.kind, bad.param))}\n\n"
                     continue
                 runs[index] = run
-                text, reason, gen = self._choice_parts(run)
-                held = calling[index]
-                calls = None
-                if held is not None:  # what the calls' stream still owes: their rest, or calls not begun
-                    calls, owed, agreed = held.finish(text)
-                    if not agreed:
-                        self.host.plan.log.warning("tool_call_stream_disagreed", choice=index, text=text)
-                    for event in owed:
-                        yield chunk([delta(index, None) | {"delta": {"tool_calls": [event.delta()]}}])
-                if calls is not None:
-                    reason = "tool_calls"
-                elif held is not None and held.started:
-                    pass  # calls the token limit cut short: sent as far as they went, the reason says "length"
-                # The final text is the answer: send what the stream has not shown yet (the whole text for a
-                # results-cache replay, which streams nothing; a character completed only at the end; text
-                # held back as it could have been a call).
-                elif text.startswith(streamed[index]) and len(text) > len(streamed[index]):
-                    yield chunk([delta(index, text[len(streamed[index]) :])])
-                logprobs = self._logprobs(body, self._tokenizer(run), gen)
-                if logprobs is not None:  # the choice's logprobs, all tokens in one chunk before its last
-                    yield chunk([delta(index, None) | {"logprobs": logprobs}])
-                yield chunk([delta(index, None, reason)])
+                for piece in self._final_chunks(body, chunks, index, run, calling[index], streamed[index]):
+                    yield piece
             done = [r for r in runs if r is not None]
             if body.include_usage and done:
                 prompts = 1 if chat else len(body.prompts())
@@ -620,6 +641,49 @@ class Answering:
                 ev.set()
             self.metrics.requests.labels(endpoint, status).inc()
             on_end()
+
+
+    def _final_chunks(
+        self, body: Any, chunks: _StreamChunks, index: int, run: RequestRun, held: CallStream | None, streamed: str
+    ) -> Iterator[str]:
+        """The events that end one choice of a stream: what its calls still owe or the text not shown yet
+        (`streamed` is what was), its logprobs, its finish reason."""
+        chunk, delta = chunks.chunk, chunks.delta
+        text, reason, gen = self._choice_parts(run)
+        calls = None
+        if held is not None:  # what the calls' stream still owes: their rest, or calls not begun
+            calls, owed, agreed = held.finish(text)
+            if not agreed:
+                self.host.plan.log.warning("tool_call_stream_disagreed", choice=index, text=text)
+            for event in owed:
+                yield chunk([delta(index, None) | {"delta": {"tool_calls": [event.delta()]}}])
+        if calls is not None:
+            reason = "tool_calls"
+        elif held is not None and held.started:
+            pass  # calls the token limit cut short: sent as far as they went, the reason says "length"
+        # The final text is the answer: send what the stream has not shown yet (the whole text for a
+        # results-cache replay, which streams nothing; a character completed only at the end; text
+        # held back as it could have been a call).
+        elif text.startswith(streamed) and len(text) > len(streamed):
+            yield chunk([delta(index, text[len(streamed) :])])
+        logprobs = self._logprobs(body, self._tokenizer(run), gen)
+        if logprobs is not None:  # the choice's logprobs, all tokens in one chunk before its last
+            yield chunk([delta(index, None) | {"logprobs": logprobs}])
+        yield chunk([delta(index, None, reason)])
+
+
+def _text_chunks(
+    chunks: _StreamChunks, index: int, payload: str, held: CallStream | None, streamed: list[str]
+) -> Iterator[str]:
+    """The events of one piece of a choice's text: the text to show (adding it to `streamed`), then the pieces
+    of any tool call the text holds."""
+    chunk, delta = chunks.chunk, chunks.delta
+    shown, events = held.push(payload) if held is not None else (payload, [])
+    if shown:
+        streamed[index] += shown
+        yield chunk([delta(index, shown)])
+    for event in events:  # a call's header once its name is known, then its arguments' pieces
+        yield chunk([delta(index, None) | {"delta": {"tool_calls": [event.delta()]}}])
 
 
 class _StreamChunks:

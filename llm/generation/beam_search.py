@@ -72,25 +72,13 @@ def beam_search(
 
     Kept apart from the engine loop, with the reason measured at the top of this module.
     """
-    if not 1 <= num_return_sequences <= num_beams:
-        raise ValueError(f"num_return_sequences ({num_return_sequences}) must be in 1..num_beams ({num_beams})")
-    if max_new_tokens < 1 or not prompt:
-        raise ValueError("beam search needs a non-empty prompt and max_new_tokens >= 1")
-    if cache.max_batch < num_beams:
-        raise ValueError(f"the cache has {cache.max_batch} rows, beam search needs num_beams={num_beams}")
-    if cache.max_tokens < len(prompt) + max_new_tokens - 1:
-        raise ValueError(f"the cache ({cache.max_tokens} tokens) cannot hold prompt + max_new_tokens")
+    _check_search(cache, prompt, num_beams, max_new_tokens, num_return_sequences)
     runner = runner or ModelRunner(model, cache)
     device = model.device
     beams = _Beams(num_beams, max_new_tokens, eos_ids, length_penalty, early_stopping, device)
     masks = BeamMasks(grammar, num_beams) if grammar is not None else None
     with torch.inference_mode():
-        cache.reset(1)
-        tokens = torch.tensor([prompt], device=device)
-        positions = torch.arange(len(prompt), device=device).unsqueeze(0)
-        logits = runner.torch_forward(tokens, positions, cache)[:, -1]
-        cache.reorder(torch.zeros(num_beams, dtype=torch.long, device=device))  # copy the prompt to every beam
-        logits = logits.expand(num_beams, -1)
+        logits = _prefill_every_beam(runner, cache, prompt, num_beams, device)
         for step in range(max_new_tokens):
             if masks is not None:
                 logits = masks.apply(logits)
@@ -107,6 +95,32 @@ def beam_search(
     if masks is not None and allowed is not None:
         allowed.extend(masks.allowed)
     return beams.best(num_return_sequences, eos_ids, max_new_tokens, only_finished=masks is not None)
+
+
+def _check_search(
+    cache: KVCache, prompt: list[int], num_beams: int, max_new_tokens: int, num_return_sequences: int
+) -> None:
+    """ValueError for a search that cannot run: more sequences than beams, nothing to do, a cache too small."""
+    if not 1 <= num_return_sequences <= num_beams:
+        raise ValueError(f"num_return_sequences ({num_return_sequences}) must be in 1..num_beams ({num_beams})")
+    if max_new_tokens < 1 or not prompt:
+        raise ValueError("beam search needs a non-empty prompt and max_new_tokens >= 1")
+    if cache.max_batch < num_beams:
+        raise ValueError(f"the cache has {cache.max_batch} rows, beam search needs num_beams={num_beams}")
+    if cache.max_tokens < len(prompt) + max_new_tokens - 1:
+        raise ValueError(f"the cache ({cache.max_tokens} tokens) cannot hold prompt + max_new_tokens")
+
+
+def _prefill_every_beam(
+    runner: ModelRunner, cache: KVCache, prompt: list[int], num_beams: int, device: torch.device
+) -> torch.Tensor:
+    """The prompt run once, its cache rows copied to every beam: the last position's logits, one row a beam."""
+    cache.reset(1)
+    tokens = torch.tensor([prompt], device=device)
+    positions = torch.arange(len(prompt), device=device).unsqueeze(0)
+    logits = runner.torch_forward(tokens, positions, cache)[:, -1]
+    cache.reorder(torch.zeros(num_beams, dtype=torch.long, device=device))  # copy the prompt to every beam
+    return logits.expand(num_beams, -1)
 
 
 class _Beams:

@@ -199,55 +199,72 @@ def _ptr(t: Tensor, keep: list[Tensor]) -> int:
     return t.data_ptr()
 
 
+def _fusable_kv_format(model: Transformer, cache: KVCache) -> int:
+    """The KV cache's format code for the native step (_KV_FORMATS); NotFused naming what the step cannot run:
+    the architecture, activations other than fp32 on the CPU, the cache's type, place or layout, the heads."""
+    cfg = model.cfg
+    problem = architecture_problem(cfg)
+    if problem:
+        raise NotFused(problem)
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        raise NotFused(f"activations are {model.dtype} on {model.device}")
+    store = cache.store
+    kv_format = _KV_FORMATS.get(store.dtype)
+    if kv_format is None or store.device.type != "cpu":
+        raise NotFused(f"the KV cache is {store.dtype} on {store.device}")
+    if not all(t.is_contiguous() for t in (*store.k, *store.v)):
+        raise NotFused("the KV cache is not contiguous")
+    if cfg.head_dim % 2 or cfg.n_heads % cfg.n_kv_heads:
+        raise NotFused("odd head_dim or heads not grouped evenly")
+    if kv_format and cfg.head_dim % 8:
+        raise NotFused(f"a 16-bit KV cache needs head_dim % 8 == 0, not {cfg.head_dim}")
+    return kv_format
+
+
+def _native_layers(model: Transformer, cache: KVCache, keep: list[Tensor]) -> Any:
+    """The `_Layer` array of the model's blocks: their weights' and KV rows' addresses (the tensors behind them
+    appended to `keep`, which must outlive the array)."""
+    store = cache.store
+    layers = (_Layer * model.cfg.n_layers)()
+
+    def optional(module: nn.Module | None) -> int | None:  # a norm or bias the layer may not have
+        return None if module is None else _ptr(module.weight, keep)
+
+    for i, block in enumerate(model.layers):
+        attention = block.attention
+        local = attention.local_rope and model.rope_local_cos is not None and model.rope_local_sin is not None
+        cos, sin = (model.rope_local_cos, model.rope_local_sin) if local else (model.rope_cos, model.rope_sin)
+        layers[i] = _Layer(
+            _ptr(block.attention_norm.weight, keep),
+            _ptr(block.ffn_norm.weight, keep),
+            _native_linear(attention.wqkv, keep),
+            _native_linear(attention.wo, keep),
+            _native_linear(block.feed_forward.w13, keep),
+            _native_linear(block.feed_forward.w2, keep),
+            optional(attention.wqkv_bias),
+            optional(attention.q_norm),
+            optional(attention.k_norm),
+            optional(block.post_attention_norm),
+            optional(block.post_ffn_norm),
+            _ptr(cos, keep),  # type: ignore[arg-type]
+            _ptr(sin, keep),  # type: ignore[arg-type]
+            attention.window,
+            store.k[i].data_ptr(),  # [max_batch, kv_heads, rows, head_dim] of this layer
+            store.v[i].data_ptr(),
+            store.rows[i],
+        )
+    return layers
+
+
 class FusedDecoder:
     """A native decode step bound to one model and one KV cache."""
 
     def __init__(self, model: Transformer, cache: KVCache, lib: Any) -> None:
         cfg = model.cfg
         keep: list[Tensor] = []
-        problem = architecture_problem(cfg)
-        if problem:
-            raise NotFused(problem)
-        if model.device.type != "cpu" or model.dtype != torch.float32:
-            raise NotFused(f"activations are {model.dtype} on {model.device}")
+        kv_format = _fusable_kv_format(model, cache)
         store = cache.store
-        kv_format = _KV_FORMATS.get(store.dtype)
-        if kv_format is None or store.device.type != "cpu":
-            raise NotFused(f"the KV cache is {store.dtype} on {store.device}")
-        if not all(t.is_contiguous() for t in (*store.k, *store.v)):
-            raise NotFused("the KV cache is not contiguous")
-        if cfg.head_dim % 2 or cfg.n_heads % cfg.n_kv_heads:
-            raise NotFused("odd head_dim or heads not grouped evenly")
-        if kv_format and cfg.head_dim % 8:
-            raise NotFused(f"a 16-bit KV cache needs head_dim % 8 == 0, not {cfg.head_dim}")
-        layers = (_Layer * cfg.n_layers)()
-
-        def optional(module: nn.Module | None) -> int | None:  # a norm or bias the layer may not have
-            return None if module is None else _ptr(module.weight, keep)
-
-        for i, block in enumerate(model.layers):
-            attention = block.attention
-            local = attention.local_rope and model.rope_local_cos is not None and model.rope_local_sin is not None
-            cos, sin = (model.rope_local_cos, model.rope_local_sin) if local else (model.rope_cos, model.rope_sin)
-            layers[i] = _Layer(
-                _ptr(block.attention_norm.weight, keep),
-                _ptr(block.ffn_norm.weight, keep),
-                _native_linear(attention.wqkv, keep),
-                _native_linear(attention.wo, keep),
-                _native_linear(block.feed_forward.w13, keep),
-                _native_linear(block.feed_forward.w2, keep),
-                optional(attention.wqkv_bias),
-                optional(attention.q_norm),
-                optional(attention.k_norm),
-                optional(block.post_attention_norm),
-                optional(block.post_ffn_norm),
-                _ptr(cos, keep),  # type: ignore[arg-type]
-                _ptr(sin, keep),  # type: ignore[arg-type]
-                attention.window,
-                store.k[i].data_ptr(),  # [max_batch, kv_heads, rows, head_dim] of this layer
-                store.v[i].data_ptr(),
-                store.rows[i],
-            )
+        layers = _native_layers(model, cache, keep)
         valid = cache.valid
         keep.append(valid)
         self.model_struct = _Model(

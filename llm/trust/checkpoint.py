@@ -266,20 +266,11 @@ def build_manifest(
     own SHA256SUMS when it has none.
     """
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise IntegrityError(f"{model_dir}: not a directory")
-    try:
-        root = model_dir.resolve()
-    except (RuntimeError, OSError):
-        raise IntegrityError(f"{model_dir}: symlink loop") from None
+    root = _resolved_dir(model_dir)
     blobs = _hf_blobs_dir(root)
 
     fmt, index, names, tensor_to_shard = _find_shards(model_dir, root, blobs)
-    sums_path = model_dir / MANIFEST_NAME
-    recorded = first_use is not None and not os.path.lexists(sums_path)
-    if recorded:
-        assert first_use is not None
-        sums_path = first_use
+    sums_path, recorded = _sums_path(model_dir, first_use)
     sums = _read_sums(sums_path)
     label: HashSource = "first-use" if recorded else "SHA256SUMS"
     plan = {
@@ -300,13 +291,7 @@ def build_manifest(
                 pass  # left for verify(), which reports it with the right message
         sha, source = _known_hash(path, name, plan, sums, blobs, label)
         shards.append(ShardInfo(name=name, path=path, size=size, sha256=sha, hash_source=source))
-    listed = []
-    for name in sorted(set(sums) | set(plan)):
-        if name in names:
-            continue
-        _check_entry(sums_path if name in sums else None, None, name, root, blobs)
-        sha, source = _known_hash(model_dir / name, name, plan, sums, None, label)
-        listed.append(ShardInfo(name=name, path=model_dir / name, size=None, sha256=sha, hash_source=source))
+    listed = _listed_files(model_dir, root, blobs, names, (plan, sums, sums_path, label))
     return ShardManifest(
         model_dir=model_dir,
         format=fmt,
@@ -318,6 +303,46 @@ def build_manifest(
         first_use=recorded,
         also_read=also_read,
     )
+
+
+def _resolved_dir(model_dir: Path) -> Path:
+    """The model directory resolved; IntegrityError when it is not a directory or its symlinks loop."""
+    if not model_dir.is_dir():
+        raise IntegrityError(f"{model_dir}: not a directory")
+    try:
+        return model_dir.resolve()
+    except (RuntimeError, OSError):
+        raise IntegrityError(f"{model_dir}: symlink loop") from None
+
+
+def _sums_path(model_dir: Path, first_use: Path | None) -> tuple[Path, bool]:
+    """The SHA256SUMS to read: the directory's own, else the first-use record (then True) when one is given."""
+    sums_path = model_dir / MANIFEST_NAME
+    recorded = first_use is not None and not os.path.lexists(sums_path)
+    if recorded:
+        assert first_use is not None
+        sums_path = first_use
+    return sums_path, recorded
+
+
+def _listed_files(
+    model_dir: Path,
+    root: Path,
+    blobs: Path | None,
+    shards: list[str],
+    hashes: tuple[dict[str, str], dict[str, str], Path, HashSource],
+) -> list[ShardInfo]:
+    """The files that are not shards but have a hash (in SHA256SUMS or the plan), each checked to stay inside
+    the directory. `hashes` is (the plan's, SHA256SUMS', the sums file, the label its hashes go by)."""
+    plan, sums, sums_path, label = hashes
+    listed = []
+    for name in sorted(set(sums) | set(plan)):
+        if name in shards:
+            continue
+        _check_entry(sums_path if name in sums else None, None, name, root, blobs)
+        sha, source = _known_hash(model_dir / name, name, plan, sums, None, label)
+        listed.append(ShardInfo(name=name, path=model_dir / name, size=None, sha256=sha, hash_source=source))
+    return listed
 
 
 def files_read_by_load(model_dir: str | Path, also_read: tuple[str, ...] = ()) -> list[str]:
@@ -477,6 +502,34 @@ def verify(
         raise ValueError(f"unknown verify policy {policy!r} (use 'required', 'if_present' or 'off')")
     start = time.perf_counter()
     report = VerifyReport()
+    _check_all_but_hashes(manifest, policy)
+    # Hashing last: it is the only slow check, and everything cheap has already passed. Small files first.
+    if policy != "off" and manifest.sums is not None:
+        _check_all_listed(manifest)
+    files = ([*manifest.listed, *manifest.shards]) if policy != "off" else list(manifest.shards)
+    for shard in files:
+        report.files_checked += 1
+        if policy == "off" or shard.sha256 is None:
+            report.unhashed.append(shard.name)
+            continue
+        progress_of = progress if shard in manifest.shards else None
+        actual, cached, size = _digest(shard, progress_of, hash_cache)
+        if cached:
+            report.cached.append(shard.name)
+        else:
+            report.bytes_hashed += size
+        _check_hash(manifest, shard, shard.sha256, actual)
+    if hash_cache is not None:
+        hash_cache.save()
+        report.cache_note = hash_cache.note
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _check_all_but_hashes(manifest: ShardManifest, policy: Policy) -> None:
+    """The cheap checks, shards first: each file there and a regular file; unless policy 'off', each
+    safetensors header against its size and the index, a known hash where 'required', every file the
+    load reads listed when there is a SHA256SUMS."""
     listed = f" (listed in {manifest.index})" if manifest.index else ""
     by_shard: dict[str, list[str]] = {}
     for tensor, name in manifest.tensor_to_shard.items():
@@ -498,34 +551,18 @@ def verify(
         for other in manifest.listed:
             where = f"the first-use record {manifest.sums}" if manifest.first_use else MANIFEST_NAME
             _check_present(other, f"listed in {where} but missing")
-    # Hashing last: it is the only slow check, and everything cheap has already passed. Small files first.
-    if policy != "off" and manifest.sums is not None:
-        _check_all_listed(manifest)
-    files = ([*manifest.listed, *manifest.shards]) if policy != "off" else list(manifest.shards)
-    for shard in files:
-        report.files_checked += 1
-        if policy == "off" or shard.sha256 is None:
-            report.unhashed.append(shard.name)
-            continue
-        progress_of = progress if shard in manifest.shards else None
-        actual, cached, size = _digest(shard, progress_of, hash_cache)
-        if cached:
-            report.cached.append(shard.name)
-        else:
-            report.bytes_hashed += size
-        if actual != shard.sha256 and shard.hash_source == "first-use":
-            raise IntegrityError(
-                f"{shard.path}: changed since the folder was first used (SHA-256 {actual[:16]}…, recorded "
-                f"{shard.sha256[:16]}… in {manifest.sums}); refused (delete {_record_folder(manifest)} to trust "
-                "the folder as it is now)"
-            )
-        if actual != shard.sha256:
-            raise IntegrityError(f"{shard.path}: SHA-256 mismatch: expected {shard.sha256[:16]}…, got {actual[:16]}…")
-    if hash_cache is not None:
-        hash_cache.save()
-        report.cache_note = hash_cache.note
-    report.seconds = time.perf_counter() - start
-    return report
+
+
+def _check_hash(manifest: ShardManifest, shard: ShardInfo, expected: str, actual: str) -> None:
+    """The file's SHA-256 is the `expected` one; a first-use record's mismatch says how to trust the change."""
+    if actual != expected and shard.hash_source == "first-use":
+        raise IntegrityError(
+            f"{shard.path}: changed since the folder was first used (SHA-256 {actual[:16]}…, recorded "
+            f"{expected[:16]}… in {manifest.sums}); refused (delete {_record_folder(manifest)} to trust "
+            "the folder as it is now)"
+        )
+    if actual != expected:
+        raise IntegrityError(f"{shard.path}: SHA-256 mismatch: expected {expected[:16]}…, got {actual[:16]}…")
 
 
 def _check_present(info: ShardInfo, missing: str) -> None:

@@ -241,17 +241,7 @@ def hf_config(meta: GGUFMetadata, family: Family, tensors: dict[str, TensorInfo]
             f"metadata {a}.block_count {n_layers} needs {n_layers * per_layer} layer tensors, "
             f"but the file holds {len(tensors)} tensors",
         )
-    head_dim = meta.integer(f"{a}.attention.key_length", None, low=1, high=_MAX_WIDTH)
-    if head_dim is None:
-        if hidden % n_heads:
-            raise fail(path, f"embedding_length {hidden} is not divisible by head_count {n_heads}")
-        head_dim = hidden // n_heads
-    value_dim = meta.integer(f"{a}.attention.value_length", head_dim, low=1, high=_MAX_WIDTH)
-    if value_dim != head_dim:
-        raise fail(path, f"attention.value_length {value_dim} != key_length {head_dim} is not supported")
-    rope_dim = meta.integer(f"{a}.rope.dimension_count", None, low=1, high=_MAX_WIDTH) or head_dim
-    if rope_dim != head_dim:
-        raise fail(path, f"partial RoPE (rope.dimension_count {rope_dim} != head_dim {head_dim}) is unsupported")
+    head_dim = _head_dim(meta, a, hidden, n_heads)
     embd = tensors.get("token_embd.weight")
     if embd is None:
         raise fail(path, "tensor token_embd.weight is missing")
@@ -285,15 +275,37 @@ def hf_config(meta: GGUFMetadata, family: Family, tensors: dict[str, TensorInfo]
     if scaling is not None:
         config["rope_scaling"] = scaling
     config |= family.extras(meta, a, config)
+    _check_config(path, a, config)
+    # float32 in the file: written as its shortest repr, once the value is known to be in range
+    config["rope_theta"], config["rms_norm_eps"] = _f32(config["rope_theta"]), _f32(config["rms_norm_eps"])
+    return config
+
+
+def _head_dim(meta: GGUFMetadata, a: str, hidden: int, n_heads: int) -> int:
+    """The attention heads' width: key_length, else hidden / heads; values as wide and RoPE over all of it."""
+    path = meta.path
+    head_dim = meta.integer(f"{a}.attention.key_length", None, low=1, high=_MAX_WIDTH)
+    if head_dim is None:
+        if hidden % n_heads:
+            raise fail(path, f"embedding_length {hidden} is not divisible by head_count {n_heads}")
+        head_dim = hidden // n_heads
+    value_dim = meta.integer(f"{a}.attention.value_length", head_dim, low=1, high=_MAX_WIDTH)
+    if value_dim != head_dim:
+        raise fail(path, f"attention.value_length {value_dim} != key_length {head_dim} is not supported")
+    rope_dim = meta.integer(f"{a}.rope.dimension_count", None, low=1, high=_MAX_WIDTH) or head_dim
+    if rope_dim != head_dim:
+        raise fail(path, f"partial RoPE (rope.dimension_count {rope_dim} != head_dim {head_dim}) is unsupported")
+    return head_dim
+
+
+def _check_config(path: Path, a: str, config: dict[str, Any]) -> None:
+    """config.json's own rules over the built config; a failure names the GGUF key the field came from."""
     try:
         ModelConfig.from_hf_dict(config)
     except ConfigError as bad:
         key = _CONFIG_KEYS.get(bad.field or "")
         where = f"metadata {key.format(a=a)}" if key else "metadata"
         raise fail(path, f"{where}: {bad}") from None
-    # float32 in the file: written as its shortest repr, once the value is known to be in range
-    config["rope_theta"], config["rms_norm_eps"] = _f32(config["rope_theta"]), _f32(config["rms_norm_eps"])
-    return config
 
 
 def _rope_scaling(meta: GGUFMetadata, a: str, tensors: dict[str, TensorInfo]) -> dict[str, Any] | None:

@@ -64,17 +64,8 @@ def import_gguf(
     GGUF's hash for the next warm start is an optimisation, skipped (and `note` told why) where it cannot be.
     """
     gguf_path, cache_root = Path(gguf_path), Path(cache_root)
-    try:
-        fd = open_regular_fd(gguf_path)
-    except NotRegularFileError as bad:
-        raise GGUFImportError(str(bad)) from None
-    except OSError as bad:
-        raise GGUFImportError(describe_os_error(gguf_path, bad)) from None
     known = HashCache(cache_root)
-    try:
-        digest = _gguf_digest(fd, gguf_path, known, progress)
-    finally:
-        os.close(fd)
+    digest = _opened_digest(gguf_path, known, progress)
     target = cache_root / import_dir_name(digest, gguf_path)
     # The rename below is the commit point, so an existing target is a finished import.
     if (target / MANIFEST_NAME).is_file():
@@ -83,15 +74,7 @@ def import_gguf(
         return target
     if target.exists() or target.is_symlink():  # only something outside this module can leave it half-made
         raise GGUFImportError(f"{target}: exists but has no {MANIFEST_NAME}, so it is not a finished import")
-    try:
-        cache_root.mkdir(parents=True, exist_ok=True)
-        remove_stale_imports(cache_root)
-        temp = make_import_dir(target)
-    except OSError as bad:
-        raise GGUFImportError(
-            f"{cache_root}: cannot import {gguf_path.name} there ({bad.strerror or bad}); "
-            "set LLMPLAN_CACHE or model.source's cache_dir to a writable folder"
-        ) from None
+    temp = _new_import_dir(gguf_path, cache_root, target)
     try:
         _write_import(gguf_path, temp, progress, shard_bytes)
         finish_import_dir(temp)
@@ -116,6 +99,34 @@ def import_gguf(
         raise
     _save_hashes(known, note)  # only once the import is done: an interrupted one leaves nothing behind
     return target
+
+
+def _opened_digest(gguf_path: Path, known: HashCache, progress: ProgressFn | None) -> str:
+    """The GGUF's SHA-256 (see _gguf_digest), opening it as a regular file; GGUFImportError when it is not one."""
+    try:
+        fd = open_regular_fd(gguf_path)
+    except NotRegularFileError as bad:
+        raise GGUFImportError(str(bad)) from None
+    except OSError as bad:
+        raise GGUFImportError(describe_os_error(gguf_path, bad)) from None
+    try:
+        return _gguf_digest(fd, gguf_path, known, progress)
+    finally:
+        os.close(fd)
+
+
+def _new_import_dir(gguf_path: Path, cache_root: Path, target: Path) -> Path:
+    """The temp directory an import of `target` is written in, stale ones cleared first; GGUFImportError
+    naming the settings to change when the cache root is not writable."""
+    try:
+        cache_root.mkdir(parents=True, exist_ok=True)
+        remove_stale_imports(cache_root)
+        return make_import_dir(target)
+    except OSError as bad:
+        raise GGUFImportError(
+            f"{cache_root}: cannot import {gguf_path.name} there ({bad.strerror or bad}); "
+            "set LLMPLAN_CACHE or model.source's cache_dir to a writable folder"
+        ) from None
 
 
 def _save_hashes(known: HashCache, note: Callable[[str], None] | None) -> None:

@@ -78,21 +78,12 @@ def _sentencepiece_bpe(meta: GGUFMetadata) -> tuple[Any, list[str]]:
       in front of every piece of text; the others (Llama, Mistral) one in front of the text, as
       `tokenizer.ggml.add_space_prefix` says (default true).
     """
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models
 
     path = meta.path
     arch = meta.get("general.architecture")
     tokens, types = _tokens_and_types(meta)
-    if arch in _GEMMA:
-        tokens = [SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
-        ranks: dict[str, float] = dict(zip(tokens, (-float(i) for i in range(len(tokens))), strict=True))
-    else:
-        scores = meta.numbers("tokenizer.ggml.scores")
-        if scores is None:
-            raise fail(path, "metadata tokenizer.ggml.scores is missing (a SentencePiece vocabulary needs them)")
-        if len(scores) != len(tokens):
-            raise fail(path, f"tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
-        ranks = dict(zip(tokens, scores, strict=True))
+    tokens, ranks = _respelled_and_ranked(meta, arch, tokens)
     # A respelled or repeated token keeps its last id, as transformers' vocabulary does.
     vocab = {token: i for i, token in enumerate(tokens)}
     if "tokenizer.ggml.merges" in meta:
@@ -106,19 +97,7 @@ def _sentencepiece_bpe(meta: GGUFMetadata) -> tuple[Any, list[str]]:
         raise fail(path, f"tokenizer.ggml.merges: {bad}") from None
     tok = Tokenizer(bpe)
     pieces = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
-    if arch in _GEMMA:
-        tok.normalizer = normalizers.Replace(" ", SPACE)
-        tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
-    elif arch == "phi3":
-        tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)])
-        pieces.append(decoders.Strip(content=" ", left=1))
-    else:
-        prefix = meta.boolean("tokenizer.ggml.add_space_prefix", True)
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(
-            replacement=SPACE, prepend_scheme="first" if prefix else "never", split=False
-        )
-        if prefix:
-            pieces.append(decoders.Strip(content=" ", left=1))
+    _handle_spaces(tok, meta, arch, pieces)
     tok.decoder = decoders.Sequence(pieces)
     # user-defined tokens are matched whole only where their own spelling is a token (not a respelled one)
     _add_typed_tokens(
@@ -133,6 +112,43 @@ def _sentencepiece_bpe(meta: GGUFMetadata) -> tuple[Any, list[str]]:
     if meta.boolean("tokenizer.ggml.add_bos_token", True) and bos is not None:
         _prepend_bos(tok, bos, vocab[bos])
     return tok, tokens
+
+
+def _respelled_and_ranked(meta: GGUFMetadata, arch: Any, tokens: list[str]) -> tuple[list[str], dict[str, float]]:
+    """The tokens (Gemma's tokens of spaces respelled with `▁`) and each token's merge rank: its score, or
+    for Gemma its position in the file (its merge order; its scores are not)."""
+    if arch in _GEMMA:
+        tokens = [SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+        ranks: dict[str, float] = dict(zip(tokens, (-float(i) for i in range(len(tokens))), strict=True))
+    else:
+        scores = meta.numbers("tokenizer.ggml.scores")
+        if scores is None:
+            raise fail(meta.path, "metadata tokenizer.ggml.scores is missing (a SentencePiece vocabulary needs them)")
+        if len(scores) != len(tokens):
+            raise fail(meta.path, f"tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
+        ranks = dict(zip(tokens, scores, strict=True))
+    return tokens, ranks
+
+
+def _handle_spaces(tok: Any, meta: GGUFMetadata, arch: Any, pieces: list[Any]) -> None:
+    """The family's space handling on `tok`, and the decoder `pieces` that undo it: Gemma turns spaces into `▁`
+    and adds none in front; Phi-3 adds one in front of every piece of text; the others one in front of the
+    text, as `tokenizer.ggml.add_space_prefix` says (default true)."""
+    from tokenizers import decoders, normalizers, pre_tokenizers
+
+    if arch in _GEMMA:
+        tok.normalizer = normalizers.Replace(" ", SPACE)
+        tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    elif arch == "phi3":
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)])
+        pieces.append(decoders.Strip(content=" ", left=1))
+    else:
+        prefix = meta.boolean("tokenizer.ggml.add_space_prefix", True)
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement=SPACE, prepend_scheme="first" if prefix else "never", split=False
+        )
+        if prefix:
+            pieces.append(decoders.Strip(content=" ", left=1))
 
 
 def merges_from_ranks(vocab: dict[str, int], ranks: dict[str, float]) -> list[tuple[str, str]]:
