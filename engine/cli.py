@@ -94,6 +94,7 @@ def _err(text: str) -> None:
     print(text, file=sys.stderr)
 
 
+# long: one argparse table of the core commands, read top to bottom
 def build_parser() -> argparse.ArgumentParser:
     from llmplan import __version__
 

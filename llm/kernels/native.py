@@ -62,6 +62,7 @@ _by_isa: dict[str, NativeKernels | None] = {}
 class NativeKernels:
     """Typed entry points of the shared library. Inputs are checked by the wrappers, not by the C code."""
 
+    # long: one ctypes signature table, each entry point's argtypes and restype together, read top to bottom
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
         self.lib = lib

@@ -386,6 +386,7 @@ class Transformer(nn.Module):
             clock.record("torch", tokens.shape[0], seqlen, marks)
         return logits
 
+    # long: three closures share one shape table and one conversion cache, then fill the skeleton in model order
     @classmethod
     def from_weights(
         cls,
