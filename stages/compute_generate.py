@@ -102,6 +102,7 @@ def loop_options(params: GenerateParams) -> LoopOptions:
         prefill_chunk=params.prefill_chunk,
         max_step_tokens=params.max_step_tokens,
         prefix_reuse=params.prefix_reuse,
+        keep_timeline=True,  # every step's passes, for the trace and the report
     )
 
 

@@ -5,7 +5,8 @@ cache and the model runner; `run_requests` compiles each request's `format` (eve
 token), builds its picker and stop check, and runs them through the loop that fits:
 
 * beam search (`LoopOptions.num_beams > 1`): one request at a time over the whole cache (llm/generation/beam_search.py);
-* the "slide" cache policy (one shared write pointer): static batches (llm/generation/static_batch.py);
+* the "slide" cache policy (one shared write pointer), or when asked (a benchmark's comparison): static batches
+  (llm/generation/static_batch.py);
 * everything else: the engine loop (llm/generation/engine_loop.py), the caller's resident one when it serves
   (`served`, stepped by its owner's thread: this waits for the requests to end), else one made and run here.
 
@@ -67,6 +68,8 @@ class LoopOptions:
     prefill_chunk: int | None = None
     max_step_tokens: int = 512
     prefix_reuse: bool = True
+    keep_timeline: bool = False  # a loop made here records every step's passes (a run's trace and report)
+    static_batches: bool = False  # static batches even where the engine loop could run (a benchmark's other side)
 
     def refusal(self, defaults: SamplingParams) -> str | None:
         """Why these options cannot run requests with these settings (checked when a plan is read), or None."""
@@ -116,6 +119,7 @@ class Outcome:
     candidates: list[Candidate] = field(default_factory=list)  # beam search, best first
     error: BaseException | None = None  # a beam search that failed (out of memory): nothing generated
     streamed: bool = False
+    batch_start_s: float = 0.0  # static batches: its batch's start, after the run's (its ttft_s counts from there)
 
 
 @dataclass
@@ -153,13 +157,14 @@ def run_requests(
             raise CannotRun("beam search cannot run beside a served engine loop (it uses the whole cache)")
         return GenerationRun(_all_beams(runner, cache, requests, options, vocab, fit))
     stream = on_text if len(requests) == 1 else None
-    if cache.policy == "slide":
+    if cache.policy == "slide" or options.static_batches:
         if any(r.sampling.speculative is not None for r in requests):
-            raise CannotRun('speculative decoding runs in the engine loop: not under the "slide" policy')
+            where = 'under the "slide" policy' if cache.policy == "slide" else "in static batches"
+            raise CannotRun(f"speculative decoding runs in the engine loop: not {where}")
         return GenerationRun(_static_batches(runner, cache, requests, options, vocab, fit, stream))
     loop = served or new_loop(runner, cache, options, _running(options, cache), draft)
-    if served is None:
-        loop.timeline = []  # every step's passes, for the trace and the report
+    if served is None and options.keep_timeline:
+        loop.timeline = []
     return _scheduled(loop, cache, requests, vocab, fit, stream, served is not None, cancel, on_queued)
 
 
@@ -274,7 +279,9 @@ def _static_batches(
     grammars = [_grammar(r.sampling, vocab) for r in requests]  # every refusal before the first batch
     size = _running(options, cache)
     outcomes: list[Outcome] = []
+    started = time.perf_counter()
     for first in range(0, len(requests), size):
+        batch_start = time.perf_counter() - started
         rows = range(first, min(first + size, len(requests)))
         prompts = [fit(i, cache.max_tokens - 1) for i in rows]
         pickers = [_picker(requests[i].sampling, grammars[i], len(p)) for i, p in zip(rows, prompts, strict=True)]
@@ -290,6 +297,7 @@ def _static_batches(
                     grammar=mask.compiled if mask is not None else None,
                     allowed=list(mask.allowed) if mask is not None else [],
                     streamed=on_text is not None,
+                    batch_start_s=batch_start,
                 )
             )
     return outcomes
