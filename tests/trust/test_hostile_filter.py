@@ -392,8 +392,8 @@ def masked_run_blocklist(run: Run) -> Path:
 
 @pytest.fixture(scope="module")
 def beam_run(scripted, tokenizer, model_dir, blocklist, tmp_path_factory) -> Iterator[Run]:
-    from llmplan.llm.generation.beam_search import Candidate
     from llmplan.llm.generation import run_requests
+    from llmplan.llm.generation.beam_search import Candidate
 
     tmp = tmp_path_factory.mktemp("beams")
     beams = {
