@@ -231,22 +231,19 @@ def evaluate(args: argparse.Namespace, text: str, source: str) -> dict[str, Any]
 
 def _greedy(loaded: Any, prompts: list[list[int]], tokens: int) -> list[list[int]]:
     """Free-running greedy continuations, one prompt at a time (batch 1: no padding to differ on)."""
-    from llmplan.commands.bench.measure import greedy
-    from llmplan.llm.generation.static_batch import generate
+    from llmplan.llm.generation.model_runner import ModelRunner
+    from llmplan.llm.generation.run_requests import LoopOptions, PromptRequest, Vocabulary, run_requests
+    from llmplan.llm.sampling.params import SamplingParams
 
+    runner = loaded.ctx.model_runner or ModelRunner(loaded.model, loaded.cache)
+    no_eos = Vocabulary(tokenizer=None, eos_ids=frozenset(), pad_id=0, vocab_size=loaded.model.cfg.vocab_size)
+    greedy = SamplingParams.trusted(max_new_tokens=tokens)
     out = []
     for prompt in prompts:
-        (gen,) = generate(
-            loaded.model,
-            loaded.cache,
-            [prompt],
-            pickers=[greedy],
-            max_new_tokens=tokens,
-            eos_ids=set(),
-            pad_id=0,
-            runner=loaded.ctx.model_runner,
-        )
-        out.append(list(gen.tokens))
+        (one,) = run_requests(
+            runner, loaded.cache, [PromptRequest(prompt, greedy)], LoopOptions(static_batches=True), no_eos
+        ).outcomes
+        out.append(list(one.generation.tokens))
     return out
 
 

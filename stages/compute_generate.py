@@ -1,43 +1,40 @@
-"""`compute.generate`: prefill + KV-cached decode, the sampler chain or beam search, stopping, streaming.
+"""`compute.generate`: a plan's requests through the library's generation door, and what a run records of them.
 
-Requests run through the engine loop (llm/generation/engine_loop.py: continuous batching) on slots of the plan's KV
-cache: each request joins as soon as a slot is free and leaves the moment it ends, with its own sampler,
-seed and limits; prompts sharing a prefix (a chat template's system prompt) reuse its K/V. Each sequence
-ends with a finish reason: eos | length | stop_string | cache_full | error. Out-of-memory and NaN/inf logits
-end the affected requests with reason `error` instead of killing the run. Beam search, and a cache with the
-"slide" policy (StreamingLLM eviction over one shared write pointer), run as static batches.
+The door (llm/generation/run_requests.py) chooses the loop (the engine loop with continuous batching, beam
+search, or static batches under the "slide" cache policy), compiles formats, builds pickers and stop checks and
+streams text. This stage gives it each request's effective settings (the stage's, then the request's own), cuts
+prompts to the room there is, and turns what the door refuses into the engine's findings (InputRefused,
+StageFailure). What comes back it records: `generations` (Results with their format record), the run's metrics,
+the scheduler's steps for the trace and report (stages/observe.py).
 
 Whoever owns the loop steps it: a resident plan's host puts the loop it steps into the context
-(`engine_loop`), and this stage submits to it and waits for its requests to end (a cancel ends them at the
-loop's next step); otherwise (`llmplan run`) the stage makes a loop of its own and steps it to the end.
+(`engine_loop`), and the door submits to it and waits for the requests to end (a cancel ends them at the
+loop's next step); otherwise (`llmplan run`) the door makes a loop of its own and steps it to the end.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-import torch
 from pydantic import Field, model_validator
 
 from llmplan.engine.findings import InputRefused, StageFailure
 from llmplan.engine.stage import Phase, Stage
-from llmplan.llm.generation.beam_search import beam_search
-from llmplan.llm.generation.draft_model import DraftModel
-from llmplan.llm.generation.engine_loop import EngineLoop
 from llmplan.llm.generation.model_runner import ModelRunner
-from llmplan.llm.generation.scheduler import GenerationRequest, Sequence
-from llmplan.llm.generation.static_batch import Generation, generate
-from llmplan.llm.kv.slot_cache import SlotCache
-from llmplan.llm.sampling.chain import build_picker
-from llmplan.llm.sampling.constrained_format import OutputFormat, UnsupportedFormat
-from llmplan.llm.sampling.format_compiler import CompiledFormat, compile_format, complete
-from llmplan.llm.sampling.params import Speculation
-from llmplan.llm.sampling.picks import TokenPicker
-from llmplan.llm.text.stop_strings import StopStringStream, stop_checker
-from llmplan.llm.text.tokenizer import StreamDecoder
+from llmplan.llm.generation.run_requests import (
+    BadLoopSettings,
+    CannotRun,
+    GenerationRun,
+    LoopOptions,
+    Outcome,
+    PromptRequest,
+    Refused,
+    Vocabulary,
+    run_requests,
+)
+from llmplan.llm.sampling.format_compiler import complete
+from llmplan.llm.sampling.params import SamplingParams
 from llmplan.plain_errors import plain_error
 
 from .compute_tokenize import truncate
@@ -75,12 +72,10 @@ class GenerateParams(RequestSettings):
 
     @model_validator(mode="after")
     def _beams(self) -> GenerateParams:
-        if self.num_return_sequences > self.num_beams:
-            raise ValueError(f"num_return_sequences ({self.num_return_sequences}) exceeds num_beams ({self.num_beams})")
-        if self.num_beams > 1 and self.temperature > 0:
-            raise ValueError("beam search is deterministic here: use temperature 0 with num_beams > 1")
-        if self.num_beams > 1 and self.speculative is not None:
-            raise ValueError("speculative decoding runs in the engine loop, beam search apart: not both")
+        own = plain_settings({name: getattr(self, name) for name in RequestSettings.model_fields})
+        refusal = loop_options(self).refusal(sampling_params(own, logprobs_top_n=0))
+        if refusal is not None:
+            raise ValueError(refusal)
         unknown = [name for name in self.serving_defaults if name not in RequestSettings.model_fields]
         if unknown:
             known = ", ".join(RequestSettings.model_fields)
@@ -96,43 +91,24 @@ def settings_for(request: Request, params: GenerateParams, plan_seed: int) -> di
     return settings
 
 
-def picker_for(
-    settings: dict[str, Any], params: GenerateParams, prompt_len: int, grammar: CompiledFormat | None = None
-) -> TokenPicker:
-    """The request's token picker, from its effective settings (and its format, compiled: `grammar_for`)."""
-    bias = tuple(sorted(params.logit_bias.items()))
-    top_n = max(params.logprobs, ALTERNATIVES)
-    return build_picker(sampling_params(settings, logprobs_top_n=top_n, logit_bias=bias, grammar=grammar), prompt_len)
+def loop_options(params: GenerateParams) -> LoopOptions:
+    """How the stage's parameters ask the door to run its requests (beams, batching, the loop's budget)."""
+    return LoopOptions(
+        num_beams=params.num_beams,
+        length_penalty=params.length_penalty,
+        num_return_sequences=params.num_return_sequences,
+        early_stopping=params.early_stopping,
+        batch_size=params.batch_size,
+        prefill_chunk=params.prefill_chunk,
+        max_step_tokens=params.max_step_tokens,
+        prefix_reuse=params.prefix_reuse,
+        keep_timeline=True,  # every step's passes, for the trace and the report
+    )
 
 
-def grammar_for(ctx: InferenceContext, settings: dict[str, Any], eos: set[int]) -> CompiledFormat | None:
-    """The request's `format` compiled against the model's tokenizer (cached per tokenizer and format), or
-    None. Refused before any token is generated when it cannot be enforced (fail closed)."""
-    fmt = OutputFormat.of(settings.get("format"))
-    if fmt is None:
-        return None
-    if not eos:
-        raise InputRefused("format: a constrained answer ends with its end-of-sequence token (not with ignore_eos)")
-    assert ctx.tokenizer is not None and ctx.model_config is not None
-    try:
-        return compile_format(fmt, ctx.tokenizer, frozenset(eos), ctx.model_config.vocab_size)
-    except UnsupportedFormat as bad:
-        raise InputRefused(f"format: {bad}") from None
-
-
-@dataclass
-class _Streaming:
-    """A single request's text, shown as it is generated (its stop strings never shown, even in part)."""
-
-    shown: StopStringStream
-    decoder: StreamDecoder | None
-    eos_ids: frozenset[int] = field(default_factory=frozenset)
-
-    def on_token(self, token: int) -> None:
-        if self.decoder is not None and token not in self.eos_ids:
-            piece = self.decoder.push(token)
-            if piece:
-                self.shown.push(piece)
+def stage_failure(bad: CannotRun) -> StageFailure:
+    """What the door cannot run, as the engine's finding (the loop's own settings named as this stage's)."""
+    return StageFailure(f"compute.generate: {bad}" if isinstance(bad, BadLoopSettings) else str(bad))
 
 
 class Generate(Stage):
@@ -149,35 +125,44 @@ class Generate(Stage):
         """A plan whose default speculation drafts needs a draft model (a load.draft stage)."""
         spec = params.speculative
         return ("draft_model",) if spec is not None and spec.method == "draft" else ()
+
     writes = ("generations",)
 
     def run(self, ctx: InferenceContext, params: Any) -> None:
-        model, cache, requests, tok, cfg = ctx.model, ctx.kv_cache, ctx.requests, ctx.tokenizer, ctx.model_config
-        assert model is not None and cache is not None and requests is not None and tok is not None and cfg
-        eos = (
-            set() if params.ignore_eos else set(cfg.eos_token_ids) | ({tok.eos_id} if tok.eos_id is not None else set())
-        )
+        model, cache, requests = ctx.model, ctx.kv_cache, ctx.requests
+        assert model is not None and cache is not None and requests is not None
         seed = ctx.plan.plan.seed
-        runner = ctx.model_runner or ModelRunner(model, cache)
+        settings = [settings_for(r, params, seed) for r in requests]
+        stream = params.stream and len(requests) == 1 and not ctx.json_mode
+        served = ctx.engine_loop
+        asks = [
+            PromptRequest(r.prompt_ids, _sampling(s, params), r.id) for r, s in zip(requests, settings, strict=True)
+        ]
         started = time.perf_counter()
-        if params.num_beams > 1:
-            results = self._all_beams(ctx, runner, requests, params, eos, seed)
-        else:
-            size = min(params.batch_size or cache.max_batch, cache.max_batch)
-            stream = params.stream and len(requests) == 1 and not ctx.json_mode
-            if cache.policy == "slide":
-                if any(settings_for(r, params, seed)["speculative"] for r in requests):
-                    raise StageFailure('speculative decoding runs in the engine loop: not under the "slide" policy')
-                pad = cfg.pad_token_id if cfg.pad_token_id is not None else (tok.pad_id or 0)
-                results = []
-                for first in range(0, len(requests), size):
-                    group = requests[first : first + size]
-                    results += self._batch(ctx, runner, group, params, eos, pad, seed, stream)
-            else:
-                results = self._scheduled(ctx, runner, requests, params, eos, seed, stream, size)
+        try:
+            run = run_requests(
+                ctx.model_runner or ModelRunner(model, cache),
+                cache,
+                asks,
+                loop_options(params),
+                _vocabulary(ctx, params),
+                fit=lambda index, limit: self._fit(ctx, requests[index], limit),
+                on_text=ctx.stream if stream else None,
+                served=served,
+                draft=ctx.draft_model,
+                cancel=ctx.cancel if served is not None else None,
+                on_queued=lambda: ctx.stream(""),  # every prompt fit and is queued: the answer's stream may start
+            )
+        except Refused as bad:
+            raise InputRefused(str(bad)) from None
+        except CannotRun as bad:
+            raise stage_failure(bad) from None
+        if stream and served is None and params.num_beams == 1:
+            ctx.stream("\n")  # the terminal's line after the streamed text
+        results = self._record(ctx, run, requests, settings, params)
         ctx.generations = results
         # generations.json; timings / attention files when observed
-        finish_observing(ctx, results, shared_model=ctx.engine_loop is not None)
+        finish_observing(ctx, results, shared_model=served is not None)
         total = sum(len(r.tokens) for r in results)
         wall = time.perf_counter() - started
         ctx.metrics.set("generated_tokens", total)
@@ -185,177 +170,42 @@ class Generate(Stage):
         ctx.metrics.set("finish_reasons", [r.finish_detail for r in results])  # the detail: what the report says
         ctx.metrics.set("per_request", [{"id": r.request_id, **r.timings} for r in results])
 
-    # --- sampling / greedy, through the engine loop ------------------------------------------------
-
-    def _scheduled(
-        self,
+    @staticmethod
+    def _record(
         ctx: InferenceContext,
-        runner: ModelRunner,
+        run: GenerationRun,
         requests: list[Request],
+        settings: list[dict[str, Any]],
         params: GenerateParams,
-        eos: set[int],
-        seed: int,
-        stream: bool,
-        running: int,
     ) -> list[Result]:
-        tok = ctx.tokenizer
-        assert tok is not None and ctx.kv_cache is not None
-        served = ctx.engine_loop
-        loop = served or new_loop(runner, ctx.kv_cache, params, running, ctx.draft_model)
-        if served is None:
-            loop.timeline = []  # every step's passes, for the trace and the report
-        settings_of = [settings_for(r, params, seed) for r in requests]
-        grammars = [grammar_for(ctx, s, eos) for s in settings_of]  # every refusal before the first submit
-        if loop.scheduler.draft is None and any(_drafts(s) for s in settings_of):
-            raise InputRefused("speculative.method: draft needs the plan's draft model (a load.draft stage)")
-        decoder = StreamDecoder(tok, skip_special_tokens=True) if stream else None
-        shown = _Streaming(
-            StopStringStream(ctx.stream, settings_of[0]["stop"] if stream else []), decoder, frozenset(eos)
-        )
-        ended = _Countdown(len(requests))
-        # Served: a cancel (the client went away) ends the requests at the loop's next step, which wakes us.
-        cancel = ctx.cancel if served is not None else None
-        submitted = []
-        for request, settings, grammar in zip(requests, settings_of, grammars, strict=True):
-            prompt = self._fit(ctx, request, ctx.kv_cache.max_tokens)
-            seq = loop.submit(
-                GenerationRequest(
-                    prompt=prompt,
-                    picker=picker_for(settings, params, len(prompt), grammar),
-                    max_new_tokens=settings["max_new_tokens"],
-                    eos_ids=shown.eos_ids,
-                    stop=stop_checker(tok, settings["stop"]),
-                    on_token=shown.on_token if stream else None,
-                    on_finish=ended.one,
-                    tag=request.id,
-                    cancel=cancel,
-                    speculation=Speculation.of(settings["speculative"]),
-                )
+        """Each outcome as the run's Result, the scheduler's steps and counts when the engine loop ran them."""
+        loop = run.loop
+        if loop is not None:
+            if loop.timeline is not None:
+                record_steps(ctx, loop.timeline)
+            stats = loop.stats
+            ctx.metrics.set(
+                "scheduler",
+                {
+                    "slots": loop.cache.slots,
+                    "steps": stats.steps,
+                    "busy_max": stats.busy_max,
+                    "prefill_tokens": stats.prefill_tokens,
+                    "reused_prefix_tokens": stats.reused_tokens,
+                },
             )
-            submitted.append((request, seq, settings))
-        if served is None:
-            loop.run()
-        else:  # the host's thread steps the served loop: wait for the last request to end
-            ctx.stream("")  # every prompt fit and is queued: the server may start its answer's stream now
-            ended.all.wait()
-        self._end_stream(ctx, shown, served is None)
-        return self._collect(ctx, loop, submitted, params, stream)
-
-    @staticmethod
-    def _end_stream(ctx: InferenceContext, shown: _Streaming, own_loop: bool) -> None:
-        if shown.decoder is None:
-            return
-        if own_loop:
-            # A served answer's tail comes from its final text instead: an incomplete character held back
-            # here is dropped there, and the client must get exactly the final text.
-            shown.shown.push(shown.decoder.flush())
-            shown.shown.end()
-            ctx.stream("\n")
-        else:
-            shown.shown.end()
-
-    @staticmethod
-    def _collect(
-        ctx: InferenceContext,
-        loop: EngineLoop,
-        submitted: list[tuple[Request, Sequence, dict[str, Any]]],
-        params: GenerateParams,
-        stream: bool,
-    ) -> list[Result]:
-        if loop.timeline is not None:
-            record_steps(ctx, loop.timeline)
-        stats = loop.stats
-        ctx.metrics.set(
-            "scheduler",
-            {
-                "slots": loop.cache.slots,
-                "steps": stats.steps,
-                "busy_max": stats.busy_max,
-                "prefill_tokens": stats.prefill_tokens,
-                "reused_prefix_tokens": stats.reused_tokens,
-            },
-        )
         out = []
-        for request, seq, settings in submitted:
-            gen = seq.generation
-            computed = gen.prompt_tokens - seq.reused
-            result = _result(request, gen, settings, stats.busy_max, computed, params.logprobs)
-            _record_format(result, seq.request.picker)
-            result.streamed = stream
-            if gen.finish_reason == "error":
-                ctx.log.warning("generation_error", request=request.id, error=gen.error)
+        for request, outcome, setting in zip(requests, run.outcomes, settings, strict=True):
+            result = _result(request, outcome, setting, params)
+            if outcome.generation.finish_reason == "error" or outcome.error is not None:
+                ctx.log.warning("generation_error", request=request.id, error=outcome.generation.error)
             out.append(result)
         return out
 
-    # --- sampling / greedy, static batches (the "slide" cache policy) ------------------------------
-
-    def _batch(
-        self,
-        ctx: InferenceContext,
-        runner: ModelRunner,
-        group: list[Request],
-        params: GenerateParams,
-        eos: set[int],
-        pad: int,
-        seed: int,
-        stream: bool,
-    ) -> list[Result]:
-        tok, cache = ctx.tokenizer, ctx.kv_cache
-        assert cache is not None
-        settings = [settings_for(r, params, seed) for r in group]
-        prompts = [self._fit(ctx, r, cache.max_tokens) for r in group]
-        pickers = [
-            picker_for(s, params, len(p), grammar_for(ctx, s, eos)) for s, p in zip(settings, prompts, strict=True)
-        ]
-        stops = [stop_checker(tok, s["stop"]) for s in settings]
-        decoders = [StreamDecoder(tok, skip_special_tokens=True) for _ in group] if stream else []
-        shown = StopStringStream(ctx.stream, settings[0]["stop"] if stream else [])
-
-        def stop_fn(row: int, ids: list[int]) -> bool:
-            check = stops[row]
-            return check is not None and check(ids)
-
-        def on_token(row: int, token: int) -> None:
-            if decoders and token not in eos:
-                piece = decoders[row].push(token)
-                if piece:
-                    shown.push(piece)
-
-        cache.reset(len(group))
-        with torch.inference_mode():
-            gens = generate(
-                runner.model,
-                cache,
-                prompts,
-                pickers=pickers,
-                max_new_tokens=[s["max_new_tokens"] for s in settings],
-                eos_ids=eos,
-                pad_id=pad,
-                stop_fn=stop_fn if any(c is not None for c in stops) else None,
-                on_token=on_token if stream else None,
-                prefill_chunk=params.prefill_chunk,
-                runner=runner,
-            )
-        if decoders:
-            shown.push(decoders[0].flush())
-            shown.end()
-            ctx.stream("\n")
-        out = []
-        batch_prompt = sum(len(p) for p in prompts)
-        for request, gen, s, picker in zip(group, gens, settings, pickers, strict=True):
-            result = _result(request, gen, s, len(group), batch_prompt, params.logprobs)
-            _record_format(result, picker)
-            result.streamed = stream
-            if gen.finish_reason == "error":
-                ctx.log.warning("generation_error", request=request.id, error=gen.error)
-            out.append(result)
-        return out
-
-    def _fit(self, ctx: InferenceContext, request: Request, capacity: int) -> list[int]:
-        """Leave room for at least one generated token; with policy stop, the rest ends as cache_full. A served
-        request is never cut here: the server sizes its tokenize limit to the context, so a prompt that still
-        does not fit is refused with both numbers."""
-        limit = capacity - 1
+    def _fit(self, ctx: InferenceContext, request: Request, limit: int) -> list[int]:
+        """At most `limit` prompt tokens (room for at least one generated token; with policy stop, the rest ends
+        as cache_full). A served request is never cut here: the server sizes its tokenize limit to the context,
+        so a prompt that still does not fit is refused with both numbers."""
         if ctx.engine_loop is not None and len(request.prompt_ids) > limit:
             raise InputRefused(f"prompt has {len(request.prompt_ids)} tokens; the limit is {limit} (the context)")
         ids, dropped = truncate(request.prompt_ids, limit, "keep_end", 1 if request.prompt_ids[:1] else 0)
@@ -364,155 +214,42 @@ class Generate(Stage):
             request.truncated += dropped
         return ids
 
-    # --- beam search --------------------------------------------------------------------------------
 
-    def _all_beams(
-        self,
-        ctx: InferenceContext,
-        runner: ModelRunner,
-        requests: list[Request],
-        params: GenerateParams,
-        eos: set[int],
-        seed: int,
-    ) -> list[Result]:
-        cache = ctx.kv_cache
-        assert cache is not None
-        if ctx.engine_loop is not None:
-            raise StageFailure("beam search cannot run beside a served engine loop (it uses the whole cache)")
-        if cache.max_batch < params.num_beams:
-            raise StageFailure(
-                f"num_beams {params.num_beams} needs {params.num_beams} KV-cache rows; "
-                f"the cache has {cache.max_batch} (set max_batch on the load.to_device stage)"
-            )
-        # every format compiled (or refused) before the first beam runs
-        grammars = [grammar_for(ctx, settings_for(r, params, seed), eos) for r in requests]
-        return [
-            self._beams(ctx, runner, request, params, eos, seed, grammar)
-            for request, grammar in zip(requests, grammars, strict=True)
-        ]
+def _sampling(settings: dict[str, Any], params: GenerateParams) -> SamplingParams:
+    """A request's effective settings as the library's SamplingParams (alternatives kept for the record)."""
+    bias = tuple(sorted(params.logit_bias.items()))
+    return sampling_params(settings, logprobs_top_n=max(params.logprobs, ALTERNATIVES), logit_bias=bias)
 
-    def _beams(
-        self,
-        ctx: InferenceContext,
-        runner: ModelRunner,
-        request: Request,
-        params: GenerateParams,
-        eos: set[int],
-        seed: int,
-        grammar: CompiledFormat | None,
-    ) -> Result:
-        settings = settings_for(request, params, seed)
-        max_new = settings["max_new_tokens"]
-        cache = ctx.kv_cache
-        assert cache is not None
-        prompt = self._fit(ctx, request, cache.max_tokens - max_new + 1)
-        cache.reset(params.num_beams)
-        start = time.perf_counter()
-        allowed: list[int] = []
-        try:
-            with torch.inference_mode():
-                candidates = beam_search(
-                    runner.model,
-                    cache,
-                    prompt,
-                    num_beams=params.num_beams,
-                    max_new_tokens=max_new,
-                    eos_ids=eos,
-                    length_penalty=params.length_penalty,
-                    num_return_sequences=params.num_return_sequences,
-                    early_stopping=params.early_stopping,
-                    runner=runner,
-                    grammar=grammar,
-                    allowed=allowed,
-                )
-        except (torch.OutOfMemoryError, RuntimeError) as bad:
-            ctx.log.warning("generation_error", request=request.id, error=str(bad))
-            return Result.failed(request.id, len(prompt), plain_error(bad))
-        wall = time.perf_counter() - start
-        best = candidates[0]
-        # A beam search is timed as a whole (one wall clock): its rows share every pass.
-        gen = Generation(len(prompt), list(best.tokens), finish_reason=best.finish_reason, decode_s=wall)
+
+def _vocabulary(ctx: InferenceContext, params: GenerateParams) -> Vocabulary:
+    tok, cfg = ctx.tokenizer, ctx.model_config
+    assert tok is not None and cfg is not None
+    eos = set() if params.ignore_eos else set(cfg.eos_token_ids) | ({tok.eos_id} if tok.eos_id is not None else set())
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else (tok.pad_id or 0)
+    return Vocabulary(tok, frozenset(eos), pad, cfg.vocab_size)
+
+
+def _result(request: Request, outcome: Outcome, settings: dict[str, Any], params: GenerateParams) -> Result:
+    """The run's record of one request. Beams are timed as one search; the loops' rows by phase, with the prompt
+    tokens their prefill covered (a static batch's one pass for all its rows; a scheduled request's own)."""
+    gen = outcome.generation
+    if outcome.error is not None:
+        return Result.failed(request.id, gen.prompt_tokens, plain_error(outcome.error))
+    if params.num_beams > 1:
+        beam_settings = settings | {"num_beams": params.num_beams, "length_penalty": params.length_penalty}
+        result = Result(request.id, gen, candidates=outcome.candidates, params=beam_settings, timed_as="search")
+    else:
         result = Result(
             request.id,
             gen,
-            candidates=list(candidates),
-            params=settings | {"num_beams": params.num_beams, "length_penalty": params.length_penalty},
-            timed_as="search",
+            top_n=params.logprobs,
+            params=settings,
+            timed_as="phases",
+            batch=outcome.batch,
+            batch_prompt=outcome.batch_prompt,
         )
-        if grammar is not None:
-            result.format_record = {**grammar.format.record(), "complete": complete(grammar, gen.tokens)}
-            result.mask_allowed = allowed
-        return result
-
-
-class _Countdown:
-    """Set `all` once `one` has been called n times (each request's on_finish, on the stepping thread)."""
-
-    def __init__(self, n: int) -> None:
-        self.left, self.all = n, threading.Event()
-        if n == 0:
-            self.all.set()
-
-    def one(self, _seq: Any) -> None:
-        self.left -= 1
-        if self.left == 0:
-            self.all.set()
-
-
-def _drafts(settings: dict[str, Any]) -> bool:
-    spec = Speculation.of(settings["speculative"])
-    return spec is not None and spec.method == "draft"
-
-
-def new_loop(
-    runner: ModelRunner, cache: Any, params: GenerateParams, running: int, draft: DraftModel | None = None
-) -> EngineLoop:
-    try:
-        return EngineLoop(
-            runner,
-            SlotCache.over(cache),
-            max_step_tokens=params.max_step_tokens,
-            prefill_chunk=params.prefill_chunk,
-            max_running=running,
-            prefix_reuse=params.prefix_reuse,
-            draft=draft,
-        )
-    except ValueError as bad:
-        raise StageFailure(f"compute.generate: {bad}") from None
-
-
-def serving_loop(ctx: InferenceContext, params: GenerateParams) -> EngineLoop:
-    """The engine loop a resident plan serves with, over the whole cache: its owner steps it and hands it to
-    the requests' runs through the context (`ctx.engine_loop`)."""
-    cache = ctx.kv_cache
-    assert ctx.model is not None and cache is not None
-    if params.num_beams > 1:
-        raise StageFailure("beam search runs as a static batch over the whole cache: it cannot be served")
-    if cache.policy == "slide":
-        raise StageFailure('the "slide" KV-cache policy evicts over a shared write pointer: it cannot be served')
-    runner = ctx.model_runner or ModelRunner(ctx.model, cache)
-    return new_loop(runner, cache, params, cache.max_batch, ctx.draft_model)
-
-
-def _record_format(result: Result, picker: TokenPicker) -> None:
-    """The constraint that ran, whether the answer is whole under it, and how many tokens each step allowed."""
-    mask = getattr(picker, "mask", None)
-    if mask is None:
-        return
-    result.format_record = {**mask.compiled.format.record(), "complete": complete(mask.compiled, result.tokens)}
-    result.mask_allowed = list(mask.allowed)
-
-
-def _result(
-    request: Request,
-    gen: Generation,
-    settings: dict[str, Any],
-    batch: int,
-    batch_prompt: int,
-    logprobs: int,
-) -> Result:
-    """batch_prompt: the prompt tokens the prefill time covers (a static batch's prefill is one pass for all its
-    rows; a scheduled request's is its own, less any reused prefix)."""
-    return Result(
-        request.id, gen, top_n=logprobs, params=settings, timed_as="phases", batch=batch, batch_prompt=batch_prompt
-    )
+        result.streamed = outcome.streamed
+    if outcome.grammar is not None:  # the constraint that ran, whether the answer is whole under it, each step's room
+        result.format_record = {**outcome.grammar.format.record(), "complete": complete(outcome.grammar, gen.tokens)}
+        result.mask_allowed = outcome.allowed
+    return result

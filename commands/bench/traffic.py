@@ -21,14 +21,10 @@ import sys
 import time
 from typing import Any
 
-import torch
-
-from llmplan.llm.generation.engine_loop import EngineLoop, GenerationRequest
-from llmplan.llm.generation.static_batch import generate
+from llmplan.llm.generation.model_runner import ModelRunner
+from llmplan.llm.generation.run_requests import LoopOptions, PromptRequest, Vocabulary, run_requests
 from llmplan.llm.kv.cache import KVCache
-from llmplan.llm.kv.slot_cache import SlotCache
-
-from .measure import greedy
+from llmplan.llm.sampling.params import SamplingParams
 
 PROMPT_RANGE, OUTPUT_RANGE = (16, 512), (16, 256)
 Mix = list[tuple[list[int], int]]  # (prompt ids, tokens to generate) per request
@@ -47,38 +43,33 @@ def workload(
     return mix
 
 
-def run_static(model: Any, cache: KVCache, mix: Mix, slots: int) -> dict[str, Any]:
+def _greedy_requests(mix: Mix) -> list[PromptRequest]:
+    # greedy, no stop strings, no EOS (Vocabulary below): every request generates exactly its tokens
+    return [PromptRequest(prompt, SamplingParams.trusted(max_new_tokens=n)) for prompt, n in mix]
+
+
+def _no_eos(vocab: int) -> Vocabulary:
+    return Vocabulary(tokenizer=None, eos_ids=frozenset(), pad_id=0, vocab_size=vocab)
+
+
+def run_static(runner: ModelRunner, cache: KVCache, mix: Mix, slots: int) -> dict[str, Any]:
     start = time.perf_counter()
-    ttft: list[float] = []
-    tokens: list[list[int]] = []
-    for first in range(0, len(mix), slots):
-        group = mix[first : first + slots]
-        offset = time.perf_counter() - start
-        with torch.inference_mode():
-            gens = generate(
-                model,
-                cache,
-                [p for p, _ in group],
-                pickers=[greedy] * len(group),
-                max_new_tokens=[n for _, n in group],
-                eos_ids=set(),
-                pad_id=0,
-            )
-        ttft += [offset + (g.ttft_s or 0.0) for g in gens]
-        tokens += [g.tokens for g in gens]
-    return _summary(time.perf_counter() - start, ttft, tokens, mix)
+    options = LoopOptions(batch_size=slots, static_batches=True)
+    run = run_requests(runner, cache, _greedy_requests(mix), options, _no_eos(runner.model.cfg.vocab_size))
+    ttft = [o.batch_start_s + (o.generation.ttft_s or 0.0) for o in run.outcomes]  # from t = 0
+    return _summary(time.perf_counter() - start, ttft, [o.generation.tokens for o in run.outcomes], mix)
 
 
-def run_scheduled(model: Any, slots: SlotCache, mix: Mix, max_step_tokens: int) -> dict[str, Any]:
+def run_scheduled(runner: ModelRunner, cache: KVCache, mix: Mix, max_step_tokens: int) -> dict[str, Any]:
     # random prompts share no prefix
-    sched = EngineLoop.for_model(model, slots, max_step_tokens=max_step_tokens, prefix_reuse=False)
+    options = LoopOptions(max_step_tokens=max_step_tokens, prefix_reuse=False)
     start = time.perf_counter()
-    seqs = [sched.submit(GenerationRequest(prompt=p, picker=greedy, max_new_tokens=n)) for p, n in mix]
-    sched.run()
+    run = run_requests(runner, cache, _greedy_requests(mix), options, _no_eos(runner.model.cfg.vocab_size))
     wall = time.perf_counter() - start
-    ttft = [s.generation.ttft_s or 0.0 for s in seqs]  # from submission, which was t = 0
-    out = _summary(wall, ttft, [s.generation.tokens for s in seqs], mix)
-    out["steps"] = sched.stats.steps
+    ttft = [o.generation.ttft_s or 0.0 for o in run.outcomes]  # from submission, which was t = 0
+    out = _summary(wall, ttft, [o.generation.tokens for o in run.outcomes], mix)
+    assert run.loop is not None
+    out["steps"] = run.loop.stats.steps
     return out
 
 
@@ -99,18 +90,18 @@ def _summary(wall: float, ttft: list[float], tokens: list[list[int]], mix: Mix) 
     }
 
 
-def single_request_tax(model: Any, cache: KVCache, prompt: list[int], gen: int, runs: int) -> dict[str, Any]:
-    """Decode tok/s of one request alone: static generate() and the scheduler, alternating."""
+def single_request_tax(runner: ModelRunner, cache: KVCache, prompt: list[int], gen: int, runs: int) -> dict[str, Any]:
+    """Decode tok/s of one request alone: static batches and the engine loop, alternating."""
     static, scheduled = [], []
+    vocab = _no_eos(runner.model.cfg.vocab_size)
     for _ in range(runs):
-        with torch.inference_mode():
-            g = generate(model, cache, [prompt], pickers=[greedy], max_new_tokens=gen, eos_ids=set(), pad_id=0)[0]
-        static.append((len(g.tokens) - 1) / g.decode_s)
-        sched = EngineLoop.for_model(model, SlotCache.over(cache), max_running=1, max_step_tokens=len(prompt) + 1)
-        seq = sched.submit(GenerationRequest(prompt=prompt, picker=greedy, max_new_tokens=gen))
-        sched.run()
-        scheduled.append((len(seq.generation.tokens) - 1) / seq.generation.decode_s)
-        if seq.generation.tokens != g.tokens:
+        alone = LoopOptions(static_batches=True)
+        (g,) = run_requests(runner, cache, _greedy_requests([(prompt, gen)]), alone, vocab).outcomes
+        static.append((len(g.generation.tokens) - 1) / g.generation.decode_s)
+        one_row = LoopOptions(batch_size=1, max_step_tokens=len(prompt) + 1)
+        (s,) = run_requests(runner, cache, _greedy_requests([(prompt, gen)]), one_row, vocab).outcomes
+        scheduled.append((len(s.generation.tokens) - 1) / s.generation.decode_s)
+        if s.generation.tokens != g.generation.tokens:
             raise RuntimeError("the scheduler and the static path generated different greedy tokens")
     a, b = statistics.median(static), statistics.median(scheduled)
     return {"static_decode_tok_s": static, "scheduler_decode_tok_s": scheduled, "ratio": b / a}
@@ -127,23 +118,24 @@ def bench_mix(
     outputs: tuple[int, int] = OUTPUT_RANGE,
 ) -> dict[str, Any]:
     model, cache, cfg = loaded.model, loaded.cache, loaded.ctx.model_config
+    runner = loaded.ctx.model_runner or ModelRunner(model, cache)
     mix = workload(n, cfg.vocab_size, prompts, outputs)
     say(f"bench: mix of {n} requests, warm-up")
     warm = mix[: min(2, n)]
-    run_static(model, cache, [(p[:32], 4) for p, _ in warm], slots)
-    run_scheduled(model, SlotCache.over(cache), [(p[:32], 4) for p, _ in warm], max_step_tokens)
+    run_static(runner, cache, [(p[:32], 4) for p, _ in warm], slots)
+    run_scheduled(runner, cache, [(p[:32], 4) for p, _ in warm], max_step_tokens)
     static_runs, sched_runs = [], []
     for r in range(runs):
         say(f"bench: mix run {r + 1}/{runs}: static batches of {slots}")
-        static_runs.append(run_static(model, cache, mix, slots))
+        static_runs.append(run_static(runner, cache, mix, slots))
         say(f"bench: mix run {r + 1}/{runs}: scheduler with {slots} slots")
-        sched_runs.append(run_scheduled(model, SlotCache.over(cache), mix, max_step_tokens))
+        sched_runs.append(run_scheduled(runner, cache, mix, max_step_tokens))
         if static_runs[-1]["tokens"] != sched_runs[-1]["tokens"]:
             same = sum(a == b for a, b in zip(static_runs[-1]["tokens"], sched_runs[-1]["tokens"], strict=True))
             say(f"bench: note: {n - same} of {n} requests differ in their greedy tokens between the two sides")
     say("bench: one request alone, static vs scheduler")
     alone = min(128, prompts[1]), min(128, outputs[1])
-    tax = single_request_tax(model, cache, workload(1, cfg.vocab_size, (alone[0],) * 2, seed=1)[0][0], alone[1], 3)
+    tax = single_request_tax(runner, cache, workload(1, cfg.vocab_size, (alone[0],) * 2, seed=1)[0][0], alone[1], 3)
 
     def med(rows: list[dict[str, Any]], key: str) -> float:
         return statistics.median(r[key] for r in rows)

@@ -158,7 +158,10 @@ class ModelHost:
         self._on_model_thread(self._load)
 
     def _load(self) -> None:
-        from llmplan.stages.compute_generate import serving_loop  # torch: only once a model is loaded
+        # torch: only once a model is loaded
+        from llmplan.llm.generation.model_runner import ModelRunner
+        from llmplan.llm.generation.run_requests import CannotRun, serving_loop
+        from llmplan.stages.compute_generate import loop_options, stage_failure
 
         with self._lock:
             if self.plan.state == "ready":
@@ -167,7 +170,12 @@ class ModelHost:
             if result.exit_code:
                 raise StageFailure(result.message)
             ctx = self.plan.context
-            self.loop = serving_loop(ctx, self.generate_params)
+            assert ctx.model is not None and ctx.kv_cache is not None
+            runner = ctx.model_runner or ModelRunner(ctx.model, ctx.kv_cache)
+            try:
+                self.loop = serving_loop(runner, ctx.kv_cache, loop_options(self.generate_params), ctx.draft_model)
+            except CannotRun as bad:
+                raise stage_failure(bad) from None
             self.loop.scheduler.on_work = self._wake.set
             ctx.engine_loop = self.loop  # every request's context is made from this one
             self.loads += 1

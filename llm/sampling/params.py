@@ -19,7 +19,7 @@ from typing import Any, Literal
 from .constrained_format import OutputFormat
 from .format_compiler import CompiledFormat
 
-__all__ = ["Limit", "SamplingParams", "Speculation", "request_fields", "setting", "setting_kinds"]
+__all__ = ["HOW_GREEDY", "Limit", "SamplingParams", "Speculation", "request_fields", "setting", "setting_kinds"]
 
 
 @dataclass(frozen=True)
@@ -152,6 +152,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+# How a request asks for greedy picks, for a loop that only picks greedily (beam search) to say so.
+HOW_GREEDY = "temperature 0"
 
 
 def request_fields(source: type = SamplingParams) -> list[tuple[dataclasses.Field[Any], Any, Limit]]:

@@ -61,7 +61,7 @@ def _patch_place(module: Any) -> None:
 
 
 def _patch_generate(module: Any) -> None:
-    module.Generate._scheduled = slow(module.Generate._scheduled)
+    module._scheduled = slow(module._scheduled)
 
 
 def _patch_release(module: Any) -> None:
@@ -72,7 +72,7 @@ TARGETS = {
     "read": ("llmplan.llm.formats.shard_reader", _patch_shard_reader),
     "convert": ("llmplan.stages.load_convert", _patch_convert),
     "place": ("llmplan.stages.load_to_device", _patch_place),
-    "generate": ("llmplan.stages.compute_generate", _patch_generate),
+    "generate": ("llmplan.llm.generation.run_requests", _patch_generate),
     "release": ("llmplan.stages.output_release", _patch_release),
     "import": ("torch", lambda module: None),
 }
