@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from llmplan.llm.model.layer_names import HEAD_NAME, LINEAR_NAMES
-from llmplan.llm.text.tokenizer import Tokenizer
+from llmplan.llm.model import HEAD_NAME, LINEAR_NAMES
+from llmplan.llm.text import Tokenizer
 from tests.pipeline.conftest import PLANS, run_plan
 
 TEXTS = [

@@ -43,7 +43,7 @@ def load(plan: str) -> Any:
     from llmplan.engine.plan import load_plan
     from llmplan.engine.registry import discover
     from llmplan.engine.runner import Runner
-    from llmplan.llm.text.tokenizer import Tokenizer
+    from llmplan.llm.text import Tokenizer
     from llmplan.stages.slots import InferenceContext
 
     bound = load_plan(Path(plan), discover(), ["place.max_batch=16"])
@@ -57,9 +57,11 @@ def load(plan: str) -> Any:
 
 
 def batch(ctx: Any, prompts: list[list[int]], tokens: int, grammar: Any) -> dict[str, Any]:
-    from llmplan.llm.generation.engine_loop import EngineLoop, GenerationRequest
-    from llmplan.llm.kv.slot_cache import SlotCache
-    from llmplan.llm.sampling.chain import SamplingParams, build_picker
+    from llmplan.llm.generation import EngineLoop
+    from llmplan.llm.generation.engine_loop import GenerationRequest
+    from llmplan.llm.kv import SlotCache
+    from llmplan.llm.sampling import build_picker
+    from llmplan.llm.sampling.chain import SamplingParams
 
     loop = EngineLoop(ctx.model_runner, SlotCache.over(ctx.kv_cache), max_running=len(prompts))
     eos = frozenset(i for i in (ctx.tokenizer.eos_id,) if i is not None)
@@ -83,8 +85,7 @@ def batch(ctx: Any, prompts: list[list[int]], tokens: int, grammar: Any) -> dict
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from llmplan.llm.sampling.constrained_format import OutputFormat
-    from llmplan.llm.sampling.format_compiler import compile_format
+    from llmplan.llm.sampling import OutputFormat, compile_format
 
     ctx = load(args.plan)
     eos = frozenset(i for i in (ctx.tokenizer.eos_id,) if i is not None)

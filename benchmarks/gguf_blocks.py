@@ -20,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from llmplan.llm.formats.gguf.block_types import BY_NAME
+from llmplan.llm.formats.gguf import BY_NAME
 from llmplan.llm.kernels import native
 
 SHAPES = [(8960, 1536), (1536, 8960)]  # (N out, K in): Qwen2.5-1.5B's MLP up/gate and down

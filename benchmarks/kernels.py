@@ -17,8 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from llmplan.llm.model.linear import make_linear
-from llmplan.llm.model.weight_formats import Int4Weight, dequantize, quantize_weight
+from llmplan.llm.model import Int4Weight, dequantize, make_linear, quantize_weight
 
 SHAPES: list[tuple[str, int, int]] = [  # (name, out N, in K)
     ("w13-half [1536,576]", 1536, 576),

@@ -60,10 +60,12 @@ def interleaved(plan: str, tokens: int, prompt_tokens: int = 128) -> dict[str, A
     from llmplan.engine.plan import load_plan
     from llmplan.engine.registry import discover
     from llmplan.engine.runner import Runner
-    from llmplan.llm.generation.engine_loop import EngineLoop, GenerationRequest
-    from llmplan.llm.kv.slot_cache import SlotCache
-    from llmplan.llm.model.layer_clock import LayerClock
-    from llmplan.llm.sampling.chain import SamplingParams, build_picker
+    from llmplan.llm.generation import EngineLoop
+    from llmplan.llm.generation.engine_loop import GenerationRequest
+    from llmplan.llm.kv import SlotCache
+    from llmplan.llm.model import LayerClock
+    from llmplan.llm.sampling import build_picker
+    from llmplan.llm.sampling.chain import SamplingParams
     from llmplan.stages.slots import InferenceContext
 
     bound = load_plan(Path(plan), discover())

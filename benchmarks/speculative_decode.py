@@ -81,7 +81,7 @@ def load(plan: str) -> Any:
         if result.status != "ok":
             raise SystemExit(f"loading {plan}: {result.message}")
     if ctx.tokenizer is None:  # the tokenizer stage is not upstream of the placement
-        from llmplan.llm.text.tokenizer import Tokenizer
+        from llmplan.llm.text import Tokenizer
 
         ctx.tokenizer = Tokenizer.from_dir(ctx.model_source.model_dir)
     return ctx
@@ -89,9 +89,11 @@ def load(plan: str) -> Any:
 
 def answer(ctx: Any, prompt: list[int], tokens: int, spec: Any) -> dict[str, Any]:
     """One greedy answer through the engine loop: its tokens, decode speed and the guesses it verified."""
-    from llmplan.llm.generation.engine_loop import EngineLoop, GenerationRequest
-    from llmplan.llm.kv.slot_cache import SlotCache
-    from llmplan.llm.sampling.chain import SamplingParams, build_picker
+    from llmplan.llm.generation import EngineLoop
+    from llmplan.llm.generation.engine_loop import GenerationRequest
+    from llmplan.llm.kv import SlotCache
+    from llmplan.llm.sampling import build_picker
+    from llmplan.llm.sampling.chain import SamplingParams
 
     loop = EngineLoop(ctx.model_runner, SlotCache.over(ctx.kv_cache), draft=ctx.draft_model)
     picker = build_picker(SamplingParams(temperature=0.0), len(prompt))
@@ -123,7 +125,7 @@ def encode(ctx: Any, text: str) -> list[int]:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from llmplan.llm.sampling.params import Speculation
+    from llmplan.llm.sampling import Speculation
 
     ctx = load(args.plan)
     if args.threads is not None:

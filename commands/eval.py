@@ -76,7 +76,7 @@ def read_text(path: str | None) -> tuple[str, str]:
 
     if path is None:
         return default_text(), f"pydoc_data.topics (Python {sys.version.split()[0]})"
-    from llmplan.llm.trust.files import describe_os_error
+    from llmplan.llm.trust import describe_os_error
 
     try:
         return Path(path).read_text(encoding="utf-8"), path
@@ -231,9 +231,8 @@ def evaluate(args: argparse.Namespace, text: str, source: str) -> dict[str, Any]
 
 def _greedy(loaded: Any, prompts: list[list[int]], tokens: int) -> list[list[int]]:
     """Free-running greedy continuations, one prompt at a time (batch 1: no padding to differ on)."""
-    from llmplan.llm.generation.model_runner import ModelRunner
-    from llmplan.llm.generation.run_requests import LoopOptions, PromptRequest, Vocabulary, run_requests
-    from llmplan.llm.sampling.params import SamplingParams
+    from llmplan.llm.generation import LoopOptions, ModelRunner, PromptRequest, Vocabulary, run_requests
+    from llmplan.llm.sampling import SamplingParams
 
     runner = loaded.ctx.model_runner or ModelRunner(loaded.model, loaded.cache)
     no_eos = Vocabulary(tokenizer=None, eos_ids=frozenset(), pad_id=0, vocab_size=loaded.model.cfg.vocab_size)

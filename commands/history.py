@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from llmplan.commands.arguments import positive
 from llmplan.data_home import default_db, shown
 from llmplan.engine.cli import CliError
-from llmplan.llm.generation.ending import shown_finish
+from llmplan.llm.generation import shown_finish
 from llmplan.stages.results.store import ResultsStore, StoreError
 
 T = TypeVar("T")

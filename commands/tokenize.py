@@ -52,7 +52,7 @@ def load_tokenizer(plan: str, overrides: list[str]) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from llmplan.engine.cli import CliError, settle_plan
-    from llmplan.llm.text.tokenizer import TokenizerError
+    from llmplan.llm.text import TokenizerError
 
     if args.model is not None and args.text is None and args.plan is not None and not Path(args.plan).is_file():
         args.plan, args.text = None, args.plan  # `tokenize --model DIR "text"`: the one positional is the text

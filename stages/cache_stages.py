@@ -44,7 +44,7 @@ from pydantic import Field, field_validator
 from llmplan.data_home import in_home
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
-from llmplan.llm.trust.manifest import MANIFEST_NAME, ManifestError, read_sha256sums
+from llmplan.llm.trust import MANIFEST_NAME, ManifestError, read_sha256sums
 
 from .results.file import path_problem
 from .results.rows import DamagedRow, check_replay

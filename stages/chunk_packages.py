@@ -30,8 +30,7 @@ from pathlib import Path, PurePosixPath
 from pydantic import Field, field_validator
 
 from llmplan.engine.stage import Params
-from llmplan.llm.trust.hash_cache import HashCache, identity_of
-from llmplan.llm.trust.manifest import open_regular_fd, sha256_fd
+from llmplan.llm.trust import HashCache, identity_of, open_regular_fd, sha256_fd
 
 DOWNLOADS_DIR = "downloads"
 _CHUNK = 8 << 20

@@ -48,7 +48,7 @@ from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
-from llmplan.llm.generation.ending import shown_finish
+from llmplan.llm.generation import shown_finish
 
 from .types import Result, candidate_records
 

@@ -21,20 +21,19 @@ from pydantic import Field, model_validator
 
 from llmplan.engine.findings import InputRefused, StageFailure
 from llmplan.engine.stage import Phase, Stage
-from llmplan.llm.generation.model_runner import ModelRunner
-from llmplan.llm.generation.run_requests import (
+from llmplan.llm.generation import (
     BadLoopSettings,
     CannotRun,
     GenerationRun,
     LoopOptions,
+    ModelRunner,
     Outcome,
     PromptRequest,
     Refused,
     Vocabulary,
     run_requests,
 )
-from llmplan.llm.sampling.format_compiler import complete
-from llmplan.llm.sampling.params import SamplingParams
+from llmplan.llm.sampling import SamplingParams, complete
 from llmplan.plain_errors import plain_error
 
 from .compute_tokenize import truncate

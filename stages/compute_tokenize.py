@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from llmplan.engine.findings import InputRefused, StageFailure
 from llmplan.engine.messages import describe
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
-from llmplan.llm.text.tokenizer import TokenizerError
+from llmplan.llm.text import TokenizerError
 
 from .request_settings import Overrides
 from .slots import InferenceContext

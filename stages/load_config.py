@@ -6,7 +6,7 @@ from typing import Any
 
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Phase, Stage
-from llmplan.llm.model.config import ConfigError, ModelConfig
+from llmplan.llm.model import ConfigError, ModelConfig
 
 from .env_check import available_memory
 from .slots import InferenceContext

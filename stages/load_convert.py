@@ -20,15 +20,18 @@ from torch import Tensor
 
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
-from llmplan.llm.formats.checkpoint_writer import check_checkpoint_target, write_checkpoint
-from llmplan.llm.model.config import ModelConfig
-from llmplan.llm.model.layer_names import is_linear_weight
-from llmplan.llm.model.weight_formats import (
+from llmplan.llm.formats import check_checkpoint_target, write_checkpoint
+from llmplan.llm.model import (
     FLOAT_DTYPES,
+    ModelConfig,
     QuantDtype,
     concat_quantized,
     error_terms,
+    expected_hf_names,
     from_tensors,
+    fusion_table,
+    internal_shapes,
+    is_linear_weight,
     nbytes,
     quantize_weight,
     relative_from_terms,
@@ -36,7 +39,6 @@ from llmplan.llm.model.weight_formats import (
     value_problem,
     value_range,
 )
-from llmplan.llm.model.weights import expected_hf_names, fusion_table, internal_shapes
 from llmplan.ownership import NotOurs
 
 from .load_peak import converting_peak, shard_tensor_bytes

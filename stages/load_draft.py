@@ -22,8 +22,8 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from llmplan.engine.findings import PlanError, StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
-from llmplan.llm.generation.draft_model import DraftModel
-from llmplan.llm.kv.slot_cache import SlotCache
+from llmplan.llm.generation import DraftModel
+from llmplan.llm.kv import SlotCache
 
 from .slots import InferenceContext
 
@@ -92,7 +92,7 @@ class LoadDraft(Stage):
 
     def run(self, ctx: InferenceContext, params: Any) -> None:
         from llmplan.engine.runner import Runner
-        from llmplan.llm.text.tokenizer import Tokenizer
+        from llmplan.llm.text import Tokenizer
 
         cache, cfg, tokenizer = ctx.kv_cache, ctx.model_config, ctx.tokenizer
         assert cache is not None and cfg is not None and tokenizer is not None

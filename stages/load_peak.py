@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from llmplan.llm.trust.checkpoint import IntegrityError, ShardManifest, read_safetensors_header
+from llmplan.llm.trust import IntegrityError, ShardManifest, read_safetensors_header
 
 _ELEMENT = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 

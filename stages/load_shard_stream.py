@@ -19,11 +19,9 @@ from torch import Tensor
 
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
-from llmplan.llm.formats.shard_reader import ReadResult, read_shards
-from llmplan.llm.model.config import ModelConfig
-from llmplan.llm.model.weights import expected_hf_names, layout_problems
-from llmplan.llm.trust.checkpoint import IntegrityError, ShardManifest, read_safetensors_header
-from llmplan.llm.trust.files import FileProblem, read_json_limited
+from llmplan.llm.formats import ReadResult, read_shards
+from llmplan.llm.model import ModelConfig, expected_hf_names, layout_problems
+from llmplan.llm.trust import FileProblem, IntegrityError, ShardManifest, read_json_limited, read_safetensors_header
 
 from .slots import InferenceContext
 from .types import HostWeights

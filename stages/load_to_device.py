@@ -17,13 +17,10 @@ from llmplan.engine import heap
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.memory_fit import KVSizing
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
-from llmplan.llm.formats.gguf.footprint import resident_parts
-from llmplan.llm.generation.model_runner import ModelRunner
-from llmplan.llm.kv.cache import KVCache, planned_bytes
-from llmplan.llm.kv.layers import DEFAULT_CHUNK
-from llmplan.llm.model.linear import kernel_paths, make_linear
-from llmplan.llm.model.transformer import Transformer
-from llmplan.llm.model.weights import WeightError
+from llmplan.llm.formats.gguf import resident_parts
+from llmplan.llm.generation import ModelRunner
+from llmplan.llm.kv import DEFAULT_CHUNK, KVCache, planned_bytes
+from llmplan.llm.model import Transformer, WeightError, kernel_paths, make_linear
 
 from .load_convert import activation_dtype
 from .observe import begin_observing

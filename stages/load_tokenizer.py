@@ -6,7 +6,7 @@ from typing import Any
 
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import Phase, Stage
-from llmplan.llm.text.tokenizer import Tokenizer, TokenizerError
+from llmplan.llm.text import Tokenizer, TokenizerError
 
 from .slots import InferenceContext
 

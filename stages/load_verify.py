@@ -9,8 +9,7 @@ from pydantic import Field, field_validator
 
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
-from llmplan.llm.trust.checkpoint import IntegrityError, build_manifest, verify
-from llmplan.llm.trust.hash_cache import HashCache
+from llmplan.llm.trust import HashCache, IntegrityError, build_manifest, verify
 
 from .model_source import READ_BY_LOAD, note_cache_skipped
 from .slots import InferenceContext

@@ -23,10 +23,16 @@ from pydantic import Field, model_validator
 from llmplan.cache_home import cache_home
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
-from llmplan.llm.text.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
-from llmplan.llm.trust.checkpoint import IntegrityError, files_read_by_load
-from llmplan.llm.trust.first_use import FirstUseError, trust_on_first_use
-from llmplan.llm.trust.manifest import MANIFEST_NAME, ManifestError, manifest_fingerprint
+from llmplan.llm.text import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+from llmplan.llm.trust import (
+    MANIFEST_NAME,
+    FirstUseError,
+    IntegrityError,
+    ManifestError,
+    files_read_by_load,
+    manifest_fingerprint,
+    trust_on_first_use,
+)
 
 from .chunk_packages import PieceError, PiecesParams, fetch_pieces
 from .load_shard_stream import CONVERTED_MARKER
@@ -179,7 +185,8 @@ def _bars(ctx: InferenceContext | None, bars: ExitStack, name: str) -> Callable[
 
 
 def resolve_source(params: SourceParams, ctx: InferenceContext | None) -> ModelSource:
-    from llmplan.llm.formats.gguf.importer import GGUFImportError, import_gguf
+    from llmplan.llm.formats.gguf import import_gguf
+    from llmplan.llm.formats.gguf.importer import GGUFImportError
 
     path = locate(params, ctx)
     origin = "package" if params.package else "pieces" if params.pieces else "hf-dir"

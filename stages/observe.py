@@ -28,15 +28,13 @@ from torch import Tensor, nn
 
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.runner import write_json
-from llmplan.llm.model.layer_clock import LayerClock
-from llmplan.llm.model.layer_names import LAYER_MODULES
+from llmplan.llm.model import LAYER_MODULES, LayerClock
 
 if TYPE_CHECKING:
-    from llmplan.llm.generation.engine_loop import StepRecord
-    from llmplan.llm.generation.model_runner import ModelRunner
-    from llmplan.llm.kv.cache import KVCache
-    from llmplan.llm.model.transformer import Transformer
-    from llmplan.llm.text.tokenizer import Tokenizer
+    from llmplan.llm.generation import ModelRunner, StepRecord
+    from llmplan.llm.kv import KVCache
+    from llmplan.llm.model import Transformer
+    from llmplan.llm.text import Tokenizer
 
     from .slots import InferenceContext
     from .types import Result

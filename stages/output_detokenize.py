@@ -18,7 +18,7 @@ from typing import Any
 
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import Phase, Stage
-from llmplan.llm.text.tokenizer import Tokenizer
+from llmplan.llm.text import Tokenizer
 
 from .compute_tokenize import report_requests
 from .slots import InferenceContext

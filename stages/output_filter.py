@@ -53,9 +53,17 @@ from pydantic import Field
 from llmplan.bounded_read import NotRegularFileError, TooLargeError, read_limited
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
-from llmplan.llm.text import confusables
-from llmplan.llm.text.confusables import ConfusablesMissing
-from llmplan.llm.text.text_match import UNBOUNDED, Entry, Matcher, StreamGuard, literal_entry, normalize, regex_entry
+from llmplan.llm.text import (
+    UNBOUNDED,
+    ConfusablesMissing,
+    Entry,
+    Matcher,
+    StreamGuard,
+    confusables,
+    literal_entry,
+    normalize,
+    regex_entry,
+)
 
 from .slots import InferenceContext
 from .types import Result

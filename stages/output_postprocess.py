@@ -26,7 +26,7 @@ from pydantic import Field
 
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import Params, Phase, Stage
-from llmplan.llm.text.tokenizer import Tokenizer
+from llmplan.llm.text import Tokenizer
 
 from .slots import InferenceContext
 from .types import Result

@@ -26,9 +26,15 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 from llmplan.engine.stage import Params
-from llmplan.llm.sampling.constrained_format import OutputFormat
-from llmplan.llm.sampling.format_compiler import CompiledFormat
-from llmplan.llm.sampling.params import Limit, SamplingParams, Speculation, request_fields, setting_kinds
+from llmplan.llm.sampling import (
+    CompiledFormat,
+    Limit,
+    OutputFormat,
+    SamplingParams,
+    Speculation,
+    request_fields,
+    setting_kinds,
+)
 
 
 class FormatSetting(Params):

@@ -19,14 +19,11 @@ from llmplan.engine.observing import ObserveSettings
 from . import observe_settings
 
 if TYPE_CHECKING:
-    from llmplan.llm.generation.draft_model import DraftModel
-    from llmplan.llm.generation.engine_loop import EngineLoop
-    from llmplan.llm.generation.model_runner import ModelRunner
-    from llmplan.llm.kv.cache import KVCache
-    from llmplan.llm.model.config import ModelConfig
-    from llmplan.llm.model.transformer import Transformer
-    from llmplan.llm.text.tokenizer import Tokenizer
-    from llmplan.llm.trust.checkpoint import ShardManifest
+    from llmplan.llm.generation import DraftModel, EngineLoop, ModelRunner
+    from llmplan.llm.kv import KVCache
+    from llmplan.llm.model import ModelConfig, Transformer
+    from llmplan.llm.text import Tokenizer
+    from llmplan.llm.trust import ShardManifest
 
     from .types import ConvertedWeights, Environment, HostWeights, ModelSource, Request, Result
 

@@ -7,9 +7,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from llmplan.llm.generation.beam_search import Candidate  # stated once, where beam search makes them
-from llmplan.llm.generation.ending import OpenAIFinish, openai_finish
-from llmplan.llm.generation.outputs import Generation  # one row's output, as every generation loop makes it
+from llmplan.llm.generation import (
+    Candidate,  # stated once, where beam search makes them
+    Generation,  # one row's output, as every generation loop makes it
+    OpenAIFinish,
+    openai_finish,
+)
 from llmplan.llm.generation.static_batch import FinishReason  # stated once, where generation ends sequences
 
 

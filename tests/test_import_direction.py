@@ -144,3 +144,40 @@ def test_the_check_sees_a_forbidden_import() -> None:
     source = "from llmplan.stages.slots import InferenceContext\nfrom ..llm import model\nfrom . import graph\n"
     assert {t for t, _ in imported_layers(source, "engine")} == {"stages", "llm", "engine"}
     assert {t for t, _ in imported_layers("from ...commands import serve\n", "stages", ("bench",))} == {"commands"}
+
+
+def llm_packages() -> list[str]:
+    return sorted(
+        ".".join(("llmplan", "llm", *p.parent.relative_to(REPO / "llm").parts))
+        for p in (REPO / "llm").rglob("__init__.py")
+        if p.parent != REPO / "llm"
+    )
+
+
+@pytest.mark.parametrize("package", llm_packages())
+def test_each_llm_package_names_its_surface_and_every_name_resolves(package: str) -> None:
+    import importlib
+
+    module = importlib.import_module(package)
+    exports = getattr(module, "EXPORTS", {})
+    names = list(getattr(module, "__all__", []))
+    assert sorted(names) == sorted(exports) and len(set(names)) == len(names)
+    for name, where in exports.items():
+        assert getattr(module, name) is getattr(importlib.import_module(f"{package}.{where}"), name)
+
+
+def test_code_outside_llm_imports_a_package_s_public_names_from_the_package() -> None:
+    """`from llmplan.llm.kv.cache import KVCache` outside llm/ is refused where `llmplan.llm.kv` names it."""
+    import importlib
+
+    exports = {p: getattr(importlib.import_module(p), "EXPORTS", {}) for p in llm_packages()}
+    wrong = []
+    for root in ("engine", "stages", "commands", "benchmarks", "llmplan"):
+        for path in sorted((REPO / root).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                    package, _, leaf = node.module.rpartition(".")
+                    for alias in node.names:
+                        if exports.get(package, {}).get(alias.name) == leaf:
+                            wrong.append(f"{path.relative_to(REPO)}:{node.lineno}: {alias.name} from {package}")
+    assert not wrong, "\n".join(wrong)

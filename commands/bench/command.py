@@ -24,7 +24,7 @@ from typing import Any
 
 from llmplan.engine.cli import CliError, settle_plan
 from llmplan.engine.memory import rss_bytes
-from llmplan.llm.formats.gguf.footprint import recorded_footprint
+from llmplan.llm.formats.gguf import recorded_footprint
 from llmplan.ownership import check_writable, write_file
 
 from .cli import register  # noqa: F401  (the entry point's old home)

@@ -40,9 +40,17 @@ from typing import Any, get_args
 
 from llmplan.engine.cli import CliError
 from llmplan.engine.memory import mib
-from llmplan.llm.formats.gguf.file_type import GGUFType, file_type_names, gguf_type, nominal_bits
-from llmplan.llm.formats.gguf.footprint import footprint_line, gguf_read_per_token, read_per_token, recorded_footprint
-from llmplan.llm.model.weight_formats import QuantDtype
+from llmplan.llm.formats.gguf import (
+    GGUFType,
+    file_type_names,
+    footprint_line,
+    gguf_read_per_token,
+    gguf_type,
+    nominal_bits,
+    read_per_token,
+    recorded_footprint,
+)
+from llmplan.llm.model import QuantDtype
 from llmplan.openmp_env import foreign_env
 
 from .measure import bench_overrides, load, random_prompts, run_once

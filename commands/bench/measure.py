@@ -24,9 +24,8 @@ from llmplan.engine.memory import device_peak_bytes, rss_bytes
 from llmplan.engine.plan import BoundPlan, load_plan
 from llmplan.engine.registry import discover
 from llmplan.engine.runner import Runner
-from llmplan.llm.generation.static_batch import generate
-from llmplan.llm.sampling.chain import native_greedy
-from llmplan.llm.sampling.picks import Pick
+from llmplan.llm.generation import generate
+from llmplan.llm.sampling import Pick, native_greedy
 
 PLACE, CONVERT, DRAFT = "load.to_device", "load.convert", "load.draft"
 

@@ -10,7 +10,7 @@ import platform
 from typing import Any
 
 from llmplan.engine.memory import mib
-from llmplan.llm.formats.gguf.footprint import footprint_line
+from llmplan.llm.formats.gguf import footprint_line
 
 FIGURES = ("prefill_tok_s", "decode_tok_s", "ttft_s")
 """Per-run figures, summarized as median [min-max]; higher is better except ttft_s."""

@@ -21,10 +21,9 @@ import sys
 import time
 from typing import Any
 
-from llmplan.llm.generation.model_runner import ModelRunner
-from llmplan.llm.generation.run_requests import LoopOptions, PromptRequest, Vocabulary, run_requests
-from llmplan.llm.kv.cache import KVCache
-from llmplan.llm.sampling.params import SamplingParams
+from llmplan.llm.generation import LoopOptions, ModelRunner, PromptRequest, Vocabulary, run_requests
+from llmplan.llm.kv import KVCache
+from llmplan.llm.sampling import SamplingParams
 
 PROMPT_RANGE, OUTPUT_RANGE = (16, 512), (16, 256)
 Mix = list[tuple[list[int], int]]  # (prompt ids, tokens to generate) per request

@@ -16,7 +16,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from llmplan.llm.generation.ending import shown_finish
+from llmplan.llm.generation import shown_finish
 
 from .common import Figure, plt, save
 from .run_data import RunData

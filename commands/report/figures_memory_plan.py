@@ -7,7 +7,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from llmplan.llm.formats.gguf.footprint import footprint_line, recorded_footprint
+from llmplan.llm.formats.gguf import footprint_line, recorded_footprint
 
 from .common import Figure, mib
 from .figures_memory import stage_spans

@@ -32,8 +32,7 @@ from llmplan.engine.runner import make_run_dir
 from llmplan.engine.serving import RequestRun, ResidentPlan, ServeError
 
 if TYPE_CHECKING:  # torch comes with these: imported when a model is loaded, not when the CLI starts
-    from llmplan.llm.generation.engine_loop import EngineLoop
-    from llmplan.llm.generation.scheduler import Scheduler
+    from llmplan.llm.generation import EngineLoop, Scheduler
 
 GENERATE, TOKENIZE, WRITE = "compute.generate", "compute.tokenize", "output.write"
 
@@ -159,8 +158,7 @@ class ModelHost:
 
     def _load(self) -> None:
         # torch: only once a model is loaded
-        from llmplan.llm.generation.model_runner import ModelRunner
-        from llmplan.llm.generation.run_requests import CannotRun, serving_loop
+        from llmplan.llm.generation import CannotRun, ModelRunner, serving_loop
         from llmplan.stages.compute_generate import loop_options, stage_failure
 
         with self._lock:

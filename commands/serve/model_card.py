@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmplan.llm.formats.gguf.file import GGUFFileError, open_gguf
+from llmplan.llm.formats.gguf import GGUFFileError, open_gguf
 
 NAME_CHARS = 256  # a requested name is echoed back up to this length (OpenAI's ids are far shorter)
 

@@ -38,9 +38,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, create_model, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-from llmplan.llm.generation.ending import OPENAI_FINISH, openai_finish
-from llmplan.llm.sampling.constrained_format import OutputFormat
-from llmplan.llm.sampling.params import Limit, SamplingParams, Speculation, request_fields, setting_kinds
+from llmplan.llm.generation import OPENAI_FINISH, openai_finish
+from llmplan.llm.sampling import Limit, OutputFormat, SamplingParams, Speculation, request_fields, setting_kinds
 
 from .structured_output import Shaped, ShapeError, requested_format
 from .tool_calls import Tooled, ToolMode, history_turn, tool_mode

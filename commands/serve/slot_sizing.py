@@ -28,7 +28,7 @@ def auto_slots(bound: Any) -> SlotChoice | None:
     import torch
 
     from llmplan.engine.findings import StageFailure
-    from llmplan.llm.model.config import ConfigError, ModelConfig
+    from llmplan.llm.model import ConfigError, ModelConfig
     from llmplan.stages.env_check import available_memory
     from llmplan.stages.load_to_device import CACHE_DTYPES, kv_cache_bytes
     from llmplan.stages.model_source import resolve_source

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmplan.llm.sampling.constrained_format import OutputFormat, UnsupportedFormat
+from llmplan.llm.sampling import OutputFormat, UnsupportedFormat
 
 STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, populate_by_name=True)
 NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a schema's (and a function's) name

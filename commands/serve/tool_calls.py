@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from llmplan.llm.sampling.constrained_format import JSON_OPTIONS, OutputFormat, UnsupportedFormat
+from llmplan.llm.sampling import JSON_OPTIONS, OutputFormat, UnsupportedFormat
 
 from .call_reader import MARKER, NATIVE_END, NATIVE_SEP, CallArguments, CallEvent, CallReader, CallStart
 from .structured_output import NAME, STRICT, ShapeError, refusal

@@ -18,7 +18,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from llmplan.llm.generation.ending import openai_finish
+from llmplan.llm.generation import openai_finish
 
 REPLAYED_FINISH = frozenset({"eos", "length", "stop_string", "cache_full"})
 MAX_TOKEN_ID = 2**31 - 1

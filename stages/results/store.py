@@ -30,7 +30,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from llmplan.llm.generation.ending import OPENAI_FINISH
+from llmplan.llm.generation import OPENAI_FINISH
 
 from .file import (
     APPLICATION_ID,

@@ -22,8 +22,7 @@ from llmplan.commands.bench import llama_cpp
 from llmplan.commands.bench.llama_cpp import AS_SHIPPED, closest_dtype, llama_grid, parse_llama_types
 from llmplan.engine.cli import CliError, main
 from llmplan.engine.memory import mib
-from llmplan.llm.formats.gguf.file import open_gguf
-from llmplan.llm.formats.gguf.file_type import gguf_type, nominal_bits
+from llmplan.llm.formats.gguf import gguf_type, nominal_bits, open_gguf
 from tests.llm.test_gguf_import import _write_tiny
 from tests.stages.tiny_run import load_stages
 

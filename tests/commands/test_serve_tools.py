@@ -24,7 +24,7 @@ from llmplan.commands.serve.app import ServerSettings
 from llmplan.commands.serve.openai_api import ChatRequest
 from llmplan.commands.serve.request_body import validate
 from llmplan.commands.serve.tool_calls import MARKER
-from llmplan.llm.text.tokenizer import Tokenizer
+from llmplan.llm.text import Tokenizer
 
 from .conftest import LiveServer, write_serve_plan
 from .openai_shapes import conforms, stream_bodies

@@ -23,9 +23,8 @@ from llmplan.commands.serve.app import ServerSettings
 from llmplan.commands.serve.openai_api import ChatRequest
 from llmplan.commands.serve.request_body import validate
 from llmplan.commands.serve.tool_calls import MARKER, NATIVE_END, Tool, ToolMode
-from llmplan.llm.sampling.constrained_format import UnsupportedFormat
-from llmplan.llm.sampling.format_compiler import compile_format
-from llmplan.llm.text.tokenizer import Tokenizer
+from llmplan.llm.sampling import UnsupportedFormat, compile_format
+from llmplan.llm.text import Tokenizer
 
 from .conftest import LiveServer, write_serve_plan
 from .openai_shapes import conforms

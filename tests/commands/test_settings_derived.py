@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from llmplan.commands.serve.openai_api import MAPPED, ChatRequest, CompletionRequest, sampling_model
-from llmplan.llm.sampling.params import SamplingParams, request_fields, setting
+from llmplan.llm.sampling import SamplingParams, request_fields
+from llmplan.llm.sampling.params import setting
 from llmplan.stages.compute_generate import GenerateParams
 from llmplan.stages.request_settings import RequestSettings, settings_model
 

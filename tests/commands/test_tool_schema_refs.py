@@ -12,8 +12,8 @@ import jsonschema
 import pytest
 
 from llmplan.commands.serve.tool_calls import Tool, ToolMode
-from llmplan.llm.sampling.format_compiler import compile_format
-from llmplan.llm.text.tokenizer import Tokenizer
+from llmplan.llm.sampling import compile_format
+from llmplan.llm.text import Tokenizer
 from tests.stages.tiny_run import make_tokenizer
 
 POINT = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"], "additionalProperties": False}

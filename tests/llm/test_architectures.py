@@ -23,16 +23,14 @@ from archs import FAMILIES, WINDOW, make_tiny
 from tiny import load_tiny
 from torch import Tensor
 
-from llmplan.llm.generation.engine_loop import EngineLoop
+from llmplan.llm.generation import EngineLoop, ModelRunner, generate
 from llmplan.llm.generation.fused_decode import FusedDecoder
-from llmplan.llm.generation.model_runner import ModelRunner
 from llmplan.llm.generation.scheduler import GenerationRequest
-from llmplan.llm.generation.static_batch import generate
 from llmplan.llm.kernels import native
-from llmplan.llm.kv.cache import CacheFullError, KVCache
-from llmplan.llm.kv.slot_cache import SlotCache
-from llmplan.llm.model.transformer import Transformer
-from llmplan.llm.sampling.picks import Pick
+from llmplan.llm.kv import KVCache, SlotCache
+from llmplan.llm.kv.cache import CacheFullError
+from llmplan.llm.model import Transformer
+from llmplan.llm.sampling import Pick
 
 TOLERANCE = 1e-4
 PROMPT_LEN, NEW = 64, 32
@@ -301,7 +299,7 @@ def test_each_familys_config_reads_its_departures(family: dict[str, Any]) -> Non
 def test_fields_no_description_covers_are_refused_naming_config_json(
     tmp_path: Path, model_type: str, changes: dict[str, Any], message: str
 ) -> None:
-    from llmplan.llm.model.config import ConfigError, ModelConfig
+    from llmplan.llm.model import ConfigError, ModelConfig
 
     raw = {"model_type": model_type, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
     raw |= {"intermediate_size": 128, "vocab_size": 256, **changes}
@@ -313,7 +311,7 @@ def test_fields_no_description_covers_are_refused_naming_config_json(
 
 
 def test_qwen_window_applies_only_with_use_sliding_window(tmp_path: Path) -> None:
-    from llmplan.llm.model.config import ModelConfig
+    from llmplan.llm.model import ModelConfig
 
     raw = {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
     raw |= {"intermediate_size": 128, "vocab_size": 256, "sliding_window": 32, "max_window_layers": 0}
@@ -323,7 +321,7 @@ def test_qwen_window_applies_only_with_use_sliding_window(tmp_path: Path) -> Non
 
 def test_older_gemma3_fields_read_like_rope_parameters(tmp_path: Path) -> None:
     """transformers 4 wrote rope_theta, rope_local_base_freq, rope_scaling and sliding_window_pattern."""
-    from llmplan.llm.model.config import ModelConfig
+    from llmplan.llm.model import ModelConfig
 
     raw = {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4}
     raw |= {"intermediate_size": 128, "vocab_size": 256, "sliding_window": 512, "sliding_window_pattern": 3}
@@ -350,9 +348,7 @@ def test_converted_weights_run_the_same_on_both_backends(family: dict[str, Any],
 
     from safetensors.torch import load_file
 
-    from llmplan.llm.model.layer_names import is_linear_weight
-    from llmplan.llm.model.linear import make_linear
-    from llmplan.llm.model.weight_formats import quantize_weight
+    from llmplan.llm.model import is_linear_weight, make_linear, quantize_weight
     from llmplan.llm.model.weights import fuse_hf_state_dict
 
     cfg = family["model"].cfg

@@ -11,7 +11,7 @@ import torch
 from tiny import load_tiny, make_tiny_llama
 
 from llmplan.llm.generation.beam_search import beam_search
-from llmplan.llm.kv.cache import KVCache
+from llmplan.llm.kv import KVCache
 
 PAD = 3  # nonzero: transformers pads finished beams with `pad_token_id or eos[0]`, so 0 means EOS
 PROMPT = [1, 17, 99, 4, 250, 31]

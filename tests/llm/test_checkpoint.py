@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmplan.llm.trust.checkpoint import IntegrityError, build_manifest, verify
-from llmplan.llm.trust.manifest import MANIFEST_NAME, sha256_file, write_sha256sums
+from llmplan.llm.trust import MANIFEST_NAME, IntegrityError, build_manifest, verify
+from llmplan.llm.trust.manifest import sha256_file, write_sha256sums
 
 INDEX = "model.safetensors.index.json"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from llmplan.llm.model.config import ConfigError, ModelConfig
+from llmplan.llm.model import ConfigError, ModelConfig
 
 BASE = {
     "model_type": "llama",

@@ -14,15 +14,14 @@ import torch.nn.functional as F
 from tiny import load_tiny, make_tiny_llama
 from torch import Tensor
 
-from llmplan.llm.generation.static_batch import generate
+from llmplan.llm.generation import generate
 from llmplan.llm.kernels import native
-from llmplan.llm.kv.cache import KVCache
-from llmplan.llm.model.linear import make_linear
+from llmplan.llm.kv import KVCache
+from llmplan.llm.model import Transformer, make_linear, quantize_weight
 from llmplan.llm.model.rope import apply_rope, apply_rope_full, rope_tables
-from llmplan.llm.model.transformer import RMSNorm, Transformer
-from llmplan.llm.model.weight_formats import quantize_weight
+from llmplan.llm.model.transformer import RMSNorm
 from llmplan.llm.model.weights import fuse_hf_state_dict
-from llmplan.llm.sampling.picks import Pick
+from llmplan.llm.sampling import Pick
 
 PAD = 0
 PROMPTS = [[1, 17, 99, 4, 250, 31, 8, 40, 41], [1, 5, 9], [1, 200, 13, 77, 3, 3]]
@@ -145,7 +144,7 @@ def test_quantized_fast_paths_have_bounded_error(tiny, precision: str, bound: fl
     path, _, _ = tiny
     from safetensors.torch import load_file
 
-    from llmplan.llm.model.config import ModelConfig
+    from llmplan.llm.model import ModelConfig
 
     cfg = ModelConfig.from_file(path / "config.json")
     weights = fuse_hf_state_dict(

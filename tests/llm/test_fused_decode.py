@@ -15,18 +15,14 @@ import torch
 from tiny import load_tiny, make_tiny_llama
 from torch import Tensor
 
+from llmplan.llm.generation import ModelRunner, generate
 from llmplan.llm.generation.beam_search import beam_search
 from llmplan.llm.generation.flat_batch import FlatBatch, Part
 from llmplan.llm.generation.fused_decode import FusedDecoder
-from llmplan.llm.generation.model_runner import ModelRunner
-from llmplan.llm.generation.static_batch import generate
 from llmplan.llm.kernels import native
-from llmplan.llm.kv.cache import KVCache
-from llmplan.llm.kv.slot_cache import SlotCache
-from llmplan.llm.model.linear import make_linear
-from llmplan.llm.model.transformer import Transformer
-from llmplan.llm.model.weight_formats import quantize_weight
-from llmplan.llm.sampling.picks import Pick
+from llmplan.llm.kv import KVCache, SlotCache
+from llmplan.llm.model import Transformer, make_linear, quantize_weight
+from llmplan.llm.sampling import Pick
 
 pytestmark = [
     pytest.mark.skipif(native.kernels() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}"),
@@ -53,7 +49,7 @@ def _model(path, precision: str) -> Transformer:
         return load_tiny(path)
     from safetensors.torch import load_file
 
-    from llmplan.llm.model.config import ModelConfig
+    from llmplan.llm.model import ModelConfig
     from llmplan.llm.model.weights import fuse_hf_state_dict
 
     cfg = ModelConfig.from_file(path / "config.json")

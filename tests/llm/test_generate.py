@@ -7,12 +7,12 @@ import torch
 from tiny import load_tiny, make_tiny_llama
 from torch import Tensor
 
-from llmplan.llm.generation.model_runner import ModelRunner
-from llmplan.llm.generation.static_batch import Generation, generate
-from llmplan.llm.kv.cache import KVCache
+from llmplan.llm.generation import ModelRunner, generate
+from llmplan.llm.generation.static_batch import Generation
+from llmplan.llm.kv import KVCache
+from llmplan.llm.model import Transformer
 from llmplan.llm.model.rope import apply_rope
-from llmplan.llm.model.transformer import Transformer
-from llmplan.llm.sampling.picks import Pick
+from llmplan.llm.sampling import Pick
 
 PAD, EOS = 0, 2
 PROMPTS = [[1, 17, 99, 4, 250, 31, 8], [1, 5], [1, 200, 13, 77]]

@@ -21,7 +21,8 @@ import pytest
 import torch
 from gguf import quants
 
-from llmplan.llm.formats.gguf.block_types import BLOCK_TYPES, BY_NAME, block_type
+from llmplan.llm.formats.gguf import BY_NAME
+from llmplan.llm.formats.gguf.block_types import BLOCK_TYPES, block_type
 from llmplan.llm.kernels import native
 
 FAST = native.kernels()

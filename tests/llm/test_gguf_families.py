@@ -25,8 +25,9 @@ import pytest
 import torch
 from tiny import load_tiny
 
-from llmplan.llm.formats.gguf.importer import GGUFImportError, import_gguf
-from llmplan.llm.text.tokenizer import Tokenizer
+from llmplan.llm.formats.gguf import import_gguf
+from llmplan.llm.formats.gguf.importer import GGUFImportError
+from llmplan.llm.text import Tokenizer
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -333,7 +334,7 @@ def test_every_block_type_dequantizes_as_gguf_py(qtype: Q, tmp_path: Path) -> No
 
 
 def gguf_file_of(path: Path) -> Any:
-    from llmplan.llm.formats.gguf.file import open_gguf
+    from llmplan.llm.formats.gguf import open_gguf
 
     return open_gguf(path)
 

@@ -19,12 +19,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from llmplan.llm.formats.gguf import import_gguf
 from llmplan.llm.formats.gguf import importer as gguf_import
-from llmplan.llm.formats.gguf.importer import GGUFImportError, import_gguf, unpermute_rope_rows
-from llmplan.llm.model.config import ModelConfig
-from llmplan.llm.text.tokenizer import Tokenizer
+from llmplan.llm.formats.gguf.importer import GGUFImportError, unpermute_rope_rows
+from llmplan.llm.model import ModelConfig
+from llmplan.llm.text import Tokenizer
+from llmplan.llm.trust import MANIFEST_NAME, read_sha256sums
 from llmplan.llm.trust.hash_cache import CACHE_NAME as HASHES
-from llmplan.llm.trust.manifest import MANIFEST_NAME, read_sha256sums, sha256_file
+from llmplan.llm.trust.manifest import sha256_file
 
 gguf = pytest.importorskip("gguf")
 

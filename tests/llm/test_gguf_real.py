@@ -36,12 +36,12 @@ from tiny import load_tiny
 from torch import Tensor
 
 from llmplan.cache_home import cache_home
-from llmplan.llm.formats.gguf.importer import import_gguf
+from llmplan.llm.formats.gguf import import_gguf
+from llmplan.llm.generation import ModelRunner
 from llmplan.llm.generation.flat_batch import FlatBatch, Part
-from llmplan.llm.generation.model_runner import ModelRunner
 from llmplan.llm.kernels import native
-from llmplan.llm.kv.slot_cache import SlotCache
-from llmplan.llm.text.tokenizer import Tokenizer
+from llmplan.llm.kv import SlotCache
+from llmplan.llm.text import Tokenizer
 from llmplan.stages.model_source import default_cache_dir
 
 transformers = pytest.importorskip("transformers")

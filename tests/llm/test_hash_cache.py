@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from llmplan.llm.trust.checkpoint import IntegrityError, build_manifest, verify
-from llmplan.llm.trust.hash_cache import CACHE_NAME, HashCache
+from llmplan.llm.trust import HashCache, IntegrityError, build_manifest, verify
+from llmplan.llm.trust.hash_cache import CACHE_NAME
 from llmplan.llm.trust.manifest import write_sha256sums
 
 

@@ -20,7 +20,7 @@ from tiny import load_tiny, make_tiny_llama
 
 from llmplan.llm.generation.fused_decode import FusedDecoder, native_static_prefill
 from llmplan.llm.kernels import native
-from llmplan.llm.kv.cache import KVCache
+from llmplan.llm.kv import KVCache
 
 pytestmark = [
     pytest.mark.skipif(native.kernels() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}"),

@@ -7,8 +7,7 @@ from pathlib import Path
 from tiny import load_tiny, make_tiny_llama
 from torch import nn
 
-from llmplan.llm.model.layer_names import HEAD_NAME, LAYER_MODULES, LINEAR_NAMES, is_linear_weight
-from llmplan.llm.model.weights import internal_shapes
+from llmplan.llm.model import HEAD_NAME, LAYER_MODULES, LINEAR_NAMES, internal_shapes, is_linear_weight
 
 
 def test_the_table_names_every_weighted_module_of_a_block(tmp_path: Path) -> None:

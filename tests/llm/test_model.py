@@ -18,10 +18,11 @@ from safetensors.torch import load_file
 from tiny import LLAMA3_SCALING, load_tiny, make_tiny_llama
 from torch import nn
 
-from llmplan.llm.kv.cache import CacheFullError, KVCache
-from llmplan.llm.model.config import ModelConfig
-from llmplan.llm.model.transformer import Transformer, dense_linear
-from llmplan.llm.model.weights import WeightError, expected_hf_names, fuse_hf_state_dict
+from llmplan.llm.kv import KVCache
+from llmplan.llm.kv.cache import CacheFullError
+from llmplan.llm.model import ModelConfig, Transformer, WeightError, expected_hf_names
+from llmplan.llm.model.transformer import dense_linear
+from llmplan.llm.model.weights import fuse_hf_state_dict
 
 ATOL = 1e-5
 CACHE_ATOL = 1e-4

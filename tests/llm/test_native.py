@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from llmplan.llm.kernels import native
-from llmplan.llm.model.linear import Int8Linear, make_linear
-from llmplan.llm.model.weight_formats import quantize_weight
+from llmplan.llm.model import make_linear, quantize_weight
+from llmplan.llm.model.linear import Int8Linear
 
 FAST = native.kernels()
 needs_native = pytest.mark.skipif(FAST is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")
@@ -290,7 +290,7 @@ def test_native_quantization_leaves_non_finite_weights_to_torch(
 def test_native_error_terms_equal_the_torch_ones(
     isa_path: native.NativeKernels, row_step: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from llmplan.llm.model.weight_formats import error_terms
+    from llmplan.llm.model import error_terms
 
     w = torch.randn(300, 76)  # 76: a tail after the 8-wide body
     q = quantize_weight(w, "int8")
@@ -309,7 +309,7 @@ def test_native_error_terms_equal_the_torch_ones(
 def test_int4_kernel_equals_the_exact_product(
     isa_path: native.NativeKernels, rows: int, n: int, k: int, group: int
 ) -> None:
-    from llmplan.llm.model.weight_formats import Int4Weight, dequantize
+    from llmplan.llm.model import Int4Weight, dequantize
 
     gen = torch.Generator().manual_seed(rows + n + group)
     q = quantize_weight(torch.randn(n, k, generator=gen), "int4", group)
@@ -332,7 +332,7 @@ def test_int4_kernel_equals_the_exact_product(
 def test_int4_integer_tiles_switch_off_to_the_dequantizing_tiles(isa_path: native.NativeKernels, rows: int) -> None:
     """Many rows take the integer tiles on AVX-512 (the AVX2 build has none): off, the same product runs on the
     dequantizing fp32 tiles on x as it is, and the two differ by x's 16-bit rounding alone."""
-    from llmplan.llm.model.weight_formats import dequantize
+    from llmplan.llm.model import dequantize
 
     gen = torch.Generator().manual_seed(rows)
     q = quantize_weight(torch.randn(40, 640, generator=gen), "int4", 32)
@@ -368,7 +368,7 @@ def _round_x16(x: torch.Tensor, group: int) -> torch.Tensor:
 @pytest.mark.parametrize("group", [32, 64])
 def test_int4_one_row_rounding_of_x_moves_the_product_little(isa_path: native.NativeKernels, group: int) -> None:
     """The 16-bit x costs at most one rounding step per element: |error| <= sum_k |code * scale| * step / 2."""
-    from llmplan.llm.model.weight_formats import dequantize
+    from llmplan.llm.model import dequantize
 
     gen = torch.Generator().manual_seed(group)
     q = quantize_weight(torch.randn(64, 1536, generator=gen), "int4", group)
@@ -398,8 +398,8 @@ def test_int4_one_row_passes_non_finite_x_on(isa_path: native.NativeKernels, bad
 
 @needs_native
 def test_int4_modules_read_the_packed_codes_or_fall_back_to_int8(isa_path: native.NativeKernels) -> None:
+    from llmplan.llm.model import dequantize
     from llmplan.llm.model.linear import Int4Linear
-    from llmplan.llm.model.weight_formats import dequantize
 
     w = torch.randn(40, 64)
     native_module = make_linear(quantize_weight(w, "int4", 32))

@@ -18,9 +18,7 @@ from llmplan.engine.findings import PlanError
 from llmplan.engine.plan import load_plan
 from llmplan.engine.registry import discover
 from llmplan.llm.kernels import native
-from llmplan.llm.sampling import token_mask
-from llmplan.llm.sampling.constrained_format import OutputFormat, UnsupportedFormat
-from llmplan.llm.sampling.params import SamplingParams
+from llmplan.llm.sampling import OutputFormat, SamplingParams, UnsupportedFormat, token_mask
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -170,7 +168,7 @@ def test_the_native_mask_matches_the_unpacked_bits(vocab: int, monkeypatch: pyte
 
 @pytest.fixture(scope="module")
 def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from llmplan.llm.text.tokenizer import Tokenizer
+    from llmplan.llm.text import Tokenizer
     from tests.stages.tiny_run import make_tokenizer
 
     folder = tmp_path_factory.mktemp("tok")
@@ -179,7 +177,7 @@ def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def _compiled(tok: Any, grammar: str) -> Any:
-    from llmplan.llm.sampling.format_compiler import compile_format
+    from llmplan.llm.sampling import compile_format
 
     return compile_format(OutputFormat("grammar", grammar), tok, frozenset([tok.eos_id]), tok.vocab_size)
 

@@ -7,18 +7,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from llmplan.llm.model.linear import make_linear
-from llmplan.llm.model.weight_formats import (
-    QUANT_DTYPES,
-    Int4Weight,
-    Int8Weight,
-    dequantize,
-    from_tensors,
-    nbytes,
-    quantize_weight,
-    relative_error,
-    to_tensors,
-)
+from llmplan.llm.model import Int4Weight, dequantize, from_tensors, make_linear, nbytes, quantize_weight, to_tensors
+from llmplan.llm.model.weight_formats import QUANT_DTYPES, Int8Weight, relative_error
 
 N, K = 192, 256
 

@@ -5,18 +5,18 @@ from __future__ import annotations
 import pytest
 from tiny import load_tiny, make_tiny_llama
 
-from llmplan.llm.generation.model_runner import ModelRunner
-from llmplan.llm.generation.run_requests import (
+from llmplan.llm.generation import (
     CannotRun,
     LoopOptions,
+    ModelRunner,
     PromptRequest,
     Refused,
     Vocabulary,
     run_requests,
     serving_loop,
 )
-from llmplan.llm.kv.cache import KVCache
-from llmplan.llm.sampling.params import SamplingParams
+from llmplan.llm.kv import KVCache
+from llmplan.llm.sampling import SamplingParams
 
 PROMPTS = [[1, 17, 99, 4, 250, 31, 8], [1, 5], [1, 200, 13, 77]]
 

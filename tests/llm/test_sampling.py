@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
+from llmplan.llm.sampling import build_picker
 from llmplan.llm.sampling.chain import (
     SamplingParams,
     StepContext,
-    build_picker,
     frequency_presence_penalty,
     min_p,
     no_repeat_ngram,

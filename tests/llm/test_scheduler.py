@@ -16,20 +16,16 @@ import torch
 from tiny import load_tiny, make_tiny_llama
 from torch import Tensor
 
-from llmplan.llm.generation.engine_loop import EngineLoop
+from llmplan.llm.generation import EngineLoop, ModelRunner, Scheduler, generate
 from llmplan.llm.generation.flat_batch import FlatBatch
 from llmplan.llm.generation.fused_decode import FusedDecoder
-from llmplan.llm.generation.model_runner import ModelRunner
-from llmplan.llm.generation.scheduler import GenerationRequest, Scheduler, Sequence
-from llmplan.llm.generation.static_batch import Generation, generate
+from llmplan.llm.generation.scheduler import GenerationRequest, Sequence
+from llmplan.llm.generation.static_batch import Generation
 from llmplan.llm.kernels import native
-from llmplan.llm.kv.cache import KVCache
+from llmplan.llm.kv import KVCache, SlotCache
 from llmplan.llm.kv.layers import LayerKV
-from llmplan.llm.kv.slot_cache import SlotCache
-from llmplan.llm.model.linear import make_linear
-from llmplan.llm.model.transformer import Transformer
-from llmplan.llm.model.weight_formats import quantize_weight
-from llmplan.llm.sampling.picks import Pick
+from llmplan.llm.model import Transformer, make_linear, quantize_weight
+from llmplan.llm.sampling import Pick
 
 PROMPTS = [
     [1, 17, 99, 4, 250, 31, 8, 40, 41, 9, 12],
@@ -110,7 +106,7 @@ def test_requests_arriving_at_different_steps_equal_each_alone(fp32: Transformer
 def test_quantized_models_through_the_fused_step_equal_alone(tiny_dir, precision: str, monkeypatch) -> None:
     from safetensors.torch import load_file
 
-    from llmplan.llm.model.config import ModelConfig
+    from llmplan.llm.model import ModelConfig
     from llmplan.llm.model.weights import fuse_hf_state_dict
 
     cfg = ModelConfig.from_file(tiny_dir / "config.json")

@@ -12,11 +12,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from llmplan.llm.formats import checkpoint_writer
-from llmplan.llm.formats.checkpoint_writer import write_checkpoint
-from llmplan.llm.formats.shard_reader import MissingTensorsError, read_shards
-from llmplan.llm.trust.checkpoint import IntegrityError, build_manifest, verify
-from llmplan.llm.trust.manifest import MANIFEST_NAME, read_sha256sums
+from llmplan.llm.formats import checkpoint_writer, read_shards, write_checkpoint
+from llmplan.llm.formats.shard_reader import MissingTensorsError
+from llmplan.llm.trust import MANIFEST_NAME, IntegrityError, build_manifest, read_sha256sums, verify
 
 
 @pytest.fixture(scope="module")

@@ -29,12 +29,9 @@ from archs import make_tiny
 from tiny import load_tiny, make_tiny_llama
 from torch import Tensor
 
-from llmplan.llm.generation import engine_loop, speculative
-from llmplan.llm.generation.draft_model import DraftModel
-from llmplan.llm.generation.engine_loop import EngineLoop
+from llmplan.llm.generation import DraftModel, EngineLoop, ModelRunner, Scheduler, engine_loop, speculative
 from llmplan.llm.generation.flat_batch import FlatBatch
-from llmplan.llm.generation.model_runner import ModelRunner
-from llmplan.llm.generation.scheduler import GenerationRequest, Scheduler, Sequence
+from llmplan.llm.generation.scheduler import GenerationRequest, Sequence
 from llmplan.llm.generation.speculative import (
     DRAFT_PRIOR,
     DraftGuesser,
@@ -44,14 +41,10 @@ from llmplan.llm.generation.speculative import (
     best_guesses,
 )
 from llmplan.llm.kernels import native
+from llmplan.llm.kv import SlotCache
 from llmplan.llm.kv.layers import LayerKV
-from llmplan.llm.kv.slot_cache import SlotCache
-from llmplan.llm.model.linear import make_linear
-from llmplan.llm.model.transformer import Transformer
-from llmplan.llm.model.weight_formats import quantize_weight
-from llmplan.llm.sampling.chain import build_picker
-from llmplan.llm.sampling.params import SamplingParams, Speculation
-from llmplan.llm.sampling.picks import Pick
+from llmplan.llm.model import Transformer, make_linear, quantize_weight
+from llmplan.llm.sampling import Pick, SamplingParams, Speculation, build_picker
 
 NATIVE = native.kernels() is not None
 PATHS = ["torch", pytest.param("native", marks=pytest.mark.skipif(not NATIVE, reason="native kernels unavailable"))]
@@ -91,7 +84,7 @@ def fp32(tiny_dir: Path) -> Transformer:
 def int8(tiny_dir: Path) -> Transformer:
     from safetensors.torch import load_file
 
-    from llmplan.llm.model.config import ModelConfig
+    from llmplan.llm.model import ModelConfig
     from llmplan.llm.model.weights import fuse_hf_state_dict
 
     cfg = ModelConfig.from_file(tiny_dir / "config.json")

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from llmplan.llm.formats.gguf.importer import import_gguf
-from llmplan.llm.text.tokenizer import StreamDecoder, Tokenizer, TokenizerError
+from llmplan.llm.formats.gguf import import_gguf
+from llmplan.llm.text import Tokenizer, TokenizerError
+from llmplan.llm.text.tokenizer import StreamDecoder
 
 SMOLLM_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -10,7 +10,7 @@ import torch
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM
 
-    from llmplan.llm.model.transformer import Transformer
+    from llmplan.llm.model import Transformer
 
 LLAMA3_SCALING: dict[str, Any] = {
     "rope_type": "llama3",
@@ -80,8 +80,7 @@ def load_tiny(path: Path, **from_weights: Any) -> Transformer:
     """Our Transformer from a `make_tiny_llama` directory (all shards), via fuse_hf_state_dict."""
     from safetensors.torch import load_file
 
-    from llmplan.llm.model.config import ModelConfig
-    from llmplan.llm.model.transformer import Transformer
+    from llmplan.llm.model import ModelConfig, Transformer
     from llmplan.llm.model.weights import fuse_hf_state_dict
 
     cfg = ModelConfig.from_file(Path(path) / "config.json")

@@ -31,7 +31,7 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest.fixture(scope="session")
 def smollm2_dir(model_cache: Path) -> Path:
-    from llmplan.llm.formats.gguf.importer import import_gguf
+    from llmplan.llm.formats.gguf import import_gguf
 
     return import_gguf(smollm2_gguf(), model_cache / "models")
 

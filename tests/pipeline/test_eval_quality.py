@@ -21,7 +21,7 @@ import torch
 from llmplan.commands.eval import default_text, evaluate, markdown, read_text
 from llmplan.engine.cli import CliError, build_parser
 from llmplan.llm.evaluation import quality
-from llmplan.llm.text.tokenizer import Tokenizer
+from llmplan.llm.text import Tokenizer
 
 from .conftest import PLANS
 

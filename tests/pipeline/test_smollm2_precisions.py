@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from llmplan.llm.text.tokenizer import Tokenizer
+from llmplan.llm.text import Tokenizer
 
 from .conftest import PLANS, run_plan
 

@@ -17,7 +17,7 @@ from llmplan.engine.plan import BoundPlan, bind
 from llmplan.engine.registry import Registry
 from llmplan.engine.stage import Params, Phase, Stage
 from llmplan.engine.yaml_source import load_text
-from llmplan.llm.text.tokenizer import Tokenizer
+from llmplan.llm.text import Tokenizer
 from llmplan.stages.cache_stages import CacheLookup, OutputCache
 from llmplan.stages.output_detokenize import OutputDetokenize
 from llmplan.stages.output_filter import OutputFilter

@@ -14,7 +14,7 @@ from llmplan.engine.findings import PlanError
 from llmplan.engine.graph import build_graph, execution_order
 from llmplan.engine.runner import Runner
 from llmplan.engine.stage import Params, Phase, Stage
-from llmplan.llm.text.text_match import Matcher, StreamGuard, normalize
+from llmplan.llm.text import Matcher, StreamGuard, normalize
 from llmplan.stages.output_filter import MASK, apply_filter, load_blocklist
 from llmplan.stages.slots import InferenceContext
 from llmplan.stages.types import Candidate, Generation, Result

@@ -73,7 +73,7 @@ def test_speculation_under_a_format_gives_the_plain_answers(tmp_path: Path, mode
 
 
 def test_the_result_records_the_format_and_says_when_the_limit_cut_it_short(tmp_path: Path, model_dir: Path) -> None:
-    from llmplan.llm.sampling.constrained_format import OutputFormat
+    from llmplan.llm.sampling import OutputFormat
     from llmplan.stages.completion_rendering import result_object, stats_text
 
     fmt, _ = ROWS["object"]

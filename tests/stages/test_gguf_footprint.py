@@ -20,8 +20,7 @@ import yaml
 
 from llmplan.engine.cli import main
 from llmplan.engine.memory import mib
-from llmplan.llm.formats.gguf.file import open_gguf
-from llmplan.llm.formats.gguf.footprint import gguf_read_per_token, read_per_token, recorded_footprint
+from llmplan.llm.formats.gguf import gguf_read_per_token, open_gguf, read_per_token, recorded_footprint
 from tests.llm.test_gguf_import import _write_tiny
 from tests.stages.tiny_run import load_stages, run_plan
 

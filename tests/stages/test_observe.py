@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from llmplan.llm.model.transformer import Transformer
+from llmplan.llm.model import Transformer
 from llmplan.stages import compute_generate
 from llmplan.stages.observe import install_observers, model_summary
 from llmplan.stages.observe_settings import AttentionCapture, Observe

@@ -29,8 +29,8 @@ import torch
 import yaml
 
 from llmplan.llm.sampling import chain as sampling
-from llmplan.llm.text.text_match import _LEET_I, _LEET_L, Matcher, literal_entry, normalize
-from llmplan.llm.text.tokenizer import Tokenizer
+from llmplan.llm.text import Matcher, Tokenizer, literal_entry, normalize
+from llmplan.llm.text.text_match import _LEET_I, _LEET_L
 from llmplan.stages.output_filter import load_blocklist
 from tests.stages.tiny_run import load_stages, make_tiny_model_dir
 from tests.trust.hostile import assert_untouched, memory_bound, refused, snapshot, time_bound
@@ -392,8 +392,7 @@ def masked_run_blocklist(run: Run) -> Path:
 
 @pytest.fixture(scope="module")
 def beam_run(scripted, tokenizer, model_dir, blocklist, tmp_path_factory) -> Iterator[Run]:
-    from llmplan.llm.generation import run_requests
-    from llmplan.llm.generation.beam_search import Candidate
+    from llmplan.llm.generation import Candidate, run_requests
 
     tmp = tmp_path_factory.mktemp("beams")
     beams = {
@@ -443,7 +442,7 @@ def token_pieces(tokenizer: Tokenizer, text: str) -> list[str]:
 @pytest.mark.parametrize("action", ["mask", "reject"])
 @pytest.mark.parametrize("case", NAMES)
 def test_the_stream_never_shows_a_blocked_word(case, action, tokenizer, blocklist):
-    from llmplan.llm.text.text_match import StreamGuard
+    from llmplan.llm.text import StreamGuard
 
     _, spelling = FAMILIES[case]
     shown: list[str] = []

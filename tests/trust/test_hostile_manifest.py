@@ -31,10 +31,11 @@ import pytest
 import yaml
 
 from llmplan.engine.cli import main
-from llmplan.llm.formats.gguf.importer import import_gguf
+from llmplan.llm.formats.gguf import import_gguf
 from llmplan.llm.formats.import_dirs import OWNER_NAME, make_import_dir, remove_stale_imports
+from llmplan.llm.trust import MANIFEST_NAME, read_sha256sums
 from llmplan.llm.trust.hash_cache import CACHE_NAME, FORMAT, KEY_NAME, identity
-from llmplan.llm.trust.manifest import MANIFEST_NAME, read_sha256sums, sha256_file, write_sha256sums
+from llmplan.llm.trust.manifest import sha256_file, write_sha256sums
 from tests.stages.tiny_run import load_stages
 
 from .checkpoints import LISTED, make_checkpoint, plan_for, private_cache_home

@@ -31,8 +31,9 @@ import pytest
 import yaml
 
 from llmplan.engine.cli import main
+from llmplan.llm.trust import MANIFEST_NAME
 from llmplan.llm.trust.hash_cache import CACHE_NAME
-from llmplan.llm.trust.manifest import MANIFEST_NAME, write_sha256sums
+from llmplan.llm.trust.manifest import write_sha256sums
 
 from .checkpoints import make_checkpoint, plan_for
 from .hostile import assert_clean_message, memory_bound, refused, run_child, snapshot, time_bound

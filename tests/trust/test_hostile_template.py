@@ -20,7 +20,7 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from llmplan.llm.text.tokenizer import Tokenizer, TokenizerError
+from llmplan.llm.text import Tokenizer, TokenizerError
 from llmplan.llm.trust.manifest import write_sha256sums
 
 from .checkpoints import make_checkpoint, plan_for

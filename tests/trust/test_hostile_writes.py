@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from llmplan.engine.cli import main
-from llmplan.llm.formats.checkpoint_writer import write_checkpoint
+from llmplan.llm.formats import write_checkpoint
 from llmplan.ownership import NotOurs, check_writable, marker_of, write_file
 from tests.trust.checkpoints import make_checkpoint, plan_for
 from tests.trust.hostile import assert_clean_message, assert_untouched, refused, snapshot, time_bound

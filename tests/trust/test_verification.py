@@ -10,8 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from llmplan.llm.trust.checkpoint import IntegrityError, build_manifest, verify
-from llmplan.llm.trust.hash_cache import HashCache
+from llmplan.llm.trust import HashCache, IntegrityError, build_manifest, verify
 from llmplan.llm.trust.manifest import write_sha256sums
 
 

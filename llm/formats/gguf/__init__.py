@@ -1,1 +1,50 @@
-"""GGUF: the header and tensor table read with bounds, its metadata as a config and tokenizer, the import."""
+"""GGUF: the header and tensor table read with bounds, its metadata as a config and tokenizer, the import.
+
+The names below are its public surface: code outside llm/ imports them from here. Each is imported
+from its module on first use (llmplan/lazy_exports.py), so importing the package costs nothing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from llmplan.lazy_exports import lazy_exports
+
+if TYPE_CHECKING:
+    from .block_types import BY_NAME
+    from .file import GGUFFileError, open_gguf
+    from .file_type import GGUFType, file_type_names, gguf_type, nominal_bits
+    from .footprint import footprint_line, gguf_read_per_token, read_per_token, recorded_footprint, resident_parts
+    from .importer import import_gguf
+
+EXPORTS = {  # name -> the module that defines it
+    "BY_NAME": "block_types",
+    "GGUFFileError": "file",
+    "GGUFType": "file_type",
+    "file_type_names": "file_type",
+    "footprint_line": "footprint",
+    "gguf_read_per_token": "footprint",
+    "gguf_type": "file_type",
+    "import_gguf": "importer",
+    "nominal_bits": "file_type",
+    "open_gguf": "file",
+    "read_per_token": "footprint",
+    "recorded_footprint": "footprint",
+    "resident_parts": "footprint",
+}
+__all__ = [
+    "BY_NAME",
+    "GGUFFileError",
+    "GGUFType",
+    "file_type_names",
+    "footprint_line",
+    "gguf_read_per_token",
+    "gguf_type",
+    "import_gguf",
+    "nominal_bits",
+    "open_gguf",
+    "read_per_token",
+    "recorded_footprint",
+    "resident_parts",
+]
+__getattr__, __dir__ = lazy_exports(__name__, EXPORTS)
