@@ -1,6 +1,6 @@
 """`compute.generate`: a plan's requests through the library's generation door, and what a run records of them.
 
-The door (llm/generation/run_requests.py) chooses the loop (the engine loop with continuous batching, beam
+The door (llm/generation/request_runner.py) chooses the loop (the engine loop with continuous batching, beam
 search, or static batches under the "slide" cache policy), compiles formats, builds pickers and stop checks and
 streams text. This stage gives it each request's effective settings (the stage's, then the request's own), cuts
 prompts to the room there is, and turns what the door refuses into the engine's findings (InputRefused,

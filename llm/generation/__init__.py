@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from .engine_loop import EngineLoop, StepRecord
     from .model_runner import ModelRunner
     from .outputs import Generation
-    from .run_requests import (
+    from .request_runner import (
         BadLoopSettings,
         CannotRun,
         GenerationRun,
@@ -33,27 +33,27 @@ if TYPE_CHECKING:
     from .static_batch import generate
 
 EXPORTS = {  # name -> the module that defines it
-    "BadLoopSettings": "run_requests",
+    "BadLoopSettings": "request_runner",
     "Candidate": "beam_search",
-    "CannotRun": "run_requests",
+    "CannotRun": "request_runner",
     "DraftModel": "draft_model",
     "EngineLoop": "engine_loop",
     "Generation": "outputs",
-    "GenerationRun": "run_requests",
-    "LoopOptions": "run_requests",
+    "GenerationRun": "request_runner",
+    "LoopOptions": "request_runner",
     "ModelRunner": "model_runner",
     "OPENAI_FINISH": "ending",
     "OpenAIFinish": "ending",
-    "Outcome": "run_requests",
-    "PromptRequest": "run_requests",
-    "Refused": "run_requests",
+    "Outcome": "request_runner",
+    "PromptRequest": "request_runner",
+    "Refused": "request_runner",
     "Scheduler": "scheduler",
     "StepRecord": "engine_loop",
-    "Vocabulary": "run_requests",
+    "Vocabulary": "request_runner",
     "generate": "static_batch",
     "openai_finish": "ending",
-    "run_requests": "run_requests",
-    "serving_loop": "run_requests",
+    "run_requests": "request_runner",
+    "serving_loop": "request_runner",
     "shown_finish": "ending",
 }
 __all__ = [

@@ -392,7 +392,7 @@ def masked_run_blocklist(run: Run) -> Path:
 
 @pytest.fixture(scope="module")
 def beam_run(scripted, tokenizer, model_dir, blocklist, tmp_path_factory) -> Iterator[Run]:
-    from llmplan.llm.generation import Candidate, run_requests
+    from llmplan.llm.generation import Candidate, request_runner
 
     tmp = tmp_path_factory.mktemp("beams")
     beams = {
@@ -410,7 +410,7 @@ def beam_run(scripted, tokenizer, model_dir, blocklist, tmp_path_factory) -> Ite
         return beams[case.group(1)]
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(run_requests, "beam_search", scripted_beams)
+        patch.setattr(request_runner, "beam_search", scripted_beams)
         plan = plan_dict(model_dir, blocklist, tmp / "prompts.jsonl", tmp, num_beams=3, num_return_sequences=3)
         next(s for s in plan["stages"] if s["id"] == "generate")["with"]["logprobs"] = 0
         yield run_plan(tmp, plan, [f"beam-{n}" for n in NAMES])

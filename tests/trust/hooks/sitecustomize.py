@@ -72,7 +72,7 @@ TARGETS = {
     "read": ("llmplan.llm.formats.shard_reader", _patch_shard_reader),
     "convert": ("llmplan.stages.load_convert", _patch_convert),
     "place": ("llmplan.stages.load_to_device", _patch_place),
-    "generate": ("llmplan.llm.generation.run_requests", _patch_generate),
+    "generate": ("llmplan.llm.generation.request_runner", _patch_generate),
     "release": ("llmplan.stages.output_release", _patch_release),
     "import": ("torch", lambda module: None),
 }
