@@ -27,7 +27,6 @@ from llmplan.engine.memory import rss_bytes
 from llmplan.llm.formats.gguf import recorded_footprint
 from llmplan.ownership import check_writable, write_file
 
-from .cli import register  # noqa: F401  (the entry point's old home)
 from .measure import Loaded, bench_overrides, drop_page_cache, load, random_prompts, run_once
 from .report import FIGURES, machine, render
 from .stats import PeakRSS, summary
