@@ -11,27 +11,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
+from tiny_gguf import random_blocks
 
 from llmplan.llm.formats.gguf import GGUFFileError, open_gguf
 from llmplan.llm.formats.gguf.block_types import BY_NAME
 from llmplan.llm.formats.gguf.file import TensorInfo
-from llmplan.llm.formats.gguf.mapped import (
-    SCALE_OFFSETS,
-    check_block_values,
-    check_tensor,
-    map_gguf,
-)
-
-
-def random_blocks(name: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
-    """Random valid blocks of a K-quant type (gguf-py quantizes only the legacy ones): random bytes, each fp16
-    scale finite in [-1/16, 1/16]; uint8 [rows, row bytes]."""
-    t = BY_NAME[name]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(rows * (k // t.block_size), t.type_size), dtype=np.uint8)
-    for off in SCALE_OFFSETS[name]:
-        raw[:, off : off + 2] = rng.uniform(-1 / 16, 1 / 16, size=(raw.shape[0], 1)).astype(np.float16).view(np.uint8)
-    return raw.reshape(rows, -1)
+from llmplan.llm.formats.gguf.mapped import check_block_values, check_tensor, map_gguf
 
 
 def _write(path: Path, tensors: dict[str, tuple[np.ndarray, Q]]) -> None:
