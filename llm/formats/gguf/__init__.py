@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from .footprint import footprint_line, gguf_read_per_token, read_per_token, recorded_footprint, resident_parts
     from .importer import import_gguf
     from .mapped import MappedGGUF, check_block_values, map_gguf
+    from .stored import stored_types, stored_weights
 
 EXPORTS = {  # name -> the module that defines it
     "BY_NAME": "block_types",
@@ -35,6 +36,8 @@ EXPORTS = {  # name -> the module that defines it
     "read_per_token": "footprint",
     "recorded_footprint": "footprint",
     "resident_parts": "footprint",
+    "stored_types": "stored",
+    "stored_weights": "stored",
 }
 __all__ = [
     "BY_NAME",
@@ -53,5 +56,7 @@ __all__ = [
     "read_per_token",
     "recorded_footprint",
     "resident_parts",
+    "stored_types",
+    "stored_weights",
 ]
 __getattr__, __dir__ = lazy_exports(__name__, EXPORTS)
