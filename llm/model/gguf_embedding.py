@@ -25,7 +25,7 @@ class GGUFEmbedding(nn.Module):
         super().__init__()
         self.qtype, self.type_name = weight.qtype, weight.type_name
         self.num_embeddings, self.embedding_dim = weight.shape
-        self.register_buffer("blocks", weight.blocks, persistent=False)  # views on the mapped file
+        self.register_buffer("blocks", weight.blocks)  # a view on the mapped file, not a copy
         self.dtype = dtype
         self.scale = scale
 

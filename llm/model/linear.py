@@ -376,8 +376,7 @@ class GGUFLinear(_Chosen):
         super().__init__(kernel)
         self.qtype, self.type_name = weight.qtype, weight.type_name
         self.out_features, self.in_features = weight.shape
-        # not persistent: a state_dict of views on a mapped file is no checkpoint
-        self.register_buffer("blocks", weight.blocks, persistent=False)
+        self.register_buffer("blocks", weight.blocks)  # a view on the mapped file, not a copy
         self._dense: Tensor | None = None
 
     def gguf_weight(self) -> GGUFWeight:

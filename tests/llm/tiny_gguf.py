@@ -78,7 +78,7 @@ def write_tiny_model(
     writer = gguf.GGUFWriter(path, arch)
     for add, value in (
         (writer.add_block_count, LAYERS),
-        (writer.add_context_length, 512),
+        (writer.add_context_length, 4096),
         (writer.add_embedding_length, DIM),
         (writer.add_feed_forward_length, FFN),
         (writer.add_head_count, HEADS),
