@@ -1,4 +1,5 @@
-"""`load.convert`: reassemble (fuse q/k/v and gate/up) and convert to fp32, fp16, bf16, int8 or int4.
+"""`load.convert`: reassemble (fuse q/k/v and gate/up) and convert to fp32, fp16, bf16, int8 or int4; or, for a
+GGUF (`stored`), keep the file's own blocks, mapped from the file instead of read from its fp32 import.
 
 Tensors arrive one at a time from the shard reader; each fused group is converted as soon as its
 parts are all in, and the parts are dropped, so the fp32 checkpoint is never held whole. Linear
@@ -9,6 +10,7 @@ their precision matters for every token) until `load.to_device` gives them the a
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +21,7 @@ from pydantic import Field
 from torch import Tensor
 
 from llmplan.engine.findings import StageFailure
+from llmplan.engine.memory import mib
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
 from llmplan.llm.formats import check_checkpoint_target, write_checkpoint
 from llmplan.llm.model import (
@@ -46,9 +49,15 @@ from .load_shard_stream import CONVERTED_MARKER, read_converted_marker
 from .slots import InferenceContext
 from .types import ConvertedWeights
 
+STORED = "stored"
+
 
 class ConvertParams(Params):
-    dtype: QuantDtype = Field("fp32", description="precision of the linear weights")
+    dtype: QuantDtype | Literal["stored"] = Field(
+        "fp32",
+        description="precision of the linear weights; stored: a GGUF's own blocks (Q4_K, Q6_K...), mapped from "
+        "the file and multiplied as they are (CPU), no conversion",
+    )
     group_size: int = Field(32, ge=8, le=1024, description="int4: weights per scale/zero group")
     head: Literal["same", "fp32", "bf16", "fp16", "int8"] = Field(
         "same", description="precision of the output head (the largest matmul of decode)"
@@ -268,6 +277,9 @@ class Convert(Stage):
     def run(self, ctx: InferenceContext, params: Any) -> None:
         cfg, host = ctx.model_config, ctx.host_weights
         assert cfg is not None and host is not None
+        if params.dtype == STORED:
+            map_stored(ctx, params, cfg)
+            return
         table = fusion_table(cfg)
         where = _where(ctx)
         if params.dtype == "int4" and (problem := group_size_problem(cfg, params.group_size)):
@@ -403,7 +415,7 @@ class Convert(Stage):
             except NotOurs as bad:
                 deep.problem(str(bad), "save_to")
         cfg = deep.facts.get("model_config")
-        if cfg is None:
+        if cfg is None or params.dtype == STORED:  # stored: the file's own bytes (mapped), nothing to predict
             return
         problem = group_size_problem(cfg, params.group_size) if params.dtype == "int4" else None
         if problem:
@@ -418,3 +430,38 @@ class Convert(Stage):
             peak = predicted_peak(manifest, cfg, sizes, deep.facts.get("buffer_shards", 1))
             if peak is not None:
                 deep.peak("converting", peak)
+
+
+def map_stored(ctx: InferenceContext, params: Any, cfg: ModelConfig) -> None:
+    """dtype stored: the GGUF the model came from, mapped; its blocks become the weights (no conversion)."""
+    from llmplan.llm.formats.gguf import GGUFFileError, map_gguf, stored_types, stored_weights
+    from llmplan.llm.formats.gguf.importer import GGUFImportError
+
+    source = ctx.model_source
+    path = source.gguf_file if source is not None else None
+    if path is None:
+        raise StageFailure("dtype stored keeps a GGUF's own blocks, but this model's source is not a .gguf file")
+    if params.save_to or params.head != "same":
+        raise StageFailure("dtype stored runs the file's own blocks: no save_to, and the head stays as stored")
+    if torch.device(ctx.device or "cpu").type != "cpu":
+        raise StageFailure(f"dtype stored runs on the CPU's GGUF block kernels, not on {ctx.device}")
+    start = time.perf_counter()
+    try:
+        mapped = map_gguf(path)
+        stored_cfg, weights = stored_weights(mapped)
+    except (GGUFFileError, GGUFImportError) as bad:
+        raise StageFailure(str(bad)) from None
+    if stored_cfg != cfg:
+        raise StageFailure(f"{path}: its metadata no longer gives the import's config.json; refused")
+    types = stored_types(weights)
+    vectors = sum(w.nbytes for w in weights.values() if isinstance(w, Tensor))
+    total = sum(types.values()) + vectors
+    ctx.weights = ConvertedWeights(tensors=weights, dtype=STORED, nbytes=total, kernel=params.kernel, mapping=mapped)
+    ctx.host_weights = None  # the fp32 import is not read
+    ctx.metrics.set("dtype", STORED)
+    ctx.metrics.set("bytes_before", mapped.nbytes)
+    ctx.metrics.set("bytes_after", total)
+    ctx.metrics.set("stored_types", types)
+    ctx.metrics.set("convert_s", time.perf_counter() - start)
+    if not ctx.json_mode:
+        print(f"{path.name}: mapped, {mib(sum(types.values()))} of {'/'.join(types)}", file=sys.stderr, flush=True)

@@ -60,6 +60,12 @@ def _weight_format(module: nn.Module) -> str:
         return "int8"
     if name.startswith("Int4"):
         return "int4"
+    type_name = getattr(module, "type_name", None)  # a GGUF's own blocks (dtype stored): Q4_K, Q6_K...
+    if isinstance(type_name, str):
+        return type_name
+    parts = getattr(module, "parts", None)
+    if isinstance(parts, nn.ModuleList):  # fused GGUF parts of different block types
+        return "/".join(dict.fromkeys(_weight_format(part) for part in parts))
     tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
     weight = next((t for t in tensors if t.is_floating_point()), None)
     return (
@@ -120,8 +126,11 @@ def model_summary(model: Transformer, kv_cache: KVCache | None = None) -> dict[s
         }
         for block in model.layers
     ]
-    embed = model.tok_embeddings.weight
-    output_weight = getattr(model.output, "weight", None)
+    # a GGUF block table (GGUFEmbedding, dtype stored) has `blocks`, and a tied head shares them
+    embed = getattr(model.tok_embeddings, "weight", None)
+    if embed is None:
+        embed = model.tok_embeddings.blocks
+    output_weight = getattr(model.output, "weight", getattr(model.output, "blocks", None))
     summary: dict[str, Any] = {
         "n_layers": len(model.layers),
         "dim": cfg.dim,
@@ -129,7 +138,7 @@ def model_summary(model: Transformer, kv_cache: KVCache | None = None) -> dict[s
         "n_kv_heads": model.layers[0].attention.n_kv_heads,
         "head_dim": model.layers[0].attention.head_dim,
         "intermediate_size": cfg.intermediate_size,
-        "vocab_size": int(embed.shape[0]),
+        "vocab_size": int(model.tok_embeddings.num_embeddings),
         "max_seq_len": model.max_seq_len,
         "rope_theta": cfg.rope_theta,
         "norm_eps": cfg.norm_eps,

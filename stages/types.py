@@ -62,6 +62,13 @@ class ConvertedWeights:
     errors: dict[str, float] = field(default_factory=dict)  # relative Frobenius error per tensor
     kernel: str = "auto"  # "reference" forces the plain weight-only matmuls
     bf16_inputs: bool = False  # bf16 weights' products take x rounded to bf16 (ConvertParams.bf16_inputs)
+    mapping: Any = None  # dtype stored: the mapped GGUF the weights are views on (MappedGGUF)
+
+    def close(self) -> None:
+        """Drop the mapping (output.release): its memory goes once the model holding its views is gone too."""
+        if self.mapping is not None:
+            self.mapping.close()
+            self.mapping = None
 
 
 @dataclass

@@ -261,6 +261,10 @@ class FusedDecoder:
 
     def __init__(self, model: Transformer, cache: KVCache, lib: Any) -> None:
         cfg = model.cfg
+        if not isinstance(model.tok_embeddings, nn.Embedding):
+            # a GGUF's block table (GGUFEmbedding): the C pass reads an fp32 table; its linears are GGUFLinear,
+            # which _native_linear refuses too, so the model runs on the torch modules
+            raise NotFused(f"the embeddings are {type(model.tok_embeddings).__name__}, not an fp32 table")
         keep: list[Tensor] = []
         kv_format = _fusable_kv_format(model, cache)
         store = cache.store

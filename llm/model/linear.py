@@ -18,6 +18,9 @@ runs that path, or the reference where an input does not fit it (another device,
     fbgemm-fp16                   fp16 / bf16             fbgemm's fp16 GEMM, fp32 activations (no native)
     torch-int8pack-bf16           int8                    _weight_int8pack_mm below 64 rows, else reference
     torch-int8pack-bf16-requant   int4                    the same on the int8 re-quantization
+    native-<isa>-gguf-<TYPE>      a GGUF's blocks         gguf_blocks.c on the file's own blocks (x rounded to
+                                                          int8 per 32 columns, llama.cpp's Q8_0 activations)
+    torch-gguf-dequantized        a GGUF's blocks         no native kernels: dequantized once to fp32, F.linear
     reference                     any                     the plain weight-only product (the oracle)
 
 The native paths exist where `llm/kernels/native.py` loads (an AVX2 CPU with a C compiler); the torch ones are the
@@ -60,7 +63,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..kernels import native
-from .weight_formats import Int4Weight, Int8Weight, QuantizedWeight, dequantize, quantize_weight
+from .weight_formats import (
+    GGUFParts,
+    GGUFWeight,
+    Int4Weight,
+    Int8Weight,
+    QuantizedWeight,
+    dequantize,
+    dequantize_gguf,
+    quantize_weight,
+)
 
 Kernel = Literal["auto", "reference"]
 REFERENCE = "reference"
@@ -355,6 +367,63 @@ class Int4Linear(_Chosen):
         return F.linear(x.to(dtype), dequantize(self.quantized_weight(), dtype)).to(x.dtype)
 
 
+class GGUFLinear(_Chosen):
+    """y = x @ W.T with W a GGUF's own blocks (`GGUFWeight`, a view on the file's mapping): gguf_blocks.c's
+    products where the native kernels load; without them the blocks are dequantized once to fp32 (the
+    memory of the fp32 import, but its speed), and the reference dequantizes on every call (the oracle)."""
+
+    def __init__(self, weight: GGUFWeight, kernel: Kernel = "auto") -> None:
+        super().__init__(kernel)
+        self.qtype, self.type_name = weight.qtype, weight.type_name
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("blocks", weight.blocks)  # a view on the mapped file, not a copy
+        self._dense: Tensor | None = None
+
+    def gguf_weight(self) -> GGUFWeight:
+        return GGUFWeight(self.blocks, self.qtype, (self.out_features, self.in_features), self.type_name)
+
+    def _clear(self) -> None:
+        self._dense = None
+
+    def prepack(self) -> None:
+        """Choose the path now (at load): the native block kernel for this type, else a one-off fp32 copy."""
+        self._clear()
+        if not self._on_cpu_auto(self.blocks):
+            self.path = REFERENCE
+            return
+        fast = native.kernels()
+        if fast is not None and fast.gguf_block_shape(self.qtype) is not None:
+            self._fast, self.path = fast, f"native-{fast.isa}-gguf-{self.type_name or self.qtype}"
+            return
+        self._dense = dequantize_gguf(self.gguf_weight())
+        self.path = "torch-gguf-dequantized"
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._chosen()
+        if self._fast is not None and x.device.type == "cpu":
+            return self._fast.gguf_linear(x, self.blocks, self.qtype, self.out_features, self.in_features)
+        if self._dense is not None and x.device.type == "cpu":
+            return F.linear(x.to(torch.float32), self._dense).to(x.dtype)
+        return self.reference(x)
+
+    def reference(self, x: Tensor) -> Tensor:
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        return F.linear(x.to(dtype), dequantize(self.gguf_weight(), dtype)).to(x.dtype)
+
+
+class GGUFPartsLinear(nn.Module):
+    """A fused linear (wqkv, w13) of GGUF parts of different block types: each part its own `GGUFLinear`, the
+    outputs concatenated in the parts' order (the rows the fused weight would have)."""
+
+    def __init__(self, weight: GGUFParts, kernel: Kernel = "auto") -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(GGUFLinear(p, kernel) for p in weight.parts)
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
 def make_linear(weight: QuantizedWeight, kernel: Kernel = "auto", bf16_inputs: bool = False) -> nn.Module:
     """The linear module for a (possibly quantized) [out, in] weight: x[..., in] → y[..., out] in x's dtype.
 
@@ -368,11 +437,15 @@ def make_linear(weight: QuantizedWeight, kernel: Kernel = "auto", bf16_inputs: b
         return Int8Linear(weight, kernel)
     if isinstance(weight, Int4Weight):
         return Int4Linear(weight, kernel)
+    if isinstance(weight, GGUFWeight):
+        return GGUFLinear(weight, kernel)
+    if isinstance(weight, GGUFParts):
+        return GGUFPartsLinear(weight, kernel)
     if isinstance(weight, Tensor):
         if weight.dim() != 2 or not weight.is_floating_point():
             raise ValueError(f"weight: expected a 2-D float tensor, got {weight.dtype} {tuple(weight.shape)}")
         return FloatLinear(weight, kernel, bf16_inputs and weight.dtype == torch.bfloat16)
-    raise TypeError(f"weight: expected a Tensor, Int8Weight or Int4Weight, got {type(weight).__name__}")
+    raise TypeError(f"weight: expected a Tensor, Int8Weight, Int4Weight or GGUF weight, got {type(weight).__name__}")
 
 
 def kernel_paths(model: nn.Module) -> dict[str, int]:

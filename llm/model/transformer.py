@@ -17,10 +17,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig
+from .gguf_embedding import GGUFEmbedding
 from .layer_clock import LayerClock, now_ns
 from .layer_names import LINEAR_NAMES
 from .masks import attention_mask, window_mask
 from .rope import apply_rope_full, rope_inv_freq, rope_tables
+from .weight_formats import GGUFWeight
 from .weights import NORM_SUFFIX, WeightError, internal_shapes
 
 
@@ -319,11 +321,18 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.tok_embeddings.weight.device
+        return self._activation_like().device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.tok_embeddings.weight.dtype
+        return self._activation_like().dtype
+
+    def _activation_like(self) -> Tensor:
+        """A tensor in the activations' device and dtype: the embedding table, or (a GGUF's block table, which
+        is uint8) the final norm's weight, built in the same dtype by from_weights."""
+        if isinstance(self.tok_embeddings, GGUFEmbedding):
+            return self.norm.weight
+        return self.tok_embeddings.weight
 
     def forward(
         self,
@@ -414,8 +423,9 @@ class Transformer(nn.Module):
         if missing or unexpected:
             raise WeightError(f"weights do not match the config: missing {missing[:5]}, extra {unexpected[:5]}")
         embed = weights["tok_embeddings.weight"]
-        device = torch.device(device) if device is not None else embed.device
-        dtype = dtype or embed.dtype
+        stored = isinstance(embed, GGUFWeight)  # a GGUF's own block table: rows dequantized as tokens need them
+        device = torch.device(device) if device is not None else (embed.blocks if stored else embed).device
+        dtype = dtype or (torch.float32 if stored else embed.dtype)
         converted: dict[tuple[int, Any], Tensor] = {}  # by id: a tensor shared by two names stays shared
 
         def tensor(name: str, keep_dtype: bool = False) -> Tensor:
@@ -445,7 +455,12 @@ class Transformer(nn.Module):
 
         with torch.device("meta"):
             model = cls(cfg, max_seq_len=max_seq_len)
-        model.tok_embeddings.weight = param("tok_embeddings.weight")
+        if stored:
+            scale = cfg.dim**0.5 if cfg.arch.embed_scale else None
+            model.tok_embeddings = GGUFEmbedding(_checked_table(embed, shapes["tok_embeddings.weight"]), dtype, scale)
+            model.tok_embeddings.to(device=device)
+        else:
+            model.tok_embeddings.weight = param("tok_embeddings.weight")
         model.norm.weight = param("norm.weight")
         model.output = linear("output")
         for i, block in enumerate(model.layers):
@@ -459,3 +474,9 @@ class Transformer(nn.Module):
                     getattr(module, attr).weight = param(f"layers.{i}.{rel}.weight")
         model.setup_rope(device)
         return model.eval()
+
+
+def _checked_table(embed: GGUFWeight, shape: tuple[int, ...]) -> GGUFWeight:
+    if tuple(embed.shape) != shape:
+        raise WeightError(f"tok_embeddings.weight: expected shape {shape}, got {tuple(embed.shape)}")
+    return embed

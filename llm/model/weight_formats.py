@@ -73,7 +73,77 @@ class Int4Weight:
         return self.shape[1] // int(self.scale.shape[1])
 
 
-QuantizedWeight = Tensor | Int8Weight | Int4Weight
+@dataclass(frozen=True)
+class GGUFWeight:
+    """A weight [N, K] as a GGUF file stores it: N rows of ggml blocks of type `qtype` (ggml.h's id), `blocks`
+    uint8 [N, row bytes], usually a view on the file's mapping (llm/formats/gguf/mapped.py), never re-quantized.
+
+    The block layout is the kernels' (llm/kernels/gguf_blocks.c) and gguf-py's; which types exist is known to
+    the format layer (llm/formats/gguf/block_types.py), which checks the rows before it makes one of these."""
+
+    blocks: Tensor  # uint8 [N, row bytes]
+    qtype: int
+    shape: tuple[int, int]
+    type_name: str = ""  # "Q4_K", for messages and the load's line
+
+    def __post_init__(self) -> None:
+        if self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2 or self.blocks.shape[0] != self.shape[0]:
+            raise ValueError(
+                f"GGUFWeight {self.type_name}: blocks {self.blocks.dtype} {tuple(self.blocks.shape)} are not "
+                f"{self.shape[0]} uint8 rows"
+            )
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.blocks.numel())
+
+    def rows(self, index: Tensor) -> GGUFWeight:
+        """The given rows (each row is whole blocks, so any row order is exact): a copy."""
+        rows = (int(index.numel()), self.shape[1])
+        return GGUFWeight(self.blocks.index_select(0, index), self.qtype, rows, self.type_name)
+
+
+@dataclass(frozen=True)
+class GGUFParts:
+    """A fused weight (wqkv, w13) whose GGUF parts differ in block type (Q4_K q/k, Q6_K v): each part computes
+    its own output rows, concatenated in order."""
+
+    parts: tuple[GGUFWeight, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+def fuse_gguf(parts: list[GGUFWeight]) -> GGUFWeight | GGUFParts:
+    """One weight of the parts' rows in order: their block rows joined where every part has one type (one
+    kernel call, a copy of the rows), else the parts kept as they are (no copy)."""
+    if len(parts) == 1:
+        return parts[0]
+    if len({(p.qtype, p.blocks.shape[1]) for p in parts}) == 1:
+        first = parts[0]
+        blocks = torch.cat([p.blocks for p in parts], dim=0)
+        return GGUFWeight(blocks, first.qtype, (int(blocks.shape[0]), first.shape[1]), first.type_name)
+    return GGUFParts(tuple(parts))
+
+
+def dequantize_gguf(w: GGUFWeight) -> Tensor:
+    """fp32 [N, K] of GGUF blocks: the native kernels where they load, else gguf-py's own definitions."""
+    fast = native.kernels()
+    if fast is not None and w.blocks.device.type == "cpu" and fast.gguf_block_shape(w.qtype) is not None:
+        return fast.gguf_dequantize(w.blocks.contiguous(), w.qtype, *w.shape)
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    values = quants.dequantize(w.blocks.cpu().numpy(), GGMLQuantizationType(w.qtype))
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(w.shape)).to(w.blocks.device)
+
+
+QuantizedWeight = Tensor | Int8Weight | Int4Weight | GGUFWeight | GGUFParts
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -190,6 +260,10 @@ def dequantize(q: QuantizedWeight, dtype: torch.dtype = torch.float32) -> Tensor
     """The float weight [out, in] a quantized weight stands for, in `dtype`."""
     if isinstance(q, Tensor):
         return q.to(dtype)
+    if isinstance(q, GGUFWeight):
+        return dequantize_gguf(q).to(dtype)
+    if isinstance(q, GGUFParts):
+        return torch.cat([dequantize_gguf(p) for p in q.parts], dim=0).to(dtype)
     if isinstance(q, Int8Weight):
         return (q.qweight.to(torch.float32) * q.scale[:, None].float()).to(dtype)
     if isinstance(q, Int4Weight):
@@ -240,11 +314,18 @@ def _take_rows(q: QuantizedWeight, index: Tensor) -> QuantizedWeight:
         return q.index_select(0, index)
     if isinstance(q, Int8Weight):
         return Int8Weight(q.qweight.index_select(0, index), q.scale.index_select(0, index))
+    if isinstance(q, GGUFWeight):
+        return q.rows(index)
+    if isinstance(q, GGUFParts):
+        return _take_rows(dequantize(q), index)
     return Int4Weight(q.packed.index_select(0, index), q.scale.index_select(0, index), q.zero.index_select(0, index))
 
 
 def nbytes(q: QuantizedWeight) -> int:
-    """Bytes the weight occupies as stored (codes + scales + zeros), i.e. on disk via `to_tensors`."""
+    """Bytes the weight occupies as stored (codes + scales + zeros), i.e. on disk via `to_tensors`; a GGUF
+    weight's blocks as the file holds them."""
+    if isinstance(q, GGUFWeight | GGUFParts):
+        return q.nbytes
     return sum(t.numel() * t.element_size() for t in to_tensors(q).values())
 
 

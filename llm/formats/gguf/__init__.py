@@ -16,35 +16,47 @@ if TYPE_CHECKING:
     from .file_type import GGUFType, file_type_names, gguf_type, nominal_bits
     from .footprint import footprint_line, gguf_read_per_token, read_per_token, recorded_footprint, resident_parts
     from .importer import import_gguf
+    from .mapped import MappedGGUF, check_block_values, map_gguf
+    from .stored import stored_types, stored_weights
 
 EXPORTS = {  # name -> the module that defines it
     "BY_NAME": "block_types",
     "GGUFFileError": "file",
     "GGUFType": "file_type",
+    "MappedGGUF": "mapped",
+    "check_block_values": "mapped",
     "file_type_names": "file_type",
     "footprint_line": "footprint",
     "gguf_read_per_token": "footprint",
     "gguf_type": "file_type",
     "import_gguf": "importer",
+    "map_gguf": "mapped",
     "nominal_bits": "file_type",
     "open_gguf": "file",
     "read_per_token": "footprint",
     "recorded_footprint": "footprint",
     "resident_parts": "footprint",
+    "stored_types": "stored",
+    "stored_weights": "stored",
 }
 __all__ = [
     "BY_NAME",
     "GGUFFileError",
     "GGUFType",
+    "MappedGGUF",
+    "check_block_values",
     "file_type_names",
     "footprint_line",
     "gguf_read_per_token",
     "gguf_type",
     "import_gguf",
+    "map_gguf",
     "nominal_bits",
     "open_gguf",
     "read_per_token",
     "recorded_footprint",
     "resident_parts",
+    "stored_types",
+    "stored_weights",
 ]
 __getattr__, __dir__ = lazy_exports(__name__, EXPORTS)

@@ -28,8 +28,12 @@ _FLOATS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 def held_as(weight: Any) -> str:
     """The format a resident weight is held in: fp32 / fp16 / bf16 / int8 / int4."""
-    from ...model.weight_formats import Int4Weight, Int8Weight  # torch: here, so the report can import footprint_line
+    from ...model.weight_formats import GGUFParts, GGUFWeight, Int4Weight, Int8Weight  # torch: here (footprint_line)
 
+    if isinstance(weight, GGUFWeight):  # dtype stored: the file's own blocks
+        return weight.type_name
+    if isinstance(weight, GGUFParts):
+        return "/".join(dict.fromkeys(p.type_name for p in weight.parts))
     if isinstance(weight, Int8Weight):
         return "int8"
     if isinstance(weight, Int4Weight):
@@ -55,15 +59,15 @@ def resident_parts(tensors: dict[str, Any]) -> dict[str, Any]:
     seen: set[int] = set()
     tied = False
     for name, weight in tensors.items():
-        if isinstance(weight, Tensor):
-            if weight.data_ptr() in seen:  # the tied head is the embedding table itself: counted once
-                tied = tied or name == HEAD
-                continue
-            seen.add(weight.data_ptr())
+        key = weight.data_ptr() if isinstance(weight, Tensor) else id(weight)  # a GGUF table: by object
+        if key in seen:  # the tied head is the embedding table itself: counted once
+            tied = tied or name == HEAD
+            continue
+        seen.add(key)
         part = "embeddings" if name == EMBEDDINGS else "head" if name == HEAD else None
         part = part or ("vectors" if isinstance(weight, Tensor) and weight.dim() < 2 else "matrices")
         resident[part] += weight.nbytes if isinstance(weight, Tensor) else nbytes(weight)
-        held[part].add(held_as(weight))
+        held[part].update(held_as(weight).split("/"))  # fused GGUF parts: each block type once
     return {
         "parts": {part: {"bytes": resident[part], "as": "/".join(sorted(held[part])) or "-"} for part in PARTS},
         "head_shares_embeddings": tied,

@@ -1,0 +1,89 @@
+"""A mapped GGUF's weights under the model's internal names, linear weights and embeddings as the file's blocks.
+
+Why: the model then runs on the bytes the file holds (llm/model's GGUFLinear, GGUFEmbedding), with none of
+the fp32 import's memory or re-quantization; only the small tensors (norms, biases) become fp32.
+
+The names and checks are the importer's (hf_config.py: the family's config, every tensor's HF name and shape
+checked), and what it undoes of llama.cpp's convert is undone here too, exactly:
+  * Llama's q/k rows permuted per head: rows are whole blocks, so the rows are put back in HF order by a
+    gather of block rows (a copy of q and k; no other family permutes);
+  * Gemma's norms stored as 1 + w: fp32, shifted as the import shifts them.
+Fused groups (q/k/v -> wqkv, gate/up -> w13) join their block rows where the parts share a type, else stay
+parts that compute their own rows (Q4_K_M files keep v and down in Q6_K): `fuse_gguf`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ...model.config import ModelConfig
+from ...model.layer_names import is_linear_weight
+from ...model.weight_formats import GGUFWeight, dequantize_gguf, fuse_gguf
+from ...model.weights import fusion_table
+from .file import GGUFFileError
+from .hf_config import Planned, family_of, hf_config, plan_tensors
+from .importer import unpermute_rope_rows
+from .mapped import MappedGGUF
+from .metadata import GGUFMetadata
+
+EMBEDDINGS = "tok_embeddings.weight"
+
+
+def stored_config(mapped: MappedGGUF) -> dict[str, Any]:
+    """The HF config.json of the file (the importer's, checked by the same rules)."""
+    meta = GGUFMetadata(mapped.file)
+    return hf_config(meta, family_of(meta), mapped.file.tensors)
+
+
+def stored_weights(mapped: MappedGGUF) -> tuple[ModelConfig, dict[str, Any]]:
+    """(config, internal name -> weight): linear weights and the embedding table `GGUFWeight`s (views on the
+    mapping, or parts of them), norms and biases fp32 tensors; a tied head is the embedding's very object."""
+    meta = GGUFMetadata(mapped.file)
+    family = family_of(meta)
+    config = hf_config(meta, family, mapped.file.tensors)
+    planned = {p.hf_name: p for p in plan_tensors(family, mapped.file.tensors, config, mapped.path)}
+    cfg = ModelConfig.from_hf_dict(config)
+    out: dict[str, Any] = {}
+    for internal, parts in fusion_table(cfg).items():
+        if internal == "output.weight" and cfg.tie_word_embeddings:
+            out[internal] = out[EMBEDDINGS]  # one table: the tied head multiplies by the same blocks
+        elif is_linear_weight(internal) or internal == EMBEDDINGS:
+            out[internal] = fuse_gguf([_blocks(mapped, planned[p]) for p in parts])
+        else:
+            values = [_floats(mapped, planned[p]) for p in parts]
+            out[internal] = values[0] if len(values) == 1 else torch.cat(values)
+    return cfg, out
+
+
+def _blocks(mapped: MappedGGUF, planned: Planned) -> GGUFWeight:
+    weight = mapped.tensors[planned.gguf_name].weight()
+    if planned.unpermute_heads is None:
+        return weight
+    order = unpermute_rope_rows(np.arange(weight.shape[0]), planned.unpermute_heads)
+    return weight.rows(torch.from_numpy(np.ascontiguousarray(order)))
+
+
+def _floats(mapped: MappedGGUF, planned: Planned) -> Tensor:
+    """A small tensor (a norm, a bias) as fp32 in its HF shape; NaN or infinity refused naming it."""
+    values = dequantize_gguf(mapped.tensors[planned.gguf_name].weight()).reshape(planned.hf_shape)
+    if not bool(torch.isfinite(values).all()):
+        raise GGUFFileError(f"{mapped.path}: tensor {planned.gguf_name} holds NaN or infinite values; refused")
+    return values - planned.norm_shift if planned.norm_shift else values
+
+
+def stored_types(weights: dict[str, Any]) -> dict[str, int]:
+    """Bytes of the file's blocks the model holds, by block type ("Q4_K": ...), each tensor counted once."""
+    seen: set[int] = set()
+    by_type: dict[str, int] = {}
+    for weight in weights.values():
+        for part in getattr(weight, "parts", (weight,)):
+            if not isinstance(part, GGUFWeight) or id(part) in seen:
+                continue
+            seen.add(id(part))
+            name = part.type_name or str(part.qtype)
+            by_type[name] = by_type.get(name, 0) + part.nbytes
+    return dict(sorted(by_type.items(), key=lambda item: -item[1]))
