@@ -237,27 +237,33 @@ INLINE void deq_row(int64_t type, const uint8_t *row, int64_t K, float *dst) {
     }
 }
 
-// 0, or -1 for an unknown type or K not whole blocks.
+static void dequantize_row(int64_t type, const uint8_t *row, int64_t K, float *dst) {
+    switch (type) {
+        DEQ_ROW(Q8_0);
+        DEQ_ROW(Q4_0);
+        DEQ_ROW(Q4_1);
+        DEQ_ROW(Q5_0);
+        DEQ_ROW(Q5_1);
+        DEQ_ROW(Q4_K);
+        DEQ_ROW(Q5_K);
+        DEQ_ROW(Q6_K);
+        default: widen_row(type, row, K, dst);
+    }
+}
+
+// 0, or -1 for an unknown type or K not whole blocks. A few rows (an embedding's gather) run on the calling
+// thread: no one-thread parallel region, which would park the team's other thread (see quantize_x).
 int64_t gguf_dequantize_rows(int64_t type, const void *blocks, float *out, int64_t N, int64_t K) {
     int64_t shape[2];
     if (!gguf_block_shape(type, shape) || K % shape[0]) return -1;
     const int64_t row_bytes = K / shape[0] * shape[1];
-#pragma omp parallel for schedule(static) if (N * K >= 65536)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *row = (const uint8_t *)blocks + n * row_bytes;
-        float *dst = out + n * K;
-        switch (type) {
-            DEQ_ROW(Q8_0);
-            DEQ_ROW(Q4_0);
-            DEQ_ROW(Q4_1);
-            DEQ_ROW(Q5_0);
-            DEQ_ROW(Q5_1);
-            DEQ_ROW(Q4_K);
-            DEQ_ROW(Q5_K);
-            DEQ_ROW(Q6_K);
-            default: widen_row(type, row, K, dst);
-        }
+    const uint8_t *rows = (const uint8_t *)blocks;
+    if (N * K < 65536) {
+        for (int64_t n = 0; n < N; n++) dequantize_row(type, rows + n * row_bytes, K, out + n * K);
+        return 0;
     }
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) dequantize_row(type, rows + n * row_bytes, K, out + n * K);
     return 0;
 }
 
@@ -285,6 +291,12 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *dx, float 
     }
 }
 
+static inline int team_size(void) {
+    int64_t stats[8];
+    kernel_threads_stats(stats);
+    return stats[0] > 0 ? (int)stats[0] : 1;
+}
+
 static int quantize_x(const float *x, int64_t M, int64_t K, XQ *out) {
     const int64_t Kp = padded(K), G = Kp / 16;
     out->Kp = Kp;
@@ -294,7 +306,13 @@ static int quantize_x(const float *x, int64_t M, int64_t K, XQ *out) {
     out->xs = out->dx + M * G;
     memset(out->q, 0, (size_t)(M * Kp));
     memset(out->dx, 0, (size_t)(2 * M * G) * sizeof(float));
-#pragma omp parallel for schedule(static) if (M * K >= 65536)
+    // No parallel region at all for a small x, not one of a single thread (`if` false): a one-thread region
+    // parks the team's other thread, and the product's region then waits to wake it (ms on a busy machine).
+    if (M * K < 65536) {
+        for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, out->q + m * Kp, out->dx + m * G, out->xs + m * G);
+        return 1;
+    }
+#pragma omp parallel for num_threads(team_size()) schedule(static)
     for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, out->q + m * Kp, out->dx + m * G, out->xs + m * G);
     return 1;
 }
@@ -415,11 +433,6 @@ static RowDot dot_of(int64_t type) {
     }
 }
 
-static inline int team_size(void) {
-    int64_t stats[8];
-    kernel_threads_stats(stats);
-    return stats[0] > 0 ? (int)stats[0] : 1;
-}
 
 // Activation rows a pass over the weights: their rounded rows (K bytes and 2 floats per 16 columns) fit half
 // of L2, so each weight row's dot products read them from L2, not L3 (more rows re-read the weights instead).
@@ -445,14 +458,17 @@ int64_t gguf_linear(int64_t type, const void *blocks, const float *x, float *y, 
     const int64_t g = N / ((int64_t)nt * 8) > 1 ? N / ((int64_t)nt * 8) : 1;
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
         const int64_t m1 = m0 + chunk < M ? m0 + chunk : M;
-#pragma omp parallel for num_threads(nt) schedule(dynamic, g)
-        for (int64_t n = 0; n < N; n++) {
-            const uint8_t *row = (const uint8_t *)blocks + n * row_bytes;
-            for (int64_t m = m0; m < m1; m += MR) {
-                float out[MR];
-                const int mb = m1 - m < MR ? (int)(m1 - m) : MR;
-                dot(row, K, &xq, m, mb, out);
-                for (int r = 0; r < mb; r++) y[(m + r) * N + n] = out[r];
+#pragma omp parallel num_threads(nt)
+        {
+#pragma omp for schedule(dynamic, g) nowait
+            for (int64_t n = 0; n < N; n++) {
+                const uint8_t *row = (const uint8_t *)blocks + n * row_bytes;
+                for (int64_t m = m0; m < m1; m += MR) {
+                    float out[MR];
+                    const int mb = m1 - m < MR ? (int)(m1 - m) : MR;
+                    dot(row, K, &xq, m, mb, out);
+                    for (int r = 0; r < mb; r++) y[(m + r) * N + n] = out[r];
+                }
             }
         }
     }
