@@ -81,10 +81,10 @@ def run(args: argparse.Namespace) -> int:
     check_writable(picture, "file", "--picture")
     if args.out:
         check_out(Path(args.out))
-    text, source = read_text(args.text)
+    text, source = read_text(args.text, args.context, args.chunks)
     info = machine() | {"cpu_features": cpu_features()}
-    _warm_up(args.plans[0], args)
-    rows = [measure(plan, args, batches) for plan in args.plans]
+    shape = _warm_up(args.plans[0], args)
+    rows = [measure(plan, args, batches, shape) for plan in args.plans]
     quality = evaluate(args, text, source)
     for row, scored in zip(rows, quality["plans"], strict=True):
         row.update({key: scored[key] for key in QUALITY})
@@ -114,24 +114,29 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def _warm_up(plan: str, args: argparse.Namespace) -> None:
-    """One load before any is timed: the process's first pays the imports and the kernels' first use."""
+def _warm_up(plan: str, args: argparse.Namespace) -> Any:
+    """One load before any is timed: the process's first pays the imports and the kernels' first use.
+    Returns the model's config: every plan's shape is checked against it before its speed is measured."""
     from llmplan.commands.bench.measure import load
 
     _say("compare: warm-up load")
-    load(plan, args.set)
+    config = load(plan, args.set).ctx.model_config
     gc.collect()
+    return config
 
 
-def measure(plan: str, args: argparse.Namespace, batches: list[int]) -> dict[str, Any]:
-    """One plan: its load as written (bytes, peak, time), then speed at every batch size on a small cache."""
+def measure(plan: str, args: argparse.Namespace, batches: list[int], shape: Any) -> dict[str, Any]:
+    """One plan: its load as written (bytes, peak, time), then speed at every batch size on a small cache.
+    `shape`: the first plan's model config; a plan of another width or depth is refused before its speed runs."""
     from llmplan.commands.bench.measure import bench_overrides, load, random_prompts, run_once
     from llmplan.commands.bench.stats import summary
+    from llmplan.commands.eval import check_shapes
     from llmplan.engine.console import RichProgress
 
     steps = 2 + len(batches) * (args.runs + 1)
     with RichProgress().task(f"measuring {Path(plan).name}", total=steps) as advance:
         written = load(plan, args.set)
+        check_shapes(plan, written.ctx.model_config, args.plans[0], shape)
         regions = written.regions
         row: dict[str, Any] = {
             "plan": written.bound.plan.name,

@@ -12,11 +12,11 @@ machine scores the same words without fetching anything; `--text FILE` scores th
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import math
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from llmplan.commands import eval_store
@@ -70,20 +70,51 @@ def default_text() -> str:
     return "\n\n".join(topics[name] for name in sorted(topics))
 
 
-def read_text(path: str | None) -> tuple[str, str]:
-    """(text, where it came from)."""
+# A --text file is read only as far as the chunks need: at most TEXT_BYTES_PER_TOKEN bytes a token wanted (English
+# is ~4, code ~3, CJK ~3), never more than TEXT_READ_LIMIT (a 300 MB file must not be read whole, nor tokenized).
+TEXT_BYTES_PER_TOKEN = 32
+TEXT_READ_LIMIT = 8 << 20
+SCORED_TOKENS_LIMIT = 1 << 20  # --context x --chunks: over a million tokens scored is a mistake, not a plan
+
+
+def read_text(path: str | None, context: int = 512, chunks: int = 8) -> tuple[str, str]:
+    """(text, where it came from): the default text, or the head of a regular file the chunks need."""
     from llmplan.engine.cli import CliError
 
     if path is None:
-        return default_text(), f"pydoc_data.topics (Python {sys.version.split()[0]})"
+        text = default_text()
+        check_room(f"pydoc_data.topics (Python {sys.version.split()[0]})", len(text.encode()), context, chunks)
+        return text, f"pydoc_data.topics (Python {sys.version.split()[0]})"
+    from llmplan.bounded_read import NotRegularFileError, read_head
     from llmplan.llm.trust import describe_os_error
 
+    wanted = min(TEXT_READ_LIMIT, context * chunks * TEXT_BYTES_PER_TOKEN)
     try:
-        return Path(path).read_text(encoding="utf-8"), path
+        data, size = read_head(path, wanted, "text file")
+    except (NotRegularFileError, IsADirectoryError) as bad:  # a FIFO, device or directory: refused at once
+        raise CliError(str(bad)) from None
     except OSError as bad:
         raise CliError(describe_os_error(path, bad)) from None
+    whole = len(data) >= size
+    try:  # a head cut inside a character keeps the characters before it; invalid bytes are refused
+        text = codecs.getincrementaldecoder("utf-8")().decode(data, final=whole)
     except UnicodeDecodeError as bad:
         raise CliError(f"{path}: not UTF-8 text (byte {bad.start})") from None
+    check_room(path, size, context, chunks)
+    return text, path if whole else f"{path} (its first {len(data)} bytes)"
+
+
+def check_room(source: str, size: int, context: int, chunks: int) -> None:
+    """Refuse, before any model loads, what no text could hold: over SCORED_TOKENS_LIMIT tokens, or a text
+    too short for one chunk (a token is at least one byte; +1: a tokenizer's leading piece)."""
+    from llmplan.engine.cli import CliError
+
+    if context * chunks > SCORED_TOKENS_LIMIT:
+        raise CliError(
+            f"--chunks {chunks} x --context {context}: more than {SCORED_TOKENS_LIMIT} tokens to score; give fewer"
+        )
+    if context > size + 1:
+        raise CliError(f"{source}: {size} bytes, fewer than the {context} tokens of one chunk (--context)")
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -99,7 +130,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_args(args)
-    text, source = read_text(args.text)
+    text, source = read_text(args.text, args.context, args.chunks)
     db = _db(args)
     if db is not None:
         eval_store.check_db(db)  # before the models load: a database that cannot take the figures is one line
@@ -183,22 +214,22 @@ def evaluate(args: argparse.Namespace, text: str, source: str) -> dict[str, Any]
 
     need = max(args.context, GREEDY_PROMPT_TOKENS + args.greedy + 1)
     ref_variant, rows_wanted = variants(args)
-    ref = _load(ref_variant, args.set, need)
-    models = [_load(variant, args.set, need) for variant in rows_wanted]
-    # Loading stops at `load.to_device`, which does not need the tokenizer: each plan's is loaded on its own.
+    # The tokenizer loads on its own (loading a model stops at `load.to_device`, which does not need it): the
+    # text is cut into chunks before any model loads, so a text that holds none costs no load.
     tok = load_tokenizer(ref_variant.plan, args.set)
     ids = tok.encode(text, add_bos=False, special=False)
-    probe = ids[:256]
+    pieces = text_chunks(ids, args, source)
+    ref = _load(ref_variant, args.set, need)
+    models = [_load(variant, args.set, need) for variant in rows_wanted]
     tokenizers = {ref_variant.plan: tok}
+    probe = ids[:256]
     for variant, loaded in zip(rows_wanted, models, strict=True):
         if variant.plan not in tokenizers:
             tokenizers[variant.plan] = load_tokenizer(variant.plan, args.set)
         theirs = tokenizers[variant.plan].encode(tok.decode(probe), add_bos=False, special=False)
         if loaded.model.cfg.vocab_size != ref.model.cfg.vocab_size or theirs != probe:
             raise CliError(f"{variant.plan}: its tokenizer differs from the reference's: nothing to compare")
-    pieces = quality.chunks(ids, args.context, args.chunks)
-    if not pieces:
-        raise CliError(f"{source}: {len(ids)} tokens, fewer than one chunk of --context {args.context}")
+        check_shapes(variant.plan, loaded.model.cfg, ref_variant.plan, ref.model.cfg)
     perplexity = [quality.Perplexity() for _ in models]
     ref_perplexity = quality.Perplexity()
     divergence = [quality.Divergence() for _ in models]
@@ -227,6 +258,35 @@ def evaluate(args: argparse.Namespace, text: str, source: str) -> dict[str, Any]
         "reference": {**_label(ref_variant, ref, args.set), **ref_perplexity.summary()},
         "plans": rows,
     }
+
+
+def text_chunks(ids: list[int], args: argparse.Namespace, source: str) -> list[list[int]]:
+    """The chunks scored: --chunks of them, or as many as the text holds (said on stderr), never none."""
+    from llmplan.engine.cli import CliError
+    from llmplan.llm.evaluation import quality
+
+    pieces = quality.chunks(ids, args.context, args.chunks)
+    if not pieces:
+        raise CliError(f"{source}: {len(ids)} tokens, fewer than one chunk of --context {args.context}")
+    if len(pieces) < args.chunks:
+        print(
+            f"eval: {source} holds {len(pieces)} chunks of --context {args.context} tokens; scoring those, "
+            f"not --chunks {args.chunks}",
+            file=sys.stderr,
+        )
+    return pieces
+
+
+def check_shapes(plan: str, cfg: Any, ref_plan: str, ref_cfg: Any) -> None:
+    """Hidden states are compared layer by layer: a model of another width or depth has nothing to set beside
+    the reference's (tensors of different sizes)."""
+    from llmplan.engine.cli import CliError
+
+    if (cfg.dim, cfg.n_layers) != (ref_cfg.dim, ref_cfg.n_layers):
+        raise CliError(
+            f"{plan}: {cfg.n_layers} layers of width {cfg.dim}, the reference {ref_plan}'s {ref_cfg.n_layers} of "
+            f"width {ref_cfg.dim}: layer drift cannot be compared; compare plans of one model's shape"
+        )
 
 
 def _greedy(loaded: Any, prompts: list[list[int]], tokens: int) -> list[list[int]]:

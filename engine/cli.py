@@ -514,9 +514,10 @@ def deep_check(bound: BoundPlan) -> tuple[list[Finding], dict[str, int]]:
 
 
 def deep_memory_check(
-    bound: BoundPlan, memory: int | None = None
+    bound: BoundPlan, memory: int | None = None, facts: dict[str, Any] | None = None
 ) -> tuple[list[Finding], dict[str, int], MemoryPlan | None]:
-    """The stages' deep checks, and the memory plan against `memory` bytes (default: the device's free memory)."""
+    """The stages' deep checks, and the memory plan against `memory` bytes (default: the device's free memory).
+    `facts`, when given, receives what the stages learnt (another plan's check reads its config there)."""
     from .stage import DeepCheck
 
     deep = DeepCheck(bound)
@@ -526,6 +527,8 @@ def deep_memory_check(
             stage.cls().check(stage.params, deep)
         except Exception as bad:
             deep.problem(f"check failed: {plain_error(bad)}")
+    if facts is not None:
+        facts.update(deep.facts)
     capacity = ("--memory", memory) if memory is not None else deep.capacity
     planned = None
     if capacity is not None and deep.estimates:

@@ -34,6 +34,9 @@ def draw_graph(graph: nx.DiGraph, out: Path, labels: dict[str, str] | None = Non
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix.lower() == ".svg":
         return write_file(out, graph_svg(graph, labels, title or "stage graph"), "-o")
+    from llmplan.cache_home import settle_matplotlib_home
+
+    settle_matplotlib_home()  # before matplotlib's import: its font cache in llmplan's cache home, not $HOME
     import matplotlib
 
     matplotlib.use("Agg")

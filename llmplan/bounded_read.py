@@ -19,6 +19,17 @@ def read_limited(path: str | Path, limit: int, what: str = "file") -> bytes:
     opened non-blocking so that opening a FIFO with no writer cannot hang, and `fstat` on the open
     descriptor (not the name) decides whether it is a regular file.
     """
+    data, size = read_head(path, limit + 1, what)
+    if len(data) > limit:
+        raise TooLargeError(path, max(size, len(data)), limit)
+    return data
+
+
+def read_head(path: str | Path, limit: int, what: str = "file") -> tuple[bytes, int]:
+    """(the first `limit` bytes of a regular file, its size when opened); refused as `read_limited` refuses.
+
+    For a file that may be far larger than what is used of it (a text to score): only the head is read.
+    """
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(path, flags)
     try:
@@ -30,18 +41,15 @@ def read_limited(path: str | Path, limit: int, what: str = "file") -> bytes:
             raise NotRegularFileError(f"{path}: not a regular file (a FIFO, socket or device); refused")
         chunks: list[bytes] = []
         total = 0
-        while total <= limit:
-            chunk = os.read(fd, min(1 << 20, limit + 1 - total))
+        while total < limit:
+            chunk = os.read(fd, min(1 << 20, limit - total))
             if not chunk:
                 break
             chunks.append(chunk)
             total += len(chunk)
     finally:
         os.close(fd)
-    data = b"".join(chunks)
-    if len(data) > limit:
-        raise TooLargeError(path, max(info.st_size, len(data)), limit)
-    return data
+    return b"".join(chunks), info.st_size
 
 
 class NotRegularFileError(OSError):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from llmplan.engine.findings import InputRefused, StageFailure
 from llmplan.engine.stage import Phase, Stage
@@ -68,6 +68,14 @@ class GenerateParams(RequestSettings):
         default_factory=list,
         description="settings of this stage a served request takes when it omits them (others: the API's defaults)",
     )
+
+    @field_validator("ignore_eos")
+    @classmethod
+    def _format_ends_at_eos(cls, value: bool, info: ValidationInfo) -> bool:
+        # `run` refuses the pair at its first request (the door's _grammar): `validate` names this line instead
+        if value and info.data.get("format") is not None:
+            raise ValueError("true with a format: a constrained answer ends with its end-of-sequence token; drop one")
+        return value
 
     @model_validator(mode="after")
     def _beams(self) -> GenerateParams:

@@ -13,6 +13,7 @@ names itself, directly or through others, is refused). The vocabulary is checked
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import tempfile
 from pathlib import Path
@@ -81,6 +82,17 @@ def same_vocabulary(target: Any, draft: Any) -> str | None:
     return None
 
 
+def vocabulary_gap(known: int, takes: int) -> str | None:
+    """Why the draft's model cannot read the model's tokens: its embedding takes ids below `takes`, the model's
+    tokenizer writes ids below `known` (a longer draft head is fine), or None."""
+    if takes < known:
+        return (
+            f"its model takes token ids below {takes}, the model's vocabulary holds {known}: a draft must take "
+            "every token the model may write (give a draft of the model's vocabulary)"
+        )
+    return None
+
+
 class LoadDraft(Stage):
     """Load another plan's model as the draft of speculative decoding, its KV cache shaped like this plan's."""
 
@@ -117,6 +129,9 @@ class LoadDraft(Stage):
         differs = same_vocabulary(tokenizer, draft.tokenizer)
         if differs is not None:
             raise StageFailure(f"draft plan {path.name}: its vocabulary is not the model's ({differs})")
+        gap = vocabulary_gap(tokenizer.vocab_size, draft.model.cfg.vocab_size)
+        if gap is not None:  # else the first token past the draft's ids fails in its embedding, mid-answer
+            raise StageFailure(f"plan {path.name}: {gap}")
         slots = SlotCache.over(draft.kv_cache)
         ctx.draft_model = DraftModel(draft.model_runner, slots, cfg.vocab_size)
         regions = draft.metrics.get(place, "regions") or {}
@@ -132,12 +147,31 @@ class LoadDraft(Stage):
         shape = [f"{place}.max_batch={deep.facts.get('max_batch', 1)}"]
         if "max_tokens" in deep.facts:
             shape.append(f"{place}.kv_cache.max_tokens={deep.facts['max_tokens']}")
-        findings, estimates, planned = deep_memory_check(bind_draft(path, shape), memory=1 << 62)
+        facts: dict[str, Any] = {}
+        findings, estimates, planned = deep_memory_check(bind_draft(path, shape), memory=1 << 62, facts=facts)
         for finding in findings:
             deep.problem(f"draft plan {path.name}:{finding.line}: {finding.message}", "plan")
+        gap = _deep_vocabulary_gap(deep.facts, facts)
+        if gap is not None:
+            deep.problem(f"draft plan {path.name}: {gap}", "plan")
         if not estimates:
             return
         steady_before, draft_bytes = sum(deep.estimates.values()), sum(estimates.values())
         deep.estimate("draft", draft_bytes)
         draft_peak = planned.peak if planned is not None else draft_bytes  # its conversion's, or its steady bytes
         deep.peak("loading the draft", steady_before + draft_peak)
+
+
+def _deep_vocabulary_gap(ours: dict[str, Any], theirs: dict[str, Any]) -> str | None:
+    """At `validate --deep`: the draft's config against the model's tokenizer (its config where the tokenizer
+    cannot be read), when both were readable; an unreadable one is the other stages' finding."""
+    draft_cfg, model_dir = theirs.get("model_config"), ours.get("model_dir")
+    if draft_cfg is None:
+        return None
+    known = getattr(ours.get("model_config"), "vocab_size", None)
+    if model_dir is not None:
+        from llmplan.llm.text import Tokenizer
+
+        with contextlib.suppress(Exception):  # a tokenizer that cannot be read is load.tokenizer's finding
+            known = Tokenizer.from_dir(model_dir).vocab_size
+    return None if known is None else vocabulary_gap(known, draft_cfg.vocab_size)

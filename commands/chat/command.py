@@ -153,6 +153,8 @@ def talk(conversation: Conversation, read: Callable[[], str]) -> None:
             line = read()
             if not line:
                 continue
+            if not readable(conversation, line):
+                continue
             if line.startswith("/"):
                 if not conversation.command(line):
                     break
@@ -162,6 +164,19 @@ def talk(conversation: Conversation, read: Callable[[], str]) -> None:
             break
         except KeyboardInterrupt:  # at the prompt (or between answers): drop the line, as a shell does
             print()
+
+
+def readable(conversation: Conversation, line: str) -> bool:
+    """A line whose bytes were not UTF-8 (kept as surrogates by the reader) is refused in one line, not sent:
+    neither the tokenizer nor a file name of /save could take it, and the chat goes on."""
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError as bad:
+        code = ord(line[bad.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"  # surrogateescape's
+        conversation.say(f"error: the line is not UTF-8 text ({what} at character {bad.start}); not sent")
+        return False
+    return True
 
 
 def terminal_width() -> int | None:

@@ -59,6 +59,10 @@ class PlainReader:
 
     def __init__(self, read_line: Callable[[str], str] = input) -> None:
         self.read_line = read_line
+        if read_line is input and hasattr(sys.stdin, "reconfigure"):
+            # bytes that are not UTF-8 come through as surrogates (the chat refuses that line) instead of an
+            # exception from input() that would end the chat
+            sys.stdin.reconfigure(errors="surrogateescape")
 
     def read(self) -> str:
         text = self.read_line(PROMPT)

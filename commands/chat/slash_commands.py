@@ -17,6 +17,8 @@ import yaml
 
 from llmplan.engine.runner import write_json
 from llmplan.engine.serving import RequestError
+from llmplan.ownership import NotOurs
+from llmplan.plain_errors import plain_error
 from llmplan.stages.request_settings import RequestSettings, plain_settings
 
 if TYPE_CHECKING:
@@ -60,8 +62,14 @@ def save(chat: Conversation, rest: str) -> bool:
     record = {"plan": chat.host.bound.plan.name, "system": chat.system, "settings": chat.settings}
     try:
         write_json(path, record | {"messages": chat.history})
+    except NotOurs as bad:  # someone else's file, a directory, a FIFO: refused, and the conversation is kept
+        chat.say(f"error: /save: {bad}; the conversation is not saved (it goes on)")
+        return True
     except OSError as bad:
-        chat.say(f"error: {path}: {bad.strerror}")
+        chat.say(f"error: /save: {plain_error(bad)}; the conversation is not saved (it goes on)")
+        return True
+    except ValueError:  # a NUL in the path: no file system takes it
+        chat.say(f"error: /save: {rest!r} holds a NUL character, which no file name may; nothing saved")
         return True
     chat.say(f"(saved {len(chat.history) // 2} turns to {path})")
     return True

@@ -11,15 +11,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only: no display, no GUI toolkit
-
-import matplotlib.pyplot as plt
-
+from llmplan.cache_home import settle_matplotlib_home
 from llmplan.engine import memory
 from llmplan.engine.graph_layout import PHASE_COLORS
 from llmplan.ownership import write_file
+
+settle_matplotlib_home()  # before matplotlib's import: its font cache goes to llmplan's cache home, not $HOME
+
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")  # files only: no display, no GUI toolkit
+
+import matplotlib.pyplot as plt  # noqa: E402
 
 MISSING = "not recorded"
 plt.rcParams["svg.fonttype"] = "none"  # text stays text: selectable, measurable, sharp

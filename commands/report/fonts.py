@@ -14,8 +14,12 @@ import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from matplotlib import font_manager
-from matplotlib.ft2font import FT2Font
+from llmplan.cache_home import settle_matplotlib_home
+
+settle_matplotlib_home()  # before matplotlib's import: its font cache goes to llmplan's cache home, not $HOME
+
+from matplotlib import font_manager  # noqa: E402
+from matplotlib.ft2font import FT2Font  # noqa: E402
 
 CJK_NAME = re.compile(r"cjk|wqy|wenquan|droidsansfallback|ipa[gp]|takao|unifont|sourcehan|notosans(sc|tc|jp|kr)", re.I)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import secrets
 import sys
 import threading
@@ -22,6 +23,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TextIO
 
 import uvicorn
@@ -52,7 +54,9 @@ from .openai_api import (
     now,
 )
 from .request_body import BodyError, parse_body, validate
-from .responses_api import ResponsesRequest, response_body, response_events
+from .responses_api import ResponsesRequest, response_body, response_events, responses_name
+from .responses_api import as_chat as responses_as_chat
+from .responses_api import check_body as check_responses_body
 from .tool_calls import MARKER, NATIVE_END, CallStream
 
 # Stage parameter names back to the request's own, for error messages.
@@ -80,6 +84,20 @@ class ApiError(Exception):
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
         return JSONResponse(error_body(str(self), self.kind, self.param), status_code=self.status, headers=headers)
+
+
+def server_folders(host: ModelHost) -> list[Path]:
+    """The folders of this server a refusal's message may name: never shown to a client (`_for_client`)."""
+    from llmplan.cache_home import cache_home
+
+    folders = [host.run_dir, cache_home(), Path.home()]
+    source = getattr(host.context, "model_source", None) if host.context is not None else None
+    if source is not None:
+        folders.append(Path(source.model_dir))
+    plan_file = getattr(host.bound.source, "file", None)
+    if plan_file:
+        folders.append(Path(plan_file).resolve().parent)
+    return folders
 
 
 class ServerMetrics:
@@ -371,22 +389,40 @@ class Answering:
 
     async def _parse(self, request: Request, schema: type[Any]) -> Any:
         raw = await request.body()  # read (bounded in size and time) by the RequestGate already
+        data: Any = None
         try:
-            body = validate(schema, parse_body(raw))
+            data = parse_body(raw)
+            chat = data
+            if schema is ResponsesRequest:  # validated as the chat request it is answered as
+                check_responses_body(data)
+                chat = responses_as_chat(data)
+            body = validate(schema, chat)
             body.check_combination()
         except BodyError as bad:
-            raise ApiError(400, str(bad), param=bad.param) from None
+            raise self._refusal(schema, data, str(bad), bad.param) from None
         except FieldError as bad:
-            raise ApiError(400, str(bad), param=bad.field) from None
+            raise self._refusal(schema, data, str(bad), bad.field) from None
         room = None if self.context_tokens is None else self.context_tokens - 1
         if body.token_limit is not None and room is not None and body.token_limit > room:
             field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+            field = responses_name(field, data) if schema is ResponsesRequest else field
             raise ApiError(
                 400,
                 f"{field}: at most {room} (the context is {self.context_tokens} tokens), got {body.token_limit}",
                 param=field,
             )
         return body
+
+    @staticmethod
+    def _refusal(schema: type[Any], data: Any, message: str, param: str | None) -> ApiError:
+        """A 400 naming the field as the client named it: a Responses request's `input.0.content`, not the chat
+        request's `messages.0.content` it was validated as."""
+        if schema is ResponsesRequest and param is not None:
+            named = responses_name(param, data)
+            if named != param and message.startswith(f"{param}:"):
+                message = f"{named}:{message[len(param) + 1 :]}"
+            param = named
+        return ApiError(400, message, param=param)
 
     def _prompt_limit(self, body: Any) -> dict[str, Any]:
         """The tokenize stage's limit and policy: the context (a prompt that does not fit is refused with both
@@ -465,11 +501,12 @@ class Answering:
             run = future.result()
         except RequestError as bad:
             field = FIELD_NAMES.get(bad.field.split(".")[0], bad.field)
-            raise ApiError(400, f"{field}: {str(bad).split(': ', 1)[-1]}", param=field) from None
+            message = self._for_client(str(bad).split(": ", 1)[-1])
+            raise ApiError(400, f"{field}: {message}", param=field) from None
         except RequestFailed as bad:
             raise ApiError(
                 400 if bad.client_error else 500,
-                str(bad),
+                self._for_client(str(bad)),
                 "invalid_request_error" if bad.client_error else "server_error",
             ) from None
         except Exception as bug:
@@ -478,9 +515,21 @@ class Answering:
             raise ApiError(500, message, "server_error") from None
         generation = run.context.generations[0]
         if generation.finish_reason == "error":
-            raise ApiError(500, f"generation failed: {generation.error}", "server_error")
+            raise ApiError(500, self._for_client(f"generation failed: {generation.error}"), "server_error")
         self.metrics.count_generation(generation)
         return run
+
+    def _for_client(self, message: str) -> str:
+        """`message` without the server's own folders (the model's, the plan's, the run's, the cache, $HOME): a
+        file is named by its name in the model folder (`tokenizer_config.json`), and the whole message is logged
+        here for the operator. A client learns what it sent was refused, not where this server keeps things."""
+        roots = {str(p) for p in server_folders(self.host)} | {os.path.realpath(p) for p in server_folders(self.host)}
+        told = message
+        for root in sorted((r.rstrip("/") for r in roots if len(r) > 1), key=len, reverse=True):
+            told = told.replace(root + "/", "").replace(root, "the server's folder")
+        if told != message:
+            self.host.plan.log.warning("request_refused", error=message)
+        return told
 
     def _tokenizer(self, run: RequestRun) -> Any:
         return self.host.context.tokenizer if self.host.context is not None else run.context.tokenizer

@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import model_validator
 
 from .openai_api import ChatRequest, FieldError, new_id, now
+from .request_body import json_kind
 
 
 class ResponsesRequest(ChatRequest):
@@ -31,29 +32,84 @@ class ResponsesRequest(ChatRequest):
     @model_validator(mode="before")
     @classmethod
     def _as_chat(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
+        if not isinstance(data, dict) or "input" not in data:  # already a chat request (`as_chat` ran)
             return data
-        data = dict(data)
-        if data.get("previous_response_id") is not None:
-            raise ValueError("previous_response_id: responses are not stored here; send the whole input")
-        shape = data.pop("text", None)  # Responses' `text.format`: the answer's shape, as chat's response_format
-        if isinstance(shape, dict) and shape.get("format") is not None:
-            data["response_format"] = _response_format(shape["format"])
-        if data.get("tools"):  # Responses' tools are another shape: refused by name (`check_combination`)
-            data["responses_tools"] = data.pop("tools")
-        given = data.pop("input", None)
-        turns = [{"role": "user", "content": given}] if isinstance(given, str) else given
-        if isinstance(turns, list):
-            turns = [_turn(t) for t in turns]
-        instructions = data.pop("instructions", None)
-        if isinstance(instructions, str) and isinstance(turns, list):
-            turns = [{"role": "system", "content": instructions}, *turns]
-        data["messages"] = turns
-        if "max_output_tokens" in data:
-            data["max_tokens"] = data.pop("max_output_tokens")
-        if data.get("stream"):
-            data["stream_options"] = {"include_usage": True}  # response.completed carries the usage
-        return data
+        return as_chat(data)
+
+
+def as_chat(data: dict[str, Any]) -> dict[str, Any]:
+    """A Responses request's body as the chat request it is answered as (validated as one, so a refusal names
+    a chat field: `responses_name` turns it back into the Responses request's own)."""
+    data = dict(data)
+    if data.get("previous_response_id") is not None:
+        raise FieldError("previous_response_id", "responses are not stored here; send the whole input")
+    shape = data.pop("text", None)  # Responses' `text.format`: the answer's shape, as chat's response_format
+    if isinstance(shape, dict) and shape.get("format") is not None:
+        data["response_format"] = _response_format(shape["format"])
+    if data.get("tools"):  # Responses' tools are another shape: refused by name (`check_combination`)
+        data["responses_tools"] = data.pop("tools")
+    given = data.pop("input", None)
+    turns = [{"role": "user", "content": given}] if isinstance(given, str) else given
+    if isinstance(turns, list):
+        turns = [_turn(t) for t in turns]
+    instructions = data.pop("instructions", None)
+    if isinstance(instructions, str) and isinstance(turns, list):
+        turns = [{"role": "system", "content": instructions}, *turns]
+    data["messages"] = turns
+    if "max_output_tokens" in data:
+        data["max_tokens"] = data.pop("max_output_tokens")
+    if data.get("stream"):
+        data["stream_options"] = {"include_usage": True}  # response.completed carries the usage
+    return data
+
+
+TEXT_FIELDS = ("format", "verbosity")  # what Responses' `text` object holds
+
+
+def check_body(data: Any) -> None:
+    """Responses' own fields, refused in their own names before the body becomes a chat request (FieldError):
+    `instructions` a string, `text` an object of TEXT_FIELDS, `input` a string or an array of items."""
+    if not isinstance(data, dict):
+        return
+    instructions = data.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise FieldError("instructions", f"expected a string, got {json_kind(instructions)}")
+    shape = data.get("text")
+    if shape is not None and not isinstance(shape, dict):
+        example = '{"format": {"type": "text"}}'
+        raise FieldError("text", f"expected an object (such as {example}), got {json_kind(shape)}")
+    for key in shape or {}:
+        if key not in TEXT_FIELDS:
+            raise FieldError(f"text.{key}", f"not a field of text (it takes {', '.join(TEXT_FIELDS)})")
+    given = data.get("input")
+    if given is None:
+        raise FieldError("input", "required (a string, or an array of input items)")
+    if not isinstance(given, str | list):
+        raise FieldError("input", f"expected a string or an array of input items, got {json_kind(given)}")
+
+
+# Chat's names for what a Responses request calls otherwise (the request is validated as a chat request).
+_CHAT_NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format", "responses_tools": "tools"}
+
+
+def responses_name(param: str | None, data: Any) -> str | None:
+    """A chat field's name (`messages.1.content`) as the Responses request named it (`input.0.content`)."""
+    if param is None or not isinstance(data, dict):
+        return param
+    head, _, rest = param.partition(".")
+    if head in _CHAT_NAMES:
+        return _CHAT_NAMES[head] + (f".{rest}" if rest else "")
+    if head != "messages":
+        return param
+    index, _, tail = rest.partition(".")
+    if not index.isdigit():
+        return "input"
+    at = int(index) - (1 if isinstance(data.get("instructions"), str) else 0)  # instructions: the system turn
+    if at < 0:
+        return "instructions"
+    if isinstance(data.get("input"), str):
+        return "input"
+    return f"input.{at}" + (f".{tail}" if tail else "")
 
 
 def _response_format(given: Any) -> Any:

@@ -110,3 +110,26 @@ def test_a_draft_of_another_vocabulary_is_refused_at_load(tmp_path: Path, model_
     assert result.status != "ok"
     assert "draft plan stranger.yaml: its vocabulary is not the model's (token 100 is" in result.message
     assert result.context.generations is None  # nothing answered
+
+
+def test_a_draft_with_fewer_token_ids_is_refused_at_load_and_at_validate_deep(
+    tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from llmplan.engine.cli import main
+    from tests.llm.tiny import make_tiny_llama
+
+    vocab = make_tokenizer(tmp_path / "probe")
+    small, _ = make_tiny_llama(tmp_path / "small", n_layers=2, vocab=vocab - 20)  # its embedding: 20 ids short
+    make_tokenizer(small)  # the model's own tokenizer: same text for every id it has
+    draft_plan(tmp_path, small, dtype="fp32", name="short")
+    plan = with_draft(write_plan(tmp_path, model_dir, name="shorted", generate=DRAFTING), "short.yaml")
+    result = run_plan(plan, tmp_path / "run")
+    assert result.status != "ok" and result.context.generations is None
+    assert "(load.draft): plan short.yaml: its model takes token ids below" in result.message
+    assert f"below {vocab - 20}, the model's vocabulary holds {vocab}" in result.message
+    assert main(["validate", "--deep", str(plan)]) != 0
+    captured = capsys.readouterr()
+    err = captured.out + captured.err
+    line = next(n for n, text in enumerate(plan.read_text().splitlines(), 1) if "plan: short.yaml" in text)
+    assert f"shorted.yaml:{line}:" in err and "draft plan short.yaml: its model takes token ids below" in err, err
+    assert "Traceback" not in err
