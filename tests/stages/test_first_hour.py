@@ -218,3 +218,4 @@ def test_the_json_sink_says_where_it_wrote(
     assert f"wrote {target} (json, new)" in capsys.readouterr().err
     run(plan, tmp_path / "second", "--quiet")
     assert f"wrote {target} (json, replaced the earlier run's)" in capsys.readouterr().err
+
