@@ -36,8 +36,12 @@ if TYPE_CHECKING:  # imported where a command runs: `--help` never builds the pl
 COMMAND_GROUP = "llmplan.commands"
 REPORTER_GROUP = "llmplan.reporters"
 DEFAULT_PLAN = Path(__file__).resolve().parent.parent / "plans" / "llama-int8.yaml"
-"""What `--model PATH` runs with when no plan is given: the plan `make run` runs (int8 weights, the default
-prompt and sampling), so a user's model gets the same treatment as the bundled one, in half bf16's memory."""
+"""What `run`, `chat` (and `--model PATH`) run with when no plan is given: the plan `make run` runs (int8 weights,
+the default prompt and sampling), so a user's model gets the same treatment as the bundled one, in half bf16's
+memory."""
+PLANS_DIR = DEFAULT_PLAN.parent
+"""The shipped plans: a PLAN argument that is a bare name (`llama-int8`) is the plan of that name here."""
+PLAN_SUFFIXES = (".yaml", ".yml")
 
 
 def main(argv: list[str] | None = None, *, on_ready: Callable[[], None] | None = None) -> int:
@@ -109,7 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     run = sub.add_parser("run", help="run a plan")
-    run.add_argument("plan", nargs="?", help=f"the plan (with --model and no plan: {DEFAULT_PLAN.name})")
+    run.add_argument(
+        "plan", nargs="?", help=f"a plan file, or a shipped plan's name (llama-int8); none: {DEFAULT_PLAN.stem}"
+    )
     _add_plan_options(run)
     add_model_option(run)
     run.add_argument("--until", metavar="STAGE_ID", help="run only this stage and what it depends on")
@@ -121,7 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
         "$LLMPLAN_HOME, else ~/.local/share/llmplan)",
     )
     run.add_argument("--quiet", action="store_true", help="no per-stage lines on stderr")
-    run.add_argument("--report", action="store_true", help="write the HTML report of the run at the end")
+    run.add_argument("--report", action="store_true", help="write the HTML report of the run at the end (it generates)")
+    run.add_argument(
+        "--replay",
+        action="store_true",
+        help="answer from the results cache when every request is stored (cache.lookup mode reuse); default: generate",
+    )
     scale = run.add_argument_group("executor (the plan's `executor:` block, overridden)")
     scale.add_argument("--executor", choices=["local", "ray"], help="where the requests run")
     scale.add_argument("--address", help="Ray cluster: auto | ray://HOST:PORT | HOST:PORT (default: start one here)")
@@ -196,12 +207,13 @@ def settle_plan(args: argparse.Namespace, registry: Registry | None = None) -> N
     model = getattr(args, "model", None)
     if plan is not None:
         refuse_model_as_plan(plan, args.command)
+        args.plan = plan = plan_path(plan)
     if model is not None and not os.path.lexists(model):
         raise CliError(f"--model {model}: not found (an HF-format directory or a .gguf file)")
     if plan is None:
-        if model is None:
-            raise CliError(f"{args.command}: give a plan file, or --model PATH (an HF-format folder or a .gguf file)")
         args.plan = plan = default_plan()
+        if model is None:  # Ollama's `run MODEL` habit: no plan is the default one, said once
+            _err(f"{args.command}: no plan given, so the default plan {plan_label(plan)} ({plan})")
     if model is not None:
         args.set = [*(getattr(args, "set", None) or []), *model_overrides(model, registry or _registry(), plan)]
 
@@ -210,6 +222,39 @@ def default_plan() -> str:
     if not DEFAULT_PLAN.is_file():
         raise CliError(f"no plan given and the default plan {DEFAULT_PLAN} is not there: give a plan file")
     return str(DEFAULT_PLAN)
+
+
+def shipped_plans() -> list[str]:
+    """The names of the shipped plans (the plans folder's YAML files, without the suffix)."""
+    try:
+        return sorted(p.stem for p in PLANS_DIR.iterdir() if p.suffix in PLAN_SUFFIXES and p.is_file())
+    except OSError:
+        return []
+
+
+def plan_label(plan: str) -> str:
+    """A plan file as its name when it is a shipped one (what `llmplan run NAME` takes), else as given."""
+    path = Path(plan)
+    return path.stem if path.parent.resolve() == PLANS_DIR.resolve() else plan
+
+
+def plan_path(plan: str) -> str:
+    """A PLAN argument as a file: a path as it is; a bare name (no folder, e.g. `llama-int8`) that is no file here
+    is the shipped plan of that name, from any directory; an unknown name is one line listing the known ones."""
+    if os.path.lexists(plan) or Path(plan).name != plan or plan in (".", ".."):
+        return plan  # a path: the loader says what is wrong with it, at file:line:column
+    for name in (plan, *(plan + suffix for suffix in PLAN_SUFFIXES)):
+        if (PLANS_DIR / name).is_file():
+            return str(PLANS_DIR / name)
+    if Path(plan).suffix in PLAN_SUFFIXES:
+        return plan  # a file name: "file not found" names it
+    from .messages import suggest
+
+    known = shipped_plans()
+    raise CliError(
+        f"{plan}: no plan file and no shipped plan of that name{suggest(plan, known)}; "
+        f"known: {', '.join(known) or '(none: the plans folder is missing)'}"
+    )
 
 
 def refuse_model_as_plan(plan: str, command: str) -> None:
@@ -295,6 +340,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     source = load_file(args.plan)
     overrides = plan_overrides(args, registry, source)
     bound = bind(source, registry, overrides)
+    extra = lookup_overrides(bound, args.plan, replay=args.replay, report=args.report)
+    extra += seed_overrides(bound, source, overrides, quiet=args.quiet or args.json)
+    if extra:  # what the run itself decides, validated and recorded like the user's --set
+        overrides = [*overrides, *extra]
+        bound = bind(source, registry, overrides)
     if args.report:
         bound, overrides = _observe_for_report(source, registry, bound, overrides)
     if args.until is not None and bound.plan.executor.kind != "local":
@@ -327,6 +377,47 @@ def cmd_run(args: argparse.Namespace) -> int:
     elif result.exit_code:
         _err(f"error: {result.message}")
     return result.exit_code
+
+
+LOOKUP = "cache.lookup"
+
+
+def lookup_overrides(bound: BoundPlan, plan: str, *, replay: bool, report: bool) -> list[str]:
+    """A run generates unless a replay is asked for: `--replay` turns the plan's cache.lookup stages to `reuse`;
+    `--report` needs a run that generates (a replay has no timings or attention to draw), so it sets a plan's
+    `reuse` aside for this run, in one line."""
+    lookups = [b for b in bound.stages if b.spec.uses == LOOKUP]
+    if replay and report:
+        raise CliError("--replay and --report: a report draws a run that generates; give one of them")
+    if replay:
+        if not lookups:
+            raise CliError(f"--replay: {plan} has no {LOOKUP} stage to replay from")
+        return [f"{b.id}.mode=reuse" for b in lookups]
+    reusing = [b for b in lookups if getattr(b.params, "mode", None) == "reuse"]
+    if report and reusing:
+        _err(f"report: this run generates ({', '.join(b.id for b in reusing)}.mode reuse set aside for it)")
+        return [f"{b.id}.mode=off" for b in reusing]
+    return []
+
+
+def seed_overrides(bound: BoundPlan, source: Source, overrides: list[str], *, quiet: bool) -> list[str]:
+    """A sampled plan that pins no seed samples anew each run (as Ollama and vLLM do): a fresh seed, recorded in the
+    run's plan.resolved.yaml and said in one line, so `--set seed=N` repeats the run. A plan's own `seed:` (or a
+    --set, or the generate stage's seed) pins it: that run is reproducible and its answers replayable."""
+    data = source.data if isinstance(source.data, dict) else {}
+    if "seed" in data or any(o.split("=", 1)[0].strip() == "seed" for o in overrides):
+        return []
+    sampled = any(
+        (getattr(b.params, "temperature", 0) or 0) > 0 and getattr(b.params, "seed", 0) is None for b in bound.stages
+    )
+    if not sampled:
+        return []
+    import secrets
+
+    seed = secrets.randbelow(1 << 31)
+    if not quiet:
+        _err(f"seed {seed}: drawn for this run (the plan pins none; --set seed={seed} repeats it)")
+    return [f"seed={seed}"]
 
 
 def _run_dir(out: str | None, bound: BoundPlan) -> Path:
@@ -469,8 +560,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
         if args.model is None:
             raise CliError("validate: give plan files, or --model PATH")
         args.plans = [default_plan()]
-    for path in args.plans:
-        refuse_model_as_plan(path, "validate")
+    for named in args.plans:
+        refuse_model_as_plan(named, "validate")
+        path = plan_path(named)
         overrides = [*args.set, *(model_overrides(args.model, registry, path) if args.model else [])]
         try:
             from .plan import load_plan
@@ -496,16 +588,24 @@ def cmd_validate(args: argparse.Namespace) -> int:
             print(str(finding))
         for path, estimate in estimates.items():
             if estimate:
-                parts = ", ".join(f"{k} {mib(v)}" for k, v in estimate.items() if k != "available")
-                planned = memory.get(path)
-                if planned is not None:
-                    peaks = "".join(f", peak while {k} {mib(v)}" for k, v in planned.peaks.items())
-                    parts += f"{peaks}; predicted peak {mib(planned.peak)} of {mib(planned.available)}"
-                    parts += f" ({planned.available_from})"
-                print(f"{path}: memory estimate: {parts}", file=sys.stderr)
-        if not findings:
-            print(f"ok: {len(args.plans)} plan(s) valid", file=sys.stderr)
+                print(f"{path}: memory estimate: {estimate_line(estimate, memory.get(path))}", file=sys.stderr)
+        over = [path for path, planned in memory.items() if not planned.fits]
+        if not findings and not over:  # "ok" only where nothing was found and every prediction fits
+            fits = ", each within its memory" if memory else ""
+            print(f"ok: {len(args.plans)} plan(s) valid{fits}", file=sys.stderr)
     return 1 if findings else 0
+
+
+def estimate_line(estimate: dict[str, int], planned: MemoryPlan | None) -> str:
+    """The regions, and the predicted peak against the memory there is; one over it says so plainly."""
+    parts = ", ".join(f"{k} {mib(v)}" for k, v in estimate.items() if k != "available")
+    if planned is None:
+        return parts
+    peaks = "".join(f", peak while {k} {mib(v)}" for k, v in planned.peaks.items())
+    where = f"{mib(planned.available)} ({planned.available_from})"
+    if planned.fits:
+        return f"{parts}{peaks}; predicted peak {mib(planned.peak)} of {where}"
+    return f"{parts}{peaks}; predicted peak {mib(planned.peak)}, over the {where}: it does not fit"
 
 
 def deep_check(bound: BoundPlan) -> tuple[list[Finding], dict[str, int]]:
@@ -557,7 +657,7 @@ def cmd_graph(args: argparse.Namespace) -> int:
     from .graph import to_dot, to_mermaid
     from .plan import load_plan
 
-    bound = load_plan(args.plan, _registry())
+    bound = load_plan(plan_path(args.plan), _registry())
     out = Path(args.output)
     suffix = out.suffix.lower()
     if suffix not in (".dot", ".mmd", ".mermaid", ".png", ".svg"):

@@ -13,7 +13,9 @@ A replayed answer says so: a line on stderr naming the database and the run it c
 `from_cache: true` in every result (`--json`, files, database), and `replayed_from` in the lookup
 stage's metrics (metrics.json of the run).
 
-`cache.lookup` (mode `reuse`) fills `generations` only when EVERY request is found: the runner
+A run generates unless a replay is asked for: `cache.lookup`'s mode is `off` by default, and only `reuse` (the
+plan's, or `llmplan run --replay`) looks up. `cache.lookup` (mode `reuse`) fills `generations` only when EVERY
+request is found: the runner
 then skips the generate stage and everything only it needs (weights, model, KV cache). A partial
 hit fills nothing and the whole batch is generated again — mixing replayed and fresh rows would
 need a second, smaller batch for no real gain, and keeps the two paths simple. `refresh` and
@@ -91,8 +93,9 @@ class StoreParams(Params):
 
 
 class LookupParams(StoreParams):
+    # off by default: a run generates unless the user asks for a replay (this mode, or `llmplan run --replay`)
     mode: Literal["reuse", "refresh", "off"] = Field(
-        "reuse", description="reuse: fill generations when all requests are stored; refresh/off: never"
+        "off", description="reuse: replay when every request is stored (or `run --replay`); off/refresh: generate"
     )
 
     @field_validator("mode", mode="before")
@@ -298,7 +301,7 @@ class CacheLookup(Stage):
             # Said on stderr whatever the output mode: a replayed answer must never pass for a fresh one.
             print(
                 f"replayed from the results cache: {hits} answer(s) from run {', '.join(runs)} of {params.db}; "
-                "nothing was generated (cache.lookup mode: refresh to generate again)",
+                "nothing was generated (asked by cache.lookup mode: reuse, or --replay; mode: off generates)",
                 file=sys.stderr,
             )
         else:

@@ -9,8 +9,10 @@ afterwards (llm/trust/first_use.py); the record lives in the cache, never in the
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -203,6 +205,7 @@ def resolve_source(params: SourceParams, ctx: InferenceContext | None) -> ModelS
                 )
         except GGUFImportError as bad:
             raise StageFailure(str(bad)) from None
+        record_origin(model_dir, origin, params, path)
         return ModelSource(model_dir, "gguf" if origin == "hf-dir" else origin, fingerprint(model_dir), path)
     if path.is_file():
         raise StageFailure(f"{path}: not a model directory or a .gguf file")
@@ -214,6 +217,29 @@ def resolve_source(params: SourceParams, ctx: InferenceContext | None) -> ModelS
     if params.trust_on_first_use and not os.path.lexists(path / MANIFEST_NAME):
         record = first_use_record(path, ctx)
     return ModelSource(path, origin, fingerprint(path, record), first_use=record)
+
+
+def origin_record(model_dir: Path) -> Path:
+    """Where an import's origin is noted: beside it, a dotfile (never inside: the import's files are its identity)."""
+    return model_dir.parent / f".{model_dir.name}.source.json"
+
+
+def record_origin(model_dir: Path, origin: str, params: SourceParams, gguf: Path) -> None:
+    """Note where an import came from, for `llmplan models`; only an optimisation, so a read-only cache skips it."""
+    record = origin_record(model_dir)
+    if record.exists():
+        return
+    where = str(gguf)
+    if params.package:
+        where = f"package {params.package}"
+    elif params.pieces is not None and params.pieces.wheels:
+        wheels = params.pieces.wheels
+        where = f"PyPI chunk packages {wheels[0].package} .. {wheels[-1].package} ({len(wheels)} wheels)"
+    data = {"origin": "gguf" if origin == "hf-dir" else origin, "from": where, "gguf": str(gguf)}
+    with contextlib.suppress(OSError):
+        temp = record.with_name(f"{record.name}.{os.getpid()}.tmp")
+        temp.write_text(json.dumps(data), encoding="utf-8")
+        os.replace(temp, record)
 
 
 def first_use_record(model_dir: Path, ctx: InferenceContext | None) -> Path:

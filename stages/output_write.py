@@ -103,8 +103,13 @@ class OutputWrite(Stage):
                     chunks = fmt.markdown_chunks(ctx.completions, plan=plan, model=model)
                 else:
                     chunks = fmt.text_chunks(ctx.completions)
+                replaced = path.exists()
                 atomic_write(path, chunks, kind)
                 deliveries.append(f"{kind}:{path}")
+                # every run replaces a shared path (out/NAME.json): say where it went; not per served request
+                if ctx.engine_loop is None:
+                    said = "replaced the earlier run's" if replaced else "new"
+                    print(f"wrote {path} ({kind}, {said})", file=sys.stderr)
             elif sink == "stdout_json" or ctx.json_mode or params.format == "json":
                 if not printed_json:
                     for result in results:

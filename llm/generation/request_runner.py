@@ -225,7 +225,7 @@ def _scheduled(
                 GenerationRequest(
                     prompt=prompt,
                     picker=_picker(request.sampling, grammar, len(prompt)),
-                    max_new_tokens=request.sampling.max_new_tokens,
+                    max_new_tokens=token_room(request.sampling, cache.max_tokens),
                     eos_ids=vocab.eos_ids,
                     stop=stop_checker(vocab.tokenizer, request.sampling.stop),
                     on_token=shown.on_token if shown is not None else None,
@@ -331,7 +331,7 @@ def _static_batch(
             cache,
             prompts,
             pickers=pickers,
-            max_new_tokens=[r.sampling.max_new_tokens for r in group],
+            max_new_tokens=[token_room(r.sampling, cache.max_tokens) for r in group],
             eos_ids=set(vocab.eos_ids),
             pad_id=vocab.pad_id,
             stop_fn=stop_fn if any(c is not None for c in stops) else None,
@@ -363,8 +363,8 @@ def _all_beams(
     grammars = [_grammar(r.sampling, vocab) for r in requests]  # every refusal before the first beam runs
     outcomes = []
     for index, (request, grammar) in enumerate(zip(requests, grammars, strict=True)):
-        # the prompt leaves room for max_new_tokens; each is cut just before its own search
-        prompt = fit(index, cache.max_tokens - request.sampling.max_new_tokens)
+        # the prompt leaves room for max_new_tokens (none set: one token); each is cut just before its own search
+        prompt = fit(index, cache.max_tokens - (request.sampling.max_new_tokens or 1))
         outcomes.append(_beams(runner, cache, request, options, vocab, grammar, prompt))
     return outcomes
 
@@ -388,7 +388,7 @@ def _beams(
                 cache,
                 prompt,
                 num_beams=options.num_beams,
-                max_new_tokens=request.sampling.max_new_tokens,
+                max_new_tokens=request.sampling.max_new_tokens or cache.max_tokens - len(prompt) + 1,
                 eos_ids=set(vocab.eos_ids),
                 length_penalty=options.length_penalty,
                 num_return_sequences=options.num_return_sequences,
@@ -407,6 +407,12 @@ def _beams(
 
 
 # --- each request's format, picker, stream ---------------------------------------------------------------
+
+
+def token_room(sampling: SamplingParams, context: int) -> int:
+    """A request's token limit for a loop: its own, or with none (null) the context's rows, which the slot fills
+    first (the row ends `cache_full`), so an answer runs to EOS or a full context as in Ollama and vLLM."""
+    return sampling.max_new_tokens if sampling.max_new_tokens is not None else context
 
 
 def _grammar(sampling: SamplingParams, vocab: Vocabulary) -> CompiledFormat | None:

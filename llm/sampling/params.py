@@ -96,7 +96,12 @@ class SamplingParams:
     """One request's generation settings. The sampler chain reads temperature .. no_repeat_ngram_size, seed and
     logprobs_top_n; max_new_tokens and stop end the request (the caller hands them to the loop)."""
 
-    max_new_tokens: int = setting(256, "generated tokens per request, at most", ge=1, le=1 << 20)
+    # None: until EOS or the context (the KV cache's rows) is full, as Ollama, vLLM and llama-server do; the loop
+    # that owns the cache turns it into the room left there (llm/generation/request_runner.py `token_room`)
+    max_new_tokens: int | None = setting(
+        None, "generated tokens per request, at most; null = until end-of-sequence or the context is full", ge=1,
+        le=1 << 20
+    )
     temperature: float = setting(0.0, "0 = greedy", ge=0, le=100)
     top_k: int = setting(0, "keep the k most likely tokens; 0 = off", ge=0)
     top_p: float = setting(1.0, "keep the smallest set with this probability; 1 = off", gt=0, le=1)

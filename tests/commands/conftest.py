@@ -57,7 +57,7 @@ def write_serve_plan(
     }
     if cache_db is not None:
         plan["stages"] += [
-            {"id": "lookup", "uses": "cache.lookup", "with": {"db": str(cache_db)}},
+            {"id": "lookup", "uses": "cache.lookup", "with": {"db": str(cache_db), "mode": "reuse"}},
             {"id": "store", "uses": "output.cache", "with": {"db": str(cache_db)}},
         ]
     path = tmp / f"{name}.yaml"

@@ -258,7 +258,7 @@ def test_replayed_run_says_so_and_shows_the_source_runs_pictures(tmp_path: Path)
         plan = yaml.safe_load(path.read_text(encoding="utf-8"))
         db = str(tmp_path / "results.sqlite")
         plan["stages"] += [
-            {"id": "lookup", "uses": "cache.lookup", "with": {"db": db}},
+            {"id": "lookup", "uses": "cache.lookup", "with": {"db": db, "mode": "reuse"}},
             {"id": "post", "uses": "output.postprocess"},
             {"id": "detok", "uses": "output.detokenize"},
             {"id": "store", "uses": "output.cache", "with": {"db": db}},

@@ -424,3 +424,15 @@ def test_a_cancelled_answer_is_never_replayed(tiny_model: Path, tmp_path: Path) 
         again = httpx.post(f"{live.url}/completions", json={**body, "stream": False}, timeout=30)
         assert again.headers["x-llmplan-replayed"] == "false"
         assert again.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_a_request_without_max_tokens_runs_to_the_context(tiny_model: Path, tmp_path: Path) -> None:
+    """#57: an API request that sends no max_tokens is not cut at a default (it was "length 128"): with the plan's
+    max_new_tokens null (the default) it runs to EOS or the slot's context."""
+    plan = write_serve_plan(tmp_path, tiny_model, slots=1, context=64, max_new_tokens=None, ignore_eos=True)
+    with LiveServer(plan, ServerSettings(max_queue=4)) as live:
+        body = {"messages": [{"role": "user", "content": "hi"}]}
+        answer = httpx.post(f"{live.url}/chat/completions", json=body, timeout=120).json()
+    usage = answer["usage"]
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert usage["prompt_tokens"] + usage["completion_tokens"] >= 64  # the slot's context, not a default cap

@@ -96,7 +96,7 @@ def test_stages_reads_as_a_plan_is_written(capsys, monkeypatch):
     one = capsys.readouterr().out.splitlines()
     assert one[0].split() == ["compute.generate", "(compute)"]
     assert "    • stop: list[str] = []  — stop strings (on decoded text)" in one
-    assert any(line.startswith("    • max_new_tokens: 1 <= int <= 1048576 = 256  — ") for line in one)
+    assert any(line.startswith("    • max_new_tokens: (1 <= int <= 1048576) | null = null  — ") for line in one)  # #57
     assert any(line.startswith('    • early_stopping: bool | "never" = false') for line in one)
     assert any(line.startswith("    • seed: (int >= 0) | null = null") for line in one)
     spec = next(i for i, line in enumerate(one) if line.startswith("    • speculative: Speculation | null = null"))

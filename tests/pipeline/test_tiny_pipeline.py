@@ -114,7 +114,7 @@ def test_second_identical_run_is_served_from_the_cache_without_reading_a_shard(t
     plan = yaml.safe_load(plan_path.read_text(encoding="utf-8"))
     db = str(tmp_path / "results.sqlite")
     plan["stages"] += [
-        {"id": "lookup", "uses": "cache.lookup", "with": {"db": db}},
+        {"id": "lookup", "uses": "cache.lookup", "with": {"db": db, "mode": "reuse"}},
         {"id": "clean", "uses": "output.postprocess"},
         {"id": "text", "uses": "output.detokenize"},
         {"id": "write", "uses": "output.write", "with": {"to": [{"json": str(tmp_path / "out.json")}]}},

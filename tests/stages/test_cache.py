@@ -124,7 +124,7 @@ def test_lookup_without_database_is_a_miss_and_creates_nothing(ctx, make_plan, t
     ctx.plan = make_plan(_plan_text(tokenizer_dir, db))
     ctx.model_source = ModelSource(tmp_path, "hf-dir", "fp")
     ctx.requests = [req(tokenizer, "a", "hi")]
-    CacheLookup().run(ctx, LookupParams(db=str(db)))
+    CacheLookup().run(ctx, LookupParams(db=str(db), mode="reuse"))
     assert ctx.generations is None and not db.exists()
     assert ctx.metrics.get("run", "misses") == 1
 
@@ -137,5 +137,5 @@ def test_errors_are_stored_but_never_replayed(ctx, make_plan, tokenizer, tokeniz
     ctx.completions = [Result.failed("a", 1, "out of memory", prompt="hi")]
     OutputCache().run(ctx, StoreParams(db=str(db)))
     assert ctx.cache_record["keys"] == [None] and ctx.cache_record["results"] == 1
-    CacheLookup().run(ctx, LookupParams(db=str(db)))
+    CacheLookup().run(ctx, LookupParams(db=str(db), mode="reuse"))
     assert ctx.generations is None

@@ -120,7 +120,8 @@ def test_relative_files_go_under_the_data_home(ctx, tmp_path, monkeypatch, capsy
     )
     home = tmp_path  # LLMPLAN_HOME, set by tests/conftest.py
     assert deliveries == [f"json:{home / 'out/results.json'}", f"text:{home / 'out/answer.txt'}", f"markdown:{tmp_path / 'report.md'}"]
-    assert capsys.readouterr() == ("", "")  # no terminal sink: nothing printed
+    # no terminal sink: nothing on stdout; each file says where it went (#57: a shared path is replaced by every run)
+    assert capsys.readouterr() == ("", "".join(f"wrote {d.split(':', 1)[1]} ({d.split(':')[0]}, new)\n" for d in deliveries))
     document = json.loads((tmp_path / "out/results.json").read_text(encoding="utf-8"))
     assert document["schema"] == SCHEMA and [r["id"] for r in document["results"]] == ["r0", "beam"]
     assert [c["score"] for c in document["results"][1]["candidates"]] == [-1.5, None]

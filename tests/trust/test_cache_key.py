@@ -21,7 +21,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def cached_plan(tmp: Path, model_dir: Path, db: Path) -> Path:
     extra = [
-        {"id": "lookup", "uses": "cache.lookup", "with": {"db": str(db)}},
+        {"id": "lookup", "uses": "cache.lookup", "with": {"db": str(db), "mode": "reuse"}},
         {"id": "clean", "uses": "output.postprocess"},
         {"id": "text", "uses": "output.detokenize"},
         {"id": "write", "uses": "output.write", "with": {"to": ["stdout_json"]}},

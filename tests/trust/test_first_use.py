@@ -203,10 +203,9 @@ def test_a_model_where_the_plan_belongs_says_to_use_model(
     ]
 
 
-def test_no_plan_and_no_model_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["run"]) == 1
-    assert capsys.readouterr().err.strip() == (
-        "run: give a plan file, or --model PATH (an HF-format folder or a .gguf file)"
-    )
+def test_no_plan_and_a_missing_model_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    # `run` with no plan at all runs the default plan now (#57: tests/stages/test_first_hour.py)
+    assert main(["validate"]) == 1
+    assert capsys.readouterr().err.strip() == "validate: give plan files, or --model PATH"
     assert main(["run", "--model", "/no/such/model"]) == 1
     assert "--model /no/such/model: not found" in capsys.readouterr().err

@@ -35,7 +35,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def cached_plan(folder: Path, model_dir: Path, db: str, *, name: str = "trust") -> Path:
     extra = [
-        {"id": "lookup", "uses": "cache.lookup", "with": {"db": db}},
+        {"id": "lookup", "uses": "cache.lookup", "with": {"db": db, "mode": "reuse"}},
         {"id": "clean", "uses": "output.postprocess"},
         {"id": "text", "uses": "output.detokenize"},
         {"id": "write", "uses": "output.write", "with": {"to": ["stdout_json"]}},
