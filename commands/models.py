@@ -22,14 +22,12 @@ from pathlib import Path
 from typing import Any
 
 IMPORT_DIR = re.compile(r"^(?P<digest>[0-9a-f]{16})-f(?P<format>\d+)-(?P<stem>.+)$")
-EXAMPLES = "examples:\n  llmplan models\n  llmplan models rm SmolLM2-135M-Instruct.Q4_1"
 
 
 def register(subparsers: Any) -> None:
     models = subparsers.add_parser(
         "models",
         help="list the models llmplan fetched and imported (sizes, origins); `models rm NAME` removes one",
-        epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     models.add_argument("action", nargs="?", choices=["list", "rm"], default="list", help="list (default) or rm")

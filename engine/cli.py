@@ -340,6 +340,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     source = load_file(args.plan)
     overrides = plan_overrides(args, registry, source)
     bound = bind(source, registry, overrides)
+    executor = _executor(bound.plan.executor.kind)  # first: a missing package makes no run and says only that
     extra = lookup_overrides(bound, args.plan, replay=args.replay, report=args.report)
     extra += seed_overrides(bound, source, overrides, quiet=args.quiet or args.json)
     if extra:  # what the run itself decides, validated and recorded like the user's --set
@@ -352,7 +353,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise CliError(f"--until runs part of the plan in this process; it does not go with executor {kind!r}")
     if args.until is not None and args.until not in {b.id for b in bound.stages}:
         raise CliError(f"--until: no stage with id {args.until!r} in {args.plan}")
-    executor = _executor(bound.plan.executor.kind)  # before the run directory: a missing package makes none
     run_dir = _run_dir(args.out, bound)
     if executor is not None:
         return _run_elsewhere(executor, args, bound, registry, run_dir, overrides)
@@ -407,10 +407,7 @@ def seed_overrides(bound: BoundPlan, source: Source, overrides: list[str], *, qu
     data = source.data if isinstance(source.data, dict) else {}
     if "seed" in data or any(o.split("=", 1)[0].strip() == "seed" for o in overrides):
         return []
-    sampled = any(
-        (getattr(b.params, "temperature", 0) or 0) > 0 and getattr(b.params, "seed", 0) is None for b in bound.stages
-    )
-    if not sampled:
+    if not any(b.cls.draws_from_seed(b.params) for b in bound.stages):
         return []
     import secrets
 

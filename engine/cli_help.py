@@ -39,6 +39,7 @@ EXAMPLES: dict[str, list[str]] = {
         "llmplan serve plans/llama-int8.yaml --port 8000",
         "llmplan serve plans/qwen2.5-0.5b-chat.yaml --host 0.0.0.0 --api-key KEY --set generate.temperature=0.2",
     ],
+    "models": ["llmplan models", "llmplan models rm SmolLM2-135M-Instruct.Q4_1"],
     "chat": ['llmplan chat plans/llama-int8.yaml --system "Answer in one sentence." --set generate.temperature=0.2'],
 }
 _HIDDEN_DEFAULTS = {"key", "token", "secret", "password"}  # a default read from the environment stays unseen

@@ -86,6 +86,12 @@ class Stage:
         return None
 
     @classmethod
+    def draws_from_seed(cls, params: Any) -> bool:
+        """Whether this stage, with these parameters, draws random numbers and pins no seed of its own: a run of a
+        plan that pins no `seed:` then draws one (`llmplan run`), so a sampled answer is new each run."""
+        return False
+
+    @classmethod
     def model_params(cls, path: str) -> dict[str, Any] | None:
         """The parameters `--model PATH` sets on this stage (the plan's model source replaced); None: not a source."""
         return None

@@ -128,6 +128,10 @@ class Generate(Stage):
     optional_reads = ("model_runner", "engine_loop", "draft_model")
 
     @classmethod
+    def draws_from_seed(cls, params: Any) -> bool:
+        return params.temperature > 0 and params.seed is None  # greedy rows and a pinned seed draw nothing new
+
+    @classmethod
     def needs(cls, params: Any) -> tuple[str, ...]:
         """A plan whose default speculation drafts needs a draft model (a load.draft stage)."""
         spec = params.speculative

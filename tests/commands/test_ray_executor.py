@@ -64,7 +64,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                 "uses": "compute.generate",
                 "with": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": False},
             },
-            {"id": "lookup", "uses": "cache.lookup", "with": {"db": str(root / "unused.sqlite")}},
+            {"id": "lookup", "uses": "cache.lookup", "with": {"db": str(root / "unused.sqlite"), "mode": "reuse"}},
             {"id": "clean", "uses": "output.postprocess"},
             {"id": "text", "uses": "output.detokenize"},
             {"id": "write", "uses": "output.write", "with": {"to": [{"json": str(root / "local.json")}]}},

@@ -96,7 +96,7 @@ def test_the_hash_tells_schemas_apart_and_keeps_key_order() -> None:
 
 def _plan_with_format(tmp_path: Path, format_yaml: str) -> Path:
     text = (REPO / "plans" / "llama-int8.yaml").read_text()
-    old = "    with: {max_new_tokens: 128, temperature: 0.7, top_p: 0.9, repetition_penalty: 1.1}"
+    old = "    with: {temperature: 0.7, top_p: 0.9, repetition_penalty: 1.1}"
     assert old in text
     plan = tmp_path / "plan.yaml"
     plan.write_text(text.replace(old, "    with:\n      max_new_tokens: 32\n      format:\n" + format_yaml))
