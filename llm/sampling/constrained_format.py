@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     pass
 
-__all__ = ["KINDS", "OutputFormat", "UnsupportedFormat", "explain"]
+__all__ = ["KINDS", "OutputFormat", "UnsupportedFormat", "explain", "kept_schema"]
 
 FormatKind = Literal["json", "json_schema", "regex", "grammar", "choice"]
 KINDS: tuple[str, ...] = ("json", "json_schema", "regex", "grammar", "choice")
