@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -165,9 +165,11 @@ def no_token_left(refused: list[int], name: str | None = None, eos_ids: frozense
     )
 
 
-# What `rehearse` tries: each of up to BREADTH first tokens one step on, and a walk of up to DEPTH steps along
-# the longest tokens (the ids BPE merged last), where a lexer's counted repetitions blow up.
-REHEARSAL_BREADTH = 16
+# What `rehearse` tries: the states a few tokens in, breadth first (up to BRANCH tokens of each, spread over
+# its mask, and up to STATES masks in all), then a walk of up to DEPTH steps along the longest tokens (the ids
+# BPE merged last), where a lexer's counted repetitions blow up.
+REHEARSAL_BRANCH = 8
+REHEARSAL_STATES = 96
 REHEARSAL_DEPTH = 32
 
 
@@ -186,30 +188,30 @@ def rehearse(compiled: CompiledFormat) -> tuple[list[int], str] | None:
     cannot go on). Checked once per compiled format: llguidance builds its lexer and parser states lazily, so a
     limit (lexer states, items in a row, a rule that only recurses) shows only once tokens are taken; met here,
     the format is refused before any request instead of failing one mid-answer. A path that ends with no token
-    left (a literal spelling a control token mid-answer) is refused too: the model could take it."""
+    left (a literal spelling a control token or the end token mid-answer) is refused too: the model could take
+    it. A heuristic bound in time (a few hundred masks at most), not a proof: the mask still clears such tokens."""
     controls = ControlTokens.of(compiled)
     bits = torch.zeros((compiled.vocab + 31) // 32, dtype=torch.int32)
-    start = compiled.matcher()
-    allowed, refused, error = _step(start, bits, controls)
-    if error or not allowed.size:
-        return refused, _cannot_hold(error)
-    ends = compiled.eos_ids
-    firsts = [int(t) for t in allowed if int(t) not in ends]
-    picks = firsts[:: max(1, len(firsts) // REHEARSAL_BREADTH)][:REHEARSAL_BREADTH] + firsts[-1:]
-    for token in picks:  # each first token one step on
-        matcher = start.deep_copy()
-        if not matcher.consume_token(token):
-            return [], _cannot_hold(_first_line(matcher.get_error()))
+    queue, masks = deque([compiled.matcher()]), 0
+    while queue and masks < REHEARSAL_STATES:
+        matcher = queue.popleft()
         allowed, refused, error = _step(matcher, bits, controls)
+        masks += 1
         if error or not allowed.size:
             return refused, _cannot_hold(error)
-    return _walk(start, bits, controls, ends)
+        going = [int(t) for t in allowed if int(t) not in compiled.eos_ids]
+        for token in going[:: max(1, len(going) // REHEARSAL_BRANCH)][:REHEARSAL_BRANCH] + going[-1:]:
+            child = matcher.deep_copy()
+            if not child.consume_token(token):
+                return [], _cannot_hold(_first_line(child.get_error()))
+            queue.append(child)
+    return _walk(compiled.matcher(), bits, controls, compiled.eos_ids)
 
 
 def _walk(
     matcher: LLMatcher, bits: Tensor, controls: ControlTokens, ends: frozenset[int]
 ) -> tuple[list[int], str] | None:
-    """The longest-token walk of `rehearse` (from the fresh matcher, consumed in place)."""
+    """The longest-token walk of `rehearse` (from a fresh matcher, consumed in place)."""
     for _ in range(REHEARSAL_DEPTH):
         allowed, refused, error = _step(matcher, bits, controls)
         if error or not allowed.size:
