@@ -192,17 +192,17 @@ def rehearse(compiled: CompiledFormat) -> tuple[list[int], str] | None:
     it. A heuristic bound in time (a few hundred masks at most), not a proof: the mask still clears such tokens."""
     controls = ControlTokens.of(compiled)
     bits = torch.zeros((compiled.vocab + 31) // 32, dtype=torch.int32)
-    queue, masks = deque([compiled.matcher()]), 0
+    queue, masks, ends = deque([compiled.matcher()]), 0, np.asarray(sorted(compiled.eos_ids), dtype=np.int64)
     while queue and masks < REHEARSAL_STATES:
         matcher = queue.popleft()
         allowed, refused, error = _step(matcher, bits, controls)
         masks += 1
         if error or not allowed.size:
             return refused, _cannot_hold(error)
-        going = [int(t) for t in allowed if int(t) not in compiled.eos_ids]
-        for token in going[:: max(1, len(going) // REHEARSAL_BRANCH)][:REHEARSAL_BRANCH] + going[-1:]:
+        going = allowed[~np.isin(allowed, ends)]  # numpy: a JSON string's mask allows most of the vocabulary
+        for token in [*going[:: max(1, going.size // REHEARSAL_BRANCH)][:REHEARSAL_BRANCH], *going[-1:]]:
             child = matcher.deep_copy()
-            if not child.consume_token(token):
+            if not child.consume_token(int(token)):
                 return [], _cannot_hold(_first_line(child.get_error()))
             queue.append(child)
     return _walk(compiled.matcher(), bits, controls, compiled.eos_ids)
