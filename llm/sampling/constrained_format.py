@@ -215,7 +215,10 @@ def kept_schema(schema: Any, merged: bool = False) -> Any:
     if isinstance(node.get("allOf"), list):
         node["allOf"] = [kept_schema(child, merged=True) for child in node["allOf"]]
     open_ = merged or any(k in node for k in ("additionalProperties", "patternProperties", "allOf", "$ref"))
-    if isinstance(node.get("properties"), dict) and not open_:
+    # a key required but not listed could only be written to an open object: left open
+    listed = node.get("properties")
+    open_ = open_ or not isinstance(listed, dict) or any(k not in listed for k in node.get("required") or [])
+    if not open_:
         node["additionalProperties"] = False
     if not any(k in node for k in ("enum", "const")):
         _bound_numbers(node)

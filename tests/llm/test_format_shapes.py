@@ -126,6 +126,8 @@ def test_objects_are_closed_unless_additional_properties_opens_them(smol_like: A
     assert _accepts(smol_like, city | {"additionalProperties": True}, '{"name": "a", "x": 1}')
     merged = {"allOf": [{"properties": {"a": {"type": "integer"}}}, {"properties": {"b": {"type": "integer"}}}]}
     assert _accepts(smol_like, merged, '{"a": 1, "b": 2}')  # an intersection is not closed part by part
+    unlisted = {"properties": {"a": {"type": "string"}}, "required": ["a", "b"]}
+    assert kept_schema(unlisted) == unlisted  # "b" could only be written to an open object
 
 
 def test_integers_and_numbers_are_bounded_in_digits(smol_like: Any) -> None:
