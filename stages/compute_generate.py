@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from llmplan.engine.findings import InputRefused, StageFailure
-from llmplan.engine.stage import Phase, Stage
+from llmplan.engine.stage import DeepCheck, Phase, Stage
 from llmplan.llm.generation import (
     BadLoopSettings,
     CannotRun,
@@ -138,6 +138,23 @@ class Generate(Stage):
         return ("draft_model",) if spec is not None and spec.method == "draft" else ()
 
     writes = ("generations",)
+
+    def check(self, params: Any, deep: DeepCheck) -> None:
+        """`validate --deep`: the plan's format compiled against the model's tokenizer, as `run` would first do,
+        so what only a tokenizer shows (a literal spelling the end token, a matcher limit met in its first
+        steps) is a finding at the format's line instead of a refusal when the run starts."""
+        model_dir, cfg = deep.facts.get("model_dir"), deep.facts.get("model_config")
+        if params.format is None or model_dir is None or cfg is None or params.ignore_eos:
+            return
+        from llmplan.llm.sampling import UnsupportedFormat, compile_format
+        from llmplan.llm.text import Tokenizer
+
+        tok = Tokenizer.from_dir(model_dir)
+        eos = set(cfg.eos_token_ids) | ({tok.eos_id} if tok.eos_id is not None else set())
+        try:
+            compile_format(params.format.value, tok, frozenset(eos), cfg.vocab_size)
+        except UnsupportedFormat as bad:
+            deep.problem(f"format: {bad}", "format." + ".".join(map(str, bad.field_path)))
 
     def run(self, ctx: InferenceContext, params: Any) -> None:
         model, cache, requests = ctx.model, ctx.kv_cache, ctx.requests

@@ -57,6 +57,7 @@ from .request_body import BodyError, parse_body, validate
 from .responses_api import ResponsesRequest, response_body, response_events, responses_name
 from .responses_api import as_chat as responses_as_chat
 from .responses_api import check_body as check_responses_body
+from .structured_output import ShapeError, compile_shape
 from .tool_calls import MARKER, NATIVE_END, CallStream
 
 # Stage parameter names back to the request's own, for error messages.
@@ -306,6 +307,7 @@ class Answering:
         try:
             body = await self._parse(request, schema)
             self._refuse_unanswerable(body)
+            await self._compile_shape(body)
             jobs = self._jobs(body)
             for _ in jobs:  # one queue place per choice; all or none
                 if not self.admitted.acquire(blocking=False):
@@ -331,6 +333,17 @@ class Answering:
         finally:
             for _ in range(taken):
                 self.admitted.release()
+
+    async def _compile_shape(self, body: Any) -> None:
+        """The shape compiled against the tokenizer off the event loop (a large grammar takes a second); a 400
+        naming the field when it cannot be kept."""
+        ignore = bool(getattr(body, "ignore_eos", None) or self.host.generate_params.ignore_eos)
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                self.executor, compile_shape, body, self.host.context, ignore
+            )
+        except ShapeError as bad:
+            raise ApiError(400, str(bad), param=bad.field) from None
 
     def _refuse_unanswerable(self, body: Any) -> None:
         """ApiError for a request no wait could answer: another model (when strict), more choices than the queue."""
@@ -690,7 +703,6 @@ class Answering:
                 ev.set()
             self.metrics.requests.labels(endpoint, status).inc()
             on_end()
-
 
     def _final_chunks(
         self, body: Any, chunks: _StreamChunks, index: int, run: RequestRun, held: CallStream | None, streamed: str

@@ -52,6 +52,8 @@ FINISH = OPENAI_FINISH  # one vocabulary with `run`, --json and the results data
 STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 INT64 = 1 << 63
 STOP_SEQUENCES = 4  # OpenAI's limit on `stop`
+# A stop string matched inside a shaped answer would end it where the shape is not whole, under finish "stop".
+STOP_BESIDE_SHAPE = "not with {} (a stop string could end the answer before its shape is whole); send one of them"
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,8 @@ class _Request(_Sampling, Shaped):  # type: ignore[misc, valid-type]
             self._shape, self._shape_field = requested_format(self)
         except ShapeError as bad:
             raise FieldError(bad.field, str(bad).split(": ", 1)[1]) from None
+        if self._shape is not None and self.stop:
+            raise FieldError("stop", STOP_BESIDE_SHAPE.format(self._shape_field))
 
     @property
     def shape(self) -> OutputFormat | None:
@@ -323,6 +327,8 @@ class ChatRequest(_Request, Tooled):
                     "not with tools a call may be made to; send tool_choice: none to keep the shape",
                 )
             self._shape = self._tools.format
+            if self._shape is not None and self.stop:
+                raise FieldError("stop", STOP_BESIDE_SHAPE.format("tools a call may be made to"))
 
     @property
     def tool_mode(self) -> ToolMode | None:

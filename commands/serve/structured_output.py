@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmplan.llm.sampling import OutputFormat, UnsupportedFormat
+from llmplan.llm.sampling import OutputFormat, UnsupportedFormat, compile_format
 
 STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, populate_by_name=True)
 NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a schema's (and a function's) name
@@ -138,3 +138,23 @@ def _of(field: str, value: Any) -> OutputFormat | None:
         return OutputFormat.of(value)
     except ValueError as bad:
         raise ShapeError(field, str(bad)) from None
+
+
+def compile_shape(body: Any, context: Any, ignore_eos: bool) -> None:
+    """The request's shape compiled against the served tokenizer before it is queued (cached: the run then
+    finds it compiled), so what only a tokenizer shows (a literal that spells the end token or a control token,
+    a matcher limit met in its first steps) is a ShapeError naming the field, streamed or not, before any token.
+    Nothing when no shape, no model loaded yet (the run refuses it then), or no end token (`ignore_eos`)."""
+    shape = getattr(body, "shape", None)
+    tok = getattr(context, "tokenizer", None)
+    cfg = getattr(context, "model_config", None)
+    if shape is None or tok is None or cfg is None or ignore_eos:
+        return
+    eos = set(cfg.eos_token_ids) | ({tok.eos_id} if tok.eos_id is not None else set())
+    if not eos:
+        return
+    field = getattr(body, "_shape_field", None) or "tools"
+    try:
+        compile_format(shape, tok, frozenset(eos), cfg.vocab_size)
+    except UnsupportedFormat as bad:
+        raise ShapeError(field, refusal(bad, field)) from None

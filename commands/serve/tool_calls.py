@@ -32,9 +32,18 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from llmplan.llm.sampling import JSON_OPTIONS, OutputFormat, UnsupportedFormat
+from llmplan.llm.sampling import JSON_OPTIONS, OutputFormat, UnsupportedFormat, kept_schema
 
-from .call_reader import MARKER, NATIVE_END, NATIVE_SEP, CallArguments, CallEvent, CallReader, CallStart
+from .call_reader import (
+    MARKER,
+    NATIVE_END,
+    NATIVE_SEP,
+    CallArguments,
+    CallEvent,
+    CallReader,
+    CallStart,
+    StreamedCall,
+)
 from .structured_output import NAME, STRICT, ShapeError, refusal
 
 MAX_CALLS = 8  # calls in one parallel answer, at most
@@ -145,12 +154,14 @@ class ToolMode:
                 if not text.endswith(NATIVE_END):
                     return None  # cut short by the token limit: the finish reason says so
                 inner = text[len(MARKER) + 1 : -len(NATIVE_END) - 1]
-                calls = [json.loads(b) for b in inner.split(f"\n{NATIVE_END}{NATIVE_SEP}{MARKER}\n")]
+                calls = [
+                    json.loads(b, object_pairs_hook=_once) for b in inner.split(f"\n{NATIVE_END}{NATIVE_SEP}{MARKER}\n")
+                ]
             else:
-                made = json.loads(text[len(MARKER) :])
+                made = json.loads(text[len(MARKER) :], object_pairs_hook=_once)
                 calls = made if isinstance(made, list) else [made]
         except ValueError:
-            return None  # cut short by the token limit: the finish reason says so
+            return None  # cut short by the token limit (or a key written twice): the finish reason says so
         if not calls or not all(isinstance(c, dict) and "name" in c and "arguments" in c for c in calls):
             return None
         return [
@@ -159,8 +170,30 @@ class ToolMode:
                 "type": "function",
                 "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)},
             }
-            for c in calls
+            for c in until_repeated(calls)
         ]
+
+
+def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are each given once (json.loads would keep the last of two silently)."""
+    made = dict(pairs)
+    if len(made) != len(pairs):
+        raise ValueError("a key given twice")
+    return made
+
+
+def until_repeated(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The calls up to the first that repeats an earlier one (the same name and arguments): a model repeating
+    its call (to the calls' cap) is stopped at the repeat, and the stream cuts there too (CallStream)."""
+    seen: set[tuple[str, str]] = set()
+    kept = []
+    for call in calls:
+        key = (str(call["name"]), json.dumps(call["arguments"], ensure_ascii=False))
+        if key in seen:
+            break
+        seen.add(key)
+        kept.append(call)
+    return kept
 
 
 def tool_mode(tools: list[Tool] | None, choice: Any, parallel: bool | None) -> ToolMode | None:
@@ -202,7 +235,9 @@ def _call_schema(tools: tuple[Tool, ...]) -> dict[str, Any]:
     """One call of one of `tools`: {"name": its name, "arguments": valid for its parameters}."""
     calls, defs = [], {}
     for t in tools:
-        arguments = _params(t)
+        # Kept as any schema's answer is: parameter objects closed unless `additionalProperties` opens them (the
+        # model could write a key twice), numbers bounded in digits.
+        arguments = kept_schema(_params(t))
         if _has_local_ref(arguments):  # its `$ref`s point into its own root, which is no longer the root here
             defs[t.function.name] = _moved_refs(arguments, f"#/$defs/{t.function.name}")
             arguments = {"$ref": f"#/$defs/{t.function.name}"}
@@ -267,12 +302,16 @@ def _arguments_read(call: dict[str, Any]) -> dict[str, Any]:
 class CallStream:
     """One streamed choice under a tool mode: which text is shown as content as it comes, and the calls'
     events (commands/serve/call_reader.py) once it is known to be calls. Text is held only while it could still be
-    the marker (auto) or always (a call is required)."""
+    the marker (auto) or always (a call is required). A call named as an earlier one is held until it is whole:
+    a repeat of an earlier call (name and arguments) is never sent, nor anything after it (`until_repeated`)."""
 
     mode: ToolMode
     held: str = ""
     text: bool | None = None  # None: not known yet
     reader: CallReader = field(init=False)
+    shown: list[StreamedCall] = field(default_factory=list)  # the calls as sent so far
+    pending: list[CallEvent] = field(default_factory=list)  # a call that may repeat one, held until whole
+    cut: bool = False  # a repeat was read: nothing more is sent
 
     def __post_init__(self) -> None:
         self.reader = CallReader(self.mode.native)
@@ -280,7 +319,7 @@ class CallStream:
     @property
     def started(self) -> bool:
         """A call's header was sent: the answer is calls, even one the token limit cuts short."""
-        return bool(self.reader.calls)
+        return bool(self.shown)
 
     def push(self, piece: str) -> tuple[str, list[CallEvent]]:
         """The part of `piece` to show now as content, and the calls' events it makes certain."""
@@ -295,7 +334,44 @@ class CallStream:
             else:
                 self.text, out, self.held = True, self.held, ""
                 return out, []
-        return "", self.reader.feed(self.held[len(self.reader.seen) :])
+        return "", self._release(self.reader.feed(self.held[len(self.reader.seen) :]))
+
+    def _release(self, events: list[CallEvent]) -> list[CallEvent]:
+        """The events to send now: a call named as an earlier one waits until the next call starts."""
+        out: list[CallEvent] = []
+        for event in events:
+            if isinstance(event, CallStart):
+                out += self._settle()
+                if not self.cut and any(call.name == event.name for call in self.shown):
+                    self.pending = [event]
+                    continue
+            if self.cut:
+                continue
+            if self.pending:
+                self.pending.append(event)
+                continue
+            out.append(self._sent(event))
+        return out
+
+    def _settle(self) -> list[CallEvent]:
+        """The held call, now whole: sent, or (a repeat) dropped with everything after it."""
+        held, self.pending = self.pending, []
+        if not held or self.cut:
+            return []
+        start = held[0]
+        assert isinstance(start, CallStart)
+        arguments = "".join(e.text for e in held[1:] if isinstance(e, CallArguments))
+        if any(call.name == start.name and call.arguments == arguments for call in self.shown):
+            self.cut = True
+            return []
+        return [self._sent(event) for event in held]
+
+    def _sent(self, event: CallEvent) -> CallEvent:
+        if isinstance(event, CallStart):
+            self.shown.append(StreamedCall(event.id, event.name))
+        else:
+            self.shown[event.index].arguments += event.text
+        return event
 
     def finish(self, text: str) -> tuple[list[dict[str, Any]] | None, list[CallEvent], bool]:
         """At the answer's end (`text`, the whole answer): its calls as read whole, with the ids the stream
@@ -305,10 +381,11 @@ class CallStream:
         calls = self.mode.read(text)
         owed: list[CallEvent] = []
         if (calls is not None or self.started) and text.startswith(self.reader.seen):
-            owed = self.reader.feed(text[len(self.reader.seen) :])
+            owed = self._release(self.reader.feed(text[len(self.reader.seen) :]))
+        owed += self._settle()
         if calls is None:
             return None, owed, True
-        sent, agreed = self.reader.calls, len(self.reader.calls) <= len(calls)
+        sent, agreed = self.shown, len(self.shown) <= len(calls)
         for k, call in enumerate(calls):
             name, arguments = call["function"]["name"], call["function"]["arguments"]
             if k >= len(sent):  # not begun: sent whole, the header then the arguments

@@ -75,6 +75,8 @@ class LoopOptions:
         """Why these options cannot run requests with these settings (checked when a plan is read), or None."""
         if self.num_return_sequences > self.num_beams:
             return f"num_return_sequences ({self.num_return_sequences}) exceeds num_beams ({self.num_beams})"
+        if stop_beside_format(defaults) is not None:
+            return stop_beside_format(defaults)
         if self.num_beams > 1 and not defaults.greedy:
             return f"beam search is deterministic here: use {HOW_GREEDY} with num_beams > 1"
         if self.num_beams > 1 and defaults.speculative is not None:
@@ -415,11 +417,22 @@ def token_room(sampling: SamplingParams, context: int) -> int:
     return sampling.max_new_tokens if sampling.max_new_tokens is not None else context
 
 
+def stop_beside_format(sampling: SamplingParams) -> str | None:
+    """Why stop strings cannot run beside a format, or None: a stop string matched inside the shape would end the
+    answer where the shape is not whole (`"` inside a JSON string), and finish "stop" would claim it whole."""
+    if sampling.format is None or not sampling.stop:
+        return None
+    return "stop: not with a format (a stop string could end the answer before its shape is whole); give one of them"
+
+
 def _grammar(sampling: SamplingParams, vocab: Vocabulary) -> CompiledFormat | None:
     """The request's `format` compiled against the tokenizer (cached per tokenizer and format), or None.
     Refused before any token is generated when it cannot be enforced (fail closed)."""
     if sampling.format is None:
         return None
+    beside = stop_beside_format(sampling)
+    if beside is not None:
+        raise Refused(beside)
     if not vocab.eos_ids:
         raise Refused("format: a constrained answer ends with its end-of-sequence token (not with ignore_eos)")
     try:

@@ -12,7 +12,7 @@ from llmplan.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from .chain import build_picker, native_greedy
-    from .constrained_format import JSON_OPTIONS, OutputFormat, UnsupportedFormat
+    from .constrained_format import JSON_OPTIONS, OutputFormat, UnsupportedFormat, kept_schema
     from .format_compiler import CompiledFormat, compile_format, complete
     from .params import Limit, SamplingParams, Speculation, request_fields, setting_kinds
     from .picks import Pick
@@ -29,6 +29,7 @@ EXPORTS = {  # name -> the module that defines it
     "build_picker": "chain",
     "compile_format": "format_compiler",
     "complete": "format_compiler",
+    "kept_schema": "constrained_format",
     "native_greedy": "chain",
     "request_fields": "params",
     "setting_kinds": "params",
@@ -45,6 +46,7 @@ __all__ = [
     "build_picker",
     "compile_format",
     "complete",
+    "kept_schema",
     "native_greedy",
     "request_fields",
     "setting_kinds",

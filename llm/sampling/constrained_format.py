@@ -19,8 +19,17 @@ the setting's location so `llmplan validate` names the keyword's own file:line:c
 Why llguidance (MIT, no Python dependencies): it compiles JSON Schema, regexes and Lark grammars (GBNF is
 converted by its own `gbnf_to_lark`), it refuses (`lenient` off) every keyword it cannot enforce instead of
 ignoring it, and it checks a grammar without a tokenizer, so validation needs no model. JSON output is
-compact (", " and ": ", no free whitespace) unless the schema's own `x-guidance` asks otherwise: a small
-model left free whitespace can spend its whole token budget on newlines.
+compact (", " and ": ", no free whitespace) unless the schema's own `x-guidance` asks otherwise, and then
+bounded (at most 20 whitespace characters at a place): a small model left free whitespace can spend its whole
+token budget on newlines.
+
+JSON semantics, as the peers keep them (`kept_schema`; an answer to the kept schema is valid under the schema
+given, as it only narrows): an object with `properties` is closed unless `additionalProperties` (or
+`patternProperties`) opens it, as llama.cpp and vLLM's xgrammar close them (llguidance 1.9 has no option for
+it, so the schema says it); integers and numbers keep at most 16 integer digits, as llama.cpp's grammar bounds
+them, and a number at most 10 fraction digits (`multipleOf` 1e-10; llguidance refuses finer): an unbounded
+field could run to the length cap. Nodes under `allOf` or beside a `$ref` are not closed (an intersection of
+closed objects would refuse the other's keys), nor are nodes with `enum`/`const` bounded.
 """
 
 from __future__ import annotations
@@ -36,10 +45,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-
     pass
 
-__all__ = ["KINDS", "OutputFormat", "UnsupportedFormat", "explain"]
+__all__ = ["KINDS", "OutputFormat", "UnsupportedFormat", "explain", "kept_schema"]
 
 FormatKind = Literal["json", "json_schema", "regex", "grammar", "choice"]
 KINDS: tuple[str, ...] = ("json", "json_schema", "regex", "grammar", "choice")
@@ -47,6 +55,9 @@ MAX_SCHEMA_BYTES = 1 << 20  # a schema file is read bounded
 MAX_CHOICES = 1024
 SUMMARY_CHARS = 80
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+BOUNDED_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,20}"  # where a schema's x-guidance asks for free whitespace
+INTEGER_BOUND = 10**16 - 1  # 16 digits, llama.cpp's integral part ([1-9][0-9]{0,15})
+FRACTION_STEP = 1e-10  # at most 10 fraction digits (llguidance refuses a finer multipleOf)
 JsonPath = tuple[str | int, ...]
 
 
@@ -159,7 +170,11 @@ class OutputFormat:
         if self.kind in ("json", "json_schema"):
             schema = json.loads(self.spec) if self.kind == "json_schema" else {"type": "object"}
             if isinstance(schema, dict):  # the schema's own x-guidance wins over these defaults
-                return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+                return LLMatcher.grammar_from_json_schema(
+                    kept_schema(schema),
+                    defaults=JSON_OPTIONS,  # type: ignore[arg-type]
+                    overrides=_whitespace_bound(schema),  # type: ignore[arg-type]
+                )
             return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)  # type: ignore[arg-type]
         if self.kind == "regex":
             return LLMatcher.grammar_from_regex(self.spec)
@@ -175,6 +190,65 @@ class OutputFormat:
     def check(self) -> None:
         """Raise UnsupportedFormat if llguidance cannot enforce this format (no tokenizer needed)."""
         _checked(self)
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_ONES = ("items", "additionalProperties", "additionalItems", "not", "contains", "propertyNames", "if", "then")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
+
+
+def kept_schema(schema: Any, merged: bool = False) -> Any:
+    """The schema as the answer keeps it (the module's "JSON semantics"): a copy with objects closed and numbers
+    bounded where the schema leaves them open. `merged`: the node is intersected with others (under allOf)."""
+    if not isinstance(schema, dict):
+        return schema
+    node = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            node[key] = {name: kept_schema(child) for name, child in node[key].items()}
+    for key in (*_SCHEMA_ONES, "else"):
+        if isinstance(node.get(key), dict):
+            node[key] = kept_schema(node[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            node[key] = [kept_schema(child) for child in node[key]]
+    if isinstance(node.get("allOf"), list):
+        node["allOf"] = [kept_schema(child, merged=True) for child in node["allOf"]]
+    open_ = merged or any(k in node for k in ("additionalProperties", "patternProperties", "allOf", "$ref"))
+    # a key required but not listed could only be written to an open object: left open
+    listed = node.get("properties")
+    open_ = open_ or not isinstance(listed, dict) or any(k not in listed for k in node.get("required") or [])
+    if not open_:
+        node["additionalProperties"] = False
+    if not any(k in node for k in ("enum", "const")):
+        _bound_numbers(node)
+    return node
+
+
+def _bound_numbers(node: dict[str, Any]) -> None:
+    """Integers and numbers bounded in digits where the schema leaves them open (in place); never past a bound
+    the schema gives (that would leave nothing), nor a step beside a fractional bound (llguidance may refuse)."""
+    types = node.get("type")
+    types = types if isinstance(types, list) else [types]
+    if "integer" not in types and "number" not in types:
+        return
+    given = [node[k] for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum") if k in node]
+    if not all(isinstance(v, int | float) and abs(v) < INTEGER_BOUND for v in given):
+        return
+    if not any(k in node for k in ("minimum", "exclusiveMinimum")):
+        node["minimum"] = -INTEGER_BOUND
+    if not any(k in node for k in ("maximum", "exclusiveMaximum")):
+        node["maximum"] = INTEGER_BOUND
+    if "number" in types and "multipleOf" not in node and all(float(v).is_integer() for v in given):
+        node["multipleOf"] = FRACTION_STEP
+
+
+def _whitespace_bound(schema: dict[str, Any]) -> dict[str, Any] | None:
+    """Free whitespace a schema's x-guidance asks for, bounded (None: the defaults allow none)."""
+    asked = schema.get("x-guidance")
+    if isinstance(asked, dict) and asked.get("whitespace_flexible") and "whitespace_pattern" not in asked:
+        return {"whitespace_pattern": BOUNDED_WHITESPACE}
+    return None
 
 
 _check_lock = threading.Lock()

@@ -52,7 +52,7 @@ class FormatMask:
     def __post_init__(self) -> None:
         self.matcher = self.compiled.matcher()
         self._bits = torch.zeros((self.compiled.vocab + 31) // 32, dtype=torch.int32)
-        self._controls = ControlTokens(self.compiled.control_ids)
+        self._controls = ControlTokens.of(self.compiled)
 
     @classmethod
     def of(cls, params: Any) -> FormatMask | None:
@@ -84,7 +84,7 @@ class FormatMask:
         count = self.reapply(logits)
         self.allowed.append(count)
         if count == 0:
-            raise MaskError(no_token_left(refused))
+            raise MaskError(no_token_left(refused, eos_ids=self.compiled.eos_ids))
         return logits
 
     def reapply(self, logits: Tensor) -> int:
@@ -107,7 +107,7 @@ class BeamMasks:
     def __init__(self, compiled: CompiledFormat, beams: int) -> None:
         self.matchers = [compiled.matcher() for _ in range(beams)]
         self._bits = torch.zeros((beams, (compiled.vocab + 31) // 32), dtype=torch.int32)
-        self._controls = ControlTokens(compiled.control_ids)
+        self._controls = ControlTokens.of(compiled)
         self.allowed: list[int] = []  # tokens allowed to the best running beam, per step
 
     def apply(self, logits: Tensor) -> Tensor:

@@ -245,18 +245,13 @@ def test_a_malformed_shape_is_a_400_naming_the_field(
     assert error["param"] == param and says in error["message"], error
 
 
-def test_a_matcher_that_fails_mid_answer_fails_that_request_alone(live: LiveServer) -> None:
+def test_a_control_token_spelled_anywhere_is_a_400_before_any_token(live: LiveServer) -> None:
     # The literal spells the tokenizer's own control token: llguidance lets the answer write it only as that
-    # token, which its matcher refuses. At the start that is a 400 before any token; after "a" the request
-    # ends in an error naming `format` (a 500: the format passed its checks), and the loop and the next
-    # request go on.
-    start = {"model": "m", "messages": CHAT, "grammar": 'root ::= "<|user|>x"'}
-    refused = httpx.post(f"{live.url}/chat/completions", json=start, timeout=60)
-    assert refused.status_code == 400 and "control token" in refused.json()["error"]["message"], refused.text
-    body = {"model": "m", "messages": CHAT, "grammar": 'root ::= "a" "<|user|>x"'}
-    answer = httpx.post(f"{live.url}/chat/completions", json=body, timeout=60)
-    assert answer.status_code == 500 and "format:" in answer.json()["error"]["message"], answer.text
-    assert "control token" in answer.json()["error"]["message"]
+    # token, which its matcher refuses. At the start, and after "a" (once a 500 mid-answer), the compile's
+    # rehearsal finds it: a 400 naming the field before any token, and the next request goes on.
+    for grammar in ('root ::= "<|user|>x"', 'root ::= "a" "<|user|>x"'):
+        error = refusal(live, {"grammar": grammar})
+        assert error["param"] == "grammar" and "control token" in error["message"], error
     after = httpx.post(
         f"{live.url}/chat/completions", json={"model": "m", "messages": CHAT, "max_tokens": 3}, timeout=60
     )

@@ -206,15 +206,20 @@ def test_a_grammar_that_names_the_control_token_may_write_it(tiny_tokenizer: Any
     mask.apply(torch.zeros(tiny_tokenizer.vocab_size), _Step([user]))  # type: ignore[arg-type]  # taken
 
 
-def test_a_control_token_spelled_mid_answer_is_never_allowed(tiny_tokenizer: Any) -> None:
-    # Before the fix the second step allowed <|user|> alone, and picking it failed the matcher; now the mask
-    # clears it, and the step says why nothing is left (the request ends in a clear error, not a refusal).
+def test_a_control_token_spelled_mid_answer_is_refused_before_the_first_token(tiny_tokenizer: Any) -> None:
+    # Once the request ended in an error after "a"; the compile's rehearsal walks the path and refuses it.
     user = tiny_tokenizer.token_to_id("<|user|>")
-    mask = token_mask.FormatMask(_compiled(tiny_tokenizer, 'start: "a" "<|user|>x"'))
+    with pytest.raises(UnsupportedFormat, match=f"control token {user}"):
+        _compiled(tiny_tokenizer, 'start: "a" "<|user|>x"')
+
+
+def test_a_control_token_spelled_on_one_path_is_never_allowed(tiny_tokenizer: Any) -> None:
+    # The other path ("ab") keeps the format: the mask clears the spelled token where the matcher refuses it.
+    user = tiny_tokenizer.token_to_id("<|user|>")
+    mask = token_mask.FormatMask(_compiled(tiny_tokenizer, 'start: "a" "<|user|>x" | "a" "b"'))
     first = torch.zeros(tiny_tokenizer.vocab_size)
     mask.apply(first, _Step([]))  # type: ignore[arg-type]
     (a,) = torch.isfinite(first).nonzero().flatten().tolist()
     second = torch.zeros(tiny_tokenizer.vocab_size)
-    with pytest.raises(token_mask.MaskError, match=f"control token {user}"):
-        mask.apply(second, _Step([a]))  # type: ignore[arg-type]
-    assert not torch.isfinite(second).any()
+    mask.apply(second, _Step([a]))  # type: ignore[arg-type]
+    assert not torch.isfinite(second[user]) and torch.isfinite(second).any()
