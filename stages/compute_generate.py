@@ -129,7 +129,9 @@ class Generate(Stage):
 
     @classmethod
     def draws_from_seed(cls, params: Any) -> bool:
-        return params.temperature > 0 and params.seed is None  # greedy rows and a pinned seed draw nothing new
+        own = plain_settings({name: getattr(params, name) for name in RequestSettings.model_fields})
+        sampling = sampling_params(own, logprobs_top_n=0)
+        return not sampling.greedy and sampling.seed is None  # greedy rows and a pinned seed draw nothing new
 
     @classmethod
     def needs(cls, params: Any) -> tuple[str, ...]:
