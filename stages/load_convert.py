@@ -415,7 +415,10 @@ class Convert(Stage):
             except NotOurs as bad:
                 deep.problem(str(bad), "save_to")
         cfg = deep.facts.get("model_config")
-        if cfg is None or params.dtype == STORED:  # stored: the file's own bytes (mapped), nothing to predict
+        if cfg is not None and params.dtype == STORED:
+            stored_estimate(deep)
+            return
+        if cfg is None:
             return
         problem = group_size_problem(cfg, params.group_size) if params.dtype == "int4" else None
         if problem:
@@ -434,7 +437,15 @@ class Convert(Stage):
 
 def map_stored(ctx: InferenceContext, params: Any, cfg: ModelConfig) -> None:
     """dtype stored: the GGUF the model came from, mapped; its blocks become the weights (no conversion)."""
-    from llmplan.llm.formats.gguf import GGUFFileError, map_gguf, stored_types, stored_weights
+    from llmplan.llm.formats.gguf import (
+        GGUFFileError,
+        PinError,
+        check_block_values,
+        map_gguf,
+        read_pin,
+        stored_types,
+        stored_weights,
+    )
     from llmplan.llm.formats.gguf.importer import GGUFImportError
 
     source = ctx.model_source
@@ -448,8 +459,11 @@ def map_stored(ctx: InferenceContext, params: Any, cfg: ModelConfig) -> None:
     start = time.perf_counter()
     try:
         mapped = map_gguf(path)
+        pin = read_pin(source.model_dir) if source is not None else None
+        if pin is None or not pin.blocks_checked:  # checked once, at the import; a file it could not map: now
+            check_block_values(mapped)
         stored_cfg, weights = stored_weights(mapped)
-    except (GGUFFileError, GGUFImportError) as bad:
+    except (GGUFFileError, GGUFImportError, PinError) as bad:
         raise StageFailure(str(bad)) from None
     if stored_cfg != cfg:
         raise StageFailure(f"{path}: its metadata no longer gives the import's config.json; refused")
@@ -465,3 +479,21 @@ def map_stored(ctx: InferenceContext, params: Any, cfg: ModelConfig) -> None:
     ctx.metrics.set("convert_s", time.perf_counter() - start)
     if not ctx.json_mode:
         print(f"{path.name}: mapped, {mib(sum(types.values()))} of {'/'.join(types)}", file=sys.stderr, flush=True)
+
+
+def stored_estimate(deep: DeepCheck) -> None:
+    """dtype stored: the weights are the GGUF's tensors, mapped (their bytes, read from the file's header)."""
+    from llmplan.llm.formats.gguf import GGUFFileError, open_gguf
+
+    gguf = deep.facts.get("gguf_file")
+    if gguf is None:
+        deep.problem("dtype stored keeps a GGUF's own blocks, but this model's source is not a .gguf file", "dtype")
+        return
+    try:
+        with open_gguf(gguf) as parsed:
+            mapped = sum(info.nbytes for info in parsed.tensors.values())
+    except GGUFFileError as bad:
+        deep.problem(str(bad), "dtype")
+        return
+    deep.estimate("weights", mapped)
+    deep.facts["activation_dtype"] = torch.float32
