@@ -272,12 +272,8 @@ def build_manifest(
     root = _resolved_dir(model_dir)
     blobs = _hf_blobs_dir(root)
 
-    fmt: Format = "safetensors"
-    index: Path | None = None
-    names: list[str] = []
-    tensor_to_shard: dict[str, str] = {}
-    if weights:
-        fmt, index, names, tensor_to_shard = _find_shards(model_dir, root, blobs)
+    no_shards: tuple[Format, Path | None, list[str], dict[str, str]] = ("safetensors", None, [], {})
+    fmt, index, names, tensor_to_shard = _find_shards(model_dir, root, blobs) if weights else no_shards
     sums_path, recorded = _sums_path(model_dir, first_use)
     sums = _read_sums(sums_path)
     label: HashSource = "first-use" if recorded else "SHA256SUMS"
