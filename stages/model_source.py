@@ -235,10 +235,10 @@ def _imported(params: SourceParams, ctx: InferenceContext | None, path: Path, bl
 
     cache = Path(params.cache_dir).expanduser() if params.cache_dir else default_cache_dir()
 
-    def trusted(digest: str) -> None:  # `--model FILE.gguf`: a later change to the file is refused
+    def trusted(digest: str, create: bool = False) -> None:  # `--model FILE.gguf`: a later change is refused
         if params.trust_on_first_use and params.path is not None:
             try:
-                trust_file_on_first_use(path, digest, cache_home())
+                trust_file_on_first_use(path, digest, cache_home(), create)
             except FirstUseError as bad:
                 raise StageFailure(str(bad)) from None
 
@@ -255,6 +255,7 @@ def _imported(params: SourceParams, ctx: InferenceContext | None, path: Path, bl
             )
     except GGUFImportError as bad:
         raise StageFailure(str(bad)) from None
+    trusted(done.digest, create=True)  # recorded once the import took the file
     if ctx is not None and done.written_bytes:
         ctx.metrics.set("import_bytes_written", done.written_bytes)
         _say_import(ctx, path, blocks, done.written_bytes)

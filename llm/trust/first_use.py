@@ -93,13 +93,17 @@ def trust_on_first_use(model_dir: Path, names: list[str], home: Path, progress: 
     return FirstUse(sums, True, len(lines), total)
 
 
-def trust_file_on_first_use(path: Path, digest: str, home: Path) -> FirstUse:
+def trust_file_on_first_use(path: Path, digest: str, home: Path, create: bool = True) -> FirstUse | None:
     """A single file (a GGUF given by `--model FILE`), whose SHA-256 the caller computed: recorded on first use
-    like a folder's files, then compared: a different digest is refused in one line, naming how to accept it."""
+    like a folder's files, then compared: a different digest is refused in one line, naming how to accept it.
+    `create` False only compares (None where there is no record yet): the caller records once the file is
+    found good (an import that refuses the file must not pin it)."""
     folder = record_dir(path, home)
     sums = folder / MANIFEST_NAME
     resolved = str(path.resolve())
     if not os.path.lexists(sums):
+        if not create:
+            return None
         try:
             folder.mkdir(parents=True, exist_ok=True)
             _write_atomic(folder / FOLDER_FILE, resolved + "\n")

@@ -166,7 +166,8 @@ def test_a_nan_block_scale_is_refused_at_first_use_naming_tensor_and_block(
     tiny: Path, cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     at = _block_offset(tiny, "blk.0.attn_q.weight", 3, 144)  # Q4_K: d is the block's first fp16
-    data = bytearray(tiny.read_bytes())
+    good = tiny.read_bytes()
+    data = bytearray(good)
     data[at : at + 2] = b"\x00\x7e"  # fp16 NaN
     tiny.write_bytes(bytes(data))
     code, _ = _run(tiny, tmp_path / "one", *STORED)
@@ -174,4 +175,7 @@ def test_a_nan_block_scale_is_refused_at_first_use_naming_tensor_and_block(
     assert code == 1 and "Traceback" not in said
     [line] = [line for line in said.splitlines() if "NaN" in line]
     assert "tensor blk.0.attn_q.weight: block 3 has a NaN or infinite fp16 scale" in line, line
-    assert not _imports(cache)  # nothing kept
+    assert not _imports(cache)  # nothing kept, and the refused file is not pinned: the mended one runs
+    tiny.write_bytes(good)
+    code, _ = _run(tiny, tmp_path / "two", *STORED)
+    assert code == 0, capsys.readouterr().err
