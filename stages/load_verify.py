@@ -93,6 +93,15 @@ class LoadVerify(Stage):
         except IntegrityError as bad:
             deep.problem(str(bad))
             return
+        gguf = deep.facts.get("gguf_file")
+        if blocks and gguf is not None:
+            from llmplan.llm.formats.gguf import PinError, check_pinned
+
+            try:
+                check_pinned(model_dir, gguf, rehash=True)  # --deep hashes every byte, as for shards
+            except PinError as bad:
+                deep.problem(str(bad))
+                return
         deep.facts["manifest"] = manifest
 
 
