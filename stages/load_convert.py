@@ -441,6 +441,7 @@ def map_stored(ctx: InferenceContext, params: Any, cfg: ModelConfig) -> None:
         GGUFFileError,
         PinError,
         check_block_values,
+        copied_bytes,
         map_gguf,
         read_pin,
         stored_types,
@@ -470,7 +471,11 @@ def map_stored(ctx: InferenceContext, params: Any, cfg: ModelConfig) -> None:
     types = stored_types(weights)
     vectors = sum(w.nbytes for w in weights.values() if isinstance(w, Tensor))
     total = sum(types.values()) + vectors
-    ctx.weights = ConvertedWeights(tensors=weights, dtype=STORED, nbytes=total, kernel=params.kernel, mapping=mapped)
+    # what the load holds: the mapping's pages (all of them touched, in time) and the rows copied out of it
+    copied = copied_bytes(mapped.file)
+    resident = mapped.nbytes + copied
+    ctx.weights = ConvertedWeights(tensors=weights, dtype=STORED, nbytes=resident, kernel=params.kernel, mapping=mapped)
+    ctx.metrics.set("copied_bytes", copied)
     ctx.host_weights = None  # the fp32 import is not read
     ctx.metrics.set("dtype", STORED)
     ctx.metrics.set("bytes_before", mapped.nbytes)
@@ -482,8 +487,10 @@ def map_stored(ctx: InferenceContext, params: Any, cfg: ModelConfig) -> None:
 
 
 def stored_estimate(deep: DeepCheck) -> None:
-    """dtype stored: the weights are the GGUF's tensors, mapped (their bytes, read from the file's header)."""
-    from llmplan.llm.formats.gguf import GGUFFileError, open_gguf
+    """dtype stored: the weights are the GGUF's tensors, mapped, and the fused rows copied out of the mapping
+    (both from the file's header, as `map_stored` counts them)."""
+    from llmplan.llm.formats.gguf import GGUFFileError, copied_bytes, open_gguf
+    from llmplan.llm.formats.gguf.importer import GGUFImportError
 
     gguf = deep.facts.get("gguf_file")
     if gguf is None:
@@ -492,8 +499,9 @@ def stored_estimate(deep: DeepCheck) -> None:
     try:
         with open_gguf(gguf) as parsed:
             mapped = sum(info.nbytes for info in parsed.tensors.values())
-    except GGUFFileError as bad:
+            copied = copied_bytes(parsed)
+    except (GGUFFileError, GGUFImportError) as bad:
         deep.problem(str(bad), "dtype")
         return
-    deep.estimate("weights", mapped)
+    deep.estimate("weights", mapped + copied)  # the mapping, and the rows the load copies out of it
     deep.facts["activation_dtype"] = torch.float32

@@ -78,3 +78,22 @@ def test_adding_shards_that_fails_midway_leaves_the_import_as_it_was(
     later = import_gguf_as(tiny, tmp_path, shard_bytes=200_000)  # the next converting start completes it
     assert later.shards_added and has_shards(later.model_dir)
     verify(build_manifest(later.model_dir, None, READ_BY_LOAD), "required")
+
+
+@pytest.mark.parametrize(("arch", "tied"), [("llama", False), ("qwen2", True)])
+def test_the_predicted_copies_are_the_rows_the_load_copies(tmp_path: Path, arch: str, tied: bool) -> None:
+    """`validate --deep` counts the rows copied out of the mapping from the header; the load's own copies agree."""
+    from llmplan.llm.formats.gguf import copied_bytes, map_gguf, stored_weights
+    from llmplan.llm.model.weight_formats import GGUFWeight
+
+    path = tmp_path / f"{arch}.gguf"
+    write_tiny_model(str(path), arch=arch, tied=tied, embed="Q8_0")
+    with map_gguf(path) as mapped:
+        base = next(iter(mapped.tensors.values())).blocks.untyped_storage().data_ptr()
+        _, weights = stored_weights(mapped)
+        seen: dict[int, int] = {}
+        for weight in weights.values():
+            for part in getattr(weight, "parts", (weight,)):
+                if isinstance(part, GGUFWeight) and part.blocks.untyped_storage().data_ptr() != base:
+                    seen[id(part)] = part.nbytes
+        assert copied_bytes(mapped.file) == sum(seen.values()) > 0

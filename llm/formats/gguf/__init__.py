@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .importer import Imported, has_shards, import_gguf, import_gguf_as
     from .mapped import MappedGGUF, check_block_values, map_gguf
     from .pin import PIN_NAME, PinError, check_pinned, read_pin
-    from .stored import stored_types, stored_weights
+    from .stored import copied_bytes, stored_types, stored_weights
 
 EXPORTS = {  # name -> the module that defines it
     "BY_NAME": "block_types",
@@ -28,6 +28,7 @@ EXPORTS = {  # name -> the module that defines it
     "PIN_NAME": "pin",
     "PinError": "pin",
     "check_pinned": "pin",
+    "copied_bytes": "stored",
     "has_shards": "importer",
     "import_gguf_as": "importer",
     "read_pin": "pin",
@@ -57,6 +58,7 @@ __all__ = [
     "PinError",
     "check_block_values",
     "check_pinned",
+    "copied_bytes",
     "file_type_names",
     "footprint_line",
     "gguf_read_per_token",
