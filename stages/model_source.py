@@ -38,6 +38,7 @@ from llmplan.llm.trust import (
     ManifestError,
     files_read_by_load,
     manifest_fingerprint,
+    read_sha256sums,
     trust_file_on_first_use,
     trust_on_first_use,
 )
@@ -156,6 +157,17 @@ def fingerprint(model_dir: Path, first_use: Path | None = None) -> str:
     return digest.hexdigest()[:16]
 
 
+def import_fingerprint(model_dir: Path) -> str:
+    """A GGUF import's identity: its SHA256SUMS without the fp32 shards, which a converting plan may add later
+    (they follow from the pinned GGUF), so a plan's cached answers keep their key when the shards arrive."""
+    try:
+        sums = read_sha256sums(model_dir / MANIFEST_NAME)
+    except ManifestError as bad:
+        raise StageFailure(str(bad)) from None
+    kept = [f"{digest}  {name}\n" for name, digest in sorted(sums.items()) if not name.startswith("model")]
+    return hashlib.sha256("".join(kept).encode()).hexdigest()[:16]
+
+
 class ModelSourceStage(Stage):
     """Locate the model; import a GGUF into an HF-format directory once (cached, atomic)."""
 
@@ -215,7 +227,7 @@ def resolve_source(params: SourceParams, ctx: InferenceContext | None, blocks: b
         model_dir = _imported(params, ctx, path, blocks)
         record_origin(model_dir, origin, params, path)
         source = "gguf" if origin == "hf-dir" else origin
-        return ModelSource(model_dir, source, fingerprint(model_dir), path, keeps_blocks=blocks)
+        return ModelSource(model_dir, source, import_fingerprint(model_dir), path, keeps_blocks=blocks)
     if path.is_file():
         raise StageFailure(f"{path}: not a model directory or a .gguf file")
     if not path.is_dir():

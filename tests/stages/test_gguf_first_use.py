@@ -126,6 +126,11 @@ def test_a_converting_plan_afterwards_gets_its_shards_and_stored_answers_as_befo
     code, stored_after = _run(tiny, tmp_path / "stored-again", *STORED)
     assert code == 0, capsys.readouterr().err
     assert stored_after["tokens"] == stored_first["tokens"]
+
+    def fingerprint(run: str) -> str:
+        return json.loads((tmp_path / run / "metrics.json").read_text())["model"]["fingerprint"]
+
+    assert fingerprint("stored") == fingerprint("stored-again") == fingerprint("fp32")  # the shards follow the GGUF
     code, again = _run(tiny, tmp_path / "fp32-again")
     assert code == 0 and again["tokens"] == fp32["tokens"]
     assert "with fp32 shards" not in capsys.readouterr().err
