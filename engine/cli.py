@@ -39,6 +39,9 @@ DEFAULT_PLAN = Path(__file__).resolve().parent.parent / "plans" / "llama-int8.ya
 """What `run`, `chat` (and `--model PATH`) run with when no plan is given: the plan `make run` runs (int8 weights,
 the default prompt and sampling), so a user's model gets the same treatment as the bundled one, in half bf16's
 memory."""
+DEFAULT_GGUF_PLAN = DEFAULT_PLAN.with_name("llama-stored.yaml")
+"""What `--model FILE.gguf` runs with when no plan is given: the default plan with the file's own blocks (mapped,
+not converted: no fp32 import on disk, no re-quantization)."""
 PLANS_DIR = DEFAULT_PLAN.parent
 """The shipped plans: a PLAN argument that is a bare name (`llama-int8`) is the plan of that name here."""
 PLAN_SUFFIXES = (".yaml", ".yml")
@@ -211,17 +214,19 @@ def settle_plan(args: argparse.Namespace, registry: Registry | None = None) -> N
     if model is not None and not os.path.lexists(model):
         raise CliError(f"--model {model}: not found (an HF-format directory or a .gguf file)")
     if plan is None:
-        args.plan = plan = default_plan()
+        args.plan = plan = default_plan(model)
         if model is None:  # Ollama's `run MODEL` habit: no plan is the default one, said once
             _err(f"{args.command}: no plan given, so the default plan {plan_label(plan)} ({plan})")
     if model is not None:
         args.set = [*(getattr(args, "set", None) or []), *model_overrides(model, registry or _registry(), plan)]
 
 
-def default_plan() -> str:
-    if not DEFAULT_PLAN.is_file():
-        raise CliError(f"no plan given and the default plan {DEFAULT_PLAN} is not there: give a plan file")
-    return str(DEFAULT_PLAN)
+def default_plan(model: str | None = None) -> str:
+    """The plan run when none is given: for a .gguf model the one that keeps its blocks, else DEFAULT_PLAN."""
+    plan = DEFAULT_GGUF_PLAN if model is not None and model.lower().endswith(".gguf") else DEFAULT_PLAN
+    if not plan.is_file():
+        raise CliError(f"no plan given and the default plan {plan} is not there: give a plan file")
+    return str(plan)
 
 
 def shipped_plans() -> list[str]:
@@ -556,7 +561,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if not args.plans:
         if args.model is None:
             raise CliError("validate: give plan files, or --model PATH")
-        args.plans = [default_plan()]
+        args.plans = [default_plan(args.model)]
     for named in args.plans:
         refuse_model_as_plan(named, "validate")
         path = plan_path(named)

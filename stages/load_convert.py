@@ -415,7 +415,10 @@ class Convert(Stage):
             except NotOurs as bad:
                 deep.problem(str(bad), "save_to")
         cfg = deep.facts.get("model_config")
-        if cfg is None or params.dtype == STORED:  # stored: the file's own bytes (mapped), nothing to predict
+        if cfg is not None and params.dtype == STORED:
+            stored_estimate(deep)
+            return
+        if cfg is None:
             return
         problem = group_size_problem(cfg, params.group_size) if params.dtype == "int4" else None
         if problem:
@@ -434,7 +437,16 @@ class Convert(Stage):
 
 def map_stored(ctx: InferenceContext, params: Any, cfg: ModelConfig) -> None:
     """dtype stored: the GGUF the model came from, mapped; its blocks become the weights (no conversion)."""
-    from llmplan.llm.formats.gguf import GGUFFileError, map_gguf, stored_types, stored_weights
+    from llmplan.llm.formats.gguf import (
+        GGUFFileError,
+        PinError,
+        check_block_values,
+        copied_bytes,
+        map_gguf,
+        read_pin,
+        stored_types,
+        stored_weights,
+    )
     from llmplan.llm.formats.gguf.importer import GGUFImportError
 
     source = ctx.model_source
@@ -448,15 +460,22 @@ def map_stored(ctx: InferenceContext, params: Any, cfg: ModelConfig) -> None:
     start = time.perf_counter()
     try:
         mapped = map_gguf(path)
+        pin = read_pin(source.model_dir) if source is not None else None
+        if pin is None or not pin.blocks_checked:  # checked once, at the import; a file it could not map: now
+            check_block_values(mapped)
         stored_cfg, weights = stored_weights(mapped)
-    except (GGUFFileError, GGUFImportError) as bad:
+    except (GGUFFileError, GGUFImportError, PinError) as bad:
         raise StageFailure(str(bad)) from None
     if stored_cfg != cfg:
         raise StageFailure(f"{path}: its metadata no longer gives the import's config.json; refused")
     types = stored_types(weights)
     vectors = sum(w.nbytes for w in weights.values() if isinstance(w, Tensor))
     total = sum(types.values()) + vectors
-    ctx.weights = ConvertedWeights(tensors=weights, dtype=STORED, nbytes=total, kernel=params.kernel, mapping=mapped)
+    # what the load holds: the mapping's pages (all of them touched, in time) and the rows copied out of it
+    copied = copied_bytes(mapped.file)
+    resident = mapped.nbytes + copied
+    ctx.weights = ConvertedWeights(tensors=weights, dtype=STORED, nbytes=resident, kernel=params.kernel, mapping=mapped)
+    ctx.metrics.set("copied_bytes", copied)
     ctx.host_weights = None  # the fp32 import is not read
     ctx.metrics.set("dtype", STORED)
     ctx.metrics.set("bytes_before", mapped.nbytes)
@@ -465,3 +484,24 @@ def map_stored(ctx: InferenceContext, params: Any, cfg: ModelConfig) -> None:
     ctx.metrics.set("convert_s", time.perf_counter() - start)
     if not ctx.json_mode:
         print(f"{path.name}: mapped, {mib(sum(types.values()))} of {'/'.join(types)}", file=sys.stderr, flush=True)
+
+
+def stored_estimate(deep: DeepCheck) -> None:
+    """dtype stored: the weights are the GGUF's tensors, mapped, and the fused rows copied out of the mapping
+    (both from the file's header, as `map_stored` counts them)."""
+    from llmplan.llm.formats.gguf import GGUFFileError, copied_bytes, open_gguf
+    from llmplan.llm.formats.gguf.importer import GGUFImportError
+
+    gguf = deep.facts.get("gguf_file")
+    if gguf is None:
+        deep.problem("dtype stored keeps a GGUF's own blocks, but this model's source is not a .gguf file", "dtype")
+        return
+    try:
+        with open_gguf(gguf) as parsed:
+            mapped = sum(info.nbytes for info in parsed.tensors.values())
+            copied = copied_bytes(parsed)
+    except (GGUFFileError, GGUFImportError) as bad:
+        deep.problem(str(bad), "dtype")
+        return
+    deep.estimate("weights", mapped + copied)  # the mapping, and the rows the load copies out of it
+    deep.facts["activation_dtype"] = torch.float32

@@ -5,11 +5,15 @@ This stage reads no weights: it checks every shard's header against the config a
 tensors through it and converts each group as soon as it is complete, so host memory peaks near
 (converted weights + N shards), never at (all fp32 shards + converted copy). The reading happens, and is
 timed and counted (bytes, seconds, peak buffer), in the draining stage: its metrics carry the reader's.
+
+A plan that keeps a GGUF's blocks has no shards: the stream is empty, and the stage says the weights are the
+file's own blocks, mapped by `load.convert`.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -88,11 +92,16 @@ class ShardStream(Stage):
     phase = Phase.LOAD
     Params = ReadParams
     reads = ("shard_manifest", "model_config")
+    optional_reads = ("model_source",)
     writes = ("host_weights",)
 
     def run(self, ctx: InferenceContext, params: Any) -> None:
         manifest, cfg = ctx.shard_manifest, ctx.model_config
         assert manifest is not None and cfg is not None
+        source = ctx.model_source
+        if source is not None and source.keeps_blocks:
+            nothing_to_stream(ctx, params, source.gguf_file)
+            return
         converted = read_converted_marker(manifest.model_dir)
         if converted is None:  # a converted checkpoint holds codes and scales, checked when rebuilt
             check_headers(manifest, cfg)
@@ -140,3 +149,17 @@ class ShardStream(Stage):
 
     def check(self, params: Any, deep: DeepCheck) -> None:
         deep.facts["buffer_shards"] = params.buffer_shards  # for load.convert's peak while converting
+
+
+def nothing_to_stream(ctx: InferenceContext, params: Any, gguf: Path | None) -> None:
+    """The plan keeps the GGUF's blocks: no shard is read; an empty stream, and a line saying so."""
+
+    def stream(on_tensor: Callable[[str, Tensor], None]) -> ReadResult:
+        raise StageFailure("no shards to stream: the plan keeps the GGUF's blocks (load.convert dtype stored)")
+
+    ctx.host_weights = HostWeights(stream=stream, wanted=[], buffer_shards=params.buffer_shards)
+    ctx.metrics.set("tensors_wanted", 0)
+    ctx.metrics.set("streamed_from", str(gguf) if gguf is not None else None)
+    if not ctx.json_mode:
+        name = gguf.name if gguf is not None else "the GGUF"
+        print(f"no shards to stream: the weights are {name}'s blocks, mapped", file=sys.stderr, flush=True)

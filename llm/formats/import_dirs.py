@@ -30,7 +30,7 @@ OWNER_NAME = ".llmplan-import-owner.json"
 OWNER_FORMAT = "llmplan.import-owner/v1"
 _TEMP_NAME = re.compile(r"^\.(?P<target>.+)\.importing-(?P<pid>\d{1,10})-(?P<nonce>[0-9a-f]{8})$")
 _IMPORT_FILE = re.compile(
-    r"^(config\.json|tokenizer\.json|tokenizer_config\.json|model\.safetensors\.index\.json|SHA256SUMS"
+    r"^(config\.json|tokenizer\.json|tokenizer_config\.json|model\.safetensors\.index\.json|SHA256SUMS|gguf_source\.json"
     r"|SHA256SUMS\.tmp|model-\d{5}-of-\d{5}\.safetensors)$"
 )
 _MAX_FILES = 100_000  # an import writes a handful of files; more is not one of ours

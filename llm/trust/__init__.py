@@ -20,7 +20,7 @@ if TYPE_CHECKING:
         verify,
     )
     from .files import FileProblem, describe_os_error, read_json_limited
-    from .first_use import FirstUseError, trust_on_first_use
+    from .first_use import FirstUseError, trust_file_on_first_use, trust_on_first_use
     from .hash_cache import HashCache, identity_of
     from .manifest import (
         MANIFEST_NAME,
@@ -49,6 +49,7 @@ EXPORTS = {  # name -> the module that defines it
     "read_safetensors_header": "checkpoint",
     "read_sha256sums": "manifest",
     "sha256_fd": "manifest",
+    "trust_file_on_first_use": "first_use",
     "trust_on_first_use": "first_use",
     "verify": "checkpoint",
 }
@@ -70,6 +71,7 @@ __all__ = [
     "read_safetensors_header",
     "read_sha256sums",
     "sha256_fd",
+    "trust_file_on_first_use",
     "trust_on_first_use",
     "verify",
 ]

@@ -257,9 +257,12 @@ def build_manifest(
     plan_hashes: dict[str, str] | None = None,
     also_read: tuple[str, ...] = (),
     first_use: Path | None = None,
+    weights: bool = True,
 ) -> ShardManifest:
     """Find the shards of `model_dir` and every SHA-256 that is known for them (no file data is hashed).
 
+    `weights` False: the load reads no shard here (a GGUF's blocks, pinned on their own, are the weights), so
+    none is looked for and only the `also_read` files SHA256SUMS lists are checked.
     `also_read`: the other files the load reads when they are there; with a SHA256SUMS, verify() refuses
     any of them that it does not list (a file left out of the manifest is not checked at all otherwise).
     `first_use`: the first-use record (a SHA256SUMS kept in the cache) that stands in for the directory's
@@ -269,7 +272,8 @@ def build_manifest(
     root = _resolved_dir(model_dir)
     blobs = _hf_blobs_dir(root)
 
-    fmt, index, names, tensor_to_shard = _find_shards(model_dir, root, blobs)
+    no_shards: tuple[Format, Path | None, list[str], dict[str, str]] = ("safetensors", None, [], {})
+    fmt, index, names, tensor_to_shard = _find_shards(model_dir, root, blobs) if weights else no_shards
     sums_path, recorded = _sums_path(model_dir, first_use)
     sums = _read_sums(sums_path)
     label: HashSource = "first-use" if recorded else "SHA256SUMS"
@@ -292,6 +296,8 @@ def build_manifest(
         sha, source = _known_hash(path, name, plan, sums, blobs, label)
         shards.append(ShardInfo(name=name, path=path, size=size, sha256=sha, hash_source=source))
     listed = _listed_files(model_dir, root, blobs, names, (plan, sums, sums_path, label))
+    if not weights:  # shards an import may also hold, for plans that convert, are not this load's to check
+        listed = [info for info in listed if info.name in also_read]
     return ShardManifest(
         model_dir=model_dir,
         format=fmt,

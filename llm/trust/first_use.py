@@ -29,7 +29,7 @@ from pathlib import Path
 
 from .files import FileProblem, describe_os_error, read_text_limited
 from .hash_cache import HashCache, identity_of
-from .manifest import MANIFEST_NAME, open_regular_fd, sha256_fd
+from .manifest import MANIFEST_NAME, ManifestError, open_regular_fd, read_sha256sums, sha256_fd
 
 RECORDS_DIR = "trusted"
 FOLDER_FILE = "folder"
@@ -91,6 +91,42 @@ def trust_on_first_use(model_dir: Path, names: list[str], home: Path, progress: 
             "set LLMPLAN_CACHE to a writable folder"
         ) from None
     return FirstUse(sums, True, len(lines), total)
+
+
+def trust_file_on_first_use(path: Path, digest: str, home: Path, create: bool = True) -> FirstUse | None:
+    """A single file (a GGUF given by `--model FILE`), whose SHA-256 the caller computed: recorded on first use
+    like a folder's files, then compared: a different digest is refused in one line, naming how to accept it.
+    `create` False only compares (None where there is no record yet): the caller records once the file is
+    found good (an import that refuses the file must not pin it)."""
+    folder = record_dir(path, home)
+    sums = folder / MANIFEST_NAME
+    resolved = str(path.resolve())
+    if not os.path.lexists(sums):
+        if not create:
+            return None
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            _write_atomic(folder / FOLDER_FILE, resolved + "\n")
+            _write_atomic(sums, f"{digest}  {path.name}\n")
+        except OSError as bad:
+            raise FirstUseError(
+                f"{folder}: cannot record the hash of {path} there ({bad.strerror or bad}); "
+                "set LLMPLAN_CACHE to a writable folder"
+            ) from None
+        return FirstUse(sums, True, 1, path.stat().st_size)
+    try:
+        about = read_text_limited(folder / FOLDER_FILE, 1 << 16).strip()
+        recorded = read_sha256sums(sums).get(path.name)
+    except (FileProblem, ManifestError) as bad:
+        raise FirstUseError(f"{bad}; the first-use record {folder} is damaged (delete it to start again)") from None
+    if about != resolved or recorded is None:
+        raise FirstUseError(f"{folder}: not a record of {resolved!r}; refused (delete it to start again)")
+    if recorded != digest:
+        raise FirstUseError(
+            f"{path}: changed since it was first used (SHA-256 {digest[:16]}…, recorded {recorded[:16]}… in "
+            f"{sums}); refused (delete {folder} to trust the file as it is now)"
+        )
+    return FirstUse(sums, False, 0, 0)
 
 
 def _hash(path: Path, cache: HashCache, name: str, progress: ProgressFn | None) -> tuple[str, int]:

@@ -15,14 +15,23 @@ if TYPE_CHECKING:
     from .file import GGUFFileError, open_gguf
     from .file_type import GGUFType, file_type_names, gguf_type, nominal_bits
     from .footprint import footprint_line, gguf_read_per_token, read_per_token, recorded_footprint, resident_parts
-    from .importer import import_gguf
+    from .importer import Imported, has_shards, import_gguf, import_gguf_as
     from .mapped import MappedGGUF, check_block_values, map_gguf
-    from .stored import stored_types, stored_weights
+    from .pin import PIN_NAME, PinError, check_pinned, read_pin
+    from .stored import copied_bytes, stored_types, stored_weights
 
 EXPORTS = {  # name -> the module that defines it
     "BY_NAME": "block_types",
     "GGUFFileError": "file",
     "GGUFType": "file_type",
+    "Imported": "importer",
+    "PIN_NAME": "pin",
+    "PinError": "pin",
+    "check_pinned": "pin",
+    "copied_bytes": "stored",
+    "has_shards": "importer",
+    "import_gguf_as": "importer",
+    "read_pin": "pin",
     "MappedGGUF": "mapped",
     "check_block_values": "mapped",
     "file_type_names": "file_type",
@@ -41,19 +50,27 @@ EXPORTS = {  # name -> the module that defines it
 }
 __all__ = [
     "BY_NAME",
+    "PIN_NAME",
     "GGUFFileError",
     "GGUFType",
+    "Imported",
     "MappedGGUF",
+    "PinError",
     "check_block_values",
+    "check_pinned",
+    "copied_bytes",
     "file_type_names",
     "footprint_line",
     "gguf_read_per_token",
     "gguf_type",
+    "has_shards",
     "import_gguf",
+    "import_gguf_as",
     "map_gguf",
     "nominal_bits",
     "open_gguf",
     "read_per_token",
+    "read_pin",
     "recorded_footprint",
     "resident_parts",
     "stored_types",

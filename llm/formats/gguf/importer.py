@@ -17,7 +17,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,22 +28,41 @@ from llmplan.bounded_read import NotRegularFileError
 
 from ...trust.files import describe_os_error
 from ...trust.hash_cache import HashCache, identity_of
-from ...trust.manifest import MANIFEST_NAME, open_regular_fd, sha256_fd, write_sha256sums
+from ...trust.manifest import (
+    MANIFEST_NAME,
+    ManifestError,
+    open_regular_fd,
+    read_sha256sums,
+    sha256_fd,
+    sha256_file,
+    write_sha256sums,
+)
 from ..import_dirs import TEMP_MARK, finish_import_dir, make_import_dir, remove_stale_imports
 from .file import GGUFFile, GGUFFileError, open_gguf
 from .hf_config import SUPPORTED_ARCHITECTURES, Planned, family_of, hf_config, plan_tensors
+from .mapped import check_block_values, map_gguf
 from .metadata import GGUFImportError, GGUFMetadata, fail
+from .pin import PIN_NAME, write_pin
 from .vocab import hf_tokenizer
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "GGUFImportError", "import_gguf", "unpermute_rope_rows"]
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "GGUFImportError",
+    "Imported",
+    "import_gguf",
+    "import_gguf_as",
+    "unpermute_rope_rows",
+]
 
 ProgressFn = Callable[[str, int, int], None]
 """Called as progress(stage, done, total); stages: "hash" (bytes), "tensors" (tensors written)."""
 
 DEFAULT_SHARD_BYTES = 200 * 1000 * 1000
-IMPORT_FORMAT = 2
+IMPORT_FORMAT = 3
 """Part of the import's directory name: bumped whenever what an import writes changes (2: every family of
-architecture.py, SentencePiece vocabularies), so an import written by older code is never reused."""
+architecture.py, SentencePiece vocabularies; 3: the GGUF's pin, shards only for a plan that converts), so an
+import written by older code is never reused."""
+SAFETENSORS_INDEX = "model.safetensors.index.json"
 _TEMP_MARK = TEMP_MARK  # temp dirs are ".<name>.importing-<pid>-<nonce>": hidden, never a finished import
 _fail = fail
 
@@ -51,6 +72,20 @@ def import_dir_name(digest: str, gguf_path: Path) -> str:
     return f"{digest[:16]}-f{IMPORT_FORMAT}-{Path(gguf_path).stem}"
 
 
+@dataclass(frozen=True)
+class Imported:
+    """An import: its folder, and what this call wrote there (nothing on a warm start)."""
+
+    model_dir: Path
+    created: bool
+    """True when this call made the folder (the file's first use)."""
+    shards_added: bool
+    """True when this call wrote the fp32 shards (into a new folder, or one that held none)."""
+    written_bytes: int
+    """Bytes this call wrote into the folder."""
+    digest: str
+
+
 def import_gguf(
     gguf_path: Path,
     cache_root: Path,
@@ -58,37 +93,66 @@ def import_gguf(
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     note: Callable[[str], None] | None = None,
 ) -> Path:
-    """Import `gguf_path` into `cache_root/<sha256[:16]>-f<format>-<stem>` (once) and return that directory.
+    """Import `gguf_path` into `cache_root/<sha256[:16]>-f<format>-<stem>` (once) and return that directory."""
+    return import_gguf_as(gguf_path, cache_root, progress, shard_bytes, note).model_dir
 
-    A finished import is only read, so a read-only cache works once it holds the import; recording the
-    GGUF's hash for the next warm start is an optimisation, skipped (and `note` told why) where it cannot be.
+
+def import_gguf_as(
+    gguf_path: Path,
+    cache_root: Path,
+    progress: ProgressFn | None = None,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    note: Callable[[str], None] | None = None,
+    *,
+    weights: bool = True,
+    check_digest: Callable[[str], None] | None = None,
+) -> Imported:
+    """Import `gguf_path` into `cache_root/<sha256[:16]>-f<format>-<stem>` (once) and say what was written.
+
+    `weights` False (a plan that keeps the file's blocks): only what cannot be read in place, config,
+    tokenizer and the pin of the GGUF (pin.py), its blocks' values checked once here; True: the fp32 shards
+    too, added to a folder that has none. `check_digest(sha256)` may refuse the file before anything is
+    written. A finished import is only read, so a read-only cache works once it holds the import; recording
+    the GGUF's hash for the next warm start is an optimisation, skipped (and `note` told why) where it cannot be.
     """
     gguf_path, cache_root = Path(gguf_path), Path(cache_root)
     known = HashCache(cache_root)
     digest = _opened_digest(gguf_path, known, progress)
+    if check_digest is not None:
+        check_digest(digest)
     target = cache_root / import_dir_name(digest, gguf_path)
     # The rename below is the commit point, so an existing target is a finished import.
     if (target / MANIFEST_NAME).is_file():
         remove_stale_imports(cache_root)  # what a killed import left, even when another one finished since
+        added = 0
+        if weights and not has_shards(target):
+            added = _add_shards(gguf_path, cache_root, target, progress, shard_bytes)
         _save_hashes(known, note)
-        return target
+        return Imported(target, False, added > 0, added, digest)
     if target.exists() or target.is_symlink():  # only something outside this module can leave it half-made
         raise GGUFImportError(f"{target}: exists but has no {MANIFEST_NAME}, so it is not a finished import")
     temp = _new_import_dir(gguf_path, cache_root, target)
+    with _cleaned(temp, cache_root, gguf_path):
+        _write_import(gguf_path, temp, progress, shard_bytes, weights, digest)
+        written = sum(item.stat().st_size for item in temp.iterdir())
+        _publish(temp, target, cache_root)
+    _save_hashes(known, note)  # only once the import is done: an interrupted one leaves nothing behind
+    return Imported(target, True, weights, written, digest)
+
+
+def has_shards(model_dir: Path) -> bool:
+    """The import's SHA256SUMS lists its fp32 shards' index (an import for a plan that keeps blocks has none)."""
     try:
-        _write_import(gguf_path, temp, progress, shard_bytes)
-        finish_import_dir(temp)
-        for item in [*temp.iterdir(), temp]:  # durable before the rename publishes it as finished
-            _fsync(item)
-        try:
-            os.rename(temp, target)
-        except OSError:
-            # Another process finished the same import first; theirs is as good as ours.
-            if not (target / MANIFEST_NAME).is_file():
-                raise
-            shutil.rmtree(temp, ignore_errors=True)
-        else:
-            _fsync(cache_root)
+        return SAFETENSORS_INDEX in read_sha256sums(model_dir / MANIFEST_NAME)
+    except ManifestError:
+        return False  # load.verify says what is wrong with it
+
+
+@contextmanager
+def _cleaned(temp: Path, cache_root: Path, gguf_path: Path) -> Iterator[None]:
+    """Remove `temp` on any failure; an OSError becomes one line saying nothing was kept."""
+    try:
+        yield
     except OSError as bad:
         shutil.rmtree(temp, ignore_errors=True)
         raise GGUFImportError(
@@ -97,8 +161,50 @@ def import_gguf(
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
-    _save_hashes(known, note)  # only once the import is done: an interrupted one leaves nothing behind
-    return target
+
+
+def _publish(temp: Path, target: Path, cache_root: Path) -> None:
+    """Rename the complete `temp` into place (the commit point), durable first."""
+    finish_import_dir(temp)
+    for item in [*temp.iterdir(), temp]:  # durable before the rename publishes it as finished
+        _fsync(item)
+    try:
+        os.rename(temp, target)
+    except OSError:
+        # Another process finished the same import first; theirs is as good as ours.
+        if not (target / MANIFEST_NAME).is_file():
+            raise
+        shutil.rmtree(temp, ignore_errors=True)
+    else:
+        _fsync(cache_root)
+
+
+def _add_shards(gguf_path: Path, cache_root: Path, target: Path, progress: ProgressFn | None, shard_bytes: int) -> int:
+    """Give a finished import without shards its fp32 shards; returns the bytes written.
+
+    The shards are written in a temp folder beside it, moved in one by one (each rename atomic; shards no
+    SHA256SUMS lists are read by no load), and the new SHA256SUMS, listing them, replaces the old one last:
+    that is the commit point. Two processes doing this at once write the same bytes, so either's files serve.
+    """
+    temp = _new_import_dir(gguf_path, cache_root, target)
+    with _cleaned(temp, cache_root, gguf_path):
+        try:
+            with open_gguf(gguf_path) as gguf_file:
+                plan = _plan(gguf_file)
+                names = _write_shards(gguf_file, plan, temp, progress, shard_bytes)
+        except GGUFFileError as bad:
+            raise GGUFImportError(f"{gguf_path}: not a readable GGUF file: {bad}") from None
+        sums = read_sha256sums(target / MANIFEST_NAME)
+        sums.update({name: sha256_file(temp / name) for name in names})
+        written = sum((temp / name).stat().st_size for name in names)
+        (temp / MANIFEST_NAME).write_text("".join(f"{sums[n]}  {n}\n" for n in sorted(sums)), encoding="utf-8")
+        for name in [*names, MANIFEST_NAME]:
+            _fsync(temp / name)
+            os.replace(temp / name, target / name)
+        _fsync(target)
+        finish_import_dir(temp)
+        os.rmdir(temp)
+    return written
 
 
 def _opened_digest(gguf_path: Path, known: HashCache, progress: ProgressFn | None) -> str:
@@ -170,21 +276,59 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _write_import(gguf_path: Path, out: Path, progress: ProgressFn | None, shard_bytes: int) -> None:
+def _write_import(
+    gguf_path: Path, out: Path, progress: ProgressFn | None, shard_bytes: int, weights: bool, digest: str
+) -> None:
     try:
         with open_gguf(gguf_path) as gguf_file:
-            _write_from(gguf_file, out, progress, shard_bytes)
+            _write_from(gguf_file, out, progress, shard_bytes, weights)
+            size = gguf_file.size
+        checked = _blocks_checked(gguf_path, required=not weights)
     except GGUFFileError as bad:
         detail = str(bad).removeprefix(f"{gguf_path}: ")
         raise GGUFImportError(f"{gguf_path}: not a readable GGUF file: {detail}") from None
+    write_pin(out, gguf_path, digest, size, checked)
+    names = ["config.json", "tokenizer.json", "tokenizer_config.json", PIN_NAME]
+    if weights:
+        names += _listed_shards(out)
+    # The manifest is written last: its presence marks a complete directory.
+    write_sha256sums(out, names)
 
 
-def _write_from(gguf_file: GGUFFile, out: Path, progress: ProgressFn | None, shard_bytes: int) -> None:
+def _blocks_checked(gguf_path: Path, required: bool) -> bool:
+    """Every block's fp16 scales finite (check_block_values), once, as the file is first hashed and imported.
+
+    Required when the plan keeps the blocks: a damaged scale is refused here, naming the tensor and block.
+    Beside the fp32 shards the dequantization already refused any NaN; the check then only records, for a
+    later plan that keeps the blocks, that the file maps and its scales are finite (False where it does not
+    map: a type with no block kernel, which that plan refuses anyway)."""
+    try:
+        with map_gguf(gguf_path) as mapped:
+            check_block_values(mapped)
+    except GGUFFileError as bad:
+        if required:
+            raise GGUFImportError(str(bad)) from None
+        return False
+    return True
+
+
+def _listed_shards(out: Path) -> list[str]:
+    return [*sorted(p.name for p in out.iterdir() if p.suffix == ".safetensors"), SAFETENSORS_INDEX]
+
+
+def _plan(gguf_file: GGUFFile) -> list[Planned]:
+    meta = GGUFMetadata(gguf_file)
+    family = family_of(meta)
+    config = hf_config(meta, family, gguf_file.tensors)
+    return plan_tensors(family, gguf_file.tensors, config, gguf_file.path)
+
+
+def _write_from(gguf_file: GGUFFile, out: Path, progress: ProgressFn | None, shard_bytes: int, weights: bool) -> None:
     meta = GGUFMetadata(gguf_file)
     family = family_of(meta)
     tensors = gguf_file.tensors
     config = hf_config(meta, family, tensors)
-    plan = plan_tensors(family, tensors, config, gguf_file.path)
+    plan = plan_tensors(family, tensors, config, gguf_file.path)  # checked whether or not shards are written
 
     tokenizer_json, tokenizer_config = hf_tokenizer(meta)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
@@ -192,9 +336,8 @@ def _write_from(gguf_file: GGUFFile, out: Path, progress: ProgressFn | None, sha
     (out / "tokenizer_config.json").write_text(
         json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
     )
-    weight_files = _write_shards(gguf_file, plan, out, progress, shard_bytes)
-    # The manifest is written last: its presence marks a complete directory.
-    write_sha256sums(out, ["config.json", "tokenizer.json", "tokenizer_config.json", *weight_files])
+    if weights:
+        _write_shards(gguf_file, plan, out, progress, shard_bytes)
 
 
 def unpermute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
@@ -263,5 +406,6 @@ def _write_shards(
         os.chmod(out / name, 0o644)  # safetensors creates 0600; the rest of the dir is world-readable
         del arrays
     index = {"metadata": {"total_size": sum(p.nbytes for p in plan)}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-    return [*names, "model.safetensors.index.json"]
+    (out / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    os.chmod(out / SAFETENSORS_INDEX, 0o644)
+    return [*names, SAFETENSORS_INDEX]

@@ -24,7 +24,7 @@ from ...model.config import ModelConfig
 from ...model.layer_names import is_linear_weight
 from ...model.weight_formats import GGUFWeight, dequantize_gguf, fuse_gguf
 from ...model.weights import fusion_table
-from .file import GGUFFileError
+from .file import GGUFFile, GGUFFileError
 from .hf_config import Planned, family_of, hf_config, plan_tensors
 from .importer import unpermute_rope_rows
 from .mapped import MappedGGUF
@@ -57,6 +57,29 @@ def stored_weights(mapped: MappedGGUF) -> tuple[ModelConfig, dict[str, Any]]:
             values = [_floats(mapped, planned[p]) for p in parts]
             out[internal] = values[0] if len(values) == 1 else torch.cat(values)
     return cfg, out
+
+
+def copied_bytes(file: GGUFFile) -> int:
+    """Bytes `stored_weights` copies out of the mapping, from the header alone: fused groups of one block type
+    (joined rows), and Llama's q/k rows put back in order where they stay parts. The mapping's pages of those
+    tensors are touched by the copy, so a load holds both (what `validate --deep` predicts beside the mapping)."""
+    meta = GGUFMetadata(file)
+    family = family_of(meta)
+    config = hf_config(meta, family, file.tensors)
+    planned = {p.hf_name: p for p in plan_tensors(family, file.tensors, config, file.path)}
+    cfg = ModelConfig.from_hf_dict(config)
+    total = 0
+    for internal, parts in fusion_table(cfg).items():
+        tied = internal == "output.weight" and cfg.tie_word_embeddings
+        if tied or not (is_linear_weight(internal) or internal == EMBEDDINGS):
+            continue
+        infos = [file.tensors[planned[p].gguf_name] for p in parts]
+        kinds = {(info.ggml_type, info.nbytes // (info.dims[1] if len(info.dims) == 2 else 1)) for info in infos}
+        if len(parts) > 1 and len(kinds) == 1:
+            total += sum(info.nbytes for info in infos)  # fuse_gguf's torch.cat
+        else:
+            total += sum(i.nbytes for i, p in zip(infos, parts, strict=True) if planned[p].unpermute_heads is not None)
+    return total
 
 
 def _blocks(mapped: MappedGGUF, planned: Planned) -> GGUFWeight:
