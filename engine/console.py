@@ -27,6 +27,7 @@ class RichProgress(ProgressHook):
 
     def __init__(self, console: Console = stderr, enabled: bool = True) -> None:
         self.console = console
+        self.quiet = not enabled  # --quiet: no bars, nor the plain lines that stand in for them off a terminal
         self.enabled = enabled and console.is_terminal
 
     @contextmanager

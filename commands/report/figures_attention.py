@@ -12,6 +12,11 @@ from .fonts import drawable, pick_font
 from .run_data import RunData
 from .tokens import token_labels
 
+# How the weights were taken (attention.json's "taken"): the generation's figures are not of this pass.
+TAKEN = (
+    ", after the generation in a separate pass over the prompt and the answer on the torch modules, outside "
+    "the timed generation (which ran on the path an unobserved run takes)"
+)
 FLOOR = 1e-4  # weights below this share the darkest colour (and masked, future positions are 0)
 
 
@@ -31,7 +36,8 @@ def draw_attention(run: RunData, out_dir: Path) -> list[Figure]:
         return [Figure("attention", "Attention heatmaps", None, notes=[why])]
     maps = data.get("maps") or []
     if not maps:
-        return [Figure("attention", "Attention heatmaps", None, notes=["no prefill pass was captured"])]
+        why = "no request to recompute it over (none generated, or its prompt was cut to fit, or a served plan)"
+        return [Figure("attention", "Attention heatmaps", None, notes=[why])]
     labels = labels_of(data)
     font = pick_font(labels)
     shown = [drawable(label, font) for label in labels]
@@ -60,12 +66,12 @@ def draw_attention(run: RunData, out_dir: Path) -> list[Figure]:
     ignored = data.get("ignored") or {}
     if ignored.get("layers") or ignored.get("heads"):  # runs from before the plan was checked against the model
         notes.append(f"ignored out-of-range indexes: layers {ignored.get('layers')}, heads {ignored.get('heads')}")
-    if (run.observe.get("attention") or {}) and run.observe.get("layer_timings"):
-        notes.append("capturing attention hooks the layers: this run decoded on the torch modules, not the fused step")
+    if not data.get("taken"):  # runs from before the weights were taken after the run
+        notes.append("capturing attention hooked the layers: this run decoded on the torch modules, not the fused step")
     caption = (
-        f"{n} prompt tokens (max_tokens {data.get('max_tokens')}); weights recomputed from the attention "
-        "module's own inputs as softmax(QKᵀ/√d) with the causal mask. <xx yy> = bytes of a character split "
-        "over several tokens; ␣ = space."
+        f"{n} prompt tokens (max_tokens {data.get('max_tokens')}); weights recomputed from each layer's own "
+        f"inputs as softmax(QKᵀ/√d) with the causal mask{TAKEN if data.get('taken') else ''}. <xx yy> = bytes of a "
+        "character split over several tokens; ␣ = space."
     )
     return [Figure("attention", "Attention heatmaps", path, caption, notes), *draw_decode_attention(data, out_dir)]
 

@@ -127,7 +127,8 @@ def draw_layer_timings(run: RunData, out_dir: Path) -> list[Figure]:
     sync = "GPU synchronized at each mark" if data.get("synchronized") else "CPU wall time (CLOCK_MONOTONIC)"
     caption = (
         f"Each pass's layers are timed where they run: {', '.join(PATH_NAMES.get(p, p) for p in paths_seen)}. "
-        f"Observing needs no hooks, so the run took the path it takes unobserved; {sync}. "
+        f"Observing needs no hooks (attention weights, when drawn, come from a pass after the run), so the run "
+        f"took the path it takes unobserved; {sync}. "
         f"{load_line(run.load_average)}."
     )
     warning = busy_warning(run.load_average)

@@ -36,6 +36,7 @@ from llmplan.engine.messages import shown
 from llmplan.engine.serving import RequestError, RequestRun
 
 from .access_log import AccessLog
+from .embeddings import POOLING, embedding_response, parse_embedding_request, tokens_of
 from .host import ModelHost, RequestFailed
 from .http_guard import OPEN_PATHS, RequestGate
 from .http_protocol import protocol_kwargs
@@ -260,7 +261,7 @@ def _add_info_routes(
 
 
 def _add_answer_routes(app: FastAPI, service: Answering) -> None:
-    """The three OpenAI endpoints that run the plan."""
+    """The OpenAI endpoints that run the plan, and the embeddings that run its model."""
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -274,6 +275,10 @@ def _add_answer_routes(app: FastAPI, service: Answering) -> None:
     async def responses(request: Request) -> Response:
         return await service.answer(request, "/v1/responses", ResponsesRequest)
 
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await service.embed(request)
+
 
 class Answering:
     """The OpenAI-compatible answers of one server: admission, parsing, running the plan, the response shapes."""
@@ -283,8 +288,10 @@ class Answering:
         self.executor = ThreadPoolExecutor(max_workers=settings.max_queue + 4, thread_name_prefix="llmplan-request")
         self.created = now()
         source = getattr(host.context, "model_source", None) if host.context is not None else None
-        self.card = model_card(source, host.bound.plan.name, self.created)
         ctx = host.context
+        self.width = ctx.model_config.dim if ctx is not None and ctx.model_config else None
+        embeddings = None if self.width is None else POOLING | {"dimensions": self.width}
+        self.card = model_card(source, host.bound.plan.name, self.created, embeddings)
         # The context one request has: its slot's rows of the KV cache (a prompt leaves room for one token).
         self.context_tokens = ctx.kv_cache.max_tokens if ctx is not None and ctx.kv_cache is not None else None
         self.model_context = ctx.model_config.max_position_embeddings if ctx is not None and ctx.model_config else None
@@ -558,6 +565,49 @@ class Answering:
         # a plan without output stages: the generated ids as text
         text = ctx.tokenizer.decode(generation.tokens, skip_special_tokens=True)
         return text, finish_reason(generation.finish_reason), generation
+
+    async def embed(self, request: Request) -> Response:
+        """`POST /v1/embeddings` (commands/serve/embeddings.py): one queue place, the pass on the model thread."""
+        endpoint = "/v1/embeddings"
+        try:
+            if self.width is None:
+                raise ApiError(503, "the model's width is not known until it is loaded", "server_error")
+            try:
+                body = parse_embedding_request(parse_body(await request.body()), self.width)
+            except BodyError as bad:
+                raise ApiError(400, str(bad), param=bad.param) from None
+            self._refuse_unanswerable_model(body.model)
+            if not self.admitted.acquire(blocking=False):
+                raise ApiError(
+                    429, f"the queue is full ({self.settings.max_queue} requests in flight)", "rate_limit_error"
+                )
+            try:
+                run = asyncio.get_running_loop().run_in_executor(self.executor, self._embed_inputs, body.inputs)
+                inputs, vectors = await run
+            except BodyError as bad:
+                raise ApiError(400, str(bad), param=bad.param) from None
+            finally:
+                self.admitted.release()
+        except ApiError as bad:
+            self.metrics.requests.labels(endpoint, str(bad.status)).inc()
+            return bad.response({"Retry-After": "1"} if bad.status == 429 else None)
+        self.metrics.requests.labels(endpoint, "200").inc()
+        tokens = sum(len(ids) for ids, _ in inputs)
+        return JSONResponse(embedding_response(vectors, body.encoding_format, self.card.shown_name(body.model), tokens))
+
+    def _embed_inputs(self, items: list[Any]) -> tuple[list[tuple[list[int], int]], list[list[float]]]:
+        """In a request thread: load if unloaded (the tokenizer comes with the model), tokenize, embed."""
+        self.host.load()
+        ctx = self.host.context
+        limit = getattr(ctx.model, "max_seq_len", None) or self.model_context or 0
+        inputs = tokens_of(items, ctx.tokenizer, self.vocab or 0, limit)
+        return inputs, self.host.embed(inputs)
+
+    def _refuse_unanswerable_model(self, name: str | None) -> None:
+        if self.settings.strict_model and name is not None and not self.card.answers_to(name):
+            raise ApiError(
+                404, f"model {shown(name)} not found (this server has {self.card.id!r})", "not_found_error", "model"
+            )
 
     def _usage(self, runs: list[RequestRun], prompts: int) -> dict[str, int]:
         gens = [r.context.generations[0] for r in runs]

@@ -257,3 +257,31 @@ class ModelHost:
             with self._lock:
                 self._in_flight -= 1
                 self.last_request = time.monotonic()
+
+    def embed(self, inputs: list[tuple[list[int], int]]) -> list[list[float]]:
+        """One vector per (token ids, leading ids left out of the pooling: a BOS the tokenizer added): the
+        model's final hidden states (after the final norm), mean-pooled over the input's tokens and
+        L2-normalized, as OpenAI's are. On the model thread, between two engine steps (loading first if
+        unloaded): the pass uses no KV cache, so requests in flight keep their slots."""
+        with self._lock:
+            self._in_flight += 1
+            self.last_request = time.monotonic()
+        try:
+            self.load()
+            return self._on_model_thread(lambda: self._embed(inputs))
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                self.last_request = time.monotonic()
+
+    def _embed(self, inputs: list[tuple[list[int], int]]) -> list[list[float]]:
+        import torch  # with the model, not when the CLI starts
+
+        model = self.plan.context.model
+        vectors = []
+        with torch.inference_mode():
+            for ids, skip in inputs:  # one at a time: no padding, each exactly as it would be alone
+                hidden = model.hidden(torch.tensor([ids], device=model.device))[0, skip:].float()
+                pooled = hidden.mean(0)
+                vectors.append((pooled / pooled.norm().clamp(min=1e-12)).cpu().tolist())
+        return vectors

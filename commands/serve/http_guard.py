@@ -7,8 +7,10 @@
 - A request with a body must say `Content-Type: application/json` (a `charset` other than UTF-8 is refused):
   415 otherwise. Beyond matching what the server parses, this closes a hole: a web page may POST `text/plain`
   or a form to a loopback address without a CORS preflight, so a server that took those as JSON would run the
-  model for any page its user opens. A `Content-Encoding` other than identity is refused too (415): nothing
-  is inflated, so a compressed bomb stays the size it was sent.
+  model for any page its user opens. One exception, as llama-server makes it: `curl -d` sends JSON as
+  `application/x-www-form-urlencoded`, so such a body is taken when it parses as a JSON object and the request
+  carries no `Origin` (a browser always sends one with a POST; curl and the SDKs do not). A `Content-Encoding`
+  other than identity is refused too (415): nothing is inflated, so a compressed bomb stays the size it was sent.
 - The body is read here, bounded in size (a declared `Content-Length` over the limit is refused before a
   byte is read; a chunked body at the first chunk past it, so memory stays at the limit) and in time (a body
   shorter than its `Content-Length`, or one trickling in, gets a 408 when the time is up). The route then
@@ -37,6 +39,7 @@ Send = Callable[[Message], Awaitable[None]]
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/metrics")
 OPEN_PATHS = frozenset({"/health"})  # load balancers probe it without credentials
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+JSON_TYPE, FORM_TYPE = "application/json", "application/x-www-form-urlencoded"
 
 
 def endpoint_label(path: str) -> str:
@@ -87,10 +90,17 @@ class RequestGate:
             _check_request(scope)
             self._check_key(scope)
             if scope["method"] in BODY_METHODS:
-                self._check_headers(scope)
+                form = self._check_headers(scope)
                 body = await self._read_body(receive)
                 if body is None:
                     return  # the client went away while sending: nobody to answer
+                if form is not None and not _json_object(body):
+                    raise Refusal(
+                        415,
+                        f"Content-Type {form[:60]!r} with a body that is not a JSON object; send JSON with "
+                        "Content-Type: application/json",
+                        code="unsupported_media_type",
+                    )
                 receive = _replay(body, receive)
         except Refusal as no:
             self.count(endpoint_label(path), str(no.status))
@@ -110,11 +120,14 @@ class RequestGate:
                 401, "invalid or missing API key; send it as 'Authorization: Bearer KEY'", "authentication_error"
             )
 
-    def _check_headers(self, scope: Scope) -> None:
-        kind, length, chunked = None, None, False
+    def _check_headers(self, scope: Scope) -> str | None:
+        """Refusals of the headers alone; the content type when it is curl's form type (the body decides)."""
+        kind, length, chunked, origin = None, None, False, False
         for name, value in scope["headers"]:
             if name == b"content-type":
                 kind = value.decode("latin-1")
+            elif name == b"origin":
+                origin = True
             elif name == b"content-length":
                 length = value
             elif name == b"transfer-encoding":
@@ -128,7 +141,8 @@ class RequestGate:
                 )
         if length is not None and chunked:  # h11 would go by the chunks; a proxy in front may go by the length
             raise Refusal(400, "Content-Length and Transfer-Encoding together are ambiguous; send one of them")
-        if not _is_json(kind):
+        form = not origin and _is_media(kind, FORM_TYPE)  # `curl -d`'s default: taken if the body is JSON
+        if not form and not _is_media(kind, JSON_TYPE):
             shown = "none" if kind is None else repr(kind[:60])
             raise Refusal(
                 415,
@@ -137,6 +151,7 @@ class RequestGate:
             )
         if length is not None and int(length) > self.max_body_bytes:  # h11 has checked that it is digits
             raise Refusal(413, self._too_large(), code="request_too_large")
+        return kind if form else None
 
     def _too_large(self) -> str:
         return f"the request body is over {self.max_body_bytes} bytes; send a smaller one"
@@ -185,18 +200,26 @@ def _check_request(scope: Scope) -> None:
         )
 
 
-def _is_json(content_type: str | None) -> bool:
-    """`application/json`, with at most a UTF-8 charset parameter (case and spaces as RFC 9110 allows)."""
+def _is_media(content_type: str | None, wanted: str) -> bool:
+    """`wanted` (a media type), with at most a UTF-8 charset parameter (case and spaces as RFC 9110 allows)."""
     if content_type is None:
         return False
     media, *params = content_type.split(";")
-    if media.strip().lower() != "application/json":
+    if media.strip().lower() != wanted:
         return False
     for param in params:
         name, _, value = param.partition("=")
         if name.strip().lower() == "charset" and value.strip().strip('"').lower() not in ("utf-8", "utf8"):
             return False
     return True
+
+
+def _json_object(body: bytes) -> bool:
+    """Whether a form-typed body is in fact a JSON object (the route then parses it strictly)."""
+    try:
+        return isinstance(json.loads(body), dict)
+    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return False
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

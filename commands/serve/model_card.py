@@ -24,6 +24,7 @@ class ModelCard:
     aliases: tuple[str, ...]
     plan: str
     created: int
+    embeddings: dict[str, Any] | None = None  # how /v1/embeddings makes its vectors: pooling, normalization, width
 
     def answers_to(self, name: str) -> bool:
         return name == self.id or name in self.aliases
@@ -41,12 +42,14 @@ class ModelCard:
             "object": "model",
             "created": self.created,
             "owned_by": "llmplan",
-            "llmplan": {"plan": self.plan, "aliases": list(self.aliases)},
+            "llmplan": {"plan": self.plan, "aliases": list(self.aliases)}
+            | ({"embeddings": self.embeddings} if self.embeddings is not None else {}),
         }
 
 
-def model_card(source: Any, plan_name: str, created: int) -> ModelCard:
-    """The card of the model at `source` (a `ModelSource`, or None before any load)."""
+def model_card(source: Any, plan_name: str, created: int, embeddings: dict[str, Any] | None = None) -> ModelCard:
+    """The card of the model at `source` (a `ModelSource`, or None before any load); `embeddings`: how the
+    server's /v1/embeddings vectors are made."""
     names: list[str] = []
     gguf = getattr(source, "gguf_file", None)
     if gguf is not None:
@@ -56,7 +59,7 @@ def model_card(source: Any, plan_name: str, created: int) -> ModelCard:
         names += [n for n in (_config_name(Path(model_dir)), Path(model_dir).name) if n]
     names.append(plan_name)
     unique = list(dict.fromkeys(names))
-    return ModelCard(unique[0], tuple(unique[1:]), plan_name, created)
+    return ModelCard(unique[0], tuple(unique[1:]), plan_name, created, embeddings)
 
 
 def _gguf_name(path: Path) -> str | None:

@@ -356,6 +356,39 @@ class Transformer(nn.Module):
         """
         seqlen = tokens.shape[1]
         marks = [now_ns(tokens.device)] if clock is not None else None
+        h = self._trunk(tokens, positions, cache, valid, marks)
+        if last_only:
+            h = h[:, -1:]
+        logits = self.output(self.norm(h))
+        if self.cfg.final_softcap is not None:  # Gemma 2
+            logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
+        if clock is not None and marks is not None:
+            marks.append(now_ns(logits.device))
+            clock.record("torch", tokens.shape[0], seqlen, marks)
+        return logits
+
+    def hidden(
+        self, tokens: Tensor, *, valid: Tensor | None = None, on_layer: Callable[[int, Tensor], None] | None = None
+    ) -> Tensor:
+        """The final hidden states [B, T, dim] (after the final norm) of `tokens` at positions 0..T-1, causal, no
+        cache and no head: embeddings (`/v1/embeddings`) and the report's attention pass read them.
+        on_layer(i, x): called with each layer's input before it runs (what its attention normalizes)."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)[None].expand(tokens.shape[0], -1)
+        if valid is not None:
+            positions = (valid.cumsum(1) - 1).clamp(min=0)
+        return self.norm(self._trunk(tokens, positions, None, valid, None, on_layer))
+
+    def _trunk(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        cache: AttentionCache | None,
+        valid: Tensor | None,
+        marks: list[int] | None,
+        on_layer: Callable[[int, Tensor], None] | None = None,
+    ) -> Tensor:
+        """Embeddings through every layer: the hidden states [B, T, dim] before the final norm."""
+        seqlen = tokens.shape[1]
         h = self.tok_embeddings(tokens)
         # Gather cos/sin before `cache.append`: `positions` may be a view of the cache's next positions.
         # Once per forward, shared by every layer: [B, T, 1, head_dim] (heads broadcast).
@@ -381,19 +414,13 @@ class Transformer(nn.Module):
             needs_mask = cache.padded or (seqlen > 1 and start > 0)
             mask = cache.attention_mask(start, seqlen) if needs_mask else None
         for i, layer in enumerate(self.layers):
+            if on_layer is not None:
+                on_layer(i, h)
             if local is not None and layer.attention.local_rope:
                 h = layer(h, *local, mask, cache, i, start, marks)
             else:
                 h = layer(h, cos, sin, mask, cache, i, start, marks)
-        if last_only:
-            h = h[:, -1:]
-        logits = self.output(self.norm(h))
-        if self.cfg.final_softcap is not None:  # Gemma 2
-            logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
-        if clock is not None and marks is not None:
-            marks.append(now_ns(logits.device))
-            clock.record("torch", tokens.shape[0], seqlen, marks)
-        return logits
+        return h
 
     # long: three closures share one shape table and one conversion cache, then fill the skeleton in model order
     @classmethod

@@ -325,3 +325,31 @@ def test_run_report_turns_on_what_its_pictures_need(
     assert plan.read_bytes() == before  # the plan file is not changed, only this run's settings
     plain = (runs["plain"] / "plan.resolved.yaml").read_text(encoding="utf-8")
     assert "layer_timings: false" in plain and "attention: null" in plain  # no report, nothing more observed
+
+
+def test_report_run_decodes_on_the_path_an_unobserved_run_takes(
+    runs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--report` observes attention after the generation, not by hooking it: the generation keeps the backend
+    the unobserved run has (the fused native pass where the kernels are built; it moved to the torch modules,
+    2.5x slower), and the page still has the heatmaps and the per-layer timings, saying how they were taken."""
+    from llmplan.engine.cli import main
+    from llmplan.llm.kernels import native
+
+    wire_observers(monkeypatch)
+    plan = runs["plain"].parent / "plain.yaml"
+    assert main(["run", str(plan), "--out", str(tmp_path / "run"), "--quiet", "--report"]) == 0
+    backend = {
+        name: json.loads((run / "metrics.json").read_text())["generate"]["backend"]
+        for name, run in (("plain", runs["plain"]), ("report", tmp_path / "run"))
+    }
+    expected = "native" if native.kernels() is not None else "torch"
+    assert backend == {"plain": expected, "report": expected}
+    timings = json.loads((tmp_path / "run" / "layer_timings.json").read_text())
+    assert set(timings["decode"]["paths"]) == {"fused" if expected == "native" else "torch"}
+    attention = json.loads((tmp_path / "run" / "attention.json").read_text())
+    assert attention["maps"] and attention["decode"]["maps"] and "after the run" in attention["taken"]
+    report = tmp_path / "run" / "report"
+    assert {"layer_timings.svg", "attention.svg", "attention_decode.svg"} <= {p.name for p in report.glob("*.svg")}
+    page = (report / "index.html").read_text(encoding="utf-8")
+    assert "outside the timed generation" in page and "decoded on the torch modules" not in page

@@ -6,6 +6,7 @@ however it is scheduled: concurrent answers must equal the answers given one at 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -153,6 +154,31 @@ def test_malformed_and_oversized_bodies(served: LiveServer) -> None:
     assert bad.status_code == 400 and "malformed JSON" in bad.json()["error"]["message"]
     big = httpx.post(f"{served.url}/completions", content=b"x" * (2 << 20), headers=json_type, timeout=30)
     assert big.status_code == 413
+
+
+def test_curl_d_without_a_content_type_is_answered_as_json(served: LiveServer) -> None:
+    """`curl -d '{...}'` sends its default `application/x-www-form-urlencoded`: a JSON object body is answered
+    (as llama-server does); a form body, a browser's request (it sends Origin) and other types stay 415."""
+    body = json.dumps({"model": "tiny-serve", "prompt": "The cache keeps", "max_tokens": 5}).encode()
+    curl = {"content-type": "application/x-www-form-urlencoded"}
+    plain = httpx.post(
+        f"{served.url}/completions", content=body, headers={"content-type": "application/json"}, timeout=30
+    )
+    answer = httpx.post(f"{served.url}/completions", content=body, headers=curl, timeout=30)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    embedded = httpx.post(f"{served.url}/embeddings", content=b'{"input": "keys"}', headers=curl, timeout=30)
+    assert embedded.status_code == 200 and len(embedded.json()["data"]) == 1
+    refused = {
+        "form": (b"prompt=keys&max_tokens=2", curl, "'application/x-www-form-urlencoded'"),
+        "browser": (body, {**curl, "origin": "https://example.com"}, "'application/x-www-form-urlencoded'"),
+        "text": (body, {"content-type": "text/plain"}, "'text/plain'"),
+        "none": (body, {}, "got none"),
+    }
+    for name, (content, headers, said) in refused.items():
+        answer = httpx.post(f"{served.url}/completions", content=content, headers=headers, timeout=30)
+        message = answer.json()["error"]["message"]
+        assert answer.status_code == 415 and said in message and "application/json" in message, (name, message)
 
 
 def test_a_client_that_goes_away_frees_its_slot(tiny_model: Path, tmp_path: Path) -> None:

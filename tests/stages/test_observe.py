@@ -92,7 +92,7 @@ def test_observed_run_records_timings_and_attention(
 ) -> None:
     observe = {"layer_timings": True, "attention": {"layers": [0, -1], "heads": [0, 3], "max_tokens": 8}}
     run = run_plan(write_plan(tmp_path, tiny[0], observe=observe), tmp_path / "run")
-    assert wired["hooks"] > 0
+    assert wired["hooks"] == 0  # attention comes from a pass after the run: the generation runs unhooked
     timings = json.loads((run / "layer_timings.json").read_text())
     assert timings["n_layers"] == N_LAYERS
     assert timings["prefill"]["passes"] == 1
@@ -122,41 +122,30 @@ def test_attention_equals_transformers_eager(tiny: tuple[Path, Any], model: Tran
     settings = Observe(attention=AttentionCapture(layers=[0, 1, 2], heads=[0, 1, 2, 3], max_tokens=64))
     observer = install_observers(model, settings)
     assert observer is not None
+    observer.capture(tokens[0].tolist(), [])
     with torch.inference_mode():
-        model(tokens, torch.arange(tokens.shape[1])[None])
         expected = hf(tokens, output_attentions=True).attentions
-    observer.remove()
     assert hook_count(model) == 0
     record = observer.attention_record()
-    assert record is not None and record["token_ids"] == tokens[0].tolist()
+    assert record is not None and record["token_ids"] == tokens[0].tolist() and record["decode"] is None
+    assert "after the run" in record["taken"]
     for m in record["maps"]:
         ref = expected[m["layer"]][0, m["head"]].float()
         torch.testing.assert_close(torch.tensor(m["weights"]), ref, atol=1e-5, rtol=1e-4)
 
 
-def test_attention_skips_left_padding(model: Transformer) -> None:
-    """Row 0 of a left-padded batch gets the same map as its prompt alone."""
-    prompt = [1, 40, 41, 50, 60]
-    settings = Observe(attention=AttentionCapture(layers=[1], heads=[2], max_tokens=64))
+def test_prompt_attention_keeps_its_first_tokens(model: Transformer) -> None:
+    """max_tokens keeps the prompt's first tokens: their rows see only kept tokens, as over the prompt alone."""
+    prompt = [1, 40, 41, 50, 60, 70, 80]
     maps = []
-    for tokens, valid in (
-        (torch.tensor([prompt]), None),
-        (
-            torch.tensor([[0, 0, *prompt], [1, 2, 3, 4, 5, 6, 7]]),
-            torch.tensor([[False, False] + [True] * 5, [True] * 7]),
-        ),
-    ):
-        observer = install_observers(model, settings)
+    for max_tokens, generated in ((4, [90, 100]), (64, [])):
+        observer = install_observers(
+            model, Observe(attention=AttentionCapture(layers=[1], heads=[2], max_tokens=max_tokens))
+        )
         assert observer is not None
-        positions = torch.arange(tokens.shape[1])[None].expand(tokens.shape[0], -1)
-        if valid is not None:
-            positions = (valid.cumsum(1) - 1).clamp(min=0)
-        with torch.inference_mode():
-            model(tokens, positions, valid=valid)
-        observer.remove()
+        observer.capture(prompt if max_tokens == 4 else prompt[:4], generated)
         record = observer.attention_record()
-        assert record is not None
-        assert record["token_ids"] == prompt
+        assert record is not None and record["token_ids"] == prompt[:4]
         maps.append(torch.tensor(record["maps"][0]["weights"]))
     torch.testing.assert_close(maps[0], maps[1], atol=1e-5, rtol=1e-4)
 
@@ -206,7 +195,7 @@ def test_decode_attention_equals_transformers(tiny: tuple[Path, Any], model: Tra
     prompt, generated = [1, 40, 41, 50, 60], [70, 80, 90, 100]
     observer = install_observers(model, Observe(attention=AttentionCapture(layers=[1], heads=[2], max_tokens=64)))
     assert observer is not None
-    observer.capture_decode(prompt, generated)
+    observer.capture(prompt, generated)
     observer.remove()
     record = observer.attention_record()
     assert record is not None and record["decode"] is not None
