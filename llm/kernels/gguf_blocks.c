@@ -442,9 +442,12 @@ static int64_t chunk_rows(int64_t Kp) {
     return rows > MR ? rows : MR;
 }
 
-// y [M, N] = x [M, K] @ W.T for W's N rows of `type` blocks: each weight row is read once a chunk of activation
-// rows, decoded once per MR of them. 0, or -1 for an unknown type or K not whole blocks, -2 out of memory.
-int64_t gguf_linear(int64_t type, const void *blocks, const float *x, float *y, int64_t M, int64_t N, int64_t K) {
+// y [M, N] = x [M, K] @ W.T for W's N rows of `type` blocks, output row m at y + m * ldy (ldy >= N: the fused
+// pass's q|k|v parts of different types each write their own columns of one [M, ldy] output, no scatter): each
+// weight row is read once a chunk of activation rows, decoded once per MR of them. 0, or -1 for an unknown type
+// or K not whole blocks, -2 out of memory.
+int64_t gguf_linear_ld(int64_t type, const void *blocks, const float *x, float *y, int64_t M, int64_t N, int64_t K,
+                       int64_t ldy) {
     int64_t shape[2];
     const RowDot dot = dot_of(type);
     if (!dot || !gguf_block_shape(type, shape) || K % shape[0]) return -1;
@@ -467,11 +470,15 @@ int64_t gguf_linear(int64_t type, const void *blocks, const float *x, float *y, 
                     float out[MR];
                     const int mb = m1 - m < MR ? (int)(m1 - m) : MR;
                     dot(row, K, &xq, m, mb, out);
-                    for (int r = 0; r < mb; r++) y[(m + r) * N + n] = out[r];
+                    for (int r = 0; r < mb; r++) y[(m + r) * ldy + n] = out[r];
                 }
             }
         }
     }
     _mm_free(xq.q), _mm_free(xq.dx);
     return 0;
+}
+
+int64_t gguf_linear(int64_t type, const void *blocks, const float *x, float *y, int64_t M, int64_t N, int64_t K) {
+    return gguf_linear_ld(type, blocks, x, y, M, N, K, N);
 }
