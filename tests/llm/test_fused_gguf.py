@@ -28,6 +28,7 @@ from llmplan.llm.generation.fused_decode import FusedDecoder
 from llmplan.llm.kernels import native
 from llmplan.llm.kv import KVCache
 from llmplan.llm.model import Transformer, make_linear
+from llmplan.llm.model.weight_formats import GGUFParts, GGUFWeight
 from llmplan.llm.sampling import Pick
 
 pytestmark = pytest.mark.skipif(
@@ -141,3 +142,31 @@ def test_blocks_that_do_not_make_the_shape_are_refused(stored) -> None:
         FusedDecoder(model, cache, native.kernels().lib)  # type: ignore[union-attr]
     model.tok_embeddings.blocks = table
     assert FusedDecoder.build(model, cache) is not None
+
+
+def test_float_gguf_types_take_the_kernels_their_modules_run() -> None:
+    """ggml F16/BF16/F32 linears: the half or fp32 kind over the file's bytes (GGUFLinear runs those kernels);
+    a fused group with such a part is refused (LINEAR_PARTS writes through gguf_linear's output stride)."""
+    values = torch.randn(64, 64)
+    keep: list = []
+    for qtype, dtype, kind in (
+        (1, torch.float16, fd._F16),
+        (30, torch.bfloat16, fd._BF16),
+        (0, torch.float32, fd._F32),
+    ):
+        blocks = values.to(dtype).view(torch.uint8).reshape(64, -1).contiguous()
+        module = make_linear(GGUFWeight(blocks, qtype, (64, 64)))
+        c = fd._native_linear(module, keep)
+        assert (c.kind, c.w, c.n, c.k) == (kind, blocks.data_ptr(), 64, 64)
+    q8 = quantize_gguf_q8(values)
+    parts = make_linear(GGUFParts((q8, GGUFWeight(blocks, 0, (64, 64)))))
+    with pytest.raises(fd.NotFused, match="float part"):
+        fd._native_linear(parts, keep)
+
+
+def quantize_gguf_q8(values: Tensor) -> GGUFWeight:
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quantize
+
+    raw = quantize(values.numpy(), Q.Q8_0).view("uint8").reshape(values.shape[0], -1)
+    return GGUFWeight(torch.from_numpy(raw.copy()), int(Q.Q8_0), tuple(values.shape), "Q8_0")
