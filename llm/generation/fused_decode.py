@@ -15,10 +15,13 @@ rows and prompt chunks into one pass.
 `FusedDecoder.build(model, cache)` checks that the model fits, and returns None (the model runner keeps the
 torch modules, llm/generation/model_runner.py) otherwise: CPU, fp32 activations, an fp32, fp16 or bf16 KV cache
 (16-bit K/V are rounded as torch casts them and widened per attention chunk), every linear layer on a
-native kernel (fp32, bf16, fp16, int8, int4), in-features a multiple of 8. Observers that hook the torch
-modules ask the runner for those instead. Per-layer timings need no hooks: the pass writes its own clock
-marks into the runner's `LayerClock`. The pointers it hands to C belong to tensors it keeps references
-to: a model moved or cast, or another cache, needs a new runner.
+native kernel (fp32, bf16, fp16, int8, int4, a GGUF's own blocks), in-features a multiple of 8. A GGUF as stored
+(`load.convert` dtype `stored`) runs on its blocks: the same gguf_blocks.c products as its torch modules
+(LINEAR_GGUF; a fused q|k|v of differing block types is LINEAR_PARTS, each part writing its own columns), the
+embedding rows dequantized per token from the block table (a tied head multiplies by that same table).
+Observers that hook the torch modules ask the runner for those instead. Per-layer timings need no hooks: the
+pass writes its own clock marks into the runner's `LayerClock`. The pointers it hands to C belong to tensors it
+keeps references to: a model moved or cast, or another cache, needs a new runner.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import torch
 from torch import Tensor, nn
 
 from ..kernels import native
-from ..model.linear import FloatLinear, Int4Linear, Int8Linear
+from ..model.gguf_embedding import GGUFEmbedding
+from ..model.linear import FloatLinear, GGUFLinear, GGUFPartsLinear, Int4Linear, Int8Linear
 
 if TYPE_CHECKING:
     from ..kv.cache import KVCache
@@ -38,7 +42,9 @@ if TYPE_CHECKING:
     from ..model.layer_clock import LayerClock
     from ..model.transformer import Transformer
 
-_F32, _INT8, _INT4, _BF16, _F16, _BF16_INPUTS = 0, 1, 2, 3, 4, 5  # Linear kinds (cpu_kernels.c)
+_F32, _INT8, _INT4, _BF16, _F16, _BF16_INPUTS, _GGUF, _PARTS = range(8)  # Linear kinds (cpu_kernels.c)
+# ggml's float types run where GGUFLinear runs them: on the fp32 and half kernels (native.py _GGUF_FLOATS)
+_GGUF_FLOAT_KINDS = {0: _F32, 1: _F16, 30: _BF16}
 _HALF_KINDS = {torch.bfloat16: _BF16, torch.float16: _F16}
 _KV_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # KV_F32, KV_F16, KV_BF16
 
@@ -85,6 +91,7 @@ class _Model(ctypes.Structure):
         ("layer_ns", ctypes.c_void_p),  # a LayerClock's buffer while one observes, else NULL
         ("kv_format", ctypes.c_int64),
         ("gelu", ctypes.c_int64),
+        ("embed_type", ctypes.c_int64),  # 0: an fp32 table; else a GGUF block table of this ggml type
         *((name, ctypes.c_float) for name in ("embed_scale", "attn_scale", "attn_softcap", "final_softcap")),
     ]
 
@@ -133,7 +140,7 @@ def mirror_layout() -> list[int]:
         ),
         _Model: (
             *("max_batch", "eps", "embed", "norm", "head", "layers"),
-            *("valid", "layer_ns", "kv_format", "gelu"),
+            *("valid", "layer_ns", "kv_format", "gelu", "embed_type"),
             *("embed_scale", "attn_scale", "attn_softcap", "final_softcap"),
         ),
     }
@@ -155,8 +162,51 @@ def check_layout(lib: Any) -> None:
         raise NotFused(f"the fused step's C structs {native_layout} differ from their ctypes mirror {want}")
 
 
-def _native_linear(module: nn.Module, keep: list[Tensor]) -> _Linear:
+def _gguf_blocks(blocks: Tensor, qtype: int, n: int, k: int) -> None:
+    """NotFused unless `blocks` are n whole rows of `qtype` blocks over k columns, contiguous uint8 on the CPU:
+    the C pass reads n * row bytes from the pointer, so a short or strided tensor must never reach it."""
+    fast = native.kernels()
+    shape = fast.gguf_block_shape(qtype) if fast is not None else None
+    if shape is None or n <= 0 or k <= 0 or k % shape[0]:
+        raise NotFused(f"GGUF type {qtype} over {k} columns is not one the native pass reads")
+    if blocks.dtype != torch.uint8 or blocks.device.type != "cpu" or not blocks.is_contiguous():
+        raise NotFused("GGUF blocks that are not a contiguous uint8 CPU tensor")
+    if blocks.numel() != n * (k // shape[0]) * shape[1]:
+        raise NotFused(f"GGUF blocks of {blocks.numel()} bytes for [{n}, {k}] of type {qtype}")
+
+
+def _gguf_linear(module: GGUFLinear, keep: list[Any]) -> _Linear:
+    """LINEAR_GGUF over the file's blocks (group: the ggml type); a float GGUF type on the kernel its module
+    runs (fp32, fp16, bf16)."""
+    if module.kernel != "auto" or not module._chosen().startswith("native-"):
+        raise NotFused("a GGUF layer has no native kernel")
+    n, k, qtype = module.out_features, module.in_features, module.qtype
+    _gguf_blocks(module.blocks, qtype, n, k)
+    kind = _GGUF_FLOAT_KINDS.get(qtype, _GGUF)
+    if k % 8:
+        raise NotFused(f"a GGUF weight of {k} columns does not fit the native kernels")
+    keep.append(module.blocks)
+    return _Linear(kind, module.blocks.data_ptr(), 0, 0, n, k, qtype if kind == _GGUF else 0)
+
+
+def _gguf_parts(module: GGUFPartsLinear, keep: list[Any]) -> _Linear:
+    """LINEAR_PARTS: w is an array of the parts' LINEAR_GGUF (kept alive in `keep`), group their count."""
+    parts = [_gguf_linear(part, keep) for part in module.parts]
+    if any(p.kind != _GGUF for p in parts):
+        raise NotFused("a fused GGUF layer with a float part")  # the C parts write through an output stride
+    if sum(p.n for p in parts) != module.out_features or any(p.k != module.in_features for p in parts):
+        raise NotFused("a fused GGUF layer whose parts do not make its shape")
+    array = (_Linear * len(parts))(*parts)
+    keep.append(array)
+    return _Linear(_PARTS, ctypes.addressof(array), 0, 0, module.out_features, module.in_features, len(parts))
+
+
+def _native_linear(module: nn.Module, keep: list[Any]) -> _Linear:
     """The C description of one linear layer, or NotFused when it is not on a native kernel."""
+    if isinstance(module, GGUFLinear):
+        return _gguf_linear(module, keep)
+    if isinstance(module, GGUFPartsLinear):
+        return _gguf_parts(module, keep)
     zero: Tensor | None = None
     group = 0
     if isinstance(module, FloatLinear) and module.kernel == "auto" and module.weight.dtype == torch.float32:
@@ -192,7 +242,23 @@ def _native_linear(module: nn.Module, keep: list[Tensor]) -> _Linear:
     )
 
 
-def _ptr(t: Tensor, keep: list[Tensor]) -> int:
+def _native_embed(model: Transformer, keep: list[Any]) -> tuple[int, int]:
+    """(address, ggml type) of the embedding table: an fp32 table (type 0), or a GGUF's block table, whose
+    rows the pass dequantizes per token as GGUFEmbedding does."""
+    table = model.tok_embeddings
+    if isinstance(table, GGUFEmbedding):
+        shape = (table.num_embeddings, table.embedding_dim)
+        if table.dtype != torch.float32 or shape != (model.cfg.vocab_size, model.cfg.dim):
+            raise NotFused(f"a GGUF embedding of {shape} in {table.dtype}")
+        _gguf_blocks(table.blocks, table.qtype, *shape)
+        keep.append(table.blocks)
+        return table.blocks.data_ptr(), table.qtype
+    if not isinstance(table, nn.Embedding):
+        raise NotFused(f"the embeddings are {type(table).__name__}, not a table")
+    return _ptr(table.weight, keep), 0
+
+
+def _ptr(t: Tensor, keep: list[Any]) -> int:
     if not t.is_contiguous() or t.dtype != torch.float32 or t.device.type != "cpu":
         raise NotFused(f"a {t.dtype} tensor on {t.device} is not contiguous fp32 on the CPU")
     keep.append(t)
@@ -221,7 +287,7 @@ def _fusable_kv_format(model: Transformer, cache: KVCache) -> int:
     return kv_format
 
 
-def _native_layers(model: Transformer, cache: KVCache, keep: list[Tensor]) -> Any:
+def _native_layers(model: Transformer, cache: KVCache, keep: list[Any]) -> Any:
     """The `_Layer` array of the model's blocks: their weights' and KV rows' addresses (the tensors behind them
     appended to `keep`, which must outlive the array)."""
     store = cache.store
@@ -261,11 +327,8 @@ class FusedDecoder:
 
     def __init__(self, model: Transformer, cache: KVCache, lib: Any) -> None:
         cfg = model.cfg
-        if not isinstance(model.tok_embeddings, nn.Embedding):
-            # a GGUF's block table (GGUFEmbedding): the C pass reads an fp32 table; its linears are GGUFLinear,
-            # which _native_linear refuses too, so the model runs on the torch modules
-            raise NotFused(f"the embeddings are {type(model.tok_embeddings).__name__}, not an fp32 table")
-        keep: list[Tensor] = []
+        keep: list[Any] = []  # the tensors (and ctypes part arrays) behind every address handed to C
+        embed, embed_type = _native_embed(model, keep)
         kv_format = _fusable_kv_format(model, cache)
         store = cache.store
         layers = _native_layers(model, cache, keep)
@@ -282,7 +345,7 @@ class FusedDecoder:
             cache.max_batch,
             cache.max_tokens,
             cfg.norm_eps,
-            _ptr(model.tok_embeddings.weight, keep),
+            embed,
             _ptr(model.rope_cos, keep),
             _ptr(model.rope_sin, keep),
             _ptr(model.norm.weight, keep),
@@ -292,6 +355,7 @@ class FusedDecoder:
             None,
             kv_format,
             int(cfg.arch.activation == "gelu_tanh"),
+            embed_type,
             cfg.dim**0.5 if cfg.arch.embed_scale else 1.0,  # rounded to fp32 as the torch path rounds it
             cfg.attn_scale or 0.0,
             cfg.attn_softcap or 0.0,

@@ -1786,16 +1786,25 @@ void gemm_int4(const float *x, const uint8_t *packed, const uint16_t *scale, con
 // included), output projection, residual, RMSNorm, fused gate|up, SiLU(gate) * up, down, residual; then
 // the final norm and the head. Python checks every shape and layout before calling (llm/generation/fused_decode.py).
 
-enum { LINEAR_F32 = 0, LINEAR_INT8 = 1, LINEAR_INT4 = 2, LINEAR_BF16 = 3, LINEAR_F16 = 4, LINEAR_BF16_INPUTS = 5 };
+enum {
+    LINEAR_F32 = 0, LINEAR_INT8 = 1, LINEAR_INT4 = 2, LINEAR_BF16 = 3, LINEAR_F16 = 4, LINEAR_BF16_INPUTS = 5,
+    LINEAR_GGUF = 6, LINEAR_PARTS = 7
+};
 
 typedef struct {
     int64_t kind;        // LINEAR_F32: w is float [n, k]; LINEAR_INT8: w is int8 [n, k] with fp32 scale [n];
     const void *w;       // LINEAR_INT4: w is packed uint8 [n, k/2] with fp16 scale and zero [n, k/group];
     const void *scale;   // LINEAR_BF16 / LINEAR_F16: w is bf16 / fp16 (uint16 bits) [n, k]; LINEAR_BF16_INPUTS:
-                         // bf16 w, x rounded to bf16 (gemm_half HALF_BF16_INPUTS)
-    const void *zero;
-    int64_t n, k, group;
-} Linear;
+                         // bf16 w, x rounded to bf16 (gemm_half HALF_BF16_INPUTS); LINEAR_GGUF: w is a GGUF's
+    const void *zero;    // quantized block rows [n, row bytes], group their ggml type (gguf_blocks.c);
+    int64_t n, k, group; // LINEAR_PARTS: w is `group` LINEAR_GGUF parts (a fused q|k|v of differing block types),
+} Linear;                // each writing its own n columns of the [M, n] output in order
+
+// gguf_blocks.c (the same shared object)
+int64_t gguf_linear_ld(int64_t type, const void *blocks, const float *x, float *y, int64_t M, int64_t N, int64_t K,
+                       int64_t ldy);
+int64_t gguf_dequantize_rows(int64_t type, const void *blocks, float *out, int64_t N, int64_t K);
+int64_t gguf_block_shape(int64_t type, int64_t *out);
 
 typedef struct {
     const float *attn_norm, *ffn_norm;  // [dim]
@@ -1814,7 +1823,7 @@ typedef struct {
     int64_t n_layers, dim, n_heads, n_kv_heads, head_dim, hidden, vocab;
     int64_t max_batch, max_tokens;       // KV cache geometry: rows per layer (Layer.rows), slots per row
     float eps;
-    const float *embed;                  // [vocab, dim]
+    const void *embed;                   // [vocab, dim]: fp32, or a GGUF's block rows of ggml type embed_type
     const float *rope_cos, *rope_sin;    // [max_positions, head_dim / 2]
     const float *norm;                   // [dim]
     Linear head;
@@ -1823,6 +1832,7 @@ typedef struct {
     int64_t *layer_ns;                   // NULL, or [2 n_layers + 2] CLOCK_MONOTONIC marks (see step_clock)
     int64_t kv_format;                   // KV_F32, KV_F16 or KV_BF16
     int64_t gelu;                        // 1: GeGLU with tanh-approximated GELU (Gemma), 0: SwiGLU
+    int64_t embed_type;                  // 0 (ggml's F32): embed is fp32; else its rows are dequantized per token
     float embed_scale;                   // embeddings are multiplied by this when it is not 1 (Gemma: sqrt(dim))
     float attn_scale;                    // the scores' scale; 0: 1 / sqrt(head_dim)
     float attn_softcap, final_softcap;   // > 0: scores / logits become cap * tanh(x / cap) (Gemma 2)
@@ -1841,10 +1851,9 @@ int64_t decode_layout(int64_t *out, int64_t cap) {
         offsetof(Layer, k_cache), offsetof(Layer, v_cache), offsetof(Layer, rows), sizeof(DecodeModel),
         offsetof(DecodeModel, max_batch), offsetof(DecodeModel, eps), offsetof(DecodeModel, embed),
         offsetof(DecodeModel, norm), offsetof(DecodeModel, head), offsetof(DecodeModel, layers),
-        offsetof(DecodeModel, valid),
-        offsetof(DecodeModel, layer_ns), offsetof(DecodeModel, kv_format), offsetof(DecodeModel, gelu),
-        offsetof(DecodeModel, embed_scale), offsetof(DecodeModel, attn_scale), offsetof(DecodeModel, attn_softcap),
-        offsetof(DecodeModel, final_softcap),
+        offsetof(DecodeModel, valid), offsetof(DecodeModel, layer_ns), offsetof(DecodeModel, kv_format),
+        offsetof(DecodeModel, gelu), offsetof(DecodeModel, embed_type), offsetof(DecodeModel, embed_scale),
+        offsetof(DecodeModel, attn_scale), offsetof(DecodeModel, attn_softcap), offsetof(DecodeModel, final_softcap),
     };
     const int64_t n = (int64_t)(sizeof(v) / sizeof(v[0]));
     for (int64_t i = 0; i < n && i < cap; i++) out[i] = v[i];
@@ -1862,8 +1871,30 @@ static inline void step_clock(const DecodeModel *m, int64_t at) {
     m->layer_ns[at] = (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
+// A GGUF product into columns of y (row stride ldy); out of memory, its columns are NaN rather than stale.
+static void gguf_product(const Linear *l, const float *x, float *y, int64_t M, int64_t ldy) {
+    if (gguf_linear_ld(l->group, l->w, x, y, M, l->n, l->k, ldy) == 0) return;
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t j = 0; j < l->n; j++) y[r * ldy + j] = NAN;
+}
+
+// Parts of different block types: each writes its columns straight into y through the output stride, so no
+// scratch and no scatter pass (at batch 1 the copy would be as long as a small part's product).
+static void gguf_parts(const Linear *l, const float *x, float *y, int64_t M) {
+    const Linear *parts = (const Linear *)l->w;
+    int64_t col = 0;
+    for (int64_t p = 0; p < l->group; p++) {
+        gguf_product(parts + p, x, y + col, M, l->n);
+        col += parts[p].n;
+    }
+}
+
 static void linear(const Linear *l, const float *x, float *y, int64_t M) {
-    if (l->kind == LINEAR_INT8)
+    if (l->kind == LINEAR_GGUF)
+        gguf_product(l, x, y, M, l->n);
+    else if (l->kind == LINEAR_PARTS)
+        gguf_parts(l, x, y, M);
+    else if (l->kind == LINEAR_INT8)
         gemm_int8(x, (const int8_t *)l->w, (const float *)l->scale, y, M, l->n, l->k);
     else if (l->kind == LINEAR_INT4)
         gemm_int4(x, (const uint8_t *)l->w, (const uint16_t *)l->scale, (const uint16_t *)l->zero, y, M, l->n, l->k,
@@ -2386,6 +2417,23 @@ static void store_kv(const DecodeModel *m, const Layer *L, int64_t at, const flo
 // The per-input loops (norms, RoPE, K/V stores, SwiGLU, residuals) run in parallel from MANY_INPUTS inputs;
 // below that (decode) a fork would cost more than the loop.
 #define MANY_INPUTS 16
+
+// h [M, dim] = the inputs' rows of the embedding table. A GGUF table's rows are dequantized one by one on
+// this thread (one row is below gguf_dequantize_rows' parallel threshold: no region that parks the other thread).
+static void embed_rows(const DecodeModel *m, const int64_t *tokens, int64_t M, float *h) {
+    const int64_t D = m->dim;
+    int64_t shape[2] = {1, 4};
+    if (m->embed_type && !gguf_block_shape(m->embed_type, shape)) shape[0] = 0;  // Python refuses these first
+    const int64_t row_bytes = shape[0] ? D / shape[0] * shape[1] : 0;
+    for (int64_t r = 0; r < M; r++) {
+        if (!m->embed_type)
+            memcpy(h + r * D, (const float *)m->embed + tokens[r] * D, D * sizeof(float));
+        else if (!row_bytes || gguf_dequantize_rows(m->embed_type, (const uint8_t *)m->embed + tokens[r] * row_bytes,
+                                                    h + r * D, 1, D))
+            for (int64_t i = 0; i < D; i++) h[r * D + i] = NAN;
+    }
+}
+
 void forward_pass(const DecodeModel *m, const int64_t *tokens, const int64_t *positions, const int64_t *rows,
                   const int64_t *slots, int64_t M, float *work, float *logits, const int64_t *outs, int64_t n_out) {
     const int64_t D = m->dim, H = m->n_heads, KV = m->n_kv_heads, hd = m->head_dim, half = hd / 2;
@@ -2396,7 +2444,7 @@ void forward_pass(const DecodeModel *m, const int64_t *tokens, const int64_t *po
     const int many = M >= MANY_INPUTS;
     KERNEL_CALL;
     step_clock(m, 0);
-    for (int64_t r = 0; r < M; r++) memcpy(h + r * D, m->embed + tokens[r] * D, D * sizeof(float));
+    embed_rows(m, tokens, M, h);
     if (m->embed_scale != 1.0f)
         for (int64_t i = 0; i < M * D; i++) h[i] *= m->embed_scale;
     // Runs of at least ATT_MIN_RUN inputs of one row at consecutive slots (prompt chunks) attend in blocks of

@@ -108,6 +108,23 @@ INLINE __m256 halves8(const uint8_t *p, int64_t bytes, int at, int nblk) {
     return _mm256_cvtph_ps(_mm_set_epi16(h[7], h[6], h[5], h[4], h[3], h[2], h[1], h[0]));
 }
 
+// The first 4 bytes of each of 8 blocks `bytes` apart (0 past nblk): the fp16 scale d and (Q4_1, Q5_1) the
+// min m, as 8 floats each, from 8 32-bit loads (halves8 twice is 16 loads and inserts, ~1/6 of Q4_1's work at
+// batch 1; a vpgatherdd was slower still on Zen 4).
+INLINE void block_dm(const uint8_t *p, int64_t bytes, int nblk, __m256 *d, __m256 *m) {
+    int v[8];
+    for (int j = 0; j < 8; j++) {
+        uint32_t u = 0;
+        if (j < nblk) memcpy(&u, p + j * bytes, 4);
+        v[j] = (int)u;
+    }
+    const __m256i g = _mm256_set_epi32(v[7], v[6], v[5], v[4], v[3], v[2], v[1], v[0]);
+    const __m256i lo = _mm256_and_si256(g, _mm256_set1_epi32(0xffff)), hi = _mm256_srli_epi32(g, 16);
+    const __m256i dm = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xd8);  // d0..7 | m0..7
+    *d = _mm256_cvtph_ps(_mm256_castsi256_si128(dm));
+    *m = _mm256_cvtph_ps(_mm256_extracti128_si256(dm, 1));
+}
+
 // The 32-column types: 8 blocks (nblk of them; the rest zero) of `bytes`, q from block j into q[j].
 INLINE void sb_small(int64_t type, const uint8_t *p, int nblk, SB *o) {
     const int64_t bytes = type == Q8_0 ? 34 : type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q5_0 ? 22 : 24;
@@ -125,8 +142,13 @@ INLINE void sb_small(int64_t type, const uint8_t *p, int nblk, SB *o) {
             o->q[j] = _mm256_sub_epi8(q, _mm256_set1_epi8(type == Q5_0 ? 16 : 0));
         }
     }
-    twice(halves8(p, bytes, 0, nblk), o->wd);
-    if (min) twice(halves8(p, bytes, 2, nblk), o->c);
+    if (min) {
+        __m256 d, m;
+        block_dm(p, bytes, nblk, &d, &m);
+        twice(d, o->wd), twice(m, o->c);
+    } else {
+        twice(halves8(p, bytes, 0, nblk), o->wd);
+    }
 }
 
 // Q4_K/Q5_K's 8 6-bit scales and mins from 12 bytes (get_scale_min_k4), as bytes 0-7 and 8-15.
@@ -319,6 +341,10 @@ static int quantize_x(const float *x, int64_t M, int64_t K, XQ *out) {
 
 #define MR 4  // activation rows a pass over one weight row
 
+// Columns of superblock s that hold weights: the padding past K decodes as zero against zero x, so its chunks
+// are skipped (exactly: they would add 0). K = 576 (SmolLM2) is 2.25 superblocks, a quarter of the work padding.
+static inline int64_t live_columns(int64_t K, int64_t s) { return K - SBK * s < SBK ? K - SBK * s : SBK; }
+
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 // 64 columns (4 groups) a step: vpdpbusd of q (unsigned; for Q8_0 |q|, against xq with q's sign) and xq,
 // 16 int32 lanes, 4 a group; each lane's sum times its group's wd * dx. Q8_0's q = -128 works too: vpabsb
@@ -337,7 +363,8 @@ INLINE void dot_rows(int64_t type, const uint8_t *row, int64_t K, const XQ *x, i
         const __m512 wd = _mm512_insertf32x8(_mm512_castps256_ps512(o.wd[0]), o.wd[1], 1);
         __m512 sv[MR];
         for (int r = 0; r < mb; r++) sv[r] = _mm512_mul_ps(wd, _mm512_loadu_ps(x->dx + (m + r) * G + 16 * s));
-        for (int c = 0; c < 4; c++) {
+        const int64_t live = live_columns(K, s);
+        for (int c = 0; c < 4 && 64 * c < live; c++) {
             const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(o.q[2 * c]), o.q[2 * c + 1], 1);
             const __m512i au = sign ? _mm512_abs_epi8(wv) : wv;
             const __mmask64 neg = sign ? _mm512_movepi8_mask(wv) : 0;
@@ -374,11 +401,12 @@ INLINE void dot_rows(int64_t type, const uint8_t *row, int64_t K, const XQ *x, i
     for (int64_t s = 0; s < Kp / SBK; s++) {
         SB o;
         sb_decode(type, row, s, K, 1, &o);
-        for (int h = 0; h < 2; h++) {  // 8 groups: 128 columns
+        const int64_t live = live_columns(K, s);
+        for (int h = 0; h < 2 && 128 * h < live; h++) {  // 8 groups: 128 columns
             const int64_t g0 = 16 * s + 8 * h;
             __m256 sv[MR];
             for (int r = 0; r < mb; r++) sv[r] = _mm256_mul_ps(o.wd[h], _mm256_loadu_ps(x->dx + (m + r) * G + g0));
-            for (int c = 0; c < 4; c++) {
+            for (int c = 0; c < 4 && 128 * h + 32 * c < live; c++) {
                 const int a = 2 * c, b = 2 * c + 1;
                 const __m256i idx = _mm256_set_epi32(b, b, b, b, a, a, a, a);
                 const __m256i wv = o.q[4 * h + c], au = sign ? _mm256_abs_epi8(wv) : wv;
@@ -442,9 +470,12 @@ static int64_t chunk_rows(int64_t Kp) {
     return rows > MR ? rows : MR;
 }
 
-// y [M, N] = x [M, K] @ W.T for W's N rows of `type` blocks: each weight row is read once a chunk of activation
-// rows, decoded once per MR of them. 0, or -1 for an unknown type or K not whole blocks, -2 out of memory.
-int64_t gguf_linear(int64_t type, const void *blocks, const float *x, float *y, int64_t M, int64_t N, int64_t K) {
+// y [M, N] = x [M, K] @ W.T for W's N rows of `type` blocks, output row m at y + m * ldy (ldy >= N: the fused
+// pass's q|k|v parts of different types each write their own columns of one [M, ldy] output, no scatter): each
+// weight row is read once a chunk of activation rows, decoded once per MR of them. 0, or -1 for an unknown type
+// or K not whole blocks, -2 out of memory.
+int64_t gguf_linear_ld(int64_t type, const void *blocks, const float *x, float *y, int64_t M, int64_t N, int64_t K,
+                       int64_t ldy) {
     int64_t shape[2];
     const RowDot dot = dot_of(type);
     if (!dot || !gguf_block_shape(type, shape) || K % shape[0]) return -1;
@@ -467,11 +498,15 @@ int64_t gguf_linear(int64_t type, const void *blocks, const float *x, float *y, 
                     float out[MR];
                     const int mb = m1 - m < MR ? (int)(m1 - m) : MR;
                     dot(row, K, &xq, m, mb, out);
-                    for (int r = 0; r < mb; r++) y[(m + r) * N + n] = out[r];
+                    for (int r = 0; r < mb; r++) y[(m + r) * ldy + n] = out[r];
                 }
             }
         }
     }
     _mm_free(xq.q), _mm_free(xq.dx);
     return 0;
+}
+
+int64_t gguf_linear(int64_t type, const void *blocks, const float *x, float *y, int64_t M, int64_t N, int64_t K) {
+    return gguf_linear_ld(type, blocks, x, y, M, N, K, N);
 }
