@@ -66,6 +66,7 @@ WARM_TOKENS = 2
 
 GGUF_TYPES = {"fp32": "F32", "int8": "Q8_0", "int4": "Q4_1", "bf16": "BF16", "fp16": "F16"}
 AS_SHIPPED = "as-shipped"
+STORED = "stored"  # load.convert's dtype that keeps the file's own blocks: llama.cpp's side is that file itself
 DTYPE_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "int8": 8, "int4": 4}
 FIGURES = ("decode_b1", "prefill", "decode_batch")
 TITLES = {"decode_b1": "batch 1 decode", "prefill": "prefill", "decode_batch": "aggregate decode"}
@@ -104,6 +105,7 @@ def closest_dtype(kind: str, dtypes: list[str]) -> str:
     Q8_0 -> int8, BF16 -> bf16; BF16 among int8 and fp32: 2x either way): on a tie the same-named float, then
     the more bits."""
     bits = nominal_bits(kind)
+    dtypes = [d for d in dtypes if d in DTYPE_BITS]  # `stored` is paired only with the file it maps
     if bits is None:
         raise CliError(
             f"--llama-type {kind}: cannot tell its bits a weight to pair it with a dtype; name one: DTYPE={kind}"
@@ -127,6 +129,7 @@ def llama_grid(
             if shipped is None:
                 raise CliError(f"--llama-type {AS_SHIPPED} needs a plan whose model comes from a GGUF")
             kind = shipped
+            dtype = dtype or (STORED if STORED in pool else None)
         target = dtype or closest_dtype(kind, pool)
         if kind not in grid.setdefault(target, []):
             grid[target].append(kind)
@@ -189,8 +192,8 @@ def gguf_for(kind: str, source: Path, bin_dir: Path, shipped: str | None = None)
     return out
 
 
-def default_type(dtype: str) -> str:
-    kind = GGUF_TYPES.get(dtype)
+def default_type(dtype: str, shipped: str) -> str:
+    kind = shipped if dtype == STORED else GGUF_TYPES.get(dtype)
     if kind is None:
         raise CliError(f"--vs llama.cpp: no llama.cpp type for dtype {dtype!r} (have {', '.join(GGUF_TYPES)})")
     return kind
@@ -249,7 +252,7 @@ def bench_vs_llama_cpp(args: argparse.Namespace, say: Any, partial: Any = None) 
         source = Path(source)
         if shipped is None:
             shipped = gguf_type(source).name
-        ggufs = {kind: gguf_for(kind, source, bin_dir, shipped) for kind in kinds or [default_type(label)]}
+        ggufs = {kind: gguf_for(kind, source, bin_dir, shipped) for kind in kinds or [default_type(label, shipped)]}
         types = {kind: gguf_type(path) for kind, path in ggufs.items()}  # what each file is, from its header
         info["native_kernels"] = native.describe()
         resident = loaded.metric("load.to_device", "resident_weights")

@@ -231,3 +231,15 @@ def test_llama_type_without_llama_cpp_is_one_line(tiny_gguf_plan: Path, capsys: 
     with pytest.raises(SystemExit):
         main(["bench", str(tiny_gguf_plan), "--vs", "llama.cpp", "--llama-type", "Q9_9"])
     assert "'Q9_9' is not a llama.cpp type" in capsys.readouterr().err
+
+
+def test_the_stored_dtype_runs_beside_the_file_it_maps() -> None:
+    """`load.convert: stored` keeps the GGUF's own blocks: llama.cpp's side is that file, never a requantized one,
+    and an as-shipped type goes to `stored` when it is in the grid."""
+    from llmplan.commands.bench.llama_cpp import default_type, llama_grid
+
+    assert default_type("stored", "Q4_K_M") == "Q4_K_M"
+    assert default_type("int4", "Q4_K_M") == "Q4_1"
+    grid = llama_grid(["stored", "int4"], [(None, "as-shipped")], "Q4_K_M")
+    assert grid == [("stored", ["Q4_K_M"]), ("int4", None)]
+    assert llama_grid(["int8", "int4"], [(None, "as-shipped")], "Q4_K_M") == [("int8", None), ("int4", ["Q4_K_M"])]

@@ -143,12 +143,15 @@ def footprint_line(fp: dict[str, Any], mib: Any) -> str:
     emb, head, mat = parts["embeddings"], parts["head"], parts["matrices"]
     floats = set(mat["resident_as"].split("/")) <= set(_FLOATS.values())
     requantized = f" to {mat['resident_as']}" if floats else f" and re-quantized to {mat['resident_as']}"
+    stored = mat["resident_as"] == mat["gguf_as"] and emb["resident_as"] == emb["gguf_as"]  # load.convert `stored`
+    kept = "rows gathered from the file's own table" if stored else f"kept {emb['resident_as']} for the row gathers"
+    made = "the file's own blocks, mapped" if stored else f"the file's blocks dequantized{requantized}"
     line = (
         f"weights {mib(fp['weights_bytes'])} = {fp['ratio']:.2f}x the GGUF's {mib(fp['gguf_bytes'])} "
         f"({fp['gguf_type']}): embeddings {mib(emb['resident_bytes'])} {emb['resident_as']} against "
-        f"{mib(emb['gguf_bytes'])} {emb['gguf_as']} in the file (kept {emb['resident_as']} for the row gathers)"
+        f"{mib(emb['gguf_bytes'])} {emb['gguf_as']} in the file ({kept})"
         f"; the linears {mib(mat['resident_bytes'])} {mat['resident_as']} against {mib(mat['gguf_bytes'])} "
-        f"{mat['gguf_as']} (the file's blocks dequantized{requantized})"
+        f"{mat['gguf_as']} ({made})"
     )
     own = f"; the head {mib(head['resident_bytes'])} {head['resident_as']}"
     if head["resident_bytes"] and fp["head_tied_in_gguf"]:
