@@ -346,7 +346,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     overrides = plan_overrides(args, registry, source)
     bound = bind(source, registry, overrides)
     executor = _executor(bound.plan.executor.kind)  # first: a missing package makes no run and says only that
-    extra = lookup_overrides(bound, args.plan, replay=args.replay, report=args.report)
+    extra = lookup_overrides(bound, registry, args.plan, replay=args.replay, report=args.report)
     extra += seed_overrides(bound, source, overrides, quiet=args.quiet or args.json)
     if extra:  # what the run itself decides, validated and recorded like the user's --set
         overrides = [*overrides, *extra]
@@ -384,24 +384,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
-LOOKUP = "cache.lookup"
-
-
-def lookup_overrides(bound: BoundPlan, plan: str, *, replay: bool, report: bool) -> list[str]:
-    """A run generates unless a replay is asked for: `--replay` turns the plan's cache.lookup stages to `reuse`;
-    `--report` needs a run that generates (a replay has no timings or attention to draw), so it sets a plan's
-    `reuse` aside for this run, in one line."""
-    lookups = [b for b in bound.stages if b.spec.uses == LOOKUP]
+def lookup_overrides(bound: BoundPlan, registry: Registry, plan: str, *, replay: bool, report: bool) -> list[str]:
+    """A run generates unless a replay is asked for: `--replay` turns the plan's replaying stages (a stage class's
+    `replay_setting`) to replay; `--report` needs a run that generates (a replay has no timings or attention to
+    draw), so it sets a plan's replay aside for this run, in one line."""
+    lookups = [(b, b.cls.replay_setting) for b in bound.stages if b.cls.replay_setting]
     if replay and report:
         raise CliError("--replay and --report: a report draws a run that generates; give one of them")
     if replay:
         if not lookups:
-            raise CliError(f"--replay: {plan} has no {LOOKUP} stage to replay from")
-        return [f"{b.id}.mode=reuse" for b in lookups]
-    reusing = [b for b in lookups if getattr(b.params, "mode", None) == "reuse"]
+            kinds = [n for n in registry.names() if getattr(registry.get(n), "replay_setting", None)]
+            raise CliError(f"--replay: {plan} has no {' or '.join(kinds) or 'replaying'} stage to replay from")
+        return [f"{b.id}.{name}={on}" for b, (name, on, _) in lookups]
+    reusing = [(b, (name, on, off)) for b, (name, on, off) in lookups if getattr(b.params, name) == on]
     if report and reusing:
-        _err(f"report: this run generates ({', '.join(b.id for b in reusing)}.mode reuse set aside for it)")
-        return [f"{b.id}.mode=off" for b in reusing]
+        said = ", ".join(f"{b.id}.{name} {on}" for b, (name, on, _) in reusing)
+        _err(f"report: this run generates ({said} set aside for it)")
+        return [f"{b.id}.{name}={off}" for b, (name, _, off) in reusing]
     return []
 
 

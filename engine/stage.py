@@ -64,6 +64,9 @@ class Stage:
     fills: ClassVar[tuple[str, ...]] = ()
     edits: ClassVar[tuple[str, ...]] = ()
     always: ClassVar[bool] = False
+    # A stage that may answer from stored results instead of generating: (its parameter, the value that replays,
+    # the value that generates). `llmplan run --replay` and `--report` set it (engine/cli.py lookup_overrides).
+    replay_setting: ClassVar[tuple[str, str, str] | None] = None
     per_request: ClassVar[bool] = False
 
     def run(self, ctx: Context, params: Any) -> None:

@@ -241,6 +241,7 @@ class CacheLookup(Stage):
     name = "cache.lookup"
     phase = Phase.COMPUTE
     Params = LookupParams
+    replay_setting = ("mode", "reuse", "off")
     reads = ("requests", "model_source")
     fills = ("generations",)
 
