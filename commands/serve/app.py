@@ -59,7 +59,7 @@ from .responses_api import ResponsesRequest, response_body, response_events, res
 from .responses_api import as_chat as responses_as_chat
 from .responses_api import check_body as check_responses_body
 from .structured_output import ShapeError, compile_shape
-from .tool_calls import MARKER, NATIVE_END, CallStream
+from .tool_calls import MARKER, NATIVE_END, CallStream, RepeatStop, ToolMode
 
 # Stage parameter names back to the request's own, for error messages.
 FIELD_NAMES = {"max_new_tokens": "max_tokens", "messages": "messages", "text": "prompt", "logprobs": "top_logprobs"}
@@ -323,10 +323,10 @@ class Answering:
                     )
                 taken += 1
             if body.stream:
-                queue, cancels, seen = await self._open_stream(jobs, arrived)
+                queue, cancels, seen = await self._open_stream(jobs, arrived, _calling(body))
                 release, taken = taken, 0  # the stream gives its places back when it ends
                 return self._streaming_response(body, jobs, (queue, cancels, seen), endpoint, release)
-            runs = await self._run_all(request, jobs, arrived)
+            runs = await self._run_all(request, jobs, arrived, _calling(body))
             self.metrics.requests.labels(endpoint, "200").inc()
             replayed = all(r.context.generations[0].from_cache for r in runs)
             # A replay from the plan's results cache says so (the body keeps OpenAI's shape).
@@ -372,13 +372,13 @@ class Answering:
             )
 
     async def _open_stream(
-        self, jobs: list[Any], arrived: float
+        self, jobs: list[Any], arrived: float, mode: ToolMode | None
     ) -> tuple[asyncio.Queue[tuple[str, int, Any]], list[threading.Event], list[tuple[str, int, Any]]]:
         """Start the jobs of a streamed answer and wait until each prompt is known to fit: a refusal (a prompt
         too long) is a status, not an event after a 200. The queue, the jobs' cancels and the events seen."""
         queue: asyncio.Queue[tuple[str, int, Any]] = asyncio.Queue()
         cancels = [threading.Event() for _ in jobs]
-        self._start_streaming(jobs, queue, cancels, arrived)
+        self._start_streaming(jobs, queue, cancels, arrived, mode)
         try:
             seen = await self._opened(queue, len(jobs))
         except BaseException:
@@ -498,11 +498,14 @@ class Answering:
         loop = asyncio.get_running_loop()
         return loop.run_in_executor(self.executor, lambda: self.host.run(job, stream=on_text, cancel=cancel))
 
-    async def _run_all(self, request: Request, jobs: list[dict[str, Any]], arrived: float) -> list[RequestRun]:
+    async def _run_all(
+        self, request: Request, jobs: list[dict[str, Any]], arrived: float, mode: ToolMode | None
+    ) -> list[RequestRun]:
         cancels = [threading.Event() for _ in jobs]
         clocks = [TokenClock(self.metrics, arrived) for _ in jobs]
         futures = [
-            self._start(job, lambda _t, c=c: c.tick(), ev) for job, c, ev in zip(jobs, clocks, cancels, strict=True)
+            self._start(job, _watched(lambda _t, c=c: c.tick(), mode, ev), ev)
+            for job, c, ev in zip(jobs, clocks, cancels, strict=True)
         ]
         try:
             pending = set(futures)
@@ -667,6 +670,7 @@ class Answering:
         queue: asyncio.Queue[tuple[str, int, Any]],
         cancels: list[threading.Event],
         arrived: float,
+        mode: ToolMode | None,
     ) -> None:
         """Start every job; each puts ("text", index, text) on `queue` per piece of text and ("done", index,
         its future) when it ends, from whichever thread it runs on."""
@@ -682,7 +686,7 @@ class Answering:
             return push
 
         for index, job in enumerate(jobs):
-            future = self._start(job, on_text(index), cancels[index])
+            future = self._start(job, _watched(on_text(index), mode, cancels[index]), cancels[index])
             future.add_done_callback(lambda f, i=index: loop.call_soon_threadsafe(queue.put_nowait, ("done", i, f)))
 
     async def _opened(self, queue: asyncio.Queue[tuple[str, int, Any]], count: int) -> list[tuple[str, int, Any]]:
@@ -781,6 +785,25 @@ class Answering:
         if logprobs is not None:  # the choice's logprobs, all tokens in one chunk before its last
             yield chunk([delta(index, None) | {"logprobs": logprobs}])
         yield chunk([delta(index, None, reason)])
+
+
+def _calling(body: Any) -> ToolMode | None:
+    """The request's tool mode, when it may answer with calls."""
+    return body.tool_mode if isinstance(body, ChatRequest) else None
+
+
+def _watched(push: Callable[[str], None], mode: ToolMode | None, cancel: threading.Event) -> Callable[[str], None]:
+    """`push` (a job's text as it is generated), and under a tool mode a call that repeats an earlier one ends the
+    job there (RepeatStop sets its `cancel`, on the model thread: the next step ends it)."""
+    if mode is None:
+        return push
+    stop = RepeatStop(mode, cancel)
+
+    def both(text: str) -> None:
+        stop(text)
+        push(text)
+
+    return both
 
 
 def _text_chunks(

@@ -208,6 +208,7 @@ class CallReader:
         self.native = native
         self.seen = ""  # the text fed so far
         self.calls: list[StreamedCall] = []
+        self.closed = 0  # the calls whose object has ended (their arguments whole)
         self.broken = False
         self._state = "tag"
         self._tag = MARKER + ("\n" if native else "")  # literal text that must come next
@@ -287,6 +288,7 @@ class CallReader:
             self._state = "key"
         elif state == "next" and ch == "}":
             self._state = "after"
+            self.closed += 1
         elif state == "after":
             return self._after(ch)
         else:

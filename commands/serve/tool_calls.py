@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -149,20 +150,8 @@ class ToolMode:
         """The calls in an answer, as OpenAI's `tool_calls`; None when it is text (or was cut short)."""
         if not text.startswith(MARKER):
             return None
-        try:
-            if self.native:  # compact JSON has no raw newline: the tags between calls split them
-                if not text.endswith(NATIVE_END):
-                    return None  # cut short by the token limit: the finish reason says so
-                inner = text[len(MARKER) + 1 : -len(NATIVE_END) - 1]
-                calls = [
-                    json.loads(b, object_pairs_hook=_once) for b in inner.split(f"\n{NATIVE_END}{NATIVE_SEP}{MARKER}\n")
-                ]
-            else:
-                made = json.loads(text[len(MARKER) :], object_pairs_hook=_once)
-                calls = made if isinstance(made, list) else [made]
-        except ValueError:
-            return None  # cut short by the token limit (or a key written twice): the finish reason says so
-        if not calls or not all(isinstance(c, dict) and "name" in c and "arguments" in c for c in calls):
+        calls = self._calls(text[len(MARKER) :])
+        if not calls:
             return None
         return [
             {
@@ -170,8 +159,52 @@ class ToolMode:
                 "type": "function",
                 "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)},
             }
-            for c in until_repeated(calls)
+            for c in calls
         ]
+
+    def _calls(self, rest: str) -> list[dict[str, Any]] | None:
+        """The calls after the marker, up to the first that repeats an earlier one (the same name and arguments:
+        the answer ends there, whatever follows, as generation stops there: RepeatStop); None when the text is no
+        whole list of calls (cut short by the token limit, a key written twice, text after the calls)."""
+        if self.native:  # compact JSON has no raw newline: the tags between calls split them
+            head, sep, end, loose = "\n", f"\n{NATIVE_END}{NATIVE_SEP}{MARKER}\n", f"\n{NATIVE_END}", False
+        elif rest.lstrip().startswith("["):
+            head, sep, end, loose = "[", ",", "]", True
+        else:  # one call, not a list
+            try:
+                one = json.loads(rest, object_pairs_hook=_once)
+            except ValueError:
+                return None
+            return [one] if _is_call(one) else None
+        decoder = json.JSONDecoder(object_pairs_hook=_once)
+        calls: list[dict[str, Any]] = []
+        at = _past(rest, 0, head, loose)
+        while at >= 0:
+            try:
+                call, at = decoder.raw_decode(rest, _past(rest, at, "", loose))
+            except ValueError:
+                return None
+            if not _is_call(call):
+                return None
+            if any(same_call(c, call) for c in calls):
+                return calls
+            calls.append(call)
+            if (rest[at:].strip() if loose else rest[at:]) == end:
+                return calls
+            at = _past(rest, at, sep, loose)
+        return None
+
+
+def _is_call(made: Any) -> bool:
+    return isinstance(made, dict) and "name" in made and "arguments" in made
+
+
+def _past(text: str, at: int, literal: str, loose: bool) -> int:
+    """Where `text` goes on after `literal` at `at` (white space before it too when `loose`), or -1."""
+    if loose:
+        while at < len(text) and text[at] in " \t\n\r":
+            at += 1
+    return at + len(literal) if text.startswith(literal, at) else -1
 
 
 def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -182,18 +215,52 @@ def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return made
 
 
-def until_repeated(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The calls up to the first that repeats an earlier one (the same name and arguments): a model repeating
-    its call (to the calls' cap) is stopped at the repeat, and the stream cuts there too (CallStream)."""
-    seen: set[tuple[str, str]] = set()
-    kept = []
-    for call in calls:
-        key = (str(call["name"]), json.dumps(call["arguments"], ensure_ascii=False))
-        if key in seen:
-            break
-        seen.add(key)
-        kept.append(call)
-    return kept
+def call_key(name: Any, arguments: Any) -> tuple[str, str]:
+    """What makes two calls the same: the name, and the arguments as canonical JSON (keys sorted)."""
+    return str(name), json.dumps(arguments, ensure_ascii=False, sort_keys=True)
+
+
+def same_call(one: dict[str, Any], other: dict[str, Any]) -> bool:
+    """Two calls read from an answer ({"name", "arguments"}) are the same call."""
+    return call_key(one["name"], one["arguments"]) == call_key(other["name"], other["arguments"])
+
+
+def _written_key(call: StreamedCall) -> tuple[str, str]:
+    """A streamed call's key, from its arguments as written (canonical JSON once the call is whole)."""
+    try:
+        return call_key(call.name, json.loads(call.arguments))
+    except ValueError:  # not whole: only the same text is the same
+        return call.name, call.arguments
+
+
+@dataclass
+class RepeatStop:
+    """Stops an answer at a repeated call: fed the answer's text as it is generated (on the model thread, token by
+    token), it sets `cancel` once a call ends that repeats an earlier one (name and arguments), so the request ends
+    at the next step rather than writing the same call to the calls' cap. The read ends the calls there too
+    (ToolMode.read), streamed or not, and their finish reason is still "tool_calls"."""
+
+    mode: ToolMode
+    cancel: threading.Event
+    reader: CallReader = field(init=False)
+    checked: int = 0  # the ended calls compared so far
+    repeated: bool = False
+
+    def __post_init__(self) -> None:
+        self.reader = CallReader(self.mode.native)
+
+    def __call__(self, piece: str) -> None:
+        if self.reader.broken or self.repeated:
+            return
+        self.reader.feed(piece)
+        calls = self.reader.calls
+        while self.checked < self.reader.closed:
+            key = _written_key(calls[self.checked])
+            if any(_written_key(c) == key for c in calls[: self.checked]):
+                self.repeated = True
+                self.cancel.set()
+                return
+            self.checked += 1
 
 
 def tool_mode(tools: list[Tool] | None, choice: Any, parallel: bool | None) -> ToolMode | None:
@@ -303,7 +370,7 @@ class CallStream:
     """One streamed choice under a tool mode: which text is shown as content as it comes, and the calls'
     events (commands/serve/call_reader.py) once it is known to be calls. Text is held only while it could still be
     the marker (auto) or always (a call is required). A call named as an earlier one is held until it is whole:
-    a repeat of an earlier call (name and arguments) is never sent, nor anything after it (`until_repeated`)."""
+    a repeat of an earlier call (name and arguments) is never sent, nor anything after it (as ToolMode.read)."""
 
     mode: ToolMode
     held: str = ""
@@ -361,7 +428,8 @@ class CallStream:
         start = held[0]
         assert isinstance(start, CallStart)
         arguments = "".join(e.text for e in held[1:] if isinstance(e, CallArguments))
-        if any(call.name == start.name and call.arguments == arguments for call in self.shown):
+        whole = _written_key(StreamedCall(start.id, start.name, arguments))
+        if any(_written_key(call) == whole for call in self.shown):
             self.cut = True
             return []
         return [self._sent(event) for event in held]

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 from typing import Any
 
 import pytest
 
 from llmplan.commands.serve.call_reader import MARKER, NATIVE_END, CallArguments, CallEvent, CallReader, CallStart
-from llmplan.commands.serve.tool_calls import CallStream, ToolMode
+from llmplan.commands.serve.tool_calls import CallStream, RepeatStop, ToolMode
 
 # raw JSON as a model may write it: escapes the reading rewrites, braces, brackets and quotes inside strings
 ARGUMENTS = [
@@ -189,6 +190,38 @@ def test_a_repeated_call_ends_the_calls_streamed_or_not() -> None:
         if isinstance(e, CallArguments):
             joined[e.index] += e.text
     assert joined == ['{"a": 1}', '{"a": 2}']
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["listed", "native"])
+def test_generation_stops_at_the_repeat_and_the_calls_end_before_it(native: bool) -> None:
+    """RepeatStop, fed the answer as generated, cancels once a call ends that repeats an earlier one (the same
+    name, the same arguments whatever their keys' order); the answer cut there reads as the calls before it,
+    streamed or not. A call with other arguments, or one not yet ended, does not stop it."""
+    mode = ToolMode((), "required", parallel=True, native=native)
+    calls = [("f", '{"a": 1, "b": [2]}'), ("f", '{"a": 2, "b": [2]}'), ("f", '{"b": [2], "a": 1}'), ("g", "{}")]
+    text = answer(calls, native=native, listed=True)
+    repeat_ends = text.index('"a": 1}', text.index('"b": [2], "a"')) + len('"a": 1}}')  # the third call's end
+    cancel = threading.Event()
+    stop = RepeatStop(mode, cancel)
+    for at, ch in enumerate(text):
+        stop(ch)
+        assert cancel.is_set() == (at + 1 >= repeat_ends), at
+        if cancel.is_set():
+            break
+    cut = text[:repeat_ends]
+    for whole in (cut, text):  # stopped at the repeat, or run on to the end: the same calls
+        read = mode.read(whole)
+        assert read is not None and [(c["function"]["name"], c["function"]["arguments"]) for c in read] == [
+            ("f", '{"a": 1, "b": [2]}'),
+            ("f", '{"a": 2, "b": [2]}'),
+        ]
+        stream = CallStream(mode)
+        sent = [e for ch in whole for e in stream.push(ch)[1]]
+        streamed, owed, agreed = stream.finish(whole)
+        assert agreed and streamed is not None and len(streamed) == 2
+        assert [e.index for e in sent + owed if isinstance(e, CallStart)] == [0, 1]
+    assert mode.read(cut[: -len("}}")]) is None  # cut inside the repeat: not calls (the token limit's cut)
+    assert mode.read(text[: text.index('{"name": "f", "arguments": {"b"') - 2]) is None  # cut before the repeat
 
 
 def test_text_in_auto_is_content_and_a_cut_call_is_what_it_was() -> None:

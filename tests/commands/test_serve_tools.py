@@ -370,3 +370,24 @@ def test_the_responses_endpoint_refuses_tools_by_name(live: LiveServer) -> None:
     body = {"input": "hi", "tools": [{"type": "function", "name": "now", "parameters": {}}]}
     answer = httpx.post(f"{live.url}/responses", json=body, timeout=60)
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "tools"
+
+
+def test_a_repeated_call_ends_the_answer_at_the_repeat(live: LiveServer) -> None:
+    """Greedy, with the list's end barred, the tiny model writes its one call again and again (#56): the answer
+    ends at the first repeat, not at the calls' cap or the token limit, streamed as it is whole."""
+    tok: Tokenizer = live.host.context.tokenizer
+    ends = {str(i): -100.0 for i in range(tok.vocab_size) if "]" in tok.decode([i])}
+    body = {"tools": TOOLS[1:], "tool_choice": "required", "logit_bias": ends, "max_tokens": 600, "temperature": 0}
+    answer = sdk(live).chat.completions.create(model="m", messages=CHAT, **body)  # type: ignore[call-overload]
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    wanted = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert len(set(wanted)) == len(wanted) < 8, wanted
+    # what was generated: the calls and one more (the repeat), then nothing (before #56's fix: 353 tokens, 8 calls)
+    written = [{"name": n, "arguments": json.loads(a)} for n, a in [*wanted, wanted[-1]]]
+    text = MARKER + json.dumps(written)[:-1]
+    assert answer.usage is not None and answer.usage.completion_tokens <= len(tok.encode(text, add_bos=False)) + 2
+    calls = joined(streamed_parts(live, **body))
+    assert [(name, arguments) for _, name, arguments, _ in calls] == wanted
+    content, parts, reason = ask_streamed(live, **body)
+    assert (content, reason, len(parts)) == ("", "tool_calls", len(wanted))
