@@ -17,6 +17,8 @@ from typing import Any
 
 from pydantic import model_validator
 
+from llmplan.engine.messages import shown
+
 from .openai_api import ChatRequest, FieldError, new_id, now
 from .request_body import json_kind
 
@@ -64,6 +66,7 @@ def as_chat(data: dict[str, Any]) -> dict[str, Any]:
 
 
 TEXT_FIELDS = ("format", "verbosity")  # what Responses' `text` object holds
+VERBOSITY = ("low", "medium", "high")
 
 
 def check_body(data: Any) -> None:
@@ -81,6 +84,10 @@ def check_body(data: Any) -> None:
     for key in shape or {}:
         if key not in TEXT_FIELDS:
             raise FieldError(f"text.{key}", f"not a field of text (it takes {', '.join(TEXT_FIELDS)})")
+    verbosity = (shape or {}).get("verbosity")
+    if verbosity is not None and verbosity not in VERBOSITY:  # a hint this server takes and does not act on
+        said = shown(verbosity) if isinstance(verbosity, str) else json_kind(verbosity)
+        raise FieldError("text.verbosity", f"expected one of {', '.join(VERBOSITY)}, got {said}")
     given = data.get("input")
     if given is None:
         raise FieldError("input", "required (a string, or an array of input items)")

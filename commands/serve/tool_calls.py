@@ -350,8 +350,8 @@ def history_turn(turn: dict[str, Any], template_renders_calls: bool) -> dict[str
     written = []
     for call in calls:
         arguments = call["function"]["arguments"]
-        with contextlib.suppress(ValueError):  # else a client's own text: kept as the string it sent
-            arguments = json.loads(arguments)
+        with contextlib.suppress(ValueError):  # else a client's own text (or a key twice): the string it sent
+            arguments = json.loads(arguments, object_pairs_hook=_once)
         written.append({"name": call["function"]["name"], "arguments": arguments})
     text = MARKER + json.dumps(written, ensure_ascii=False, separators=(", ", ": "))
     return turn | {"content": (turn.get("content") or "") + text, "tool_calls": None}
@@ -359,9 +359,9 @@ def history_turn(turn: dict[str, Any], template_renders_calls: bool) -> dict[str
 
 def _arguments_read(call: dict[str, Any]) -> dict[str, Any]:
     try:
-        arguments = json.loads(call["function"]["arguments"])
+        arguments = json.loads(call["function"]["arguments"], object_pairs_hook=_once)
     except ValueError:
-        return call  # a client's own text: kept as the string it sent
+        return call  # a client's own text (or a key given twice, not one of them dropped): the string it sent
     return call | {"function": call["function"] | {"arguments": arguments}}
 
 

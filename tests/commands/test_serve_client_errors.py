@@ -56,6 +56,8 @@ def refused(live: LiveServer, path: str, body: dict[str, Any]) -> tuple[str, str
         ({"input": [{"role": "user", "content": "a"}, {"role": "user", "content": 5}], "instructions": "x"},
          "input.1.content"),
         ({"input": "hi", "max_output_tokens": -1}, "max_output_tokens"),
+        ({"input": "hi", "text": {"verbosity": 5}}, "text.verbosity"),
+        ({"input": "hi", "text": {"verbosity": "loud"}}, "text.verbosity"),
     ],
 )  # fmt: skip
 def test_responses_refuse_in_their_own_terms(live: LiveServer, body: dict[str, Any], param: str) -> None:
@@ -70,6 +72,7 @@ def test_the_sdk_sees_the_same_400(live: LiveServer) -> None:
         client.responses.create(model="m", input="hi", instructions=5)  # type: ignore[arg-type]
     assert "instructions: expected a string" in str(bad.value)
     assert client.responses.create(model="m", input="hi", instructions="be brief", max_output_tokens=3).output_text
+    assert client.responses.create(model="m", input="hi", text={"verbosity": "low"}, max_output_tokens=3).output_text
 
 
 def test_a_template_refusal_names_no_server_folder(live: LiveServer) -> None:

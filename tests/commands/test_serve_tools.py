@@ -309,6 +309,20 @@ def test_the_history_turn_is_the_calls_as_text_or_as_they_came() -> None:
     assert as_came[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}  # as HF's templates read it
 
 
+def test_history_arguments_with_a_key_twice_go_to_the_template_as_sent() -> None:
+    """Neither value of a key given twice is dropped silently (json.loads keeps the last): the string as sent."""
+    twice = '{"city": "Oslo", "city": "Rome"}'
+    turn = HISTORY[1] | {
+        "tool_calls": [HISTORY[1]["tool_calls"][0] | {"function": {"name": "get_weather", "arguments": twice}}]
+    }
+    body = validate(ChatRequest, {"messages": [HISTORY[0], turn, HISTORY[2]], "tools": TOOLS})
+    body.check_combination()
+    as_text = body.tokenize_overrides(None, renders_calls=False)["messages"]
+    assert as_text[2]["content"] == MARKER + json.dumps([{"name": "get_weather", "arguments": twice}])
+    as_came = body.tokenize_overrides(None, renders_calls=True)["messages"]
+    assert as_came[2]["tool_calls"][0]["function"]["arguments"] == twice
+
+
 UNENFORCEABLE = [
     (
         {"type": "object", "properties": {"t": {"type": "array", "uniqueItems": True}}},
