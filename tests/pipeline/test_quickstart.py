@@ -4,6 +4,7 @@ picture it names (no "Not drawn", no figure that failed), though the results cac
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -61,3 +62,6 @@ def test_the_quickstart_report_draws_every_picture_it_names(tmp_path: Path) -> N
         assert "<svg" in drawn[key] or "<img" in drawn[key], key
     for key, mark in TABLES.items():
         assert mark in drawn.get(key, ""), key
+    # and `llmplan history` names the model by its file, not by a hash
+    rows = [json.loads(line) for line in llmplan(env, "history", "--json").splitlines() if line.startswith("{")]
+    assert [row["model"] for row in rows] == ["SmolLM2-135M-Instruct.Q4_1"] * 2
