@@ -137,6 +137,7 @@ def cmd_history(args: argparse.Namespace) -> int:
             no_wrap=column in ("id", "tokens", "tok/s"),
             min_width=12 if wide else None,
             max_width=40 if wide else None,
+            overflow="fold" if column == "model" else "ellipsis",  # a model's name is folded, never cut
         )  # type: ignore[arg-type]
     for row in rows:
         cells = _damaged_cells(row) if "damaged" in row else _cells(row)
@@ -152,7 +153,7 @@ def _cells(row: dict[str, Any]) -> list[str]:
         str(row["id"]),
         _short_time(str(row.get("run_time") or row.get("created") or "")),
         str(row.get("plan") or ""),
-        str(row.get("model_fingerprint") or "-")[:8],
+        model_name(row),
         _excerpt(row["prompt_excerpt"]),
         f"{usage['prompt_tokens']}+{usage['completion_tokens']}",
         "cache" if row.get("from_cache") else _speed(speed),
@@ -192,7 +193,8 @@ def cmd_show(args: argparse.Namespace) -> int:
     usage = row["usage"]
     out = sys.stdout
     out.write(f"result {row['id']}  ·  run {row['run_id']} ({row.get('run_time')})  ·  plan {row.get('plan')}\n")
-    out.write(f"model {row.get('model_fingerprint') or '-'}  ·  device {row.get('device') or '-'}\n")
+    files = f"  ·  files {row['model_fingerprint']}" if row.get("model") and row.get("model_fingerprint") else ""
+    out.write(f"model {model_name(row, whole=True)}{files}  ·  device {row.get('device') or '-'}\n")
     out.write(f"request {row['request_id']}  ·  finish {_finish(row)}")
     out.write(f"  ·  {usage.get('prompt_tokens', 0)} prompt + {usage.get('completion_tokens', 0)} generated tokens\n")
     fmt = row.get("format")
@@ -207,6 +209,16 @@ def cmd_show(args: argparse.Namespace) -> int:
     for rank, cand in enumerate(row["candidates"], start=1):
         out.write(f"\ncandidate {rank} (score {_number(cand.get('score'))}):\n{cand.get('text', '')}\n")
     return 0
+
+
+def model_name(row: dict[str, Any], whole: bool = False) -> str:
+    """The model a result's run ran, by its name (a GGUF's file stem, an HF directory's name); a run stored
+    before llmplan recorded names (schema v5) by its files' fingerprint, the first 8 characters unless `whole`."""
+    name = row.get("model")
+    if isinstance(name, str) and name.strip():
+        return name
+    fingerprint = str(row.get("model_fingerprint") or "-")
+    return fingerprint if whole else fingerprint[:8]
 
 
 def _public(row: dict[str, Any]) -> dict[str, Any]:

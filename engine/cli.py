@@ -404,10 +404,13 @@ def lookup_overrides(bound: BoundPlan, registry: Registry, plan: str, *, replay:
     return []
 
 
-def seed_overrides(bound: BoundPlan, source: Source, overrides: list[str], *, quiet: bool) -> list[str]:
-    """A sampled plan that pins no seed samples anew each run (as Ollama and vLLM do): a fresh seed, recorded in the
-    run's plan.resolved.yaml and said in one line, so `--set seed=N` repeats the run. A plan's own `seed:` (or a
-    --set, or the generate stage's seed) pins it: that run is reproducible and its answers replayable."""
+def seed_overrides(
+    bound: BoundPlan, source: Source, overrides: list[str], *, quiet: bool, what: str = "run"
+) -> list[str]:
+    """A sampled plan that pins no seed samples anew each run (as Ollama and vLLM do), or each chat session
+    (`what`): a fresh seed, recorded in the run's plan.resolved.yaml and said in one line, so `--set seed=N`
+    repeats the run. A plan's own `seed:` (or a --set, or the generate stage's seed) pins it: that run is
+    reproducible and its answers replayable."""
     data = source.data if isinstance(source.data, dict) else {}
     if "seed" in data or any(o.split("=", 1)[0].strip() == "seed" for o in overrides):
         return []
@@ -417,7 +420,7 @@ def seed_overrides(bound: BoundPlan, source: Source, overrides: list[str], *, qu
 
     seed = secrets.randbelow(1 << 31)
     if not quiet:
-        _err(f"seed {seed}: drawn for this run (the plan pins none; --set seed={seed} repeats it)")
+        _err(f"seed {seed}: drawn for this {what} (the plan pins none; --set seed={seed} repeats it)")
     return [f"seed={seed}"]
 
 

@@ -2,7 +2,8 @@
 
 1. Rank: each stage one rank below the deepest stage it depends on; `always` stages (release) in a band of
    their own at the bottom. Ranks are doubled: stages sit on even ranks, and every edge gets a virtual node
-   on each odd and even rank it crosses; the first one carries the edge's label (the slots it passes).
+   on each odd and even rank it crosses; the first one carries the edge's label (the slots it passes), and
+   on a long edge (across LONG ranks of stages or more) the last one too, just above the stage it reaches.
    Labels thus take room in the layout like boxes do, so none overlaps a box or another label.
 2. Order each rank by the barycentre of its neighbours, sweeping down and up, keeping the order with the
    fewest crossings.
@@ -37,6 +38,7 @@ CHAR_EM = 0.6  # mean advance of a sans-serif character, in em (generous: boxes 
 PAD, GAP_X, GAP_Y, LINE = 10, 22, 16, 17
 EDGE_COLORS = {DATA: "#495057", ORDER: "#adb5bd", FILL: "#ae3ec9"}
 EDGE_KEYS = {DATA: "passes slots", ORDER: "order only (after)", FILL: "may fill (cache)"}
+LONG = 3  # an edge across this many ranks of stages or more is labelled at its end as well as its start
 
 
 def text_width(text: str, px: float) -> float:
@@ -100,17 +102,7 @@ def build_layout(graph: nx.DiGraph, lines: dict[str, list[str]]) -> Layout:
     for src, dst, data in graph.edges(data=True):
         kind = _edge_kind(data["kinds"])
         label = ", ".join(sorted(data["slots"]))
-        chain = [src]
-        for rank in range(2 * depth[src] + 1, 2 * depth[dst]):
-            # Edges from one stage carrying the same slots share their virtual nodes: one trunk, one label,
-            # branching off at each reader (a slot read by many stages is drawn once, not once per reader).
-            key = f"{src}->{kind}:{label}#{rank}"
-            first = rank == 2 * depth[src] + 1
-            if key not in items:
-                width = text_width(label, EDGE_PX) + 8 if first and label else 8
-                items[key] = Item(key, rank, width, LINE if first and label else 0, label=label if first else "")
-            chain.append(key)
-        chain.append(dst)
+        chain = [src, *_virtual_nodes(items, f"{src}->{kind}:{label}", label, 2 * depth[src], 2 * depth[dst]), dst]
         layout.edges.append((src, dst, kind, chain))
     n_ranks = max(i.rank for i in items.values()) + 1 if items else 0
     order = {n: i for i, n in enumerate(execution_order(graph))}
@@ -122,6 +114,22 @@ def build_layout(graph: nx.DiGraph, lines: dict[str, list[str]]) -> Layout:
     layout.ranks = _order(ranks, layout.edges)
     _place(layout)
     return layout
+
+
+def _virtual_nodes(items: dict[str, Item], trunk: str, label: str, top: int, bottom: int) -> list[str]:
+    """An edge's virtual nodes from rank `top` to `bottom` (its stages'), labelled at the first and, on a long
+    edge, the last. Edges from one stage carrying the same slots share them: one trunk, branching off at each
+    reader (a slot read by many stages is drawn once, not once per reader)."""
+    keys = []
+    long = bottom - top >= 2 * LONG
+    for rank in range(top + 1, bottom):
+        key = f"{trunk}#{rank}"
+        labelled = bool(label) and (rank == top + 1 or (long and rank == bottom - 1))
+        if key not in items or (labelled and not items[key].label):
+            width = text_width(label, EDGE_PX) + 8 if labelled else 8
+            items[key] = Item(key, rank, width, LINE if labelled else 0, label=label if labelled else "")
+        keys.append(key)
+    return keys
 
 
 def _neighbours(edges: list[tuple[str, str, str, list[str]]]) -> tuple[dict[str, list[str]], dict[str, list[str]]]:

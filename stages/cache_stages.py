@@ -383,7 +383,8 @@ class OutputCache(Stage):
         rows = [result_row(c, keys.get(c.request_id)) for c in ctx.completions]
         plan = ctx.plan.plan.name if ctx.plan is not None else "-"
         status = "ok" if all(c.error is None for c in ctx.completions) else "errors"
-        run = RunRow(plan, fingerprint, ctx.device, status, str(ctx.run_dir) if ctx.run_dir else None)
+        model = ctx.model_source.name if ctx.model_source is not None else None  # the model this run ran
+        run = RunRow(plan, fingerprint, ctx.device, status, str(ctx.run_dir) if ctx.run_dir else None, model)
         try:
             with ResultsStore(params.db) as store:
                 run_id = store.record_run(run, rows)

@@ -434,6 +434,14 @@ def _write_json(path: Path, data: Any) -> Path:
     return write_json(path, data, indent=None)
 
 
+def _alternative(tokenizer: Tokenizer | None, token: int, logprob: float) -> list[Any]:
+    """[id, logprob, its text, its spelling]: the spelling (a byte-level token's bytes) lets the report read
+    an alternative that is part of a character after the bytes before it."""
+    if tokenizer is None:
+        return [token, logprob, str(token), None]
+    return [token, logprob, tokenizer.decode([token]), tokenizer.id_to_token(token)]
+
+
 def generation_records(
     results: list[Result],
     tokenizer: Tokenizer | None = None,
@@ -445,10 +453,8 @@ def generation_records(
     records = []
     for result in results:
         pieces = [tokenizer.decode([t]) for t in result.tokens] if tokenizer is not None else None
-        alternatives = [
-            [[int(i), float(lp), tokenizer.decode([int(i)]) if tokenizer is not None else str(i)] for i, lp in top]
-            for top in result.alternatives or []
-        ]
+        steps = result.alternatives or []
+        alternatives = [[_alternative(tokenizer, int(i), float(lp)) for i, lp in top] for top in steps]
         records.append(
             {
                 "request_id": result.request_id,

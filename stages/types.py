@@ -38,6 +38,23 @@ class ModelSource:
     first_use: Path | None = None  # a first-use record (llm/trust/first_use.py) standing in for SHA256SUMS
     keeps_blocks: bool = False  # the plan runs the GGUF's own blocks: the import has no shards to read
 
+    @property
+    def name(self) -> str:
+        """The model as its user knows it: a GGUF's file stem (`qwen2.5-coder-0.5b-instruct-q4_k_m`, never the
+        import's cache directory), a Hub cache snapshot's repository (`HuggingFaceTB/SmolLM2-135M-Instruct`), else
+        the HF directory's own name. `history`, `show` and `/v1/models` say it."""
+        if self.gguf_file is not None:
+            return Path(self.gguf_file).stem
+        return model_dir_name(Path(self.model_dir))
+
+
+def model_dir_name(model_dir: Path) -> str:
+    """An HF directory's name; in a Hub cache (`models--ORG--NAME/snapshots/HASH`) the repository, ORG/NAME."""
+    hub = model_dir.parent.parent.name if model_dir.parent.name == "snapshots" else ""
+    if hub.startswith("models--") and hub.count("--") >= 2:
+        return "/".join(hub.split("--")[1:])
+    return model_dir.name
+
 
 @dataclass
 class HostWeights:

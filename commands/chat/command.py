@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TextIO
 
-from llmplan.engine.cli import CliError, add_model_option, settle_plan
+from llmplan.engine.cli import CliError, add_model_option, seed_overrides, settle_plan
 from llmplan.engine.findings import StageFailure
 
 from ..serve.command import build_host
@@ -127,7 +127,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from .input_lines import history_path, interactive, make_reader
 
     settle_plan(args)
-    host = build_host(args.plan, args.set, keep_alive_s=None, quiet=False)
+    host = build_host(args.plan, [*args.set, *session_seed(args.plan, args.set)], keep_alive_s=None, quiet=False)
     try:
         try:
             host.load()
@@ -144,6 +144,17 @@ def cmd_chat(args: argparse.Namespace) -> int:
     finally:
         host.close()
     return 0
+
+
+def session_seed(plan: str, overrides: list[str]) -> list[str]:
+    """A sampled plan that pins no seed gets a fresh one for this session, said in one line (as `run` does):
+    a new chat samples anew, and `--set seed=N` repeats one."""
+    from llmplan.engine.plan import bind
+    from llmplan.engine.registry import discover
+    from llmplan.engine.yaml_source import load_file
+
+    source = load_file(plan)
+    return seed_overrides(bind(source, discover(), overrides), source, overrides, quiet=False, what="session")
 
 
 def talk(conversation: Conversation, read: Callable[[], str]) -> None:

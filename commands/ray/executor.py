@@ -94,7 +94,9 @@ def execute(job: ExecutorJob, on_batch: OnBatch | None = None) -> int:
     assert ctx.model_source is not None
     fingerprint = ctx.model_source.fingerprint
     shards = ResultShards(
-        job.run_dir, db, RunRow(bound.plan.name, fingerprint, ctx.device, "running", str(job.run_dir))
+        job.run_dir,
+        db,
+        RunRow(bound.plan.name, fingerprint, ctx.device, "running", str(job.run_dir), ctx.model_source.name),
     )
     metrics: dict[str, Any] = {
         "kind": "ray",

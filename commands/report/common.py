@@ -7,6 +7,7 @@ the byte formatting are the engine's (one definition for the graph command, the 
 from __future__ import annotations
 
 import io
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,9 +25,13 @@ matplotlib.use("Agg")  # files only: no display, no GUI toolkit
 
 import matplotlib.pyplot as plt  # noqa: E402
 
+from .fonts import with_cjk_fallbacks  # noqa: E402
+
 MISSING = "not recorded"
 plt.rcParams["svg.fonttype"] = "none"  # text stays text: selectable, measurable, sharp
 plt.rcParams["svg.hashsalt"] = "llmplan"  # stable ids: the same run draws the same file
+# every text's font-family ends in CJK fonts: the browser draws what the drawing machine has no glyphs for
+plt.rcParams["font.sans-serif"] = with_cjk_fallbacks(list(plt.rcParams["font.sans-serif"]))
 __all__ = ["MISSING", "PHASE_COLORS", "Figure", "mib", "plt", "rate", "save", "save_as", "seconds"]
 
 
@@ -69,8 +74,7 @@ def save(fig: Any, path: Path) -> Path:
     path = path.with_suffix(".svg")
     path.parent.mkdir(parents=True, exist_ok=True)
     picture = io.BytesIO()  # drawn in memory, written atomically and only onto a path llmplan owns
-    fig.savefig(picture, format="svg", bbox_inches="tight")
-    plt.close(fig)
+    _savefig(fig, picture, "svg")
     return write_file(path, picture.getvalue())
 
 
@@ -79,9 +83,17 @@ def save_as(fig: Any, path: Path, what: str = "") -> Path:
     kind = "png" if path.suffix.lower() == ".png" else "svg"
     path.parent.mkdir(parents=True, exist_ok=True)
     picture = io.BytesIO()
-    fig.savefig(picture, format=kind, bbox_inches="tight", dpi=144)
-    plt.close(fig)
+    _savefig(fig, picture, kind, dpi=144)
     return write_file(path, picture.getvalue(), what)
+
+
+def _savefig(fig: Any, picture: io.BytesIO, kind: str, **options: Any) -> None:
+    """Draw `fig` into `picture`, then close it. A glyph the drawing machine's fonts lack is measured as a box
+    and left to the browser (SVG text names CJK fallbacks): matplotlib's warning about it is not the user's."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Glyph \d+ .* missing from font", category=UserWarning)
+        fig.savefig(picture, format=kind, bbox_inches="tight", **options)
+    plt.close(fig)
 
 
 MOST_PANELS = 6  # requests drawn one panel each; the rest are counted in the caption

@@ -8,7 +8,7 @@ from typing import Any
 from matplotlib.colors import LogNorm
 
 from .common import Figure, plt, save
-from .fonts import drawable, pick_font
+from .fonts import pick_font
 from .run_data import RunData
 from .tokens import token_labels
 
@@ -40,7 +40,7 @@ def draw_attention(run: RunData, out_dir: Path) -> list[Figure]:
         return [Figure("attention", "Attention heatmaps", None, notes=[why])]
     labels = labels_of(data)
     font = pick_font(labels)
-    shown = [drawable(label, font) for label in labels]
+    shown = labels  # text, never escaped: a character no font here has is the browser's to draw
     props = font.properties()
     layers, heads = sorted({m["layer"] for m in maps}), sorted({m["head"] for m in maps})
     n = len(labels) or len(maps[0]["weights"])
@@ -70,8 +70,8 @@ def draw_attention(run: RunData, out_dir: Path) -> list[Figure]:
         notes.append("capturing attention hooked the layers: this run decoded on the torch modules, not the fused step")
     caption = (
         f"{n} prompt tokens (max_tokens {data.get('max_tokens')}); weights recomputed from each layer's own "
-        f"inputs as softmax(QKᵀ/√d) with the causal mask{TAKEN if data.get('taken') else ''}. <xx yy> = bytes of a "
-        "character split over several tokens; ␣ = space."
+        f"inputs as softmax(QKᵀ/√d) with the causal mask{TAKEN if data.get('taken') else ''}. A character split over "
+        "several tokens shows on the token that completes it, … on those that begin it; ␣ = space."
     )
     return [Figure("attention", "Attention heatmaps", path, caption, notes), *draw_decode_attention(data, out_dir)]
 
@@ -126,12 +126,12 @@ def draw_decode_attention(data: dict[str, Any], out_dir: Path) -> list[Figure]:
         ax.axvline(prompt - 0.5, color="#4dabf7", linewidth=1.5)
         ax.set_title(f"layer {m['layer']}, head {m['head']} — left of the blue line: the prompt", fontsize=9)
         if n_rows <= 64:
-            ax.set_yticks(range(n_rows), [drawable(r, font) for r in rows[:n_rows]], fontsize=7, fontproperties=props)
+            ax.set_yticks(range(n_rows), rows[:n_rows], fontsize=7, fontproperties=props)
         if n_cols <= 96:
             size = max(5.0, min(7.0, 500 / n_cols))
             ax.set_xticks(
                 range(n_cols),
-                [drawable(c, font) for c in columns[:n_cols]],
+                columns[:n_cols],
                 rotation=90,
                 fontsize=size,
                 fontproperties=props,

@@ -257,7 +257,7 @@ def draw_output_flow(run: RunData, out_dir: Path) -> Figure:
     if write is None:
         sinks = [Box("sinks", [f"(output.write: {NOT_IN_PLAN})"], missing=True)]
     else:
-        sinks = [Box("sink", [str(d)[:38]], PHASE_COLORS["output"]) for d in (deliveries or [])[:5]] or [
+        sinks = [Box("sink", [str(d)], PHASE_COLORS["output"]) for d in (deliveries or [])[:5]] or [
             Box("sinks", ["no deliveries"], PHASE_COLORS["output"])
         ]
     freed = _get(release, "freed_bytes")

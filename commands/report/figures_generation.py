@@ -20,7 +20,7 @@ from llmplan.llm.generation import shown_finish
 
 from .common import Figure, plt, save
 from .run_data import RunData
-from .tokens import token_labels
+from .tokens import TokenText, alternative_text, token_texts
 
 PER_PAGE = 3
 BUCKETS = [  # (lowest probability, background, legend)
@@ -88,25 +88,42 @@ def _colour(p: float) -> str:
     return next(colour for low, colour, _ in BUCKETS if p >= low)
 
 
-def _piece(label: str, piece: str | None) -> str:
-    if piece is not None and "\ufffd" not in piece:
-        return piece
-    return label  # bytes of a character split over tokens: shown as <e6 b3>
+def _alternative(alt: list[Any], pending: bytes) -> str:
+    """One alternative as text: decoded after the bytes the chosen tokens before it left pending (its token's
+    spelling, recorded since #57), else its own piece; a piece that is only bytes (U+FFFD) by its id."""
+    piece = alt[2] if len(alt) > 2 and isinstance(alt[2], str) else ""
+    token = alt[3] if len(alt) > 3 and isinstance(alt[3], str) else None
+    if token is None and (not piece or "\ufffd" in piece):
+        return f"#{alt[0]} (bytes of a character)"
+    return alternative_text(token, piece, pending)
 
 
-def _token_title(p: float, token: int, alternatives: list[Any]) -> str:
+def _token_title(p: float, token: int, alternatives: list[Any], pending: bytes = b"") -> str:
     lines = [f"p = {p:.3f}   (id {token})"]
     if alternatives:
         lines.append("most likely here:")
-        lines += [f"  {alt[2] if len(alt) > 2 else alt[0]!r}  {math.exp(alt[1]):.3f}" for alt in alternatives]
+        lines += [f"  {_alternative(alt, pending)!r}  {math.exp(alt[1]):.3f}" for alt in alternatives]
     return "\n".join(lines)
+
+
+def _spans(tokens: list[int], logprobs: list[Any], alternatives: list[Any], texts: list[TokenText]) -> str:
+    """The answer token by token: coloured by probability, the alternatives on hover; a token that begins a
+    character shows nothing (the token that completes it shows the character)."""
+    spans = []
+    for i, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+        p = math.exp(lp) if lp is not None and lp > -1e30 else 0.0
+        alts = alternatives[i] if i < len(alternatives) else []
+        title = _token_title(p, token, alts, texts[i].pending)
+        spans.append(
+            f'<span class="tok" style="background:{_colour(p)}" title="{escape(title)}">{escape(texts[i].text)}</span>'
+        )
+    return "".join(spans)
 
 
 def request_html(rec: dict[str, Any]) -> str:
     tokens = rec.get("tokens") or []
     logprobs = rec.get("logprobs") or []
-    pieces = rec.get("pieces") or [None] * len(tokens)
-    labels = token_labels(tokens, rec.get("pieces"), rec.get("token_strings"))
+    texts = token_texts(tokens, rec.get("pieces"), rec.get("token_strings"))
     alternatives = rec.get("alternatives") or []
     head = [
         f"finish: <b>{escape(shown_finish(rec.get('finish_reason'), rec.get('finish_detail')))}</b>",
@@ -124,18 +141,9 @@ def request_html(rec: dict[str, Any]) -> str:
     if rec.get("redacted"):
         parts.append('<p class="note">the plan\'s output filter flagged this answer: its tokens are not kept</p>')
     elif len(logprobs) == len(tokens) and tokens:
-        spans = []
-        for i, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
-            p = math.exp(lp) if lp is not None and lp > -1e30 else 0.0
-            alts = alternatives[i] if i < len(alternatives) else []
-            text = _piece(labels[i], pieces[i])
-            spans.append(
-                f'<span class="tok" style="background:{_colour(p)}" title="{escape(_token_title(p, token, alts))}">'
-                f"{escape(text)}</span>"
-            )
-        parts.append(f'<div class="answer">{"".join(spans)}</div>')
+        parts.append(f'<div class="answer">{_spans(tokens, logprobs, alternatives, texts)}</div>')
     else:
-        text = rec.get("text") or "".join(_piece(lab, pc) for lab, pc in zip(labels, pieces, strict=False))
+        text = rec.get("text") or "".join(t.text for t in texts)
         parts.append(f'<div class="answer">{escape(text)}</div>')
         parts.append('<p class="note">no per-token probabilities (beam search, or a replayed answer)</p>')
     parts.append("</div>")

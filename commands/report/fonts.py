@@ -1,8 +1,11 @@
 """Fonts for token labels: DejaVu Sans (matplotlib's default) has no CJK glyphs, so find one that does.
 
 A system font covering the missing characters is looked up with fc-list (by language) and among the
-fonts matplotlib sees; each candidate is checked glyph by glyph. With none, uncovered characters are
-written as \\uXXXX escapes and the report says so.
+fonts matplotlib sees; each candidate is checked glyph by glyph, and the one found measures the labels. Either
+way the pictures' text stays text (SVG <text>, `svg.fonttype: none`) whose font-family names the font found,
+then matplotlib's sans-serif families and the CJK fonts of the common systems (`CJK_FAMILIES`, added to
+`font.sans-serif` by common.py): the browser that shows the page draws every character with its own fonts
+where the drawing machine had none. A character is never written as a \\uXXXX escape.
 """
 
 from __future__ import annotations
@@ -21,22 +24,40 @@ settle_matplotlib_home()  # before matplotlib's import: its font cache goes to l
 from matplotlib import font_manager  # noqa: E402
 from matplotlib.ft2font import FT2Font  # noqa: E402
 
+# CJK fonts of the common systems (Linux, macOS, Windows), after matplotlib's own sans-serif families in every
+# picture's font-family: what the reader's browser falls back to, glyph by glyph
+CJK_FAMILIES = (
+    "Noto Sans CJK SC",
+    "Noto Sans CJK JP",
+    "Source Han Sans SC",
+    "WenQuanYi Micro Hei",
+    "PingFang SC",
+    "Hiragino Sans",
+    "Microsoft YaHei",
+    "Malgun Gothic",
+)
 CJK_NAME = re.compile(r"cjk|wqy|wenquan|droidsansfallback|ipa[gp]|takao|unifont|sourcehan|notosans(sc|tc|jp|kr)", re.I)
 
 
 @dataclass
 class LabelFont:
     path: str | None  # None: the default font is enough, or nothing better was found
-    escaped: bool  # some characters could not be drawn and are shown as \uXXXX
+    browser: bool  # no installed font has some of the characters: the reader's browser draws them
     note: str
 
     def properties(self) -> font_manager.FontProperties | None:
-        """The found font first, DejaVu Sans for what it lacks (matplotlib's per-glyph fallback)."""
+        """The found font first, DejaVu Sans for what it lacks (matplotlib's per-glyph fallback), then the
+        sans-serif families (CJK_FAMILIES among them) for the browser."""
         if not self.path:
             return None
         font_manager.fontManager.addfont(self.path)
         name = font_manager.FontProperties(fname=self.path).get_name()
-        return font_manager.FontProperties(family=[name, "DejaVu Sans"])
+        return font_manager.FontProperties(family=[name, "DejaVu Sans", "sans-serif"])
+
+
+def with_cjk_fallbacks(families: list[str]) -> list[str]:
+    """`families` (matplotlib's sans-serif ones), then CJK_FAMILIES: the browser's fallbacks in every picture."""
+    return [*families, *(f for f in CJK_FAMILIES if f not in families)]
 
 
 @functools.lru_cache(maxsize=16)
@@ -72,7 +93,8 @@ def _visible(ch: str) -> bool:
 
 
 def pick_font(texts: Iterable[str]) -> LabelFont:
-    """A font that draws every character of `texts`, or the default one plus a note on what is escaped."""
+    """A font that draws every character of `texts`; with none, the best one found (or the default) and a note
+    that the browser draws the rest."""
     wanted = {ord(c) for text in texts for c in text if _visible(c)}
     missing = wanted - _charmap(_default_font())
     if not missing:
@@ -91,20 +113,12 @@ def pick_font(texts: Iterable[str]) -> LabelFont:
             f"token labels drawn with {best.rsplit('/', 1)[-1]} (the default font lacks "
             f"{len(missing)} of their characters)",
         )
-    escaped = sorted(best_left)
-    sample = " ".join(f"U+{c:04X}" for c in escaped[:6])
+    left = sorted(best_left)
+    sample = " ".join(f"U+{c:04X}" for c in left[:6])
     return LabelFont(
         best,
         True,
-        f"no installed font has glyphs for {len(escaped)} characters of the token labels "
-        f"({sample}{' …' if len(escaped) > 6 else ''}); they are shown as \\uXXXX escapes. "
-        "Install a CJK font (Debian: fonts-noto-cjk) to see them.",
+        f"no font on the machine that drew this page has {len(left)} characters of the token labels "
+        f"({sample}{' …' if len(left) > 6 else ''}): they are left to your browser's fonts (their widths in "
+        "the picture are estimated; a CJK font there, Debian: fonts-noto-cjk, lets the drawing measure them)",
     )
-
-
-def drawable(text: str, font: LabelFont) -> str:
-    """`text` with the characters `font` cannot draw written as \\uXXXX."""
-    if not font.escaped:
-        return text
-    have = _charmap(font.path or _default_font()) | _charmap(_default_font())
-    return "".join(c if not _visible(c) or ord(c) in have else f"\\u{ord(c):04x}" for c in text)

@@ -1,9 +1,20 @@
-"""Token labels a reader can read: decoded text with spaces/newlines visible, bytes of split characters."""
+"""Token labels a reader can read, in every language: decoded text with spaces/newlines visible, a character
+split over several byte tokens shown on the token that completes it.
+
+With a byte-level BPE (tokens spelled in GPT-2's byte alphabet) the bytes are decoded across tokens: the token
+that completes a character shows it (`介`), a token whose bytes only begin one shows `…` (its bytes continue in
+the next token), and only bytes that never make a character (invalid UTF-8, or cut off at the end) show as
+bytes (`<e5 af>`). The alternatives at a step are read the same way, after the bytes the chosen tokens before
+it left pending.
+"""
 
 from __future__ import annotations
 
 import codecs
 import functools
+from dataclasses import dataclass
+
+CONTINUED = "…"  # a token whose bytes begin a character the next token completes
 
 
 @functools.lru_cache(maxsize=1)
@@ -27,23 +38,74 @@ def _visible(text: str) -> str:
     return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text)
 
 
-def token_labels(ids: list[int], pieces: list[str] | None, tokens: list[str] | None) -> list[str]:
-    """What a reader sees for each token: its text, spaces and newlines made visible.
+def _hex(raw: bytes) -> str:
+    return "<" + " ".join(f"{b:02x}" for b in raw) + ">"
 
-    With a byte-level BPE (tokens spelled in GPT-2's byte alphabet) the bytes are decoded across
-    tokens, so a character split over several tokens shows on the token that completes it and the
-    tokens before show their bytes (<e6 b3>). Otherwise each token's own decoded piece is used.
-    """
+
+def token_bytes(token: str | None) -> bytes | None:
+    """A byte-level BPE token's bytes (None: not spelled in GPT-2's byte alphabet)."""
     table = _byte_decoder()
-    if tokens and len(tokens) == len(ids) and all(t and all(c in table for c in t) for t in tokens):
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        labels = []
-        for token in tokens:
-            raw = bytes(table[c] for c in token)
-            text = decoder.decode(raw)
-            whole = text and "\ufffd" not in text  # U+FFFD: bytes that are no valid UTF-8 here
-            labels.append(_visible(text) if whole else "<" + " ".join(f"{b:02x}" for b in raw) + ">")
-        return labels
+    if not token or not all(c in table for c in token):
+        return None
+    return bytes(table[c] for c in token)
+
+
+@dataclass(frozen=True)
+class TokenText:
+    label: str  # what a picture's axis shows: spaces made visible, `…` on a token that begins a character
+    text: str  # what the answer shows: the characters this token completes ("" while a character is begun)
+    pending: bytes  # the bytes of a begun character before this token (its alternatives continue them)
+
+
+def _decoded(raws: list[bytes]) -> list[TokenText]:
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    found: list[TokenText] = []
+    begun = 0  # the first token of the character now pending
+    for i, raw in enumerate(raws):
+        pending = decoder.getstate()[0]
+        text = decoder.decode(raw)
+        left = decoder.getstate()[0]
+        if "\ufffd" in text:  # bytes that are no valid UTF-8 here: shown as bytes
+            found.append(TokenText(_hex(raw), _hex(raw), pending))
+        else:
+            found.append(TokenText(_visible(text) + (CONTINUED if left else ""), text, pending))
+        if not left:
+            begun = i + 1
+    if decoder.getstate()[0]:  # cut off at the end: those tokens' bytes never made a character
+        for i in range(begun, len(raws)):
+            text = found[i].text if found[i].text and "\ufffd" not in found[i].text else ""
+            found[i] = TokenText(_visible(text) + _hex(raws[i][len(text.encode()) :]), text, found[i].pending)
+    return found
+
+
+def token_texts(ids: list[int], pieces: list[str] | None, tokens: list[str] | None) -> list[TokenText]:
+    """Each token as a reader sees it: decoded across token boundaries where the tokens are byte-level BPE, else
+    each token's own decoded piece, else its id."""
+    raws = [token_bytes(t) for t in tokens] if tokens and len(tokens) == len(ids) else []
+    if raws and all(r is not None for r in raws):
+        return _decoded([r for r in raws if r is not None])
     if pieces and len(pieces) == len(ids):
-        return [_visible(p) if p else f"#{i}" for p, i in zip(pieces, ids, strict=True)]
-    return [f"#{i}" for i in ids]
+        return [TokenText(_visible(p) if p else f"#{i}", p or "", b"") for p, i in zip(pieces, ids, strict=True)]
+    return [TokenText(f"#{i}", f"#{i}", b"") for i in ids]
+
+
+def token_labels(ids: list[int], pieces: list[str] | None, tokens: list[str] | None) -> list[str]:
+    """What a picture's axis shows for each token (see the module's docstring)."""
+    return [t.label for t in token_texts(ids, pieces, tokens)]
+
+
+def alternative_text(token: str | None, piece: str, pending: bytes) -> str:
+    """An alternative token as readable text, after the bytes of a character the tokens before it began: the
+    characters it would complete, `…` where it would begin (or go on with) one, else its bytes."""
+    raw = token_bytes(token)
+    if raw is None:
+        return _visible(piece)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    decoder.setstate((pending, 0))
+    text = decoder.decode(raw)
+    if "\ufffd" in text:
+        return _hex(raw)
+    left = decoder.getstate()[0]
+    if left and not text:
+        return _hex(raw) + CONTINUED  # only a character's first bytes: nothing to read yet but which bytes
+    return _visible(text) + (CONTINUED if left else "")

@@ -1,8 +1,10 @@
 """What `/v1/models` says about the served model: its own name (not the plan's), its aliases, the plan as metadata.
 
-The model's id is the name its files give it: a GGUF's `general.name` (else its file's stem), or for an HF
-directory its config's `_name_or_path` (the last part), else the directory's name. The plan's name and the
-GGUF file's stem are aliases: a server started with `--strict-model` answers to those and the id only;
+The model's id is the name its user knows it by, the one `history` and `show` say (ModelSource.name): a GGUF's
+file stem (`qwen2.5-coder-0.5b-instruct-q4_k_m`, not its `general.name`, which may name another quantization:
+"Qwen2.5 Coder 0.5B Instruct AWQ" for a Q4_K_M), an HF directory's name (a Hub snapshot's repository). The
+GGUF's `general.name`, an HF config's `_name_or_path` (the last part) and the plan's name are aliases: a server
+started with `--strict-model` answers to those and the id only;
 otherwise every name is accepted, as llama-server does (clients send `gpt-4o-mini` by default).
 """
 
@@ -50,13 +52,13 @@ class ModelCard:
 def model_card(source: Any, plan_name: str, created: int, embeddings: dict[str, Any] | None = None) -> ModelCard:
     """The card of the model at `source` (a `ModelSource`, or None before any load); `embeddings`: how the
     server's /v1/embeddings vectors are made."""
-    names: list[str] = []
+    names: list[str] = [source.name] if source is not None else []
     gguf = getattr(source, "gguf_file", None)
     if gguf is not None:
-        names += [n for n in (_gguf_name(Path(gguf)), Path(gguf).stem) if n]
+        names += [n for n in (_gguf_name(Path(gguf)),) if n]
     model_dir = getattr(source, "model_dir", None)
     if model_dir is not None and gguf is None:  # an imported GGUF's directory is the cache's (a hash in its name)
-        names += [n for n in (_config_name(Path(model_dir)), Path(model_dir).name) if n]
+        names += [n for n in (_config_name(Path(model_dir)),) if n]
     names.append(plan_name)
     unique = list(dict.fromkeys(names))
     return ModelCard(unique[0], tuple(unique[1:]), plan_name, created, embeddings)

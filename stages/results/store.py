@@ -43,7 +43,7 @@ from .file import (
 from .rows import DamagedRow, decode_answer, decode_row
 
 DEFAULT_DB = "results.sqlite"  # relative to the data home (llmplan/data_home.py)
-SCHEMA_VERSION = 4  # also the file's PRAGMA user_version
+SCHEMA_VERSION = 5  # also the file's PRAGMA user_version
 # v2 adds `evals` (what `llmplan eval` measured); v3 adds `results.finish_detail`: finish_reason holds OpenAI's
 # word (stop, length, ...) and the detail (eos, stop_string, ...) that v1 and v2 kept in finish_reason moves
 # there (llm/generation/ending.py). An older file is read as it is (result_rows.py reads old rows' finish_reason as the
@@ -51,9 +51,12 @@ SCHEMA_VERSION = 4  # also the file's PRAGMA user_version
 # that only reads never writes.
 # v4 adds `result_formats`: the constraint a result ran under (`format`: kind, hash, summary, whether the
 # answer is whole), one row per shaped result.
+# v5 adds `runs.model`: the model the run ran, by the name its user knows (ModelSource.name: a GGUF's file stem,
+# an HF directory's name), beside the fingerprint that identifies its files; an older run has none (NULL).
 V2_TABLE = "evals"
 V3_COLUMN = "finish_detail"
 V4_TABLE = "result_formats"
+V5_COLUMN = "model"
 # v2: the key covers every stage upstream of generation, the model files' content identity, the
 # device and the precision. Rows stored under v1 keys (generation params only) can never match a v2
 # key, so an old database is never misread: its rows stay as history and are simply not replayed.
@@ -73,7 +76,8 @@ CREATE TABLE IF NOT EXISTS runs (
     model_fingerprint TEXT,
     device TEXT,
     status TEXT NOT NULL,
-    run_dir TEXT
+    run_dir TEXT,
+    model TEXT
 );
 CREATE TABLE IF NOT EXISTS results (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -151,6 +155,7 @@ class RunRow:
     device: str | None
     status: str
     run_dir: str | None = None
+    model: str | None = None  # the model's name (ModelSource.name), as history and show say it
 
 
 @dataclass
@@ -279,14 +284,17 @@ def identify(path: Path) -> str:
 
 
 def _older_shapes() -> list[dict[str, list[tuple[Any, ...]]]]:
-    """v3 (v4 less `result_formats`), v2 (v3 less results.finish_detail) and v1 (v2 less `evals`)."""
-    v3 = {name: columns for name, columns in _our_shape().items() if name != V4_TABLE}
+    """v4 (v5 less runs.model), v3 (v4 less `result_formats`), v2 (v3 less results.finish_detail) and v1 (v2
+    less `evals`)."""
+    ours = _our_shape()
+    v4 = {**ours, "runs": [c for c in ours["runs"] if c[0] != V5_COLUMN]}
+    v3 = {name: columns for name, columns in v4.items() if name != V4_TABLE}
     v2 = {**v3, "results": [c for c in v3["results"] if c[0] != V3_COLUMN]}
-    return [v3, v2, {name: columns for name, columns in v2.items() if name != V2_TABLE}]
+    return [v4, v3, v2, {name: columns for name, columns in v2.items() if name != V2_TABLE}]
 
 
 def check_contents(conn: sqlite3.Connection, path: Path) -> None:
-    """Our tables with our columns (those of v4, v3, v2 or v1), and a schema version this llmplan reads."""
+    """Our tables with our columns (those of v5, v4, v3, v2 or v1), and a schema version this llmplan reads."""
     shape = _shape(conn)
     ours = _our_shape()
     versions = [ours, *_older_shapes()]
@@ -429,8 +437,9 @@ class ResultsStore:
     @staticmethod
     def _insert_run(conn: sqlite3.Connection, run: RunRow) -> int:
         cursor = conn.execute(
-            "INSERT INTO runs (time, plan, model_fingerprint, device, status, run_dir) VALUES (?, ?, ?, ?, ?, ?)",
-            (_now(), run.plan, run.model_fingerprint, run.device, run.status, run.run_dir),
+            "INSERT INTO runs (time, plan, model_fingerprint, device, status, run_dir, model)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (_now(), run.plan, run.model_fingerprint, run.device, run.status, run.run_dir, run.model),
         )
         return int(cursor.lastrowid or 0)
 
@@ -476,8 +485,9 @@ class ResultsStore:
         rows = self._read(
             lambda conn: conn.execute(
                 "SELECT results.*, runs.time AS run_time, runs.plan, runs.model_fingerprint, runs.device,"
-                f" runs.status{_format_columns(conn)} FROM results JOIN runs ON runs.id = results.run_id"
-                f"{_format_join(conn)} ORDER BY results.id DESC LIMIT ?",
+                f" runs.status{_model_column(conn)}{_format_columns(conn)}"
+                f" FROM results JOIN runs ON runs.id = results.run_id{_format_join(conn)}"
+                " ORDER BY results.id DESC LIMIT ?",
                 (int(limit),),
             ).fetchall()
         )
@@ -488,8 +498,8 @@ class ResultsStore:
         row = self._read(
             lambda conn: conn.execute(
                 "SELECT results.*, runs.time AS run_time, runs.plan, runs.model_fingerprint, runs.device,"
-                f" runs.status, runs.run_dir{_format_columns(conn)} FROM results JOIN runs ON runs.id = results.run_id"
-                f"{_format_join(conn)} WHERE results.id = ?",
+                f" runs.status, runs.run_dir{_model_column(conn)}{_format_columns(conn)}"
+                f" FROM results JOIN runs ON runs.id = results.run_id{_format_join(conn)} WHERE results.id = ?",
                 (int(result_id),),
             ).fetchone()
         )
@@ -516,7 +526,7 @@ class ResultsStore:
 
 
 def _upgrade(conn: sqlite3.Connection) -> None:
-    """Bring a v1, v2 or v3 file to v4, inside the caller's write transaction (a v4 file is left as it is)."""
+    """Bring a v1 to v4 file to v5, inside the caller's write transaction (a v5 file is left as it is)."""
     for statement in _statements():
         if V2_TABLE in statement or V4_TABLE in statement:  # the tables and index: IF NOT EXISTS
             conn.execute(statement)
@@ -530,6 +540,8 @@ def _upgrade(conn: sqlite3.Connection) -> None:
             f" finish_reason = CASE finish_reason {words} ELSE finish_reason END"
             " WHERE typeof(finish_reason) = 'text'"  # a damaged value stays as it is, and is shown as damaged
         )
+    if V5_COLUMN not in {row[1] for row in conn.execute("SELECT * FROM pragma_table_info('runs')")}:
+        conn.execute(f"ALTER TABLE runs ADD COLUMN {V5_COLUMN} TEXT")  # older runs: NULL, their model unnamed
     if (conn.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] or 0) < SCHEMA_VERSION:
         conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
@@ -593,6 +605,12 @@ def _has_formats(conn: sqlite3.Connection) -> bool:
     return conn.execute(known, (V4_TABLE,)).fetchone() is not None
 
 
+def _model_column(conn: sqlite3.Connection) -> str:
+    """The run's model name in a read (a file before v5 has none: its runs' models are known by fingerprint)."""
+    columns = {row[1] for row in conn.execute("SELECT * FROM pragma_table_info('runs')")}
+    return f", runs.{V5_COLUMN}" if V5_COLUMN in columns else ""
+
+
 def _format_columns(conn: sqlite3.Connection) -> str:
     """The format's columns of a read (a file before v4 has none: its results ran under no recorded format)."""
     if not _has_formats(conn):
@@ -625,7 +643,7 @@ def _shown(row: sqlite3.Row) -> dict[str, Any]:
         return _with_format(decode_row(row))
     except DamagedRow as bad:
         data = dict(row)
-        keep = ("id", "run_id", "run_time", "plan", "model_fingerprint", "created")
+        keep = ("id", "run_id", "run_time", "plan", "model", "model_fingerprint", "created")
         return {**{k: data[k] for k in keep if k in data}, "damaged": str(bad)}
 
 

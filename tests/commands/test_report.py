@@ -18,7 +18,7 @@ from llmplan.commands.report.figures_generation import step_rates
 from llmplan.commands.report.figures_memory import stage_spans
 from llmplan.commands.report.figures_plan import stage_label
 from llmplan.commands.report.figures_speculation import running_acceptance
-from llmplan.commands.report.tokens import token_labels
+from llmplan.commands.report.tokens import alternative_text, token_labels, token_texts
 from llmplan.engine.memory import mib
 from llmplan.llm.generation import speculative
 from tests.commands.browser import Browser, find_chromium
@@ -168,16 +168,27 @@ def test_numbers_come_from_the_run(runs: dict[str, Path]) -> None:
 
 def test_step_rates_and_token_labels() -> None:
     assert step_rates([0.1, 0.2, 0.45]) == pytest.approx([10.0, 4.0])
-    # byte-level tokens: "注" (e6 b3 a8) split over two tokens shows its bytes, then the character
-    assert token_labels([1, 2, 3], None, ["æ³", "¨", "Ġhi"]) == ["<e6 b3>", "注", "␣hi"]
+    # byte-level tokens: "注" (e6 b3 a8) split over two tokens shows on the one that completes it
+    assert token_labels([1, 2, 3], None, ["æ³", "¨", "Ġhi"]) == ["…", "注", "␣hi"]
+    # a token that completes one character and begins the next; bytes cut off at the end stay bytes
+    assert token_labels([1, 2, 3, 4], None, ["æ³", "¨æ", "³¨", "æ³"]) == ["…", "注…", "注", "<e6 b3>"]
     assert token_labels([5], ["a\nb"], None) == ["a\\nb"]
+    texts = token_texts([1, 2], None, ["æ³", "¨"])
+    assert [t.text for t in texts] == ["", "注"] and texts[1].pending == b"\xe6\xb3"
 
 
-def test_cjk_font_fallback_escapes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_alternatives_read_after_the_bytes_before_them() -> None:
+    # after e6 b3, the byte a8 completes 注 and 8f completes 泏; alone, a first byte is only bytes
+    assert [alternative_text(t, "\ufffd", b"\xe6\xb3") for t in ("¨", "ı")] == ["注", "泏"]
+    assert alternative_text("æ", "\ufffd", b"") == "<e6>…"
+    assert alternative_text("Ġthe", " the", b"") == "␣the"
+    assert alternative_text(None, "plain", b"") == "plain"  # not a byte-level vocabulary: its own piece
+
+
+def test_no_cjk_font_leaves_the_labels_to_the_browser(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fonts, "_candidates", lambda: [])
     font = fonts.pick_font(["注意", "hello"])
-    assert font.escaped and "fonts-noto-cjk" in font.note
-    assert fonts.drawable("注a", font) == "\\u6ce8a"
+    assert font.browser and "browser" in font.note and "fonts-noto-cjk" in font.note
     assert not fonts.pick_font(["plain ascii"]).note
 
 

@@ -66,16 +66,25 @@ def _block(name: str, shape: tuple[int, int], rng: np.random.Generator) -> np.nd
 
 
 def write_tiny_model(
-    path: str, arch: str = "llama", tied: bool = False, embed: str = "Q4_K", head: str = "Q6_K", seed: int = 0
+    path: str,
+    arch: str = "llama",
+    tied: bool = False,
+    embed: str = "Q4_K",
+    head: str = "Q6_K",
+    seed: int = 0,
+    name: str | None = None,
 ) -> None:
     """A 2-layer Llama or Qwen2 GGUF with a byte-level vocabulary, its linears in a Q4_K_M-like mix of block
-    types (`LAYER_TYPES`), the embeddings `embed`, an untied head `head` (none when `tied`)."""
+    types (`LAYER_TYPES`), the embeddings `embed`, an untied head `head` (none when `tied`); `name`: its
+    `general.name`, if any."""
     import gguf
     from gguf import GGMLQuantizationType as Q
 
     rng = np.random.default_rng(seed)
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *byte_alphabet(), "Ġt", "he"]
     writer = gguf.GGUFWriter(path, arch)
+    if name is not None:
+        writer.add_name(name)
     for add, value in (
         (writer.add_block_count, LAYERS),
         (writer.add_context_length, 4096),

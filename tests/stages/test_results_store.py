@@ -74,7 +74,7 @@ def test_newer_schema_and_non_database_are_refused(tmp_path):
     conn.execute("UPDATE schema_version SET version = 99")
     conn.commit()
     conn.close()
-    with pytest.raises(StoreError, match=r"schema version 99 is newer than this llmplan supports \(4\)"):
+    with pytest.raises(StoreError, match=r"schema version 99 is newer than this llmplan supports \(5\)"):
         ResultsStore(db)
     junk = tmp_path / "junk.sqlite"
     junk.write_bytes(b"this is not a database" * 100)
@@ -167,7 +167,7 @@ def _v2_database(db, version: int = 2) -> None:
         store.record_run(_run(), [_row(1, "k1")])
     conn = sqlite3.connect(db, isolation_level=None)
     conn.executescript(
-        "DROP TABLE result_formats; ALTER TABLE results DROP COLUMN finish_detail;"
+        "DROP TABLE result_formats; ALTER TABLE results DROP COLUMN finish_detail; ALTER TABLE runs DROP COLUMN model;"
         " UPDATE results SET finish_reason = 'eos';"
         f" UPDATE schema_version SET version = {version}; PRAGMA user_version = {version};"
     )
@@ -207,8 +207,8 @@ def test_a_v1_database_is_read_unchanged_and_upgraded_by_its_first_eval(tmp_path
         store.record_evals([_eval("aaa")])
         assert store.lookup("k1") is not None and store.evals("aaa")[0]["change"] == "weights int8"
     conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
-    assert conn.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] == 4
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
+    assert conn.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] == 5
     conn.close()
     with ResultsStore(db) as store:  # and it opens as a current database afterwards
         assert store.count("evals") == 1
@@ -245,7 +245,7 @@ def test_a_v2_database_reads_in_the_new_vocabulary_and_its_first_write_moves_old
     conn = sqlite3.connect(db)
     stored = conn.execute("SELECT request_id, finish_reason, finish_detail FROM results ORDER BY id").fetchall()
     assert stored == [("r1", "stop", "eos"), ("r2", "content_filter", "length")]  # SQL sees one vocabulary too
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
     conn.close()
     assert _cli(["history", "--db", str(db)]) == 0
     out = capsys.readouterr().out
@@ -278,7 +278,10 @@ def test_a_v3_database_is_read_as_it_is_and_gains_the_format_table_with_its_firs
     with ResultsStore(db) as store:
         store.record_run(_run(), [_row(1, "k1")])
     conn = sqlite3.connect(db, isolation_level=None)
-    conn.executescript("DROP TABLE result_formats; UPDATE schema_version SET version = 3; PRAGMA user_version = 3;")
+    conn.executescript(
+        "DROP TABLE result_formats; ALTER TABLE runs DROP COLUMN model;"
+        " UPDATE schema_version SET version = 3; PRAGMA user_version = 3;"
+    )
     conn.close()
     with ResultsStore(db, create=False) as store:  # read as it is: the old row has no format
         assert store.get(1)["format"] is None and store.history()[0]["format"] is None
@@ -291,4 +294,25 @@ def test_a_v3_database_is_read_as_it_is_and_gains_the_format_table_with_its_firs
         store.record_run(_run(), [shaped])
         assert store.get(2)["format"]["complete"] is True and store.get(1)["format"] is None
     conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
+
+
+def test_a_run_names_its_model_and_a_v4_run_is_known_by_its_fingerprint(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    db = tmp_path / "v4.sqlite"
+    with ResultsStore(db) as store:
+        store.record_run(_run(), [_row(1, "k1")])
+    conn = sqlite3.connect(db, isolation_level=None)
+    conn.executescript("ALTER TABLE runs DROP COLUMN model; UPDATE schema_version SET version = 4; PRAGMA user_version = 4;")
+    conn.close()
+    with ResultsStore(db, create=False) as store:  # read as it is: no name, the fingerprint stands in
+        assert "model" not in store.get(1)
+    named = RunRow("llama-int8", "d39e33b1aa", "cpu", "ok", None, "qwen2.5-coder-0.5b-instruct-q4_k_m")
+    with ResultsStore(db) as store:
+        store.record_run(named, [_row(2)])
+        assert store.get(1)["model"] is None and store.get(2)["model"] == named.model
+    assert _cli(["history", "--db", str(db)]) == 0
+    listed = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()}
+    assert "qwen2.5-coder-0.5b-instruct-q4_k_m" in listed["2"] and "fp-1" in listed["1"]
+    assert _cli(["show", "2", "--db", str(db)]) == 0
+    assert "model qwen2.5-coder-0.5b-instruct-q4_k_m  ·  files d39e33b1aa" in capsys.readouterr().out

@@ -195,8 +195,8 @@ FOREIGN = [
         id="only-a-results-table",
     ),
     pytest.param(
-        lambda f: _ours(f / "results.sqlite", "PRAGMA user_version = 5"),
-        "schema version 5 is newer",
+        lambda f: _ours(f / "results.sqlite", "PRAGMA user_version = 6"),
+        "schema version 6 is newer",
         id="newer-user-version",
     ),
     pytest.param(
