@@ -200,9 +200,16 @@ def _label(variant: Variant, loaded: Any, overrides: list[str]) -> dict[str, Any
         "plan_hash": eval_store.plan_hash(variant.plan, [*overrides, *variant.overrides]),
         "change": variant.change,
         "weights": str(loaded.metric("load.convert", "dtype") or "as stored"),
-        "activations": str(loaded.model.dtype).removeprefix("torch."),
+        "activations": _activations(loaded),
         "kv_cache": str(cache.k.dtype).removeprefix("torch.") if cache is not None else None,
     }
+
+
+def _activations(loaded: Any) -> str:
+    """The residual stream's dtype, and how a GGUF's block kernels round the products' inputs."""
+    dtype = str(loaded.model.dtype).removeprefix("torch.")
+    bits = loaded.metric("load.convert", "activation_bits")
+    return f"{dtype} (products: x to {bits} bits per 32)" if bits else dtype
 
 
 def evaluate(args: argparse.Namespace, text: str, source: str) -> dict[str, Any]:

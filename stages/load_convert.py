@@ -59,6 +59,12 @@ class ConvertParams(Params):
         "the file and multiplied as they are (CPU), no conversion",
     )
     group_size: int = Field(32, ge=8, le=1024, description="int4: weights per scale/zero group")
+    activation_bits: Literal[8, 16] = Field(
+        8,
+        description="stored: the block kernels round each product's input per 32 columns to integers; 8: one "
+        "int8 pass, as llama.cpp's Q8_0 rounds them (fastest prefill, KL ~1e-3 from the file's own values); 16: "
+        "two int8 passes, the second over what the first left out (~15 bits: KL ~1e-7)",
+    )
     head: Literal["same", "fp32", "bf16", "fp16", "int8"] = Field(
         "same", description="precision of the output head (the largest matmul of decode)"
     )
@@ -474,7 +480,11 @@ def map_stored(ctx: InferenceContext, params: Any, cfg: ModelConfig) -> None:
     # what the load holds: the mapping's pages (all of them touched, in time) and the rows copied out of it
     copied = copied_bytes(mapped.file)
     resident = mapped.nbytes + copied
-    ctx.weights = ConvertedWeights(tensors=weights, dtype=STORED, nbytes=resident, kernel=params.kernel, mapping=mapped)
+    bits = params.activation_bits
+    ctx.weights = ConvertedWeights(
+        weights, STORED, resident, kernel=params.kernel, mapping=mapped, activation_bits=bits
+    )
+    ctx.metrics.set("activation_bits", params.activation_bits)
     ctx.metrics.set("copied_bytes", copied)
     ctx.host_weights = None  # the fp32 import is not read
     ctx.metrics.set("dtype", STORED)

@@ -111,7 +111,9 @@ def _build_model(ctx: InferenceContext, weights: ConvertedWeights, max_tokens: i
     """The model on the device from the converted weights, each linear in the precision load.convert gave it."""
     cfg = ctx.model_config
     assert cfg is not None
-    factory = functools.partial(make_linear, kernel=weights.kernel, bf16_inputs=weights.bf16_inputs)
+    factory = functools.partial(
+        make_linear, kernel=weights.kernel, bf16_inputs=weights.bf16_inputs, activation_bits=weights.activation_bits
+    )
     try:
         return Transformer.from_weights(
             cfg,

@@ -81,6 +81,7 @@ class ConvertedWeights:
     kernel: str = "auto"  # "reference" forces the plain weight-only matmuls
     bf16_inputs: bool = False  # bf16 weights' products take x rounded to bf16 (ConvertParams.bf16_inputs)
     mapping: Any = None  # dtype stored: the mapped GGUF the weights are views on (MappedGGUF)
+    activation_bits: int = 8  # dtype stored: the block kernels' rounding of x (ConvertParams.activation_bits)
 
     def close(self) -> None:
         """Drop the mapping (output.release): its memory goes once the model holding its views is gone too."""

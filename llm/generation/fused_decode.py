@@ -58,6 +58,7 @@ class _Linear(ctypes.Structure):
         ("n", ctypes.c_int64),
         ("k", ctypes.c_int64),
         ("group", ctypes.c_int64),
+        ("xbits", ctypes.c_int64),
     ]
 
 
@@ -133,7 +134,7 @@ def architecture_problem(cfg: ModelConfig) -> str | None:
 def mirror_layout() -> list[int]:
     """Sizes and field offsets of the ctypes mirror, in the order `decode_layout` in cpu_kernels.c reports."""
     fields = {
-        _Linear: ("w", "scale", "zero", "n", "k", "group"),
+        _Linear: ("w", "scale", "zero", "n", "k", "group", "xbits"),
         _Layer: (
             *("ffn_norm", "wqkv", "wo", "w13", "w2", "qkv_bias", "q_norm", "k_norm"),
             *("post_attn_norm", "post_ffn_norm", "rope_cos", "rope_sin", "window", "k_cache", "v_cache", "rows"),
@@ -186,7 +187,7 @@ def _gguf_linear(module: GGUFLinear, keep: list[Any]) -> _Linear:
     if k % 8:
         raise NotFused(f"a GGUF weight of {k} columns does not fit the native kernels")
     keep.append(module.blocks)
-    return _Linear(kind, module.blocks.data_ptr(), 0, 0, n, k, qtype if kind == _GGUF else 0)
+    return _Linear(kind, module.blocks.data_ptr(), 0, 0, n, k, qtype if kind == _GGUF else 0, module.activation_bits)
 
 
 def _gguf_parts(module: GGUFPartsLinear, keep: list[Any]) -> _Linear:

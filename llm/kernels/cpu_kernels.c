@@ -1798,11 +1798,12 @@ typedef struct {
                          // bf16 w, x rounded to bf16 (gemm_half HALF_BF16_INPUTS); LINEAR_GGUF: w is a GGUF's
     const void *zero;    // quantized block rows [n, row bytes], group their ggml type (gguf_blocks.c);
     int64_t n, k, group; // LINEAR_PARTS: w is `group` LINEAR_GGUF parts (a fused q|k|v of differing block types),
-} Linear;                // each writing its own n columns of the [M, n] output in order
+    int64_t xbits;       // each writing its own n columns of the [M, n] output in order. xbits: LINEAR_GGUF's
+} Linear;                // rounding of x (8 or 16, gguf_blocks.c)
 
 // gguf_blocks.c (the same shared object)
 int64_t gguf_linear_ld(int64_t type, const void *blocks, const float *x, float *y, int64_t M, int64_t N, int64_t K,
-                       int64_t ldy);
+                       int64_t ldy, int64_t xbits);
 int64_t gguf_dequantize_rows(int64_t type, const void *blocks, float *out, int64_t N, int64_t K);
 int64_t gguf_block_shape(int64_t type, int64_t *out);
 
@@ -1844,7 +1845,7 @@ enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
 int64_t decode_layout(int64_t *out, int64_t cap) {
     const int64_t v[] = {
         sizeof(Linear), offsetof(Linear, w), offsetof(Linear, scale), offsetof(Linear, zero), offsetof(Linear, n),
-        offsetof(Linear, k), offsetof(Linear, group), sizeof(Layer), offsetof(Layer, ffn_norm), offsetof(Layer, wqkv),
+        offsetof(Linear, k), offsetof(Linear, group), offsetof(Linear, xbits), sizeof(Layer), offsetof(Layer, ffn_norm), offsetof(Layer, wqkv),
         offsetof(Layer, wo), offsetof(Layer, w13), offsetof(Layer, w2), offsetof(Layer, qkv_bias),
         offsetof(Layer, q_norm), offsetof(Layer, k_norm), offsetof(Layer, post_attn_norm),
         offsetof(Layer, post_ffn_norm), offsetof(Layer, rope_cos), offsetof(Layer, rope_sin), offsetof(Layer, window),
@@ -1873,7 +1874,7 @@ static inline void step_clock(const DecodeModel *m, int64_t at) {
 
 // A GGUF product into columns of y (row stride ldy); out of memory, its columns are NaN rather than stale.
 static void gguf_product(const Linear *l, const float *x, float *y, int64_t M, int64_t ldy) {
-    if (gguf_linear_ld(l->group, l->w, x, y, M, l->n, l->k, ldy) == 0) return;
+    if (gguf_linear_ld(l->group, l->w, x, y, M, l->n, l->k, ldy, l->xbits) == 0) return;
     for (int64_t r = 0; r < M; r++)
         for (int64_t j = 0; j < l->n; j++) y[r * ldy + j] = NAN;
 }

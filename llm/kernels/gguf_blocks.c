@@ -297,19 +297,30 @@ typedef struct {
     int64_t Kp;
 } XQ;
 
-static void quantize_row(const float *x, int64_t K, int8_t *q, float *dx, float *xs) {
+// 32 values to int8 codes with one scale (amax / 127); `rest`, when given, gets what the codes left out.
+static void quantize_block(const float *xb, int8_t *qb, float *dx, float *xs, float *rest) {
+    float amax = 0.0f;
+    for (int l = 0; l < 32; l++) amax = fmaxf(amax, fabsf(xb[l]));
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    for (int l = 0; l < 32; l++) qb[l] = (int8_t)nearbyintf(xb[l] * id);  // |x * id| <= 127 (+ rounding)
+    if (rest)
+        for (int l = 0; l < 32; l++) rest[l] = xb[l] - d * (float)qb[l];
+    for (int h = 0; h < 2; h++) {
+        int s = 0;
+        for (int l = 0; l < 16; l++) s += qb[16 * h + l];
+        dx[h] = d, xs[h] = d * (float)s;
+    }
+}
+
+// One activation row rounded per 32 columns; with `split`, two rows: the codes, then the codes of what they
+// left out (at most half a step, so its own scale is <= 1/254 of the first's: x to about 15 bits, the two
+// rows' products summed).
+static void quantize_row(const float *x, int64_t K, int8_t *q, float *dx, float *xs, int split, int64_t Kp) {
+    const int64_t G = Kp / 16;
     for (int64_t b = 0; b < K / 32; b++) {
-        const float *xb = x + 32 * b;
-        float amax = 0.0f;
-        for (int l = 0; l < 32; l++) amax = fmaxf(amax, fabsf(xb[l]));
-        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        int8_t *qb = q + 32 * b;
-        for (int l = 0; l < 32; l++) qb[l] = (int8_t)nearbyintf(xb[l] * id);  // |x * id| <= 127 (+ rounding)
-        for (int h = 0; h < 2; h++) {
-            int s = 0;
-            for (int l = 0; l < 16; l++) s += qb[16 * h + l];
-            dx[2 * b + h] = d, xs[2 * b + h] = d * (float)s;
-        }
+        float rest[32];
+        quantize_block(x + 32 * b, q + 32 * b, dx + 2 * b, xs + 2 * b, split ? rest : NULL);
+        if (split) quantize_block(rest, q + Kp + 32 * b, dx + G + 2 * b, xs + G + 2 * b, NULL);
     }
 }
 
@@ -319,8 +330,10 @@ static inline int team_size(void) {
     return stats[0] > 0 ? (int)stats[0] : 1;
 }
 
-static int quantize_x(const float *x, int64_t M, int64_t K, XQ *out) {
-    const int64_t Kp = padded(K), G = Kp / 16;
+// x [M, K] rounded: M rows, or 2M with split (row 2m the codes of x's row m, 2m + 1 of what they left out).
+static int quantize_x(const float *x, int64_t M, int64_t K, int split, XQ *out) {
+    const int64_t Kp = padded(K), G = Kp / 16, R = split ? 2 : 1;
+    M *= R;
     out->Kp = Kp;
     out->q = _mm_malloc((size_t)(M * Kp), 64);
     out->dx = _mm_malloc((size_t)(2 * M * G) * sizeof(float), 64);
@@ -331,11 +344,13 @@ static int quantize_x(const float *x, int64_t M, int64_t K, XQ *out) {
     // No parallel region at all for a small x, not one of a single thread (`if` false): a one-thread region
     // parks the team's other thread, and the product's region then waits to wake it (ms on a busy machine).
     if (M * K < 65536) {
-        for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, out->q + m * Kp, out->dx + m * G, out->xs + m * G);
+        for (int64_t m = 0; m < M; m += R)
+            quantize_row(x + m / R * K, K, out->q + m * Kp, out->dx + m * G, out->xs + m * G, split, Kp);
         return 1;
     }
 #pragma omp parallel for num_threads(team_size()) schedule(static)
-    for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, out->q + m * Kp, out->dx + m * G, out->xs + m * G);
+    for (int64_t m = 0; m < M; m += R)
+        quantize_row(x + m / R * K, K, out->q + m * Kp, out->dx + m * G, out->xs + m * G, split, Kp);
     return 1;
 }
 
@@ -470,20 +485,23 @@ static int64_t chunk_rows(int64_t Kp) {
     return rows > MR ? rows : MR;
 }
 
-// y [M, N] = x [M, K] @ W.T for W's N rows of `type` blocks, output row m at y + m * ldy (ldy >= N: the fused
+// y [M, N] = x [M, K] @ W.T for W's N rows of `type` blocks, x rounded per 32 columns to int8 (xbits 8, as
+// llama.cpp's Q8_0) or in two int8 passes (xbits 16), output row m at y + m * ldy (ldy >= N: the fused
 // pass's q|k|v parts of different types each write their own columns of one [M, ldy] output, no scatter): each
 // weight row is read once a chunk of activation rows, decoded once per MR of them. 0, or -1 for an unknown type
-// or K not whole blocks, -2 out of memory.
+// or K not whole blocks or xbits not 8 or 16, -2 out of memory.
 int64_t gguf_linear_ld(int64_t type, const void *blocks, const float *x, float *y, int64_t M, int64_t N, int64_t K,
-                       int64_t ldy) {
+                       int64_t ldy, int64_t xbits) {
     int64_t shape[2];
     const RowDot dot = dot_of(type);
-    if (!dot || !gguf_block_shape(type, shape) || K % shape[0]) return -1;
+    if (!dot || !gguf_block_shape(type, shape) || K % shape[0] || (xbits != 8 && xbits != 16)) return -1;
     XQ xq;
-    if (!quantize_x(x, M, K, &xq)) {
+    const int split = xbits == 16, R = split ? 2 : 1;
+    if (!quantize_x(x, M, K, split, &xq)) {
         _mm_free(xq.q), _mm_free(xq.dx);
         return -2;
     }
+    M *= R;
     const int64_t row_bytes = K / shape[0] * shape[1], chunk = chunk_rows(xq.Kp);
     const int nt = team_size();
     const int64_t g = N / ((int64_t)nt * 8) > 1 ? N / ((int64_t)nt * 8) : 1;
@@ -498,7 +516,10 @@ int64_t gguf_linear_ld(int64_t type, const void *blocks, const float *x, float *
                     float out[MR];
                     const int mb = m1 - m < MR ? (int)(m1 - m) : MR;
                     dot(row, K, &xq, m, mb, out);
-                    for (int r = 0; r < mb; r++) y[(m + r) * ldy + n] = out[r];
+                    if (split)  // MR and the chunks are even: a pass holds whole pairs
+                        for (int r = 0; r < mb; r += 2) y[(m + r) / 2 * ldy + n] = out[r] + out[r + 1];
+                    else
+                        for (int r = 0; r < mb; r++) y[(m + r) * ldy + n] = out[r];
                 }
             }
         }
@@ -507,6 +528,7 @@ int64_t gguf_linear_ld(int64_t type, const void *blocks, const float *x, float *
     return 0;
 }
 
-int64_t gguf_linear(int64_t type, const void *blocks, const float *x, float *y, int64_t M, int64_t N, int64_t K) {
-    return gguf_linear_ld(type, blocks, x, y, M, N, K, N);
+int64_t gguf_linear(int64_t type, const void *blocks, const float *x, float *y, int64_t M, int64_t N, int64_t K,
+                    int64_t xbits) {
+    return gguf_linear_ld(type, blocks, x, y, M, N, K, N, xbits);
 }

@@ -117,7 +117,7 @@ class NativeKernels:
         self._greedy.argtypes = [ptr, i64, ptr]
         self._greedy.restype = i64
         self._gguf = lib.gguf_linear
-        self._gguf.argtypes = [i64, ptr, ptr, ptr, i64, i64, i64]
+        self._gguf.argtypes = [i64, ptr, ptr, ptr, i64, i64, i64, i64]
         self._gguf.restype = i64
         self._gguf_rows = lib.gguf_dequantize_rows
         self._gguf_rows.argtypes = [i64, ptr, ptr, i64, i64]
@@ -267,17 +267,19 @@ class NativeKernels:
         if blocks.numel() != n * (k // elements) * nbytes:
             raise ValueError(f"GGUF blocks: {blocks.numel()} bytes, expected {n * (k // elements) * nbytes}")
 
-    def gguf_linear(self, x: Tensor, blocks: Tensor, qtype: int, n: int, k: int) -> Tensor:
+    def gguf_linear(self, x: Tensor, blocks: Tensor, qtype: int, n: int, k: int, xbits: int = 8) -> Tensor:
         """y = x @ W.T in fp32 for W [n, k] stored as GGUF blocks of `qtype` (uint8, the file's bytes). The
-        quantized types round x per 32 columns to int8 (llama.cpp's Q8_0 activations, see gguf_blocks.c);
-        F32/F16/BF16 run on linear_f32/linear_half, exact."""
+        quantized types round x per 32 columns: xbits 8 to int8 (llama.cpp's Q8_0 activations), 16 in two int8
+        passes (see gguf_blocks.c); F32/F16/BF16 run on linear_f32/linear_half, exact."""
+        if xbits not in (8, 16):
+            raise ValueError(f"GGUF activation bits must be 8 or 16, not {xbits}")
         self._gguf_rows_bytes(blocks, qtype, n, k)
         if x.shape[-1] != k:
             raise ValueError(f"gguf_linear: x has {x.shape[-1]} columns, the weight {k}")
         if qtype in _GGUF_FLOATS:
             return self._gguf_float(x, blocks, _GGUF_FLOATS[qtype], n, k)
         x2, y = _rows(x, n)
-        if self._gguf(qtype, blocks.data_ptr(), x2.data_ptr(), y.data_ptr(), x2.shape[0], n, k):
+        if self._gguf(qtype, blocks.data_ptr(), x2.data_ptr(), y.data_ptr(), x2.shape[0], n, k, xbits):
             raise MemoryError("gguf_linear: no memory for the rounded activations or a row's scratch")
         return _restore(x, y)
 

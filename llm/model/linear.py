@@ -372,8 +372,11 @@ class GGUFLinear(_Chosen):
     products where the native kernels load; without them the blocks are dequantized once to fp32 (the
     memory of the fp32 import, but its speed), and the reference dequantizes on every call (the oracle)."""
 
-    def __init__(self, weight: GGUFWeight, kernel: Kernel = "auto") -> None:
+    def __init__(self, weight: GGUFWeight, kernel: Kernel = "auto", activation_bits: int = 8) -> None:
         super().__init__(kernel)
+        if activation_bits not in (8, 16):
+            raise ValueError(f"activation_bits: 8 or 16, not {activation_bits}")
+        self.activation_bits = activation_bits  # the block kernels' rounding of x (load.convert.activation_bits)
         self.qtype, self.type_name = weight.qtype, weight.type_name
         self.out_features, self.in_features = weight.shape
         self.register_buffer("blocks", weight.blocks)  # a view on the mapped file, not a copy
@@ -401,7 +404,8 @@ class GGUFLinear(_Chosen):
     def forward(self, x: Tensor) -> Tensor:
         self._chosen()
         if self._fast is not None and x.device.type == "cpu":
-            return self._fast.gguf_linear(x, self.blocks, self.qtype, self.out_features, self.in_features)
+            fast, bits = self._fast, self.activation_bits
+            return fast.gguf_linear(x, self.blocks, self.qtype, self.out_features, self.in_features, bits)
         if self._dense is not None and x.device.type == "cpu":
             return F.linear(x.to(torch.float32), self._dense).to(x.dtype)
         return self.reference(x)
@@ -415,21 +419,23 @@ class GGUFPartsLinear(nn.Module):
     """A fused linear (wqkv, w13) of GGUF parts of different block types: each part its own `GGUFLinear`, the
     outputs concatenated in the parts' order (the rows the fused weight would have)."""
 
-    def __init__(self, weight: GGUFParts, kernel: Kernel = "auto") -> None:
+    def __init__(self, weight: GGUFParts, kernel: Kernel = "auto", activation_bits: int = 8) -> None:
         super().__init__()
-        self.parts = nn.ModuleList(GGUFLinear(p, kernel) for p in weight.parts)
+        self.parts = nn.ModuleList(GGUFLinear(p, kernel, activation_bits) for p in weight.parts)
         self.out_features, self.in_features = weight.shape
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
-def make_linear(weight: QuantizedWeight, kernel: Kernel = "auto", bf16_inputs: bool = False) -> nn.Module:
+def make_linear(
+    weight: QuantizedWeight, kernel: Kernel = "auto", bf16_inputs: bool = False, activation_bits: int = 8
+) -> nn.Module:
     """The linear module for a (possibly quantized) [out, in] weight: x[..., in] → y[..., out] in x's dtype.
 
     kernel="auto" chooses a fast path at load (see the module doc); "reference" forces the plain weight-only
     product (always used on non-CPU devices). bf16_inputs: a bf16 weight's products take x rounded to bf16
-    (FloatLinear); other weights ignore it.
+    (FloatLinear); other weights ignore it. activation_bits: a GGUF weight's rounding of x (8 or 16).
     """
     if kernel not in ("auto", REFERENCE):
         raise ValueError(f"kernel: expected 'auto' or 'reference', got {kernel!r}")
@@ -438,9 +444,9 @@ def make_linear(weight: QuantizedWeight, kernel: Kernel = "auto", bf16_inputs: b
     if isinstance(weight, Int4Weight):
         return Int4Linear(weight, kernel)
     if isinstance(weight, GGUFWeight):
-        return GGUFLinear(weight, kernel)
+        return GGUFLinear(weight, kernel, activation_bits)
     if isinstance(weight, GGUFParts):
-        return GGUFPartsLinear(weight, kernel)
+        return GGUFPartsLinear(weight, kernel, activation_bits)
     if isinstance(weight, Tensor):
         if weight.dim() != 2 or not weight.is_floating_point():
             raise ValueError(f"weight: expected a 2-D float tensor, got {weight.dtype} {tuple(weight.shape)}")

@@ -15,6 +15,9 @@ Greedy tokens must be equal: these models' top-2 margins are far above one moved
 
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import pytest
 import torch
 from tiny_gguf import write_tiny_model
@@ -170,3 +173,29 @@ def quantize_gguf_q8(values: Tensor) -> GGUFWeight:
 
     raw = quantize(values.numpy(), Q.Q8_0).view("uint8").reshape(values.shape[0], -1)
     return GGUFWeight(torch.from_numpy(raw.copy()), int(Q.Q8_0), tuple(values.shape), "Q8_0")
+
+
+def test_sixteen_bit_activations_reach_the_fused_pass(files: dict[str, str]) -> None:
+    """activation_bits 16 (load.convert) is carried by each GGUF module into its LINEAR_GGUF struct: the fused
+    pass computes what the torch modules do with it, and both come closer to the exact fp32 product of the
+    file's values (the reference modules) than the 8-bit pass does."""
+    cfg, weights = stored_weights(map_gguf(files["llama-untied"]))
+    models = {
+        bits: Transformer.from_weights(
+            cfg, weights, linear_factory=functools.partial(make_linear, activation_bits=bits), device="cpu"
+        )
+        for bits in (8, 16)
+    }
+    fused = FusedDecoder.build(models[16], KVCache.for_model(models[16], 1, 16))
+    assert fused is not None
+    parts = ctypes.cast(fused._layers[0].wqkv.w, ctypes.POINTER(fd._Linear))
+    assert {parts[i].xbits for i in range(fused._layers[0].wqkv.group)} == {16}
+    assert fused._layers[0].w2.xbits == 16 and fused.model_struct.head.xbits == 16
+    exact = Transformer.from_weights(
+        cfg, weights, linear_factory=functools.partial(make_linear, kernel="reference"), device="cpu"
+    )
+    want = _passes(exact, False, None)
+    sixteen = _passes(models[16], True, None)
+    # x rounding on a boundary moves one code of the second pass: amax / 254^2, not the 8-bit pass's amax / 127
+    assert (sixteen - _passes(models[16], False, None)).abs().max() <= 1e-4 * float(want.max() - want.min())
+    assert (sixteen - want).abs().max() * 20 < (_passes(models[8], True, None) - want).abs().max()

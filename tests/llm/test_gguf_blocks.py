@@ -176,3 +176,44 @@ def test_long_rows_in_several_chunks_of_activation_rows(isa_path: native.NativeK
     assert np.all(np.abs(got.double().numpy() - rounded @ w.T) <= 1e-5 * (np.abs(rounded) @ np.abs(w).T))
     for r in (0, 37, 39):
         assert torch.equal(got[r], isa_path.gguf_linear(x[r : r + 1], torch.from_numpy(raw), qtype, n, k)[0])
+
+
+
+@needs_native
+@pytest.mark.parametrize("name", QUANTIZED)
+@pytest.mark.parametrize("rows", [1, 3, 16, 33])
+def test_sixteen_bit_activations_are_two_int8_passes(isa_path: native.NativeKernels, name: str, rows: int) -> None:
+    """xbits 16: x rounded per 32 columns, then what that left out (|r| <= amax / 254) rounded again with its
+    own scale, the two products summed: x is off by at most amax / 254^2 (~15 bits), and the result is far
+    closer to the exact product than one int8 pass (the same rows, the same weights)."""
+    n, k = 37, _k_for(name)
+    raw = torch.from_numpy(_blocks(name, n, k, seed=rows))
+    w = _reference(raw.numpy(), name, k).astype(np.float64)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
+    exact = x.double().numpy() @ w.T
+    qtype = BY_NAME[name].ggml_type
+    got = isa_path.gguf_linear(x, raw, qtype, n, k, xbits=16).double().numpy()
+    _, amax = _round_x(x.numpy())
+    fp32_room = 1e-5 * (np.abs(x.double().numpy()) @ np.abs(w).T)
+    assert np.all(np.abs(got - exact) <= (amax / 254**2) @ np.abs(w).T + fp32_room)
+    one_pass = isa_path.gguf_linear(x, raw, qtype, n, k, xbits=8).double().numpy()
+    assert np.abs(got - exact).max() * 20 < np.abs(one_pass - exact).max()
+
+
+@needs_native
+def test_sixteen_bit_rows_in_several_chunks(isa_path: native.NativeKernels) -> None:
+    """40 rows of K = 8960 are 80 rounded rows in pairs over three chunks: a pair never straddles two, so each
+    row's result is bitwise the one-row product's."""
+    n, k, rows = 5, 8960, 40
+    raw = torch.from_numpy(_blocks("Q4_K", n, k, seed=5))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(5))
+    got = isa_path.gguf_linear(x, raw, 12, n, k, xbits=16)
+    for r in (0, 17, 18, 39):
+        assert torch.equal(got[r], isa_path.gguf_linear(x[r : r + 1], raw, 12, n, k, xbits=16)[0])
+
+
+def test_activation_bits_other_than_8_or_16_are_refused() -> None:
+    if FAST is None:
+        pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")
+    with pytest.raises(ValueError, match="8 or 16, not 12"):
+        FAST.gguf_linear(torch.randn(1, 32), torch.zeros(1, 34, dtype=torch.uint8), 8, 1, 32, xbits=12)
