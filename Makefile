@@ -37,7 +37,8 @@ test: setup
 # The plans fetch and import them first; the test reads those imports from the model cache.
 test-real: setup
 	$(VENV)/bin/llmplan validate --deep plans/gemma3-270m-int8.yaml plans/qwen2.5-0.5b-int8.yaml plans/qwen2.5-1.5b-int4.yaml
-	LLMPLAN_REAL_MODELS=1 $(VENV)/bin/pytest -q tests/llm/test_gguf_real.py
+	$(VENV)/bin/llmplan validate --deep plans/gemma3-270m-stored.yaml plans/qwen2.5-0.5b-stored.yaml plans/qwen2.5-1.5b-chat.yaml
+	LLMPLAN_REAL_MODELS=1 $(VENV)/bin/pytest -q tests/llm/test_gguf_real.py tests/llm/test_gguf_stored_real.py
 
 validate: setup
 	$(VENV)/bin/llmplan validate --deep plans/*.yaml

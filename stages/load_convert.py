@@ -479,6 +479,7 @@ def map_stored(ctx: InferenceContext, params: Any, cfg: ModelConfig) -> None:
     total = sum(types.values()) + vectors
     # what the load holds: the mapping's pages (all of them touched, in time) and the rows copied out of it
     copied = copied_bytes(mapped.file)
+    mapped.drop_arrays()  # the vocabulary as Python objects: the tokenizer has its own
     resident = mapped.nbytes + copied
     bits = params.activation_bits
     ctx.weights = ConvertedWeights(

@@ -156,7 +156,8 @@ class LoadDraft(Stage):
             deep.problem(f"draft plan {path.name}: {gap}", "plan")
         if not estimates:
             return
-        steady_before, draft_bytes = sum(deep.estimates.values()), sum(estimates.values())
+        steady_before = sum(deep.estimates.values())
+        draft_bytes = sum(v for region, v in estimates.items() if region != "tokenizer")  # the main one's is counted
         deep.estimate("draft", draft_bytes)
         draft_peak = planned.peak if planned is not None else draft_bytes  # its conversion's, or its steady bytes
         deep.peak("loading the draft", steady_before + draft_peak)

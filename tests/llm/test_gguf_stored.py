@@ -14,12 +14,16 @@ where the fp32 model's top-2 margin exceeds twice the measured max |delta|.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
 from tiny_gguf import write_tiny_model
 
-from llmplan.llm.formats.gguf import import_gguf, map_gguf
+from llmplan.llm.formats.gguf import MappedGGUF, import_gguf, map_gguf
 from llmplan.llm.formats.gguf.stored import stored_types, stored_weights
 from llmplan.llm.generation.fused_decode import FusedDecoder
 from llmplan.llm.generation.model_runner import ModelRunner
@@ -129,3 +133,32 @@ def test_greedy_tokens_on_the_native_pass(pair) -> None:
         if a != b:  # past a divergence the sequences differ anyway; it must have been a near tie
             assert margins[i] <= 2 * delta, (i, want, got, margins)
             break
+
+
+def _mapping_rss(mapped: MappedGGUF) -> int:
+    """Resident bytes of the file's mapping in this process (its /proc/self/smaps entry)."""
+    assert mapped._map is not None
+    start = ctypes.addressof(ctypes.c_char.from_buffer(mapped._map))
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for at, line in enumerate(lines):
+        if "-" in line.split(" ", 1)[0] and int(line.split("-", 1)[0], 16) == start:
+            rss = next(ln for ln in lines[at + 1 :] if ln.startswith("Rss:"))
+            return int(rss.split()[1]) * 1024
+    raise AssertionError("the mapping is not in /proc/self/smaps")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs /proc/self/smaps (Linux)")
+def test_the_pages_of_copied_tensors_leave_the_resident_set(tmp_path: Path) -> None:
+    """q/k (reordered for RoPE) and gate/up (joined: one type) are copies the model reads: the file's pages
+    they came from are given back, so a stored load holds the file's bytes about once, not the copies twice."""
+    path = tmp_path / "llama.gguf"
+    write_tiny_model(str(path), arch="llama")
+    mapped = map_gguf(path)
+    for tensor in mapped.tensors.values():
+        int(tensor.blocks.sum())  # every page touched, as a block check or a first pass would
+    before = _mapping_rss(mapped)
+    _, weights = stored_weights(mapped)
+    copies = [f"blk.{i}.{n}.weight" for i in range(2) for n in ("attn_q", "attn_k", "ffn_gate", "ffn_up")]
+    copied = sum(mapped.file.tensors[name].nbytes for name in copies)
+    assert before - _mapping_rss(mapped) >= copied - 2 * len(copies) * mmap.PAGESIZE  # whole pages inside each
+    assert weights["layers.0.feed_forward.w13.weight"].blocks.data_ptr() != mapped.tensors[copies[2]].blocks.data_ptr()

@@ -22,11 +22,18 @@ CASES = [(path.name, []) for path in sorted(PLANS.glob("llama-*.yaml"))] + [
     ("llama-fp32.yaml", ["place.max_batch=16"])  # the slots `llmplan serve` runs with
 ]
 
+# A stored plan's weights are the GGUF's pages, mapped: they come in as the first pass touches them (the tied
+# head reads the whole table), so the measure touches every block the model holds before its last reading.
 MEASURE = """
 import json, sys
 from llmplan.commands.bench.measure import load
+from llmplan.engine.memory import rss_bytes
 loaded = load(sys.argv[1], sys.argv[2:])
-print(json.dumps({"measured": loaded.peak_rss - loaded.rss_before, "regions": loaded.regions}))
+for module in loaded.model.modules():
+    if hasattr(module, "blocks"):
+        int(module.blocks.view(-1)[::4096].sum())  # a byte a page: every page in, no temporaries
+peak = max(loaded.peak_rss, rss_bytes())
+print(json.dumps({"measured": peak - loaded.rss_before, "regions": loaded.regions}))
 """
 
 
@@ -40,7 +47,7 @@ def test_predicted_peak_is_within_10_percent_of_a_real_load(smollm2_dir: Path, p
     )
     assert done.returncode == 0, done.stderr[-2000:]
     real = json.loads(done.stdout.strip().splitlines()[-1])
-    assert real["regions"] == estimates  # each region as the load placed it
+    assert real["regions"] == {k: v for k, v in estimates.items() if k != "tokenizer"}  # as the load placed them
     error = (memory.peak - real["measured"]) / real["measured"]
     assert abs(error) <= 0.10, f"predicted {memory.peak}, measured {real['measured']} ({error:+.1%}): {memory.peaks}"
 
@@ -77,6 +84,6 @@ def test_the_prediction_holds_on_a_tiny_model_with_16_slots(big_tiny: Path, tmp_
     )
     assert done.returncode == 0, done.stderr[-2000:]
     real = json.loads(done.stdout.strip().splitlines()[-1])
-    assert real["regions"] == estimates
+    assert real["regions"] == {k: v for k, v in estimates.items() if k != "tokenizer"}
     error = (memory.peak - real["measured"]) / real["measured"]
     assert abs(error) <= 0.10, f"predicted {memory.peak}, measured {real['measured']} ({error:+.1%}): {memory.peaks}"

@@ -88,6 +88,27 @@ class MappedGGUF:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
+    def release(self, names: list[str]) -> int:
+        """Give back the pages of tensors the model holds copies of (fused rows joined, Llama's q/k reordered):
+        their file-backed pages leave this process's resident set (the page cache keeps them, shared) and are
+        read again only if touched. Whole pages inside each tensor only; the bytes released."""
+        if self._map is None:
+            return 0
+        released = 0
+        for name in names:
+            start, end = whole_pages(self.file.tensors[name])
+            if end > start:
+                self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+                released += end - start
+        return released
+
+    def drop_arrays(self) -> None:
+        """Forget the header's array values (the vocabulary, merges, token scores: tens of MB as Python objects
+        for a 150k-token vocabulary) once the config and weights are made; the tokenizer has its own files."""
+        meta = self.file.metadata
+        for key in [k for k, v in meta.items() if isinstance(v, list)]:
+            meta[key] = []
+
     def close(self) -> None:
         self.tensors = {}
         self._map = None  # the mmap itself closes when the last view on it is freed
@@ -97,6 +118,12 @@ class MappedGGUF:
 
     def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
+
+
+def whole_pages(info: TensorInfo) -> tuple[int, int]:
+    """The file range [start, end) of the whole pages inside a tensor's bytes (end <= start: none)."""
+    page = mmap.PAGESIZE
+    return -(-info.offset // page) * page, (info.offset + info.nbytes) // page * page
 
 
 def map_gguf(path: Path) -> MappedGGUF:

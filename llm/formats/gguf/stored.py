@@ -22,12 +22,12 @@ from torch import Tensor
 
 from ...model.config import ModelConfig
 from ...model.layer_names import is_linear_weight
-from ...model.weight_formats import GGUFWeight, dequantize_gguf, fuse_gguf
+from ...model.weight_formats import GGUFParts, GGUFWeight, dequantize_gguf, fuse_gguf
 from ...model.weights import fusion_table
 from .file import GGUFFile, GGUFFileError
 from .hf_config import Planned, family_of, hf_config, plan_tensors
 from .importer import unpermute_rope_rows
-from .mapped import MappedGGUF
+from .mapped import MappedGGUF, whole_pages
 from .metadata import GGUFMetadata
 
 EMBEDDINGS = "tok_embeddings.weight"
@@ -53,16 +53,25 @@ def stored_weights(mapped: MappedGGUF) -> tuple[ModelConfig, dict[str, Any]]:
             out[internal] = out[EMBEDDINGS]  # one table: the tied head multiplies by the same blocks
         elif is_linear_weight(internal) or internal == EMBEDDINGS:
             out[internal] = fuse_gguf([_blocks(mapped, planned[p]) for p in parts])
+            # the copy is what the model reads: the pages it came from go back at once (a load holds each once)
+            mapped.release(_copied([planned[p] for p in parts], out[internal]))
         else:
             values = [_floats(mapped, planned[p]) for p in parts]
             out[internal] = values[0] if len(values) == 1 else torch.cat(values)
     return cfg, out
 
 
+def _copied(parts: list[Planned], fused: GGUFWeight | GGUFParts) -> list[str]:
+    """The file's tensors a weight holds copies of rather than views: all of a joined group, a reordered q/k."""
+    if len(parts) > 1 and isinstance(fused, GGUFWeight):
+        return [p.gguf_name for p in parts]
+    return [p.gguf_name for p in parts if p.unpermute_heads is not None]
+
+
 def copied_bytes(file: GGUFFile) -> int:
     """Bytes `stored_weights` copies out of the mapping, from the header alone: fused groups of one block type
-    (joined rows), and Llama's q/k rows put back in order where they stay parts. The mapping's pages of those
-    tensors are touched by the copy, so a load holds both (what `validate --deep` predicts beside the mapping)."""
+    (joined rows), and Llama's q/k rows put back in order where they stay parts. Less the whole pages of those
+    tensors, which the load gives back after the copy: what a load holds beyond the mapping (`validate --deep`)."""
     meta = GGUFMetadata(file)
     family = family_of(meta)
     config = hf_config(meta, family, file.tensors)
@@ -76,9 +85,10 @@ def copied_bytes(file: GGUFFile) -> int:
         infos = [file.tensors[planned[p].gguf_name] for p in parts]
         kinds = {(info.ggml_type, info.nbytes // (info.dims[1] if len(info.dims) == 2 else 1)) for info in infos}
         if len(parts) > 1 and len(kinds) == 1:
-            total += sum(info.nbytes for info in infos)  # fuse_gguf's torch.cat
+            copies = infos  # fuse_gguf's torch.cat
         else:
-            total += sum(i.nbytes for i, p in zip(infos, parts, strict=True) if planned[p].unpermute_heads is not None)
+            copies = [i for i, p in zip(infos, parts, strict=True) if planned[p].unpermute_heads is not None]
+        total += sum(info.nbytes - max(0, end - start) for info in copies for start, end in [whole_pages(info)])
     return total
 
 
