@@ -438,7 +438,8 @@ class Convert(Stage):
         if manifest is not None:
             peak = predicted_peak(manifest, cfg, sizes, deep.facts.get("buffer_shards", 1))
             if peak is not None:
-                deep.peak("converting", peak)
+                held = deep.estimates.get("tokenizer", 0)  # loaded before the weights, held while they convert
+                deep.peak("converting", peak + held)
 
 
 def map_stored(ctx: InferenceContext, params: Any, cfg: ModelConfig) -> None:
@@ -450,6 +451,7 @@ def map_stored(ctx: InferenceContext, params: Any, cfg: ModelConfig) -> None:
         copied_bytes,
         map_gguf,
         read_pin,
+        released_bytes,
         stored_types,
         stored_weights,
     )
@@ -479,8 +481,8 @@ def map_stored(ctx: InferenceContext, params: Any, cfg: ModelConfig) -> None:
     total = sum(types.values()) + vectors
     # what the load holds: the mapping's pages (all of them touched, in time) and the rows copied out of it
     copied = copied_bytes(mapped.file)
+    resident = mapped.nbytes + copied - released_bytes(mapped.file)
     mapped.drop_arrays()  # the vocabulary as Python objects: the tokenizer has its own
-    resident = mapped.nbytes + copied
     bits = params.activation_bits
     ctx.weights = ConvertedWeights(
         weights, STORED, resident, kernel=params.kernel, mapping=mapped, activation_bits=bits
@@ -500,7 +502,7 @@ def map_stored(ctx: InferenceContext, params: Any, cfg: ModelConfig) -> None:
 def stored_estimate(deep: DeepCheck) -> None:
     """dtype stored: the weights are the GGUF's tensors, mapped, and the fused rows copied out of the mapping
     (both from the file's header, as `map_stored` counts them)."""
-    from llmplan.llm.formats.gguf import GGUFFileError, copied_bytes, open_gguf
+    from llmplan.llm.formats.gguf import GGUFFileError, copied_bytes, open_gguf, released_bytes
     from llmplan.llm.formats.gguf.importer import GGUFImportError
 
     gguf = deep.facts.get("gguf_file")
@@ -510,9 +512,9 @@ def stored_estimate(deep: DeepCheck) -> None:
     try:
         with open_gguf(gguf) as parsed:
             mapped = sum(info.nbytes for info in parsed.tensors.values())
-            copied = copied_bytes(parsed)
+            copied = copied_bytes(parsed) - released_bytes(parsed)
     except (GGUFFileError, GGUFImportError) as bad:
         deep.problem(str(bad), "dtype")
         return
-    deep.estimate("weights", mapped + copied)  # the mapping, and the rows the load copies out of it
+    deep.estimate("weights", mapped + copied)  # the mapping, and the copies less the pages they give back
     deep.facts["activation_dtype"] = torch.float32

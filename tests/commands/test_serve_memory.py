@@ -51,7 +51,8 @@ def test_a_16_slot_serve_holds_the_predicted_regions_through_16_concurrent_reque
     assert findings == []
     with LiveServer(plan, ServerSettings(max_queue=64), slots=SLOTS) as served:
         ctx = served.host.plan.context
-        assert ctx.metrics.get("place", "regions") == estimates
+        placed = {region: n for region, n in estimates.items() if region != "tokenizer"}  # not a placed region
+        assert ctx.metrics.get("place", "regions") == placed
         cache, model = ctx.kv_cache, ctx.model
         assert cache_bytes(cache) == estimates["kv_cache"]
         answers: dict[int, int] = {}

@@ -24,7 +24,7 @@ from ...model.config import ModelConfig
 from ...model.layer_names import is_linear_weight
 from ...model.weight_formats import GGUFParts, GGUFWeight, dequantize_gguf, fuse_gguf
 from ...model.weights import fusion_table
-from .file import GGUFFile, GGUFFileError
+from .file import GGUFFile, GGUFFileError, TensorInfo
 from .hf_config import Planned, family_of, hf_config, plan_tensors
 from .importer import unpermute_rope_rows
 from .mapped import MappedGGUF, whole_pages
@@ -70,14 +70,23 @@ def _copied(parts: list[Planned], fused: GGUFWeight | GGUFParts) -> list[str]:
 
 def copied_bytes(file: GGUFFile) -> int:
     """Bytes `stored_weights` copies out of the mapping, from the header alone: fused groups of one block type
-    (joined rows), and Llama's q/k rows put back in order where they stay parts. Less the whole pages of those
-    tensors, which the load gives back after the copy: what a load holds beyond the mapping (`validate --deep`)."""
+    (joined rows), and Llama's q/k rows put back in order where they stay parts."""
+    return sum(info.nbytes for info in _copied_infos(file))
+
+
+def released_bytes(file: GGUFFile) -> int:
+    """Of those tensors, the whole pages the load gives back after copying them (`MappedGGUF.release`): a load
+    holds the mapping plus the copies less these (what `validate --deep` predicts)."""
+    return sum(max(0, end - start) for start, end in map(whole_pages, _copied_infos(file)))
+
+
+def _copied_infos(file: GGUFFile) -> list[TensorInfo]:
     meta = GGUFMetadata(file)
     family = family_of(meta)
     config = hf_config(meta, family, file.tensors)
     planned = {p.hf_name: p for p in plan_tensors(family, file.tensors, config, file.path)}
     cfg = ModelConfig.from_hf_dict(config)
-    total = 0
+    out: list[TensorInfo] = []
     for internal, parts in fusion_table(cfg).items():
         tied = internal == "output.weight" and cfg.tie_word_embeddings
         if tied or not (is_linear_weight(internal) or internal == EMBEDDINGS):
@@ -85,11 +94,10 @@ def copied_bytes(file: GGUFFile) -> int:
         infos = [file.tensors[planned[p].gguf_name] for p in parts]
         kinds = {(info.ggml_type, info.nbytes // (info.dims[1] if len(info.dims) == 2 else 1)) for info in infos}
         if len(parts) > 1 and len(kinds) == 1:
-            copies = infos  # fuse_gguf's torch.cat
+            out += infos  # fuse_gguf's torch.cat
         else:
-            copies = [i for i, p in zip(infos, parts, strict=True) if planned[p].unpermute_heads is not None]
-        total += sum(info.nbytes - max(0, end - start) for info in copies for start, end in [whole_pages(info)])
-    return total
+            out += [i for i, p in zip(infos, parts, strict=True) if planned[p].unpermute_heads is not None]
+    return out
 
 
 def _blocks(mapped: MappedGGUF, planned: Planned) -> GGUFWeight:
