@@ -115,14 +115,18 @@ def closest_dtype(kind: str, dtypes: list[str]) -> str:
 
 
 def llama_grid(
-    dtypes: list[str] | None, entries: list[tuple[str | None, str]] | None, shipped: str | None
+    dtypes: list[str] | None,
+    entries: list[tuple[str | None, str]] | None,
+    shipped: str | None,
+    plan_dtype: str | None = None,
 ) -> list[tuple[str | None, list[str] | None]]:
     """Which llama.cpp types run beside each llmplan dtype, in order: (dtype, types); types None means the
     dtype's default (GGUF_TYPES), dtype None the plan's own. `as-shipped` becomes `shipped`, the GGUF's own
-    type name, which means the file itself wherever it appears."""
+    type name, which means the file itself wherever it appears; beside `stored` where the grid has it (a plan
+    that keeps its file's blocks, `plan_dtype`, has it when no --dtype is given)."""
     if not entries:
         return [(d, None) for d in (dtypes or [None])]
-    pool = list(dtypes or DTYPE_BITS)
+    pool = list(dtypes or ([STORED] if plan_dtype == STORED else []) + list(DTYPE_BITS))
     grid: dict[str, list[str]] = {d: [] for d in dtypes or []}
     for dtype, kind in entries:
         if kind == AS_SHIPPED:
@@ -134,6 +138,15 @@ def llama_grid(
         if kind not in grid.setdefault(target, []):
             grid[target].append(kind)
     return [(d, kinds or None) for d, kinds in grid.items()]
+
+
+def convert_dtype(plan: str, overrides: list[str]) -> str | None:
+    """The dtype the plan's load.convert stage gives the weights (None: it has none)."""
+    from llmplan.engine.plan import load_plan
+    from llmplan.engine.registry import discover
+
+    bound = load_plan(plan, discover(), overrides)
+    return next((str(s.params.dtype) for s in bound.stages if s.spec.uses == "load.convert"), None)
 
 
 def plan_gguf(plan: str, overrides: list[str]) -> Path | None:
@@ -236,7 +249,7 @@ def bench_vs_llama_cpp(args: argparse.Namespace, say: Any, partial: Any = None) 
     entries = getattr(args, "llama_type", None)
     shipped_file = plan_gguf(args.plan, args.set) if entries else None
     shipped = gguf_type(shipped_file).name if shipped_file is not None else None
-    grid = llama_grid(args.dtype, entries, shipped)  # before the build: a bad pairing costs no minutes
+    grid = llama_grid(args.dtype, entries, shipped, convert_dtype(args.plan, args.set))  # before the build
     bin_dir = llama_bin(args.llama_build, say)
     prompt, gen, batch = args.prompt_tokens, args.gen_tokens, max(args.batch)
     info = _machine_info(args.llama_build, bin_dir)

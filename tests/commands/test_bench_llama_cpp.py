@@ -243,3 +243,6 @@ def test_the_stored_dtype_runs_beside_the_file_it_maps() -> None:
     grid = llama_grid(["stored", "int4"], [(None, "as-shipped")], "Q4_K_M")
     assert grid == [("stored", ["Q4_K_M"]), ("int4", None)]
     assert llama_grid(["int8", "int4"], [(None, "as-shipped")], "Q4_K_M") == [("int8", None), ("int4", ["Q4_K_M"])]
+    # no --dtype: a plan that keeps its file's blocks pairs the file with itself, a converting one by bits
+    assert llama_grid(None, [(None, "as-shipped")], "Q4_K_M", plan_dtype="stored") == [("stored", ["Q4_K_M"])]
+    assert llama_grid(None, [(None, "as-shipped")], "Q4_K_M", plan_dtype="int8") == [("int4", ["Q4_K_M"])]
