@@ -364,7 +364,8 @@ static inline int64_t live_columns(int64_t K, int64_t s) { return K - SBK * s < 
 // 64 columns (4 groups) a step: vpdpbusd of q (unsigned; for Q8_0 |q|, against xq with q's sign) and xq,
 // 16 int32 lanes, 4 a group; each lane's sum times its group's wd * dx. Q8_0's q = -128 works too: vpabsb
 // gives 0x80, 128 as the unsigned operand.
-INLINE void dot_rows(int64_t type, const uint8_t *row, int64_t K, const XQ *x, int64_t m, int mb, float *out) {
+INLINE void dot_rows(int64_t type, const uint8_t *row, int64_t K, const XQ *x, int64_t m, int mb, float *out,
+                     const SB *pre) {
     const int64_t Kp = x->Kp, G = Kp / 16;
     const int mins = has_mins(type) || code_offset(type), sign = type == Q8_0;  // the others' codes are >= 0
     __m512 acc[MR], macc[MR];
@@ -374,7 +375,10 @@ INLINE void dot_rows(int64_t type, const uint8_t *row, int64_t K, const XQ *x, i
     for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps(), macc[r] = _mm512_setzero_ps();
     for (int64_t s = 0; s < Kp / SBK; s++) {
         SB o;
-        sb_decode(type, row, s, K, 1, &o);
+        if (pre)
+            o = pre[s];  // decoded once for many activation rows (tile_rows)
+        else
+            sb_decode(type, row, s, K, 1, &o);
         const __m512 wd = _mm512_insertf32x8(_mm512_castps256_ps512(o.wd[0]), o.wd[1], 1);
         __m512 sv[MR];
         for (int r = 0; r < mb; r++) sv[r] = _mm512_mul_ps(wd, _mm512_loadu_ps(x->dx + (m + r) * G + 16 * s));
@@ -407,7 +411,8 @@ static inline float hsum8(__m256 v) {
 
 // 32 columns (2 groups) a step: vpmaddubsw of q (unsigned; for Q8_0 |q|, against xq with q's sign) and xq
 // (pairs of products, |sum| <= 2 * 128 * 127: no saturation), vpmaddwd with ones: 8 int32 lanes, 4 a group.
-INLINE void dot_rows(int64_t type, const uint8_t *row, int64_t K, const XQ *x, int64_t m, int mb, float *out) {
+INLINE void dot_rows(int64_t type, const uint8_t *row, int64_t K, const XQ *x, int64_t m, int mb, float *out,
+                     const SB *pre) {
     const int64_t Kp = x->Kp, G = Kp / 16;
     const int mins = has_mins(type) || code_offset(type), sign = type == Q8_0;
     const __m256i ones = _mm256_set1_epi16(1);
@@ -415,7 +420,10 @@ INLINE void dot_rows(int64_t type, const uint8_t *row, int64_t K, const XQ *x, i
     for (int r = 0; r < mb; r++) acc[r] = _mm256_setzero_ps(), macc[r] = _mm256_setzero_ps();
     for (int64_t s = 0; s < Kp / SBK; s++) {
         SB o;
-        sb_decode(type, row, s, K, 1, &o);
+        if (pre)
+            o = pre[s];  // decoded once for many activation rows (tile_rows)
+        else
+            sb_decode(type, row, s, K, 1, &o);
         const int64_t live = live_columns(K, s);
         for (int h = 0; h < 2 && 128 * h < live; h++) {  // 8 groups: 128 columns
             const int64_t g0 = 16 * s + 8 * h;
@@ -443,12 +451,13 @@ INLINE void dot_rows(int64_t type, const uint8_t *row, int64_t K, const XQ *x, i
 
 // One function per type, mb a constant in each case: the decoder and the accumulators stay in registers.
 #define DOT_TYPE(T)                                                                                          \
-    static void dot_##T(const uint8_t *row, int64_t K, const XQ *x, int64_t m, int mb, float *out) {        \
+    static void dot_##T(const uint8_t *row, int64_t K, const XQ *x, int64_t m, int mb, float *out,          \
+                        const SB *pre) {                                                                     \
         switch (mb) {                                                                                        \
-            case 1: dot_rows(T, row, K, x, m, 1, out); break;                                                \
-            case 2: dot_rows(T, row, K, x, m, 2, out); break;                                                \
-            case 3: dot_rows(T, row, K, x, m, 3, out); break;                                                \
-            default: dot_rows(T, row, K, x, m, MR, out); break;                                              \
+            case 1: dot_rows(T, row, K, x, m, 1, out, pre); break;                                           \
+            case 2: dot_rows(T, row, K, x, m, 2, out, pre); break;                                           \
+            case 3: dot_rows(T, row, K, x, m, 3, out, pre); break;                                           \
+            default: dot_rows(T, row, K, x, m, MR, out, pre); break;                                         \
         }                                                                                                    \
     }
 DOT_TYPE(Q8_0)
@@ -460,7 +469,7 @@ DOT_TYPE(Q4_K)
 DOT_TYPE(Q5_K)
 DOT_TYPE(Q6_K)
 
-typedef void (*RowDot)(const uint8_t *row, int64_t K, const XQ *x, int64_t m, int mb, float *out);
+typedef void (*RowDot)(const uint8_t *row, int64_t K, const XQ *x, int64_t m, int mb, float *out, const SB *pre);
 
 static RowDot dot_of(int64_t type) {
     switch (type) {
@@ -485,6 +494,68 @@ static int64_t chunk_rows(int64_t Kp) {
     return rows > MR ? rows : MR;
 }
 
+// One chunk of activation rows [m0, m1) against all N weight rows.
+typedef struct {
+    int64_t type;
+    const void *blocks;
+    int64_t row_bytes, K, N;
+    const XQ *xq;
+    RowDot dot;
+    float *y;
+    int64_t ldy;
+    int split;
+    int64_t m0, m1;
+} Pass;
+
+// The dot products of weight row n (decoded already into `pre`, or NULL: decoded per MR rows) with the chunk.
+static void row_products(const Pass *p, int64_t n, const SB *pre) {
+    const uint8_t *row = (const uint8_t *)p->blocks + n * p->row_bytes;
+    for (int64_t m = p->m0; m < p->m1; m += MR) {
+        float out[MR];
+        const int mb = p->m1 - m < MR ? (int)(p->m1 - m) : MR;
+        p->dot(row, p->K, p->xq, m, mb, out, pre);
+        if (p->split)  // MR and the chunks are even: a pass holds whole pairs
+            for (int r = 0; r < mb; r += 2) p->y[(m + r) / 2 * p->ldy + n] = out[r] + out[r + 1];
+        else
+            for (int r = 0; r < mb; r++) p->y[(m + r) * p->ldy + n] = out[r];
+    }
+}
+
+// Few activation rows (decode, small batches): each weight row decoded in registers per MR of them.
+static void row_pass(const Pass *p, int nt) {
+    const int64_t g = p->N / ((int64_t)nt * 8) > 1 ? p->N / ((int64_t)nt * 8) : 1;
+#pragma omp parallel for num_threads(nt) schedule(dynamic, g)
+    for (int64_t n = 0; n < p->N; n++) row_products(p, n, NULL);
+}
+
+// Many activation rows (prefill, large batches): a weight row is decoded once into the thread's scratch (SB
+// form, 320 bytes a superblock: 18 KB at K = 14336, in L1/L2 beside the activation chunk), then dotted with
+// every activation row of the chunk, MR at a time, from the scratch: the decode costs once per chunk instead
+// of once per MR rows, and the products are the same operations on the same values.
+#define TILE_MIN_ROWS 32  // measured: at 16 rows the decode in registers was as fast or faster
+static int tiled_pass(const Pass *p, int nt) {
+    const int64_t S = padded(p->K) / SBK;
+    const int64_t g = p->N / ((int64_t)nt * 8) > 1 ? p->N / ((int64_t)nt * 8) : 1;
+    int failed = 0;
+#pragma omp parallel num_threads(nt)
+    {
+        SB *decoded = _mm_malloc((size_t)S * sizeof(SB), 64);
+        if (!decoded) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, g)
+        for (int64_t n = 0; n < p->N; n++) {
+            if (!decoded) continue;
+            const uint8_t *row = (const uint8_t *)p->blocks + n * p->row_bytes;
+            for (int64_t s = 0; s < S; s++) sb_decode(p->type, row, s, p->K, 1, decoded + s);
+            row_products(p, n, decoded);
+        }
+        _mm_free(decoded);
+    }
+    return failed;
+}
+
 // y [M, N] = x [M, K] @ W.T for W's N rows of `type` blocks, x rounded per 32 columns to int8 (xbits 8, as
 // llama.cpp's Q8_0) or in two int8 passes (xbits 16), output row m at y + m * ldy (ldy >= N: the fused
 // pass's q|k|v parts of different types each write their own columns of one [M, ldy] output, no scatter): each
@@ -504,28 +575,17 @@ int64_t gguf_linear_ld(int64_t type, const void *blocks, const float *x, float *
     M *= R;
     const int64_t row_bytes = K / shape[0] * shape[1], chunk = chunk_rows(xq.Kp);
     const int nt = team_size();
-    const int64_t g = N / ((int64_t)nt * 8) > 1 ? N / ((int64_t)nt * 8) : 1;
-    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    int failed = 0;
+    for (int64_t m0 = 0; m0 < M && !failed; m0 += chunk) {
         const int64_t m1 = m0 + chunk < M ? m0 + chunk : M;
-#pragma omp parallel num_threads(nt)
-        {
-#pragma omp for schedule(dynamic, g) nowait
-            for (int64_t n = 0; n < N; n++) {
-                const uint8_t *row = (const uint8_t *)blocks + n * row_bytes;
-                for (int64_t m = m0; m < m1; m += MR) {
-                    float out[MR];
-                    const int mb = m1 - m < MR ? (int)(m1 - m) : MR;
-                    dot(row, K, &xq, m, mb, out);
-                    if (split)  // MR and the chunks are even: a pass holds whole pairs
-                        for (int r = 0; r < mb; r += 2) y[(m + r) / 2 * ldy + n] = out[r] + out[r + 1];
-                    else
-                        for (int r = 0; r < mb; r++) y[(m + r) * ldy + n] = out[r];
-                }
-            }
-        }
+        const Pass pass = {type, blocks, row_bytes, K, N, &xq, dot, y, ldy, split, m0, m1};
+        if (m1 - m0 > TILE_MIN_ROWS)
+            failed = tiled_pass(&pass, nt);
+        else
+            row_pass(&pass, nt);
     }
     _mm_free(xq.q), _mm_free(xq.dx);
-    return 0;
+    return failed ? -2 : 0;
 }
 
 int64_t gguf_linear(int64_t type, const void *blocks, const float *x, float *y, int64_t M, int64_t N, int64_t K,
