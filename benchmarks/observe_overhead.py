@@ -1,6 +1,8 @@
-"""Decode speed with `observe: {layer_timings: true}` against without, alternating in one run.
+"""Decode speed with `observe: {layer_timings: true}` (or `--report`: the whole `run --report`) against
+without, alternating in one run.
 
     .venv/bin/python benchmarks/observe_overhead.py [--plan plans/llama-int8.yaml] [--rounds 4] [--tokens 128]
+                                                    [--report] [--out PREFIX]
 
 Each round runs the plan twice in fresh processes, plain and observed (the order flips every round, so a
 machine that slows down over the run does not favour one side), greedy with EOS ignored and the results
@@ -27,16 +29,21 @@ HERE = Path(__file__).resolve().parent
 LLMPLAN = Path(sys.executable).with_name("llmplan")
 
 
-def run_once(plan: str, tokens: int, observed: bool, out: Path) -> dict[str, Any]:
+def run_once(plan: str, tokens: int, observed: bool, out: Path, report: bool = False) -> dict[str, Any]:
+    """One run in a fresh process; observed: the layer clock on, or with `report` the whole `run --report`
+    (layer timings, then attention from a pass over the finished sequence, then the page)."""
     settings = [
         f"generate.max_new_tokens={tokens}",
         "generate.ignore_eos=true",
         "generate.temperature=0",
         "generate.stream=false",
         "lookup.mode=off",
-        f"observe.layer_timings={'true' if observed else 'false'}",
     ]
+    if not report:
+        settings.append(f"observe.layer_timings={'true' if observed else 'false'}")
     command = [str(LLMPLAN), "run", plan, "--out", str(out), "--quiet", "--json"]
+    if report and observed:
+        command.append("--report")
     for item in settings:
         command += ["--set", item]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
@@ -196,6 +203,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--interleaved-tokens", type=int, default=256)
+    parser.add_argument("--report", action="store_true", help="observed = `llmplan run --report` (issue 57)")
     parser.add_argument("--out", default=str(HERE / "observe-overhead"))
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
@@ -204,7 +212,7 @@ def main() -> int:
         for r in range(args.rounds):
             order = (False, True) if r % 2 == 0 else (True, False)
             for observed in order:
-                row = run_once(args.plan, args.tokens, observed, Path(tmp) / f"{r}-{int(observed)}")
+                row = run_once(args.plan, args.tokens, observed, Path(tmp) / f"{r}-{int(observed)}", args.report)
                 row["round"] = r
                 rows.append(row)
                 print(

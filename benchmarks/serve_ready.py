@@ -31,7 +31,7 @@ import httpx
 from llmplan.commands.bench.serve_bench import free_port, serve_overrides, wait_ready
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_PLAN = HERE.parent / "plans" / "llama-int8.yaml"
+DEFAULT_PLAN = HERE.parent / "plans" / "llama-stored.yaml"  # what `--model FILE.gguf` runs with no plan
 FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_int8")
 
 

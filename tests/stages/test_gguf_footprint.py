@@ -159,3 +159,26 @@ def test_decode_reads_the_head_once_tied_or_not(tmp_path: Path, own_head: bool) 
     resident = {"parts": {p: {"bytes": b} for p, b in parts.items()}, "head_shares_embeddings": not own_head}
     assert read_per_token(resident) == matrix + norm + table
     assert read_per_token(resident | {"head_shares_embeddings": False}) == matrix + norm + parts["head"]
+
+
+def test_a_stored_line_says_mapped_whatever_order_the_types_are_named_in() -> None:
+    """A mixed Q4_K_M file run as stored names its types in another order than the model does (Gemma: the
+    file's Q5_0 first, the model's Q4_K): still the file's own blocks, not a re-quantization."""
+    from llmplan.llm.formats.gguf.footprint import footprint_line
+
+    def part(resident: str, gguf: str) -> dict[str, object]:
+        return {"resident_as": resident, "gguf_as": gguf, "resident_bytes": 1 << 20, "gguf_bytes": 1 << 20}
+
+    fp = {
+        "parts": {
+            "embeddings": part("Q8_0", "Q8_0"),
+            "head": part("Q8_0", "Q8_0") | {"resident_bytes": 0},
+            "matrices": part("Q4_K/Q5_0/Q6_K", "Q5_0/Q6_K/Q4_K"),
+        },
+        "weights_bytes": 2 << 20, "gguf_bytes": 2 << 20, "ratio": 1.0, "gguf_type": "Q4_K_M",
+        "head_tied_in_gguf": True, "head_shares_embeddings": True, "gguf_metadata_bytes": 1 << 20,
+    }  # fmt: skip
+    line = footprint_line(fp, lambda n: f"{n >> 20} MiB")
+    assert "the file's own blocks, mapped" in line and "re-quantized" not in line
+    fp["parts"]["matrices"] = part("int4", "Q5_0/Q6_K/Q4_K")
+    assert "re-quantized to int4" in footprint_line(fp, lambda n: f"{n >> 20} MiB")

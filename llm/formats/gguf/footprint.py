@@ -143,7 +143,8 @@ def footprint_line(fp: dict[str, Any], mib: Any) -> str:
     emb, head, mat = parts["embeddings"], parts["head"], parts["matrices"]
     floats = set(mat["resident_as"].split("/")) <= set(_FLOATS.values())
     requantized = f" to {mat['resident_as']}" if floats else f" and re-quantized to {mat['resident_as']}"
-    stored = mat["resident_as"] == mat["gguf_as"] and emb["resident_as"] == emb["gguf_as"]  # load.convert `stored`
+    same = [set(part["resident_as"].split("/")) == set(part["gguf_as"].split("/")) for part in (mat, emb)]
+    stored = all(same)  # load.convert `stored`: the file's own types (each part's names in either order)
     kept = "rows gathered from the file's own table" if stored else f"kept {emb['resident_as']} for the row gathers"
     made = "the file's own blocks, mapped" if stored else f"the file's blocks dequantized{requantized}"
     line = (
