@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from llmplan.commands.bench.serve_bench import free_port, serve_overrides, wait_ready
+from llmplan.commands.bench.serve_bench import free_port, running, serve_overrides
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_PLAN = HERE.parent / "plans" / "llama-stored.yaml"  # what `--model FILE.gguf` runs with no plan
@@ -68,21 +68,13 @@ def commands(item: str, gguf: Path, port: int, context: int) -> dict[str, list[s
 def start_once(cmd: list[str], port: int, what: str) -> dict[str, float]:
     """One start: seconds to ready, then one short completion, then the process's memory; stopped after."""
     url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryFile() as log:
+    with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_ready(url, proc, what)
+        with running(cmd, what, url, Path(tmp) / "server.log") as proc:
             ready = time.perf_counter() - start
             body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
             httpx.post(url + "/v1/completions", json=body, timeout=600, trust_env=False).raise_for_status()
             return {"ready_s": ready, **smaps(proc.pid)}
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 def measure(item: str, gguf: Path, runs: int, context: int) -> dict[str, Any]:

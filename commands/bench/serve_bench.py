@@ -57,13 +57,14 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], what: str, timeout_s: fl
 
 
 @contextlib.contextmanager
-def running(cmd: list[str], what: str, url: str, log: Path) -> Iterator[None]:
-    """A server process for the block's duration; stopped (SIGTERM, then SIGKILL) however the block ends."""
+def running(cmd: list[str], what: str, url: str, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A server process for the block's duration, ready (its /health answered); stopped (SIGTERM, then
+    SIGKILL) however the block ends."""
     with open(log, "wb") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=foreign_env())
         try:
             wait_ready(url, proc, what)
-            yield
+            yield proc
         finally:
             proc.terminate()
             try:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,3 +45,24 @@ def run_plan(plan: str | Path, out: Path, overrides: list[str] | None = None, un
     out.mkdir(parents=True, exist_ok=True)
     ctx = registry.context_cls()
     return Runner(bound, ctx, out, until=until).run()
+
+
+@contextlib.contextmanager
+def served_fp32_client(tmp: Path, timeout: float) -> Iterator[Any]:
+    """The bundled model's fp32 plan served in this process (2 slots of 1024 tokens, 64 new tokens at most, no
+    replays, results in `tmp`), and an openai client of it that never retries."""
+    import openai
+
+    from llmplan.commands.serve.app import ServerSettings
+    from tests.commands.conftest import LiveServer
+
+    overrides = [
+        "place.max_batch=2",
+        "place.kv_cache.max_tokens=1024",
+        "generate.max_new_tokens=64",
+        "lookup.mode=off",
+        f"store.db={tmp / 'results.sqlite'}",
+        "write.to=[terminal]",
+    ]
+    with LiveServer(PLANS / "llama-fp32.yaml", ServerSettings(access_log=None), overrides, tmp / "run") as live:
+        yield openai.OpenAI(base_url=live.url, api_key="none", max_retries=0, timeout=timeout)

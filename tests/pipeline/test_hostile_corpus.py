@@ -33,10 +33,7 @@ import openai
 import psutil
 import pytest
 
-from llmplan.commands.serve.app import ServerSettings
-from tests.commands.conftest import LiveServer
-
-from .conftest import PLANS
+from .conftest import served_fp32_client
 
 MAX_TOKENS = 12
 CALL_TOKENS = 40  # a call's text, whole
@@ -396,17 +393,8 @@ def check(case: Case, answer: Answer) -> None:
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Iterator[openai.OpenAI]:
-    tmp = tmp_path_factory.mktemp("hostile")
-    overrides = [
-        "place.max_batch=2",
-        "place.kv_cache.max_tokens=1024",
-        "generate.max_new_tokens=64",
-        "lookup.mode=off",
-        f"store.db={tmp / 'results.sqlite'}",
-        "write.to=[terminal]",
-    ]
-    with LiveServer(PLANS / "llama-fp32.yaml", ServerSettings(access_log=None), overrides, tmp / "run") as live:
-        yield openai.OpenAI(base_url=live.url, api_key="none", max_retries=0, timeout=CASE_LIMIT_S)
+    with served_fp32_client(tmp_path_factory.mktemp("hostile"), CASE_LIMIT_S) as client:
+        yield client
 
 
 @pytest.mark.parametrize("case", CORPUS, ids=[c.name for c in CORPUS])

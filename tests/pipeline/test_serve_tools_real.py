@@ -18,10 +18,7 @@ import jsonschema
 import openai
 import pytest
 
-from llmplan.commands.serve.app import ServerSettings
-from tests.commands.conftest import LiveServer
-
-from .conftest import PLANS
+from .conftest import served_fp32_client
 
 WEATHER = {
     "type": "object",
@@ -57,17 +54,8 @@ CAT = {
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Iterator[openai.OpenAI]:
-    tmp = tmp_path_factory.mktemp("serve-tools")
-    overrides = [
-        "place.max_batch=2",
-        "place.kv_cache.max_tokens=1024",
-        "generate.max_new_tokens=64",
-        "lookup.mode=off",
-        f"store.db={tmp / 'results.sqlite'}",
-        "write.to=[terminal]",
-    ]
-    with LiveServer(PLANS / "llama-fp32.yaml", ServerSettings(access_log=None), overrides, tmp / "run") as live:
-        yield openai.OpenAI(base_url=live.url, api_key="none", max_retries=0, timeout=120)
+    with served_fp32_client(tmp_path_factory.mktemp("serve-tools"), 120) as client:
+        yield client
 
 
 def test_the_weather_question_calls_the_weather_tool_for_paris(client: openai.OpenAI) -> None:
