@@ -154,13 +154,14 @@ def markdown(args: argparse.Namespace, summary: dict[str, Any]) -> list[str]:
     observed = [r["decode_tokens_per_s"] for r in rows if r["observed"]]
     loads = [r["load_average"]["start"][0] for r in rows if r.get("load_average")]
     paths = summary["observed_decode_paths"]
+    what = "`llmplan run --report` (layer timings, attention from a pass after the run, the page)"
     lines = [
-        "# Decode speed with per-layer timings on, against off",
+        f"# Decode speed with {what if args.report else 'per-layer timings on'}, against without",
         "",
         f"`.venv/bin/python benchmarks/observe_overhead.py --plan {args.plan} --rounds {args.rounds} "
-        f"--tokens {args.tokens} --interleaved-tokens {args.interleaved_tokens}`: {args.tokens} tokens greedy, "
-        "EOS ignored, results cache off; each round runs the plan plain and observed in fresh processes, the "
-        "order flipping every round.",
+        f"--tokens {args.tokens} --interleaved-tokens {args.interleaved_tokens}{' --report' if args.report else ''}`"
+        f": {args.tokens} tokens greedy, EOS ignored, results cache off; each round runs the plan plain and "
+        "observed in fresh processes, the order flipping every round.",
         "",
         "| round | plain tok/s | observed tok/s | observed ÷ plain |",
         "|---:|---:|---:|---:|",
