@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -28,11 +27,12 @@ from typing import Any
 
 import httpx
 
+from llmplan.commands.bench.report import machine
 from llmplan.commands.bench.serve_bench import free_port, running, serve_overrides
+from llmplan.commands.bench.traffic import cpu_features
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_PLAN = HERE.parent / "plans" / "llama-stored.yaml"  # what `--model FILE.gguf` runs with no plan
-FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_int8")
 
 
 def tensor_bytes(path: Path) -> int:
@@ -121,12 +121,9 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 
 
 def cpu_meta(runs: int, context: int) -> dict[str, Any]:
-    info = Path("/proc/cpuinfo").read_text()
-    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
-    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
-    return {"cpu": model, "cores": os.cpu_count(), "features": [f for f in FEATURES if f in flags],
-            "machine": platform.machine(), "runs": runs, "context": context,
-            "load_before": " ".join(f"{x:.2f}" for x in os.getloadavg())}
+    """The machine as `llmplan bench` records it, with its CPU features and this run's settings."""
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return machine() | {"features": cpu_features(), "runs": runs, "context": context, "load_before": load}
 
 
 def main(argv: list[str] | None = None) -> int:

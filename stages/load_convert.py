@@ -448,10 +448,9 @@ def map_stored(ctx: InferenceContext, params: Any, cfg: ModelConfig) -> None:
         GGUFFileError,
         PinError,
         check_block_values,
-        copied_bytes,
+        copies,
         map_gguf,
         read_pin,
-        released_bytes,
         stored_types,
         stored_weights,
     )
@@ -480,8 +479,8 @@ def map_stored(ctx: InferenceContext, params: Any, cfg: ModelConfig) -> None:
     vectors = sum(w.nbytes for w in weights.values() if isinstance(w, Tensor))
     total = sum(types.values()) + vectors
     # what the load holds: the mapping's pages (all of them touched, in time) and the rows copied out of it
-    copied = copied_bytes(mapped.file)
-    resident = mapped.nbytes + copied - released_bytes(mapped.file)
+    copied, released = copies(mapped.file)
+    resident = mapped.nbytes + copied - released
     mapped.drop_arrays()  # the vocabulary as Python objects: the tokenizer has its own
     bits = params.activation_bits
     ctx.weights = ConvertedWeights(
@@ -502,7 +501,7 @@ def map_stored(ctx: InferenceContext, params: Any, cfg: ModelConfig) -> None:
 def stored_estimate(deep: DeepCheck) -> None:
     """dtype stored: the weights are the GGUF's tensors, mapped, and the fused rows copied out of the mapping
     (both from the file's header, as `map_stored` counts them)."""
-    from llmplan.llm.formats.gguf import GGUFFileError, copied_bytes, open_gguf, released_bytes
+    from llmplan.llm.formats.gguf import GGUFFileError, copies, open_gguf
     from llmplan.llm.formats.gguf.importer import GGUFImportError
 
     gguf = deep.facts.get("gguf_file")
@@ -512,9 +511,9 @@ def stored_estimate(deep: DeepCheck) -> None:
     try:
         with open_gguf(gguf) as parsed:
             mapped = sum(info.nbytes for info in parsed.tensors.values())
-            copied = copied_bytes(parsed) - released_bytes(parsed)
+            copied, released = copies(parsed)
     except (GGUFFileError, GGUFImportError) as bad:
         deep.problem(str(bad), "dtype")
         return
-    deep.estimate("weights", mapped + copied)  # the mapping, and the copies less the pages they give back
+    deep.estimate("weights", mapped + copied - released)  # the mapping, the copies less the pages they give back
     deep.facts["activation_dtype"] = torch.float32

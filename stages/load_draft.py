@@ -157,8 +157,9 @@ class LoadDraft(Stage):
         if not estimates:
             return
         steady_before = sum(deep.estimates.values())
-        draft_bytes = sum(v for region, v in estimates.items() if region != "tokenizer")  # the main one's is counted
+        draft_bytes = sum(v for region, v in estimates.items() if region != "tokenizer")  # what the draft places
         deep.estimate("draft", draft_bytes)
+        deep.estimate("tokenizer", estimates.get("tokenizer", 0))  # its own, loaded for the vocabulary check
         draft_peak = planned.peak if planned is not None else draft_bytes  # its conversion's, or its steady bytes
         deep.peak("loading the draft", steady_before + draft_peak)
 

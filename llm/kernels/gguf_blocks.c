@@ -228,6 +228,14 @@ INLINE void sb_decode(int64_t type, const uint8_t *row, int64_t s, int64_t K, in
     }
 }
 
+// Superblock s of a row for the products: from `pre` where the row was decoded already (tiled_pass), else now.
+INLINE void sb_at(int64_t type, const uint8_t *row, int64_t s, int64_t K, const SB *pre, SB *o) {
+    if (pre)
+        *o = pre[s];
+    else
+        sb_decode(type, row, s, K, 1, o);
+}
+
 // fp32 rows [N, K] of F32/F16/BF16 blocks.
 static void widen_row(int64_t type, const uint8_t *row, int64_t K, float *out) {
     if (type == F32) {
@@ -375,10 +383,7 @@ INLINE void dot_rows(int64_t type, const uint8_t *row, int64_t K, const XQ *x, i
     for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps(), macc[r] = _mm512_setzero_ps();
     for (int64_t s = 0; s < Kp / SBK; s++) {
         SB o;
-        if (pre)
-            o = pre[s];  // decoded once for many activation rows (tile_rows)
-        else
-            sb_decode(type, row, s, K, 1, &o);
+        sb_at(type, row, s, K, pre, &o);
         const __m512 wd = _mm512_insertf32x8(_mm512_castps256_ps512(o.wd[0]), o.wd[1], 1);
         __m512 sv[MR];
         for (int r = 0; r < mb; r++) sv[r] = _mm512_mul_ps(wd, _mm512_loadu_ps(x->dx + (m + r) * G + 16 * s));
@@ -420,10 +425,7 @@ INLINE void dot_rows(int64_t type, const uint8_t *row, int64_t K, const XQ *x, i
     for (int r = 0; r < mb; r++) acc[r] = _mm256_setzero_ps(), macc[r] = _mm256_setzero_ps();
     for (int64_t s = 0; s < Kp / SBK; s++) {
         SB o;
-        if (pre)
-            o = pre[s];  // decoded once for many activation rows (tile_rows)
-        else
-            sb_decode(type, row, s, K, 1, &o);
+        sb_at(type, row, s, K, pre, &o);
         const int64_t live = live_columns(K, s);
         for (int h = 0; h < 2 && 128 * h < live; h++) {  // 8 groups: 128 columns
             const int64_t g0 = 16 * s + 8 * h;

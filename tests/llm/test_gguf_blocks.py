@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import quants
+from tiny_gguf import random_blocks
 
 from llmplan.llm.formats.gguf import BY_NAME
 from llmplan.llm.formats.gguf.block_types import BLOCK_TYPES, block_type
@@ -29,29 +30,6 @@ FAST = native.kernels()
 needs_native = pytest.mark.skipif(FAST is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")
 
 QUANTIZED = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
-# byte offsets of a block's fp16 scales and mins (the rest of a block is any bytes)
-HALVES = {
-    "Q8_0": (0,),
-    "Q4_0": (0,),
-    "Q5_0": (0,),
-    "Q4_1": (0, 2),
-    "Q5_1": (0, 2),
-    "Q4_K": (0, 2),
-    "Q5_K": (0, 2),
-    "Q6_K": (208,),
-}
-
-
-def _blocks(name: str, n: int, k: int, seed: int) -> np.ndarray:
-    """Random valid blocks: random bytes, the fp16 fields finite ([-1/16, 1/16], either sign)."""
-    t = BY_NAME[name]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(n * (k // t.block_size), t.type_size), dtype=np.uint8)
-    for off in HALVES[name]:
-        raw[:, off : off + 2] = rng.uniform(-1 / 16, 1 / 16, size=(raw.shape[0], 1)).astype(np.float16).view(np.uint8)
-    return raw.reshape(n, -1)
-
-
 def _reference(raw: np.ndarray, name: str, k: int) -> np.ndarray:
     return quants.dequantize(raw, gguf.GGMLQuantizationType[name]).reshape(raw.shape[0], k)
 
@@ -85,7 +63,7 @@ def test_the_table_agrees_with_gguf_py_and_the_kernels() -> None:
 @pytest.mark.parametrize("rows", [1, 3, 16, 33])
 def test_product_equals_dequantize_then_float64_matmul(isa_path: native.NativeKernels, name: str, rows: int) -> None:
     n, k = 37, _k_for(name)
-    raw = _blocks(name, n, k, seed=rows)
+    raw = random_blocks(name, n, k, seed=rows)
     w = _reference(raw, name, k).astype(np.float64)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
     got = isa_path.gguf_linear(x, torch.from_numpy(raw), BY_NAME[name].ggml_type, n, k).double().numpy()
@@ -100,7 +78,7 @@ def test_product_equals_dequantize_then_float64_matmul(isa_path: native.NativeKe
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_dequantized_rows_equal_gguf_py(isa_path: native.NativeKernels, name: str) -> None:
     n, k = 37, _k_for(name)
-    raw = _blocks(name, n, k, seed=7)
+    raw = random_blocks(name, n, k, seed=7)
     got = isa_path.gguf_dequantize(torch.from_numpy(raw), BY_NAME[name].ggml_type, n, k).numpy()
     assert np.array_equal(got, _reference(raw, name, k))
 
@@ -134,7 +112,7 @@ def test_float_types_run_exactly(isa_path: native.NativeKernels, name: str) -> N
 
 @needs_native
 def test_leading_dims_and_dtype_are_kept(isa_path: native.NativeKernels) -> None:
-    raw = torch.from_numpy(_blocks("Q8_0", 5, 64, seed=1))
+    raw = torch.from_numpy(random_blocks("Q8_0", 5, 64, seed=1))
     x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
     y = isa_path.gguf_linear(x, raw, 8, 5, 64)
     assert y.shape == (2, 3, 5) and y.dtype == torch.bfloat16
@@ -167,7 +145,7 @@ def test_long_rows_in_several_chunks_of_activation_rows(isa_path: native.NativeK
     """K = 8960 (Qwen2.5-1.5B's MLP): 36 activation rows a chunk (512 KiB of rounded rows), so 40 rows take
     two passes over the weights; each row's result is bitwise the one-row product's."""
     n, k, rows = 5, 8960, 40
-    raw = _blocks(name, n, k, seed=5)
+    raw = random_blocks(name, n, k, seed=5)
     w = _reference(raw, name, k).astype(np.float64)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(5))
     qtype = BY_NAME[name].ggml_type
@@ -187,7 +165,7 @@ def test_sixteen_bit_activations_are_two_int8_passes(isa_path: native.NativeKern
     own scale, the two products summed: x is off by at most amax / 254^2 (~15 bits), and the result is far
     closer to the exact product than one int8 pass (the same rows, the same weights)."""
     n, k = 37, _k_for(name)
-    raw = torch.from_numpy(_blocks(name, n, k, seed=rows))
+    raw = torch.from_numpy(random_blocks(name, n, k, seed=rows))
     w = _reference(raw.numpy(), name, k).astype(np.float64)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
     exact = x.double().numpy() @ w.T
@@ -205,7 +183,7 @@ def test_sixteen_bit_rows_in_several_chunks(isa_path: native.NativeKernels) -> N
     """40 rows of K = 8960 are 80 rounded rows in pairs over three chunks: a pair never straddles two, so each
     row's result is bitwise the one-row product's."""
     n, k, rows = 5, 8960, 40
-    raw = torch.from_numpy(_blocks("Q4_K", n, k, seed=5))
+    raw = torch.from_numpy(random_blocks("Q4_K", n, k, seed=5))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(5))
     got = isa_path.gguf_linear(x, raw, 12, n, k, xbits=16)
     for r in (0, 17, 18, 39):

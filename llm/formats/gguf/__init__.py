@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .importer import Imported, has_shards, import_gguf, import_gguf_as
     from .mapped import MappedGGUF, check_block_values, map_gguf
     from .pin import PIN_NAME, PinError, check_pinned, read_pin
-    from .stored import copied_bytes, released_bytes, stored_types, stored_weights
+    from .stored import copied_bytes, copies, stored_types, stored_weights
 
 EXPORTS = {  # name -> the module that defines it
     "BY_NAME": "block_types",
@@ -29,7 +29,7 @@ EXPORTS = {  # name -> the module that defines it
     "PinError": "pin",
     "check_pinned": "pin",
     "copied_bytes": "stored",
-    "released_bytes": "stored",
+    "copies": "stored",
     "has_shards": "importer",
     "import_gguf_as": "importer",
     "read_pin": "pin",
@@ -60,6 +60,7 @@ __all__ = [
     "check_block_values",
     "check_pinned",
     "copied_bytes",
+    "copies",
     "file_type_names",
     "footprint_line",
     "gguf_read_per_token",
@@ -73,7 +74,6 @@ __all__ = [
     "read_per_token",
     "read_pin",
     "recorded_footprint",
-    "released_bytes",
     "resident_parts",
     "stored_types",
     "stored_weights",

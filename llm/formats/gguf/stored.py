@@ -42,11 +42,7 @@ def stored_config(mapped: MappedGGUF) -> dict[str, Any]:
 def stored_weights(mapped: MappedGGUF) -> tuple[ModelConfig, dict[str, Any]]:
     """(config, internal name -> weight): linear weights and the embedding table `GGUFWeight`s (views on the
     mapping, or parts of them), norms and biases fp32 tensors; a tied head is the embedding's very object."""
-    meta = GGUFMetadata(mapped.file)
-    family = family_of(meta)
-    config = hf_config(meta, family, mapped.file.tensors)
-    planned = {p.hf_name: p for p in plan_tensors(family, mapped.file.tensors, config, mapped.path)}
-    cfg = ModelConfig.from_hf_dict(config)
+    cfg, planned = _planned(mapped.file)
     out: dict[str, Any] = {}
     for internal, parts in fusion_table(cfg).items():
         if internal == "output.weight" and cfg.tie_word_embeddings:
@@ -71,21 +67,18 @@ def _copied(parts: list[Planned], fused: GGUFWeight | GGUFParts) -> list[str]:
 def copied_bytes(file: GGUFFile) -> int:
     """Bytes `stored_weights` copies out of the mapping, from the header alone: fused groups of one block type
     (joined rows), and Llama's q/k rows put back in order where they stay parts."""
-    return sum(info.nbytes for info in _copied_infos(file))
+    return copies(file)[0]
 
 
-def released_bytes(file: GGUFFile) -> int:
-    """Of those tensors, the whole pages the load gives back after copying them (`MappedGGUF.release`): a load
-    holds the mapping plus the copies less these (what `validate --deep` predicts)."""
-    return sum(max(0, end - start) for start, end in map(whole_pages, _copied_infos(file)))
+def copies(file: GGUFFile) -> tuple[int, int]:
+    """(the bytes copied, the whole pages of those tensors the load gives back after copying them), in one pass
+    over the header: a load holds the mapping plus the one less the other (what `validate --deep` predicts)."""
+    infos = _copied_infos(file)
+    return sum(i.nbytes for i in infos), sum(max(0, end - start) for start, end in map(whole_pages, infos))
 
 
 def _copied_infos(file: GGUFFile) -> list[TensorInfo]:
-    meta = GGUFMetadata(file)
-    family = family_of(meta)
-    config = hf_config(meta, family, file.tensors)
-    planned = {p.hf_name: p for p in plan_tensors(family, file.tensors, config, file.path)}
-    cfg = ModelConfig.from_hf_dict(config)
+    cfg, planned = _planned(file)
     out: list[TensorInfo] = []
     for internal, parts in fusion_table(cfg).items():
         tied = internal == "output.weight" and cfg.tie_word_embeddings
@@ -98,6 +91,15 @@ def _copied_infos(file: GGUFFile) -> list[TensorInfo]:
         else:
             out += [i for i, p in zip(infos, parts, strict=True) if planned[p].unpermute_heads is not None]
     return out
+
+
+def _planned(file: GGUFFile) -> tuple[ModelConfig, dict[str, Planned]]:
+    """The model's config and each HF tensor's plan (its GGUF name, shape, what to undo), from the header."""
+    meta = GGUFMetadata(file)
+    family = family_of(meta)
+    config = hf_config(meta, family, file.tensors)
+    planned = {p.hf_name: p for p in plan_tensors(family, file.tensors, config, file.path)}
+    return ModelConfig.from_hf_dict(config), planned
 
 
 def _blocks(mapped: MappedGGUF, planned: Planned) -> GGUFWeight:
