@@ -61,7 +61,9 @@ def test_trace_covers_the_run(run: Path) -> None:
     # the spans right under the run (the engine preparing the stages, then each stage) follow one another
     top = [e for e in events if e["cat"] in ("stage", "engine")]
     covered = sum(e["dur"] for e in top)
-    assert covered == pytest.approx(wall_us, rel=0.05)
+    # 5 %, or 5 ms on a run of tens of ms: a busy machine (the suite's other worker) can park the thread between
+    # two spans for a few ms (measured 2.5 ms of 37.6 in CI); a missing stage is caught by the stage list below
+    assert covered == pytest.approx(wall_us, rel=0.05, abs=5000)
     stages = sorted((e for e in events if e["cat"] == "stage"), key=lambda e: e["ts"])
     ran = [s["id"] for s in json.loads((run / "stages.json").read_text()) if s["status"] == "ok"]
     assert [e["name"] for e in stages] == ran
