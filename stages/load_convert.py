@@ -44,6 +44,7 @@ from llmplan.llm.model import (
 )
 from llmplan.ownership import NotOurs
 
+from .load_convert_cache import cache_use, converted_in_memory, keep_conversion, map_cached
 from .load_peak import converting_peak, shard_tensor_bytes
 from .load_shard_stream import CONVERTED_MARKER, read_converted_marker
 from .slots import InferenceContext
@@ -67,6 +68,12 @@ class ConvertParams(Params):
     )
     head: Literal["same", "fp32", "bf16", "fp16", "int8"] = Field(
         "same", description="precision of the output head (the largest matmul of decode)"
+    )
+    cache: bool = Field(
+        True,
+        description="keep the conversion in the model cache ($LLMPLAN_CACHE/conversions), keyed by the shards' "
+        "SHA-256, the config and these settings, and map it on later starts instead of converting again; false: "
+        "convert in memory every start (`llmplan models` lists and removes entries)",
     )
     save_to: str | None = Field(
         None, description="also write the converted weights (with scales) as a checkpoint a later plan loads"
@@ -262,6 +269,56 @@ def _check_complete(table: dict[str, list[str]], out: dict[str, Any]) -> None:
         raise StageFailure(f"conversion incomplete: no tensors for {', '.join(missing[:5])}")
 
 
+def _convert_stream(
+    ctx: InferenceContext, params: Any, cfg: ModelConfig, kept_as: str
+) -> tuple[dict[str, Any], dict[str, float], int]:
+    """Drain the shard stream, converting each fused group as soon as its parts are in and dropping the parts:
+    (converted weights, each quantized tensor's error, bytes read)."""
+    host = ctx.host_weights
+    assert host is not None
+    table = fusion_table(cfg)
+    where = _where(ctx)
+    users, waiting = _consumers(table)
+    pending: dict[str, Tensor] = {}
+    ranges: dict[str, tuple[float, float]] = {}  # each HF tensor's (min, max), from its one check
+    out: dict[str, Any] = {}
+    errors: dict[str, float] = {}
+    bytes_in = 0
+
+    def convert(internal: str, parts: list[Tensor]) -> Any:
+        began = time.perf_counter_ns()
+        try:
+            check_values(internal)
+            return _convert_group(params, internal, parts, errors)
+        finally:  # a load sub-step in the run's trace.json
+            ctx.trace.add(f"convert {internal}", "load", began, time.perf_counter_ns(), tensors=len(parts))
+
+    def check_values(internal: str) -> None:
+        precision = _precision_of(params, internal) if is_linear_weight(internal) else kept_as
+        for part in table[internal]:
+            problem = value_problem(*ranges[part], precision)
+            if problem:
+                raise StageFailure(f"{where(part)}: tensor {part!r} {problem}")
+
+    def on_tensor(name: str, tensor: Tensor) -> None:
+        nonlocal bytes_in
+        bytes_in += tensor.nbytes
+        ranges[name] = _fp32_range(where, name, tensor)
+        pending[name] = tensor
+        for internal in waiting.get(name, []):
+            parts = table[internal]
+            if internal not in out and all(p in pending for p in parts):
+                out[internal] = convert(internal, [pending[p] for p in parts])
+                for p in parts:
+                    users[p] -= 1
+                    if users[p] == 0:
+                        del pending[p]  # the fp32 source is no longer needed
+
+    host.stream(on_tensor)
+    _check_complete(table, out)
+    return out, errors, bytes_in
+
+
 class Convert(Stage):
     """Fuse q/k/v and gate/up, convert to the plan's precision; report bytes and quantization error."""
 
@@ -286,57 +343,24 @@ class Convert(Stage):
         if params.dtype == STORED:
             map_stored(ctx, params, cfg)
             return
-        table = fusion_table(cfg)
-        where = _where(ctx)
         if params.dtype == "int4" and (problem := group_size_problem(cfg, params.group_size)):
             raise StageFailure(problem)
         self._record_prediction(ctx, params, cfg, host.buffer_shards)
         if host.converted is not None:
             self._load_converted(ctx, params, cfg, host)
             return
-        users, waiting = _consumers(table)
-        pending: dict[str, Tensor] = {}
-        ranges: dict[str, tuple[float, float]] = {}  # each HF tensor's (min, max), from its one check
-        out: dict[str, Any] = {}
-        errors: dict[str, float] = {}
-        bytes_in = 0
+        kept_as = _kept_as(params, ctx)  # what embeddings and norms are stored in; fp16 and int4 hold +-65504
+        use, why_not = cache_use(ctx, params, cfg, kept_as)
+        if use is not None and map_cached(ctx, params, cfg, use):
+            return
         start = time.perf_counter()
-
-        def convert(internal: str, parts: list[Tensor]) -> Any:
-            began = time.perf_counter_ns()
-            try:
-                check_values(internal)
-                return _convert_group(params, internal, parts, errors)
-            finally:  # a load sub-step in the run's trace.json
-                ctx.trace.add(f"convert {internal}", "load", began, time.perf_counter_ns(), tensors=len(parts))
-
-        # What a tensor becomes decides which values it can hold: fp16 and int4 store at most ±65504.
-        kept_as = _kept_as(params, ctx)
-
-        def check_values(internal: str) -> None:
-            precision = _precision_of(params, internal) if is_linear_weight(internal) else kept_as
-            for part in table[internal]:
-                problem = value_problem(*ranges[part], precision)
-                if problem:
-                    raise StageFailure(f"{where(part)}: tensor {part!r} {problem}")
-
-        def on_tensor(name: str, tensor: Tensor) -> None:
-            nonlocal bytes_in
-            bytes_in += tensor.nbytes
-            ranges[name] = _fp32_range(where, name, tensor)
-            pending[name] = tensor
-            for internal in waiting.get(name, []):
-                parts = table[internal]
-                if internal not in out and all(p in pending for p in parts):
-                    out[internal] = convert(internal, [pending[p] for p in parts])
-                    for p in parts:
-                        users[p] -= 1
-                        if users[p] == 0:
-                            del pending[p]  # the fp32 source is no longer needed
-
-        host.stream(on_tensor)
-        _check_complete(table, out)
+        out, errors, bytes_in = _convert_stream(ctx, params, cfg, kept_as)
         self._publish(ctx, params, out, errors, bytes_in, start)
+        del out  # ctx.weights holds them: the conversion cache may swap them for its mapping
+        if use is not None:
+            keep_conversion(ctx, params, cfg, use, errors, time.perf_counter() - start)
+        else:
+            converted_in_memory(ctx, why_not)
 
     def _publish(
         self,
@@ -490,6 +514,7 @@ def map_stored(ctx: InferenceContext, params: Any, cfg: ModelConfig) -> None:
     ctx.metrics.set("copied_bytes", copied)
     ctx.host_weights = None  # the fp32 import is not read
     ctx.metrics.set("dtype", STORED)
+    ctx.metrics.set("weights_road", STORED)
     ctx.metrics.set("bytes_before", mapped.nbytes)
     ctx.metrics.set("bytes_after", total)
     ctx.metrics.set("stored_types", types)

@@ -80,7 +80,7 @@ def write_checkpoint(
         weight_map: dict[str, str] = {}
         total = 0
         for shard_name, group in zip(names, groups, strict=True):
-            shard = _own_storage({name: tensors[name] for name in group})
+            shard = own_storage({name: tensors[name] for name in group})
             save_file(shard, str(temp / shard_name), metadata=header_meta)
             total += sum(t.nbytes for t in shard.values())
             weight_map.update(dict.fromkeys(group, shard_name))
@@ -116,7 +116,7 @@ def check_checkpoint_target(out_dir: Path) -> None:
     check_writable(Path(out_dir), "directory")
 
 
-def _own_storage(group: dict[str, Tensor]) -> dict[str, Tensor]:
+def own_storage(group: dict[str, Tensor]) -> dict[str, Tensor]:
     """Contiguous tensors with a storage each: save_file refuses tensors sharing memory (tied weights)."""
     seen: set[int] = set()
     out = {}

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
         read_safetensors_header,
         verify,
     )
-    from .files import FileProblem, describe_os_error, read_json_limited
+    from .files import FileProblem, describe_os_error, read_bytes_limited, read_json_limited
     from .first_use import FirstUseError, trust_file_on_first_use, trust_on_first_use
     from .hash_cache import HashCache, identity_of
     from .manifest import (
@@ -45,6 +45,7 @@ EXPORTS = {  # name -> the module that defines it
     "identity_of": "hash_cache",
     "manifest_fingerprint": "manifest",
     "open_regular_fd": "manifest",
+    "read_bytes_limited": "files",
     "read_json_limited": "files",
     "read_safetensors_header": "checkpoint",
     "read_sha256sums": "manifest",
@@ -67,6 +68,7 @@ __all__ = [
     "identity_of",
     "manifest_fingerprint",
     "open_regular_fd",
+    "read_bytes_limited",
     "read_json_limited",
     "read_safetensors_header",
     "read_sha256sums",

@@ -1,0 +1,247 @@
+"""Conversion cache entries under `$LLMPLAN_CACHE/conversions/<digest[:16]>-<label>/`: written once, atomically;
+opened only after every check passes; listed and removed by name.
+
+An entry is a checkpoint folder of llmplan's own making: safetensors shards of the converted (fused, quantized)
+tensors, their index, a marker (`llmplan_conversion.json`: the key's record and digest, what the weights are)
+and a SHA256SUMS over all of them. Opening one checks, in order, before a byte is used:
+
+- it is a folder of this user that nobody else may write (an entry of another user is refused, never trusted);
+- its marker is this format and this very key (another version's or another key's entry is refused);
+- every file against SHA256SUMS (a flipped byte or a truncated shard is refused), through the hash cache:
+  an unchanged file (size, mtime, ctime, inode, under the user's HMAC key) is not hashed again, so a warm start
+  costs a stat per file, and a file written to since is hashed again whatever its mtime says;
+- each shard's header (bounded, spans inside the file), and only then the mapping.
+
+A refused entry is discarded (renamed aside, then deleted) and the conversion made again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+import stat
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import save_file
+from torch import Tensor
+
+from llmplan.cache_home import cache_home
+
+from ...trust import HashCache, IntegrityError, build_manifest, verify
+from ...trust.files import FileProblem, read_json_limited
+from ...trust.manifest import MANIFEST_NAME, read_sha256sums, write_sha256sums
+from ..checkpoint_writer import own_storage, plan_shards
+from .key import FORMAT, ConversionKey
+from .mapping import MappedFile, map_safetensors
+
+ENTRIES_DIR = "conversions"
+MARKER = "llmplan_conversion.json"
+INDEX = "model.safetensors.index.json"
+SHARD_BYTES = 256 << 20  # safetensors' writer copies a shard to bytes first: this bounds that copy
+ENTRY_NAME = re.compile(r"^(?P<digest>[0-9a-f]{16})-(?P<label>[A-Za-z0-9._+-]{1,120})$")
+_LABEL_CHARS = re.compile(r"[^A-Za-z0-9._+-]+")
+
+
+class EntryProblem(Exception):
+    """Why an entry cannot be used: one line naming it."""
+
+
+@dataclass
+class CacheEntry:
+    path: Path
+    marker: dict[str, Any]
+    tensors: dict[str, Tensor]
+    """Views on the mapped shards."""
+    files: list[MappedFile]
+    hashed_bytes: int
+    """Bytes hashed to open it (0 when the hash cache knew every file)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.files)
+
+    def close(self) -> None:
+        """Drop this object's views (the pages go once the model holding its own views is gone too)."""
+        self.tensors, self.files = {}, []
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    name: str
+    path: Path
+    bytes: int
+    model: str
+    dtype: str
+    created: str
+
+
+def conversions_root() -> Path:
+    return cache_home() / ENTRIES_DIR
+
+
+def entry_name(key: ConversionKey, label: str) -> str:
+    clean = _LABEL_CHARS.sub("_", label).strip("._") or "model"
+    return f"{key.digest[:16]}-{clean[:120]}"
+
+
+def find_entry(root: Path, key: ConversionKey) -> Path | None:
+    """The entry of this key under root, if there is a folder of that name (checked when opened)."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return None
+    prefix = key.digest[:16] + "-"
+    found = sorted(name for name in names if name.startswith(prefix) and ENTRY_NAME.match(name))
+    return root / found[0] if found else None
+
+
+def open_entry(path: Path, key: ConversionKey) -> CacheEntry:
+    """The entry's tensors, mapped, once every check in the module's docstring has passed; EntryProblem if not."""
+    _check_owner(path)
+    marker = _read_marker(path)
+    if marker.get("format") != FORMAT:
+        raise EntryProblem(f"{path}: written by another version ({marker.get('format')!r}, this one reads {FORMAT})")
+    if marker.get("key") != key.digest or marker.get("record") != key.record():
+        raise EntryProblem(f"{path}: its marker is for another conversion (key {str(marker.get('key'))[:16]}…)")
+    try:
+        manifest = build_manifest(path, None, (MARKER,))
+        cache = HashCache(path)
+        report = verify(manifest, "required", None, cache)
+        files = [map_safetensors(shard.path) for shard in manifest.shards]
+    except IntegrityError as bad:
+        raise EntryProblem(str(bad)) from None
+    tensors = {name: t for mapped in files for name, t in mapped.tensors.items()}
+    return CacheEntry(path, marker, tensors, files, report.bytes_hashed)
+
+
+def _check_owner(path: Path) -> None:
+    try:
+        info = os.lstat(path)
+    except OSError as bad:
+        raise EntryProblem(f"{path}: cannot be read ({bad.strerror})") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise EntryProblem(f"{path}: not a folder (a link or a file in an entry's place)")
+    if info.st_uid != os.geteuid():
+        raise EntryProblem(f"{path}: written by another user (uid {info.st_uid})")
+    if info.st_mode & 0o022:
+        raise EntryProblem(f"{path}: others may write it (mode {stat.S_IMODE(info.st_mode):o})")
+
+
+def _read_marker(path: Path) -> dict[str, Any]:
+    try:
+        marker = read_json_limited(path / MARKER, 1 << 20)
+    except FileProblem as bad:
+        raise EntryProblem(str(bad)) from None
+    if not isinstance(marker, dict):
+        raise EntryProblem(f"{path / MARKER}: not a JSON object")
+    return marker
+
+
+def write_entry(root: Path, key: ConversionKey, label: str, flat: dict[str, Tensor], about: dict[str, Any]) -> Path:
+    """Write the entry under a temporary name beside its place, flushed, then renamed into place: a crash leaves
+    no half entry for a later start to find. Where another process got there first, its entry stands (and is
+    checked when opened). OSError when root cannot be written (a read-only cache)."""
+    final = root / entry_name(key, label)
+    root.mkdir(parents=True, exist_ok=True)
+    temp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))  # mode 0700: this user's alone
+    try:
+        listed = _write_files(temp, key, flat, about)
+        _fsync_files(temp, listed)
+        with contextlib.suppress(FileExistsError, OSError):
+            os.rename(temp, final)
+        if temp.exists():  # another start published the same key meanwhile
+            shutil.rmtree(temp, ignore_errors=True)
+            return final
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    _remember_hashes(final)
+    return final
+
+
+def _write_files(folder: Path, key: ConversionKey, flat: dict[str, Tensor], about: dict[str, Any]) -> list[str]:
+    groups = plan_shards(flat, SHARD_BYTES) if flat else []
+    names = [f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)]
+    weight_map: dict[str, str] = {}
+    for shard_name, group in zip(names, groups, strict=True):
+        save_file(own_storage({n: flat[n] for n in group}), str(folder / shard_name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(group, shard_name))
+    total = sum(t.nbytes for t in flat.values())
+    index = {"metadata": {"total_size": total, "llmplan": "conversion"}, "weight_map": weight_map}
+    (folder / INDEX).write_text(json.dumps(index, indent=1) + "\n", encoding="utf-8")
+    marker = {"format": FORMAT, "key": key.digest, "record": key.record(), "created": _now(), **about}
+    (folder / MARKER).write_text(json.dumps(marker, indent=1) + "\n", encoding="utf-8")
+    listed = [*names, INDEX, MARKER]
+    write_sha256sums(folder, listed)
+    return [*listed, MANIFEST_NAME]
+
+
+def _fsync_files(folder: Path, names: list[str]) -> None:
+    """Contents on disk before the rename publishes them: a power cut cannot leave an entry of empty files."""
+    for name in names:
+        with open(folder / name, "rb") as handle:
+            os.fsync(handle.fileno())
+
+
+def _remember_hashes(entry: Path) -> None:
+    """The digests SHA256SUMS was just written from, in the entry's hash cache: the next start stats, not hashes."""
+    with contextlib.suppress(OSError, ValueError):
+        sums = read_sha256sums(entry / MANIFEST_NAME)
+        cache = HashCache(entry)
+        for name, digest in sums.items():
+            cache.put(entry / name, digest)
+        cache.save()
+
+
+def discard_entry(path: Path) -> bool:
+    """Rename a refused entry aside (so no start finds it again) and delete it; False if it could not be moved."""
+    aside = path.with_name(f".discarded-{path.name}-{secrets.token_hex(4)}")
+    try:
+        os.rename(path, aside)
+    except OSError:
+        return False
+    shutil.rmtree(aside, ignore_errors=True)
+    return True
+
+
+def entry_bytes(path: Path) -> int:
+    """Bytes on disk of an entry's files."""
+    total = 0
+    with contextlib.suppress(OSError):
+        for item in path.iterdir():
+            with contextlib.suppress(OSError):
+                info = item.lstat()
+                total += info.st_size if stat.S_ISREG(info.st_mode) else 0
+    return total
+
+
+def list_entries(root: Path) -> list[EntryInfo]:
+    """Every finished entry under root (a temporary or discarded one starts with a dot), by name."""
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        path = root / name
+        if not ENTRY_NAME.match(name) or not path.is_dir() or path.is_symlink():
+            continue
+        try:
+            marker = _read_marker(path)
+        except EntryProblem:
+            marker = {}
+        model, dtype = str(marker.get("model", "?")), str(marker.get("dtype", "?"))
+        found.append(EntryInfo(name, path, entry_bytes(path), model, dtype, str(marker.get("created", "?"))))
+    return found
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

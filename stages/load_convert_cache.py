@@ -1,0 +1,178 @@
+"""`load.convert`'s conversion cache: map this conversion's entry, or convert and keep the result for next time.
+
+The roads to the weights, each said on the stage's line and in the metrics (`weights_road`):
+
+    stored          a GGUF's own blocks, mapped from the file (dtype stored: load_convert.map_stored)
+    cache-mapped    this conversion's cache entry, checked and mapped: no shard is read, nothing converted
+    cached          converted now, written into the cache, then mapped from it (so this start's weights are
+                    file-backed too, and the next start maps them)
+    memory          converted in memory and not kept: the plan's `cache: false`, a cache that cannot be written,
+                    or shards whose SHA-256 nobody checked (without them the entry could not be keyed safely)
+
+The key (llm/formats/conversion_cache/key.py) covers the shards' SHA-256 as `load.verify` checked them, the
+config, the conversion's settings and the code's version: a changed file or setting finds no entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmplan.engine.memory import mib
+from llmplan.llm.formats.conversion_cache import (
+    CacheEntry,
+    ConversionKey,
+    EntryProblem,
+    conversions_root,
+    discard_entry,
+    find_entry,
+    flatten,
+    open_entry,
+    unflatten,
+    write_entry,
+)
+from llmplan.llm.model import ModelConfig, internal_shapes
+from llmplan.llm.trust import FileProblem, read_bytes_limited
+
+from .slots import InferenceContext
+from .types import ConvertedWeights
+
+CACHE_MAPPED, CACHED, MEMORY = "cache-mapped", "cached", "memory"
+
+
+@dataclass(frozen=True)
+class CacheUse:
+    """Where this conversion's entry is (or will be) and under which key."""
+
+    key: ConversionKey
+    root: Path
+    label: str
+
+
+def cache_use(ctx: InferenceContext, params: Any, cfg: ModelConfig, kept_as: str) -> tuple[CacheUse | None, str]:
+    """The entry this load may use, or None and why not (for the line saying it converted in memory)."""
+    if not params.cache:
+        return None, "the plan's load.convert cache: false"
+    manifest, source = ctx.shard_manifest, ctx.model_source
+    if manifest is None or source is None or not manifest.shards:
+        return None, "no verified shard list to key it by"
+    unknown = [shard.name for shard in manifest.shards if shard.sha256 is None]
+    if unknown:
+        return None, f"{unknown[0]} has no SHA-256 checked by load.verify, so no entry can be keyed to it"
+    try:
+        config = hashlib.sha256(read_bytes_limited(source.model_dir / "config.json", 1 << 20)).hexdigest()
+    except FileProblem as bad:
+        return None, str(bad)
+    settings = {"dtype": params.dtype, "group_size": params.group_size, "head": params.head, "kept_as": kept_as}
+    key = ConversionKey(tuple(sorted((s.name, str(s.sha256)) for s in manifest.shards)), config, settings)
+    return CacheUse(key, conversions_root(), f"{source.name}-{params.dtype}"), ""
+
+
+def map_cached(ctx: InferenceContext, params: Any, cfg: ModelConfig, use: CacheUse) -> bool:
+    """This conversion's entry, mapped into ctx.weights; False (and a line when one was refused) otherwise."""
+    path = find_entry(use.root, use.key)
+    if path is None:
+        return False
+    began = time.perf_counter()
+    try:
+        entry = open_entry(path, use.key)
+        tensors = unflatten(entry.tensors, _aliases(entry), list(internal_shapes(cfg)))
+    except (EntryProblem, KeyError, ValueError) as bad:
+        gone = discard_entry(path)
+        _say(ctx, f"conversion cache: {bad}; refused{', discarded' if gone else ''}: converting again")
+        ctx.metrics.set("conversion_entry_refused", str(bad))
+        return False
+    errors = entry.marker.get("errors") or {}
+    ctx.weights = _weights(params, tensors, entry, errors)
+    ctx.host_weights = None  # no shard is read
+    _record(ctx, params, entry, CACHE_MAPPED, errors)
+    ctx.metrics.set("convert_s", time.perf_counter() - began)
+    ctx.metrics.set("entry_bytes_hashed", entry.hashed_bytes)
+    how = entry.marker.get("seconds")
+    made = f"; converted {entry.marker.get('created', '?')} in {how:.1f} s" if isinstance(how, float) else ""
+    _say(ctx, f"mapped from the conversion cache: {path.name} ({mib(entry.nbytes)} of {params.dtype}{made})")
+    return True
+
+
+def keep_conversion(
+    ctx: InferenceContext, params: Any, cfg: ModelConfig, use: CacheUse, errors: dict[str, float], seconds: float
+) -> None:
+    """Write the conversion ctx.weights holds into the cache, then map it in their place (the anonymous copy
+    goes); a cache that cannot be written leaves the weights in memory and says so."""
+    weights = ctx.weights
+    assert weights is not None
+    flat, aliases = flatten(weights.tensors)
+    about = {
+        "model": use.label.removesuffix(f"-{params.dtype}"),
+        "dtype": params.dtype,
+        "aliases": aliases,
+        "errors": errors,
+        "seconds": round(seconds, 3),
+    }
+    began = time.perf_counter()
+    try:
+        path = write_entry(use.root, use.key, use.label, flat, about)
+        entry = open_entry(path, use.key)
+        tensors = unflatten(entry.tensors, _aliases(entry), list(internal_shapes(cfg)))
+    except (OSError, EntryProblem, KeyError, ValueError) as bad:
+        converted_in_memory(ctx, f"the conversion cache cannot keep it ({_reason(bad)})")
+        return
+    del flat
+    ctx.weights = _weights(params, tensors, entry, errors)
+    _record(ctx, params, entry, CACHED, errors)
+    ctx.metrics.set("entry_write_s", time.perf_counter() - began)
+    _say(ctx, f"converted in {seconds:.1f} s, cached as {path.name} ({mib(entry.nbytes)}): later starts map it")
+
+
+def converted_in_memory(ctx: InferenceContext, why: str) -> None:
+    ctx.metrics.set("weights_road", MEMORY)
+    ctx.metrics.set("weights_road_why", why)
+    _say(ctx, f"converted in memory, not cached: {why}")
+
+
+def _weights(params: Any, tensors: dict[str, Any], entry: CacheEntry, errors: dict[str, float]) -> ConvertedWeights:
+    return ConvertedWeights(
+        tensors=tensors,
+        dtype=params.dtype,
+        nbytes=entry.nbytes,
+        errors=errors,
+        kernel=params.kernel,
+        bf16_inputs=params.bf16_inputs,
+        mapping=entry,
+    )
+
+
+def _record(ctx: InferenceContext, params: Any, entry: CacheEntry, road: str, errors: dict[str, float]) -> None:
+    ctx.metrics.set("weights_road", road)
+    ctx.metrics.set("conversion_entry", str(entry.path))
+    ctx.metrics.set("entry_bytes", entry.nbytes)
+    ctx.metrics.set("dtype", params.dtype)
+    ctx.metrics.set("bytes_after", entry.nbytes)
+    ctx.metrics.set("file_backed_bytes", entry.nbytes)
+    if errors and road == CACHE_MAPPED:  # the conversion's own error, as measured when it was made
+        ctx.metrics.set("quant_error_max", max(errors.values()))
+        ctx.metrics.set("quant_error_mean", sum(errors.values()) / len(errors))
+        ctx.metrics.set("quant_error_by_tensor", errors)
+
+
+def _aliases(entry: CacheEntry) -> dict[str, str]:
+    aliases = entry.marker.get("aliases") or {}
+    if not isinstance(aliases, dict) or not all(isinstance(v, str) for v in aliases.values()):
+        raise EntryProblem(f"{entry.path}: its marker's aliases are not names")
+    return aliases
+
+
+def _reason(bad: BaseException) -> str:
+    if isinstance(bad, OSError):
+        where = f"{bad.filename}: " if bad.filename else ""
+        return f"{where}{bad.strerror or bad}"
+    return str(bad)
+
+
+def _say(ctx: InferenceContext, line: str) -> None:
+    if not ctx.json_mode:
+        print(line, file=sys.stderr, flush=True)

@@ -1,0 +1,122 @@
+"""load.convert with the conversion cache: the first start converts and keeps, the second maps (reading no shard)
+and answers token for token the same; a damaged entry is refused and rebuilt; `cache: false` and a cache that
+cannot be written convert in memory, saying so."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from llmplan.engine.cli import main
+from tests.stages.tiny_run import make_tiny_model_dir, write_plan
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny"), n_layers=2)[0]
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("LLMPLAN_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def int8_plan(tmp_path: Path, model_dir: Path, **convert: Any) -> Path:
+    """The tiny plan, its folder trusted on first use (so its shards have SHA-256 to key by), int8 weights."""
+    path = write_plan(tmp_path, model_dir)
+    plan = yaml.safe_load(path.read_text(encoding="utf-8"))
+    for stage in plan["stages"]:
+        if stage["id"] == "model":
+            stage["with"]["trust_on_first_use"] = True
+        if stage["id"] == "verify":
+            stage["with"] = {"hashes": "required"}
+        if stage["id"] == "convert":
+            stage["with"] = {"dtype": "int8", **convert}
+    path.write_text(yaml.safe_dump(plan, allow_unicode=True, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def start(plan: Path, out: Path) -> tuple[dict[str, Any], list[int]]:
+    """One run: (load.convert's metrics, the greedy tokens)."""
+    assert main(["run", str(plan), "--out", str(out), "--quiet"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    tokens = json.loads((out / "generations.json").read_text())[0]["tokens"]
+    return metrics["convert"], tokens
+
+
+def test_the_second_start_maps_the_conversion_and_reads_no_shard(
+    tiny: Path, tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = int8_plan(tmp_path, tiny)
+    first, tokens = start(plan, tmp_path / "first")
+    assert first["weights_road"] == "cached" and first["bytes_read"] > 0
+    assert "converted in" in capsys.readouterr().err
+    entry = Path(first["conversion_entry"])
+    assert entry.parent == cache / "conversions" and entry.is_dir()
+
+    from llmplan.stages import load_shard_stream
+
+    def no_reads(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a source shard was read on a start the cache should have served")
+
+    monkeypatch.setattr(load_shard_stream, "read_shards", no_reads)
+    second, again = start(plan, tmp_path / "second")
+    assert second["weights_road"] == "cache-mapped" and "bytes_read" not in second
+    assert second["conversion_entry"] == str(entry) and second["entry_bytes"] == first["entry_bytes"]
+    assert second["quant_error_max"] == pytest.approx(first["quant_error_max"])  # as measured when converted
+    assert again == tokens
+    assert "mapped from the conversion cache" in capsys.readouterr().err
+
+
+def test_a_damaged_entry_is_refused_and_rebuilt(
+    tiny: Path, tmp_path: Path, cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = int8_plan(tmp_path, tiny)
+    first, tokens = start(plan, tmp_path / "first")
+    shard = next(Path(first["conversion_entry"]).glob("model-*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+    capsys.readouterr()
+    second, again = start(plan, tmp_path / "second")
+    err = capsys.readouterr().err
+    refused = [line for line in err.splitlines() if "refused" in line]
+    assert len(refused) == 1 and shard.name in refused[0] and "converting again" in refused[0]
+    assert second["weights_road"] == "cached" and again == tokens
+    third, _ = start(plan, tmp_path / "third")
+    assert third["weights_road"] == "cache-mapped"
+
+
+def test_cache_false_converts_in_memory_and_keeps_nothing(
+    tiny: Path, tmp_path: Path, cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    metrics, _ = start(int8_plan(tmp_path, tiny, cache=False), tmp_path / "run")
+    assert metrics["weights_road"] == "memory" and "cache: false" in metrics["weights_road_why"]
+    assert "converted in memory, not cached" in capsys.readouterr().err
+    assert not (cache / "conversions").exists()
+
+
+def test_a_cache_that_cannot_be_written_converts_in_memory_and_says_why(
+    tiny: Path, tmp_path: Path, cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cache.mkdir(parents=True, exist_ok=True)
+    (cache / "conversions").write_text("not a folder")
+    metrics, tokens = start(int8_plan(tmp_path, tiny), tmp_path / "run")
+    assert metrics["weights_road"] == "memory" and "conversions" in metrics["weights_road_why"]
+    err = capsys.readouterr().err
+    assert "converted in memory, not cached: the conversion cache cannot keep it" in err
+    assert tokens
+
+
+def test_unverified_shards_are_not_cached(tiny: Path, tmp_path: Path, cache: Path) -> None:
+    plan = write_plan(tmp_path, tiny)  # hashes off: nothing to key an entry by
+    data = yaml.safe_load(plan.read_text(encoding="utf-8"))
+    data["stages"][6]["with"] = {"dtype": "int8"}
+    plan.write_text(yaml.safe_dump(data), encoding="utf-8")
+    metrics, _ = start(plan, tmp_path / "run")
+    assert metrics["weights_road"] == "memory" and "SHA-256" in metrics["weights_road_why"]
