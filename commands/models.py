@@ -2,12 +2,15 @@
 
     llmplan models               # name, size on disk, where it came from; the cache folder and the total
     llmplan models rm NAME       # remove one import (and the joined GGUF it was fetched as), nothing else
+                                 # or one conversion cache entry, by the name listed for it
 
 What is listed is what llmplan itself made under `$LLMPLAN_CACHE` (~/.cache/llmplan): GGUF imports in
 `models/<sha256[:16]>-f<format>-<stem>/` (llm/formats/gguf/importer.py) and the GGUFs joined from PyPI's chunk
 packages in `downloads/<sha256[:16]>/` (stages/chunk_packages.py). A model folder of the user's (`--model DIR`)
 is never listed or removed: only its first-use hashes are in the cache. `rm` takes a name from the list, never
 a path, and refuses anything that is not one of those folders (a link, a file, a name that leaves the cache).
+The conversion cache's entries (`conversions/`, llm/formats/conversion_cache) are listed after the models, each
+with the model and dtype it holds; removing one only means the next start of its plan converts again.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from llmplan.llm.formats.conversion_cache import EntryInfo, conversions_root, discard_entry, list_entries
 
 IMPORT_DIR = re.compile(r"^(?P<digest>[0-9a-f]{16})-f(?P<format>\d+)-(?P<stem>.+)$")
 
@@ -57,20 +62,46 @@ def cmd_models(args: argparse.Namespace) -> int:
 
     root = cache_home()
     found = cached_models(root)
+    conversions = list_entries(conversions_root())
     if args.action == "rm":
         if not args.name:
             raise CliError("models rm: give a model's name (`llmplan models` lists them)")
+        if any(entry.name == args.name for entry in conversions):
+            return remove_conversion(next(e for e in conversions if e.name == args.name))
         return remove(root, found, args.name)
     if args.name:
         raise CliError(f"models: unexpected {args.name!r} (did you mean `llmplan models rm {args.name}`?)")
     if args.json:
         for model in found:
             print(json.dumps(model.to_dict()))
+        for entry in conversions:
+            print(json.dumps(conversion_row(entry)))
         return 0
     for model in found:
         print(f"{model.name}  {size_text(model.size)}  from {model.origin}")
-    total = size_text(sum(m.size for m in found))
-    print(f"{len(found)} model(s), {total} in {root} ($LLMPLAN_CACHE)", file=sys.stderr)
+    for entry in conversions:
+        print(f"{entry.name}  {size_text(entry.bytes)}  conversion of {entry.model} to {entry.dtype}, {entry.created}")
+    total = size_text(sum(m.size for m in found) + sum(e.bytes for e in conversions))
+    counts = f"{len(found)} model(s), {len(conversions)} conversion(s)"
+    print(f"{counts}, {total} in {root} ($LLMPLAN_CACHE)", file=sys.stderr)
+    return 0
+
+
+def conversion_row(entry: EntryInfo) -> dict[str, Any]:
+    return {"name": entry.name, "path": str(entry.path), "bytes": entry.bytes, "kind": "conversion"} | {
+        "model": entry.model,
+        "dtype": entry.dtype,
+        "created": entry.created,
+    }
+
+
+def remove_conversion(entry: EntryInfo) -> int:
+    """One conversion cache entry, moved aside and deleted: its plan's next start converts again."""
+    from llmplan.engine.cli import CliError
+
+    if not discard_entry(entry.path):
+        raise CliError(f"models rm: {entry.path} could not be moved aside; left as it was")
+    print(f"removed {entry.name}: {entry.path} ({size_text(entry.bytes)}); the next start of its plan converts again")
     return 0
 
 

@@ -606,6 +606,9 @@ def estimate_line(estimate: dict[str, int], planned: MemoryPlan | None) -> str:
     if planned is None:
         return parts
     peaks = "".join(f", peak while {k} {mib(v)}" for k, v in planned.peaks.items())
+    if planned.file_backed:  # mapped pages: shared with other processes, evictable, not this process's own
+        parts += f" (file-backed {mib(sum(planned.file_backed.values()))}, anonymous {mib(planned.anonymous)})"
+    peaks += "".join(f"; writes {k} of {mib(v)} to disk" for k, v in planned.disk.items())
     where = f"{mib(planned.available)} ({planned.available_from})"
     if planned.fits:
         return f"{parts}{peaks}; predicted peak {mib(planned.peak)} of {where}"
@@ -638,6 +641,7 @@ def deep_memory_check(
     if capacity is not None and deep.estimates:
         sizing = deep.facts.get("kv_sizing")
         planned = plan_memory(deep.estimates, deep.peaks, capacity, sizing)
+        planned.file_backed, planned.disk = dict(deep.file_backed), dict(deep.disk)
         if not planned.fits:  # one line per plan, on the KV cache's stage when the KV cache is what to change
             moment = planned.transient()
             deep.current = deep.peak_stages.get(moment or "") or planned.kv_stage or bound.stages[0].id

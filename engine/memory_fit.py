@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .memory import mib
@@ -58,6 +58,13 @@ class MemoryPlan:
     kv_stage: str | None = None
     batch: int = 0  # the plan's own max_batch and max_tokens, which the fixes above keep
     tokens: int = 0
+    file_backed: dict[str, int] = field(default_factory=dict)  # of each region, the bytes a file's pages hold
+    disk: dict[str, int] = field(default_factory=dict)  # bytes the run writes to disk (a conversion cache entry)
+
+    @property
+    def anonymous(self) -> int:
+        """Steady bytes that are this process's own memory (not a mapped file's pages, shared and evictable)."""
+        return self.steady - sum(self.file_backed.values())
 
     @property
     def steady(self) -> int:
@@ -105,6 +112,9 @@ class MemoryPlan:
             "fit_max_tokens": self.max_tokens,
             "fit_max_batch": self.max_batch,
             "kv_stage": self.kv_stage,
+            "file_backed": self.file_backed,
+            "anonymous_bytes": self.anonymous,
+            "disk": self.disk,
         }
 
 

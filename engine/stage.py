@@ -120,6 +120,8 @@ class DeepCheck:
         self.capacity: tuple[str, int] | None = None  # (what, bytes) the estimates must fit in
         self.peaks: dict[str, int] = {}  # transient peaks (e.g. while converting), beside the steady regions
         self.peak_stages: dict[str, str] = {}  # the stage each peak belongs to, where a finding about it points
+        self.file_backed: dict[str, int] = {}  # of each region, the bytes that are a file's pages (mapped)
+        self.disk: dict[str, int] = {}  # bytes the run will write to disk, by what (a conversion cache entry)
         self.current: str = ""
 
     def problem(self, message: str, field: str = "") -> None:

@@ -44,7 +44,15 @@ from llmplan.llm.model import (
 )
 from llmplan.ownership import NotOurs
 
-from .load_convert_cache import cache_use, converted_in_memory, keep_conversion, map_cached
+from .load_convert_cache import (
+    CACHE_MAPPED,
+    MEMORY,
+    cache_use,
+    converted_in_memory,
+    keep_conversion,
+    map_cached,
+    predicted_road,
+)
 from .load_peak import converting_peak, shard_tensor_bytes
 from .load_shard_stream import CONVERTED_MARKER, read_converted_marker
 from .slots import InferenceContext
@@ -189,6 +197,14 @@ def save_converted(weights: dict[str, Any], params: ConvertParams, source: Any) 
         raise StageFailure(f"save_to {params.save_to}: cannot write the checkpoint ({bad.strerror or bad})") from None
     except ValueError as bad:
         raise StageFailure(f"save_to {params.save_to}: {bad}") from None
+
+
+def _save_if_asked(ctx: InferenceContext, params: Any, weights: dict[str, Any]) -> None:
+    """`save_to`: the converted weights written as a checkpoint, whichever road gave them."""
+    if params.save_to:
+        saved = save_converted(weights, params, ctx.model_source)
+        ctx.metrics.set("saved_to", str(saved))
+        ctx.log.info("converted_checkpoint_saved", path=str(saved))
 
 
 def converted_bytes(weights: dict[str, Any]) -> int:
@@ -350,8 +366,9 @@ class Convert(Stage):
             self._load_converted(ctx, params, cfg, host)
             return
         kept_as = _kept_as(params, ctx)  # what embeddings and norms are stored in; fp16 and int4 hold +-65504
-        use, why_not = cache_use(ctx, params, cfg, kept_as)
+        use, why_not = cache_use(ctx, params, kept_as)
         if use is not None and map_cached(ctx, params, cfg, use):
+            _save_if_asked(ctx, params, ctx.weights.tensors)  # type: ignore[union-attr]
             return
         start = time.perf_counter()
         out, errors, bytes_in = _convert_stream(ctx, params, cfg, kept_as)
@@ -386,10 +403,7 @@ class Convert(Stage):
         ctx.metrics.set("bytes_before", bytes_in)
         ctx.metrics.set("bytes_after", total)
         ctx.metrics.set("convert_s", time.perf_counter() - start)
-        if params.save_to:
-            saved = save_converted(out, params, ctx.model_source)
-            ctx.metrics.set("saved_to", str(saved))
-            ctx.log.info("converted_checkpoint_saved", path=str(saved))
+        _save_if_asked(ctx, params, out)
         if errors:
             ctx.metrics.set("quant_error_max", max(errors.values()))
             ctx.metrics.set("quant_error_mean", sum(errors.values()) / len(errors))
@@ -457,8 +471,16 @@ class Convert(Stage):
         deep.estimate("weights", sum(sizes.values()))
         # the device's own activation dtype: on a GPU an fp16/bf16 plan's KV cache is fp16/bf16, not fp32
         device = str(deep.facts.get("device") or "cpu")
-        deep.facts["activation_dtype"] = activation_dtype(params.dtype, device.split(":")[0])
+        deep.facts["activation_dtype"] = act = activation_dtype(params.dtype, device.split(":")[0])
         manifest = deep.facts.get("manifest")
+        road = predicted_road(manifest, deep.facts.get("model_dir"), params, "fp16" if act == torch.float16 else "fp32")
+        deep.facts["weights_road"] = road
+        if road != MEMORY:  # mapped from the entry: the page cache's pages, shared by every process that maps it
+            deep.file_backed["weights"] = sum(sizes.values())
+        if road == CACHE_MAPPED:
+            return  # no conversion, so no peak while converting
+        if road != MEMORY:
+            deep.disk["a conversion cache entry"] = sum(sizes.values())
         if manifest is not None:
             peak = predicted_peak(manifest, cfg, sizes, deep.facts.get("buffer_shards", 1))
             if peak is not None:
@@ -541,4 +563,6 @@ def stored_estimate(deep: DeepCheck) -> None:
         deep.problem(str(bad), "dtype")
         return
     deep.estimate("weights", mapped + copied - released)  # the mapping, the copies less the pages they give back
+    deep.file_backed["weights"] = mapped - released  # the copies are this process's own memory
+    deep.facts["weights_road"] = STORED
     deep.facts["activation_dtype"] = torch.float32

@@ -53,23 +53,40 @@ class CacheUse:
     label: str
 
 
-def cache_use(ctx: InferenceContext, params: Any, cfg: ModelConfig, kept_as: str) -> tuple[CacheUse | None, str]:
-    """The entry this load may use, or None and why not (for the line saying it converted in memory)."""
+def conversion_key(manifest: Any, model_dir: Path, params: Any, kept_as: str) -> tuple[ConversionKey | None, str]:
+    """The key of this conversion of these shards, or None and why there is none."""
     if not params.cache:
         return None, "the plan's load.convert cache: false"
-    manifest, source = ctx.shard_manifest, ctx.model_source
-    if manifest is None or source is None or not manifest.shards:
+    if manifest is None or not manifest.shards:
         return None, "no verified shard list to key it by"
     unknown = [shard.name for shard in manifest.shards if shard.sha256 is None]
     if unknown:
         return None, f"{unknown[0]} has no SHA-256 checked by load.verify, so no entry can be keyed to it"
     try:
-        config = hashlib.sha256(read_bytes_limited(source.model_dir / "config.json", 1 << 20)).hexdigest()
+        config = hashlib.sha256(read_bytes_limited(model_dir / "config.json", 1 << 20)).hexdigest()
     except FileProblem as bad:
         return None, str(bad)
     settings = {"dtype": params.dtype, "group_size": params.group_size, "head": params.head, "kept_as": kept_as}
-    key = ConversionKey(tuple(sorted((s.name, str(s.sha256)) for s in manifest.shards)), config, settings)
+    return ConversionKey(tuple(sorted((s.name, str(s.sha256)) for s in manifest.shards)), config, settings), ""
+
+
+def cache_use(ctx: InferenceContext, params: Any, kept_as: str) -> tuple[CacheUse | None, str]:
+    """The entry this load may use, or None and why not (for the line saying it converted in memory)."""
+    source = ctx.model_source
+    if source is None:
+        return None, "no model source"
+    key, why = conversion_key(ctx.shard_manifest, source.model_dir, params, kept_as)
+    if key is None:
+        return None, why
     return CacheUse(key, conversions_root(), f"{source.name}-{params.dtype}"), ""
+
+
+def predicted_road(manifest: Any, model_dir: Path | None, params: Any, kept_as: str) -> str:
+    """For `validate --deep`: the road a run would take now (an entry found is opened by the run, not here)."""
+    key, _ = conversion_key(manifest, model_dir, params, kept_as) if model_dir is not None else (None, "")
+    if key is None:
+        return MEMORY
+    return CACHE_MAPPED if find_entry(conversions_root(), key) is not None else CACHED
 
 
 def map_cached(ctx: InferenceContext, params: Any, cfg: ModelConfig, use: CacheUse) -> bool:

@@ -20,7 +20,7 @@ from llmplan.llm.formats.conversion_cache import (
     unflatten,
     write_entry,
 )
-from llmplan.llm.formats.conversion_cache.store import MARKER
+from llmplan.llm.formats.conversion_cache.listing import MARKER
 from llmplan.llm.model.weight_formats import Int4Weight, Int8Weight, quantize_weight
 
 

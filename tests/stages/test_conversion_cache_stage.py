@@ -120,3 +120,43 @@ def test_unverified_shards_are_not_cached(tiny: Path, tmp_path: Path, cache: Pat
     plan.write_text(yaml.safe_dump(data), encoding="utf-8")
     metrics, _ = start(plan, tmp_path / "run")
     assert metrics["weights_road"] == "memory" and "SHA-256" in metrics["weights_road_why"]
+
+
+def test_models_lists_the_entry_and_rm_makes_the_next_start_convert_again(
+    tiny: Path, tmp_path: Path, cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = int8_plan(tmp_path, tiny)
+    first, _ = start(plan, tmp_path / "first")
+    entry = Path(first["conversion_entry"])
+    capsys.readouterr()
+    assert main(["models", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    (row,) = [r for r in rows if r.get("kind") == "conversion"]
+    assert (row["name"], row["dtype"], row["model"]) == (entry.name, "int8", tiny.name)
+    assert row["bytes"] == sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
+    assert main(["models", "rm", entry.name]) == 0
+    assert not entry.exists() and "converts again" in capsys.readouterr().out
+    second, _ = start(plan, tmp_path / "second")
+    assert second["weights_road"] == "cached"
+
+
+def test_validate_deep_predicts_the_road_the_disk_and_the_file_backed_bytes(
+    tiny: Path, tmp_path: Path, cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = int8_plan(tmp_path, tiny)
+
+    def predicted() -> dict[str, Any]:
+        capsys.readouterr()
+        assert main(["validate", "--deep", "--format", "json", str(plan)]) == 0
+        return json.loads(capsys.readouterr().out)["memory"][str(plan)]
+
+    before = predicted()  # nothing cached yet: it will convert, write the entry, then map it
+    assert before["peaks"]["converting"] > 0 and before["disk"]["a conversion cache entry"] > 0
+    assert before["file_backed"]["weights"] == before["regions"]["weights"]
+    first, _ = start(plan, tmp_path / "first")
+    written = first["entry_bytes"]
+    assert before["disk"]["a conversion cache entry"] == written == before["regions"]["weights"]
+    after = predicted()  # the entry is there: mapped, no conversion, nothing written
+    assert after["disk"] == {} and "converting" not in after["peaks"]
+    assert after["file_backed"]["weights"] == written
+    assert after["anonymous_bytes"] == after["steady_bytes"] - written

@@ -4,7 +4,8 @@ into the model cache, keyed by what was converted and how, and mapped on every l
     key.py       the entry's identity: the source files' SHA-256, the config, the settings, the format version
     layout.py    converted weights <-> the flat tensors an entry stores (ties kept as aliases, not copies)
     mapping.py   a safetensors file mapped: each tensor a view on the file's pages, never copied
-    store.py     write an entry atomically; open one (ownership, marker, SHA-256, then map); list and remove
+    store.py     write an entry atomically; open one (ownership, marker, SHA-256, then map)
+    listing.py   where entries are, what each is, removing one (no torch: `llmplan models` lists at once)
 
 The names below are its public surface; each is imported from its module on first use.
 """
@@ -18,19 +19,9 @@ from llmplan.lazy_exports import lazy_exports
 if TYPE_CHECKING:
     from .key import FORMAT, ConversionKey
     from .layout import flatten, unflatten
+    from .listing import EntryInfo, EntryProblem, conversions_root, discard_entry, entry_bytes, list_entries
     from .mapping import MappedFile, map_safetensors
-    from .store import (
-        CacheEntry,
-        EntryInfo,
-        EntryProblem,
-        conversions_root,
-        discard_entry,
-        entry_bytes,
-        find_entry,
-        list_entries,
-        open_entry,
-        write_entry,
-    )
+    from .store import CacheEntry, find_entry, open_entry, write_entry
 
 EXPORTS = {  # name -> the module that defines it
     "FORMAT": "key",
@@ -40,13 +31,13 @@ EXPORTS = {  # name -> the module that defines it
     "MappedFile": "mapping",
     "map_safetensors": "mapping",
     "CacheEntry": "store",
-    "EntryInfo": "store",
-    "EntryProblem": "store",
-    "conversions_root": "store",
-    "discard_entry": "store",
-    "entry_bytes": "store",
+    "EntryInfo": "listing",
+    "EntryProblem": "listing",
+    "conversions_root": "listing",
+    "discard_entry": "listing",
+    "entry_bytes": "listing",
     "find_entry": "store",
-    "list_entries": "store",
+    "list_entries": "listing",
     "open_entry": "store",
     "write_entry": "store",
 }

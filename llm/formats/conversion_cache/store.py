@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import re
-import secrets
 import shutil
 import stat
 import tempfile
@@ -33,25 +32,16 @@ from typing import Any
 from safetensors.torch import save_file
 from torch import Tensor
 
-from llmplan.cache_home import cache_home
-
 from ...trust import HashCache, IntegrityError, build_manifest, verify
-from ...trust.files import FileProblem, read_json_limited
 from ...trust.manifest import MANIFEST_NAME, read_sha256sums, write_sha256sums
 from ..checkpoint_writer import own_storage, plan_shards
 from .key import FORMAT, ConversionKey
+from .listing import ENTRY_NAME, MARKER, EntryProblem, read_marker
 from .mapping import MappedFile, map_safetensors
 
-ENTRIES_DIR = "conversions"
-MARKER = "llmplan_conversion.json"
 INDEX = "model.safetensors.index.json"
 SHARD_BYTES = 256 << 20  # safetensors' writer copies a shard to bytes first: this bounds that copy
-ENTRY_NAME = re.compile(r"^(?P<digest>[0-9a-f]{16})-(?P<label>[A-Za-z0-9._+-]{1,120})$")
 _LABEL_CHARS = re.compile(r"[^A-Za-z0-9._+-]+")
-
-
-class EntryProblem(Exception):
-    """Why an entry cannot be used: one line naming it."""
 
 
 @dataclass
@@ -73,20 +63,6 @@ class CacheEntry:
         self.tensors, self.files = {}, []
 
 
-@dataclass(frozen=True)
-class EntryInfo:
-    name: str
-    path: Path
-    bytes: int
-    model: str
-    dtype: str
-    created: str
-
-
-def conversions_root() -> Path:
-    return cache_home() / ENTRIES_DIR
-
-
 def entry_name(key: ConversionKey, label: str) -> str:
     clean = _LABEL_CHARS.sub("_", label).strip("._") or "model"
     return f"{key.digest[:16]}-{clean[:120]}"
@@ -106,7 +82,7 @@ def find_entry(root: Path, key: ConversionKey) -> Path | None:
 def open_entry(path: Path, key: ConversionKey) -> CacheEntry:
     """The entry's tensors, mapped, once every check in the module's docstring has passed; EntryProblem if not."""
     _check_owner(path)
-    marker = _read_marker(path)
+    marker = read_marker(path)
     if marker.get("format") != FORMAT:
         raise EntryProblem(f"{path}: written by another version ({marker.get('format')!r}, this one reads {FORMAT})")
     if marker.get("key") != key.digest or marker.get("record") != key.record():
@@ -133,16 +109,6 @@ def _check_owner(path: Path) -> None:
         raise EntryProblem(f"{path}: written by another user (uid {info.st_uid})")
     if info.st_mode & 0o022:
         raise EntryProblem(f"{path}: others may write it (mode {stat.S_IMODE(info.st_mode):o})")
-
-
-def _read_marker(path: Path) -> dict[str, Any]:
-    try:
-        marker = read_json_limited(path / MARKER, 1 << 20)
-    except FileProblem as bad:
-        raise EntryProblem(str(bad)) from None
-    if not isinstance(marker, dict):
-        raise EntryProblem(f"{path / MARKER}: not a JSON object")
-    return marker
 
 
 def write_entry(root: Path, key: ConversionKey, label: str, flat: dict[str, Tensor], about: dict[str, Any]) -> Path:
@@ -199,48 +165,6 @@ def _remember_hashes(entry: Path) -> None:
         for name, digest in sums.items():
             cache.put(entry / name, digest)
         cache.save()
-
-
-def discard_entry(path: Path) -> bool:
-    """Rename a refused entry aside (so no start finds it again) and delete it; False if it could not be moved."""
-    aside = path.with_name(f".discarded-{path.name}-{secrets.token_hex(4)}")
-    try:
-        os.rename(path, aside)
-    except OSError:
-        return False
-    shutil.rmtree(aside, ignore_errors=True)
-    return True
-
-
-def entry_bytes(path: Path) -> int:
-    """Bytes on disk of an entry's files."""
-    total = 0
-    with contextlib.suppress(OSError):
-        for item in path.iterdir():
-            with contextlib.suppress(OSError):
-                info = item.lstat()
-                total += info.st_size if stat.S_ISREG(info.st_mode) else 0
-    return total
-
-
-def list_entries(root: Path) -> list[EntryInfo]:
-    """Every finished entry under root (a temporary or discarded one starts with a dot), by name."""
-    try:
-        names = sorted(os.listdir(root))
-    except OSError:
-        return []
-    found = []
-    for name in names:
-        path = root / name
-        if not ENTRY_NAME.match(name) or not path.is_dir() or path.is_symlink():
-            continue
-        try:
-            marker = _read_marker(path)
-        except EntryProblem:
-            marker = {}
-        model, dtype = str(marker.get("model", "?")), str(marker.get("dtype", "?"))
-        found.append(EntryInfo(name, path, entry_bytes(path), model, dtype, str(marker.get("created", "?"))))
-    return found
 
 
 def _now() -> str:
