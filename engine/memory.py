@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import resource
 import sys
+from collections.abc import Iterable
+from pathlib import Path
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -16,6 +18,37 @@ def rss_bytes() -> int:
             return int(handle.read().split()[1]) * _PAGE
     except OSError:
         return peak_rss_bytes()
+
+
+def resident_split() -> tuple[int, int] | None:
+    """(file-backed, anonymous) resident bytes now: statm's `shared` is the resident pages that belong to files
+    (mapped weights, the page cache's, shared and evictable) and shared memory; the rest is the process's own.
+    None where /proc is absent."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as handle:
+            fields = handle.read().split()
+    except OSError:
+        return None
+    resident, shared = int(fields[1]) * _PAGE, int(fields[2]) * _PAGE
+    return shared, resident - shared
+
+
+def mapped_resident(paths: Iterable[str]) -> int | None:
+    """Resident bytes of this process's mappings of these files (their pages touched so far), from
+    /proc/self/smaps; None where /proc is absent."""
+    wanted = {str(Path(p).resolve()) for p in paths}
+    total, inside = 0, False
+    try:
+        with open("/proc/self/smaps", encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                head = line.split(maxsplit=5)
+                if len(head) >= 5 and "-" in head[0] and not head[0].endswith(":"):  # a mapping's first line
+                    inside = len(head) == 6 and head[5].rstrip("\n") in wanted
+                elif inside and line.startswith("Rss:"):
+                    total += int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return total
 
 
 def peak_rss_bytes() -> int:

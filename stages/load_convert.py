@@ -534,6 +534,8 @@ def map_stored(ctx: InferenceContext, params: Any, cfg: ModelConfig) -> None:
     )
     ctx.metrics.set("activation_bits", params.activation_bits)
     ctx.metrics.set("copied_bytes", copied)
+    ctx.metrics.set("file_backed_bytes", mapped.nbytes - released)
+    ctx.metrics.set("mapped_files", [str(path)])  # output.release measures its pages
     ctx.host_weights = None  # the fp32 import is not read
     ctx.metrics.set("dtype", STORED)
     ctx.metrics.set("weights_road", STORED)

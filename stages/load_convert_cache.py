@@ -170,6 +170,7 @@ def _record(ctx: InferenceContext, params: Any, entry: CacheEntry, road: str, er
     ctx.metrics.set("dtype", params.dtype)
     ctx.metrics.set("bytes_after", entry.nbytes)
     ctx.metrics.set("file_backed_bytes", entry.nbytes)
+    ctx.metrics.set("mapped_files", [str(f.path) for f in entry.files])  # output.release measures their pages
     if errors and road == CACHE_MAPPED:  # the conversion's own error, as measured when it was made
         ctx.metrics.set("quant_error_max", max(errors.values()))
         ctx.metrics.set("quant_error_mean", sum(errors.values()) / len(errors))

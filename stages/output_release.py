@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import Field
 
 from llmplan.engine import heap
-from llmplan.engine.memory import device_bytes, mib, rss_bytes
+from llmplan.engine.memory import device_bytes, mapped_resident, mib, resident_split, rss_bytes
 from llmplan.engine.stage import Params, Phase, Stage
 
 from .slots import InferenceContext
@@ -43,7 +43,9 @@ class OutputRelease(Stage):
     writes = ("release_report",)
 
     def run(self, ctx: InferenceContext, params: Any) -> None:
-        rss_before, device_before = rss_bytes(), device_bytes()
+        rss_before, device_before, split_before = rss_bytes(), device_bytes(), resident_split()
+        files = mapped_weight_files(ctx)
+        weights_before = mapped_resident(files) if files else None
         slots = ALWAYS_SLOTS if params.keep_weights else (*WEIGHT_SLOTS, *ALWAYS_SLOTS)
         released: list[str] = []
         for slot in slots:
@@ -60,8 +62,8 @@ class OutputRelease(Stage):
         gc.collect()
         heap.trim()
         _empty_device_cache()
-        rss_after, device_after = rss_bytes(), device_bytes()
-        report = {
+        rss_after, device_after, split_after = rss_bytes(), device_bytes(), resident_split()
+        report: dict[str, Any] = {
             "rss_before": rss_before,
             "rss_after": rss_after,
             "freed_bytes": max(0, rss_before - rss_after),
@@ -69,15 +71,32 @@ class OutputRelease(Stage):
             "device_after": device_after,
             "released": released,
         }
+        if split_before is not None and split_after is not None:  # each kind: mapped files' pages, own memory
+            report |= {"file_backed_before": split_before[0], "file_backed_after": split_after[0]}
+            report |= {"anonymous_before": split_before[1], "anonymous_after": split_after[1]}
+        if weights_before is not None:  # the mapped weights' own pages (a cache entry's, a GGUF's)
+            report |= {"mapped_weights_before": weights_before, "mapped_weights_after": mapped_resident(files)}
         ctx.release_report = report
         for key, number in report.items():
             ctx.metrics.set(key, number)
         if not ctx.json_mode:
             what = ", ".join(released) if released else "nothing"
             line = f"released {what}: RSS {mib(rss_before)} → {mib(rss_after)}"
+            if split_before is not None and split_after is not None:
+                line += f" (file-backed {mib(split_before[0])} → {mib(split_after[0])}, anonymous "
+                line += f"{mib(split_before[1])} → {mib(split_after[1])})"
             if device_before is not None:
                 line += f", device {mib(device_before)} → {mib(device_after)}"
             print(line, file=sys.stderr)
+
+
+def mapped_weight_files(ctx: InferenceContext) -> list[str]:
+    """The files load.convert mapped the weights from (its `mapped_files` metric), if any."""
+    for bucket in ctx.metrics.by_stage.values():
+        files = bucket.get("mapped_files") if isinstance(bucket, dict) else None
+        if files:
+            return [str(f) for f in files]
+    return []
 
 
 def _close(value: Any) -> None:

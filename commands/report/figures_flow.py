@@ -69,21 +69,51 @@ def draw_load_flow(run: RunData, out_dir: Path) -> Figure:
         "load",
         "load.to_device",
     )
-    arrows = _load_arrows(read, convert)
     footer = f"place (to device) took {seconds(_get(place, 'wall_s'))}" if place else ""
-    path = draw_flow(
-        "Load: files → host buffer → conversion → device",
-        [[files], [buffer], [conversion], [device]],
-        arrows,
-        out_dir / "flow_load.svg",
-        footer=footer,
-    )
+    title, middle, arrows = _road(read, convert, buffer, conversion)
+    path = draw_flow(title, [[files], *middle, [device]], arrows, out_dir / "flow_load.svg", footer=footer)
     return Figure(
         "flow_load",
         "Load phase",
         path,
-        "Bytes and seconds on each arrow come from the read, convert and place stages' metrics.",
+        "The road the weights took (mapped as stored, mapped from the conversion cache, converted and cached, or "
+        "converted in memory); bytes and seconds on each arrow come from the read, convert and place stages' metrics.",
     )
+
+
+def _road(
+    read: dict[str, Any] | None, convert: dict[str, Any] | None, buffer: Box, conversion: Box
+) -> tuple[str, list[list[Box]], list[str]]:
+    """(title, the columns between the files and the device, the arrows' labels) for the road load.convert took."""
+    road = _get(convert, "weights_road")
+    color = PHASE_COLORS["load"]
+    if road == "stored":
+        types = "/".join(_get(convert, "stored_types") or {}) or "?"
+        lines = [f"mapped as stored: {types}", "nothing converted or copied whole"]
+        blocks = Box("the GGUF's own blocks", lines, color)
+        arrows = [f"mapped {mib(_get(convert, 'bytes_before'))}", f"{mib(_get(convert, 'bytes_after'))} as stored"]
+        return "Load: the GGUF mapped as stored → device", [[blocks]], arrows
+    entry = Box("conversion cache entry", _entry_lines(convert), color)
+    if road == "cache-mapped":
+        mapped = f"mapped in {seconds(_get(convert, 'convert_s'))}"
+        arrows = ["no shard read: the entry keyed\nby these files' SHA-256", mapped]
+        return "Load: files → conversion cache entry (mapped) → device", [[entry]], arrows
+    arrows = _load_arrows(read, convert)
+    if road == "cached":
+        arrows.append(f"written in {seconds(_get(convert, 'entry_write_s'))},\nthen mapped")
+        title = "Load: files → host buffer → conversion → conversion cache → device"
+        return title, [[buffer], [conversion], [entry]], arrows
+    why = _get(convert, "weights_road_why")
+    if why:
+        conversion.lines.append(f"in memory, not cached: {why}")
+    return "Load: files → host buffer → conversion → device", [[buffer], [conversion]], arrows
+
+
+def _entry_lines(convert: dict[str, Any] | None) -> list[str]:
+    name = str(_get(convert, "conversion_entry") or "?").rsplit("/", 1)[-1]
+    hashed = _get(convert, "entry_bytes_hashed")
+    checked = "checked: file identities cached" if not hashed else f"checked: {mib(hashed)} hashed"
+    return [name, f"{mib(_get(convert, 'entry_bytes'))} file-backed", checked]
 
 
 def _files_box(verify: dict[str, Any] | None, read: dict[str, Any] | None) -> Box:

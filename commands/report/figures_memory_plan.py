@@ -47,6 +47,7 @@ def draw_memory_plan(run: RunData, out_dir: Path) -> list[Figure]:
             f"RSS sampled every {every} ms (and at stage edges): a shorter peak can be missed, which "
             "`llmplan bench` (every 2 ms) does not"
         )
+    rows += _backing_rows(convert, run.metrics_of("output.release") or {})
     footprint = recorded_footprint(place.get("resident_weights"))
     if footprint:  # a GGUF import: the weights against the file's own size, and why they differ
         rows.append((f"the GGUF file ({footprint['gguf_type']})", None, footprint["gguf_bytes"],
@@ -56,6 +57,21 @@ def draw_memory_plan(run: RunData, out_dir: Path) -> list[Figure]:
         notes.append("the model is on a GPU: the regions are device memory, the RSS peaks host memory")
     caption = "What `llmplan validate --deep` predicts for this plan, beside what this run held."
     return [Figure("memory_plan", "Memory: predicted and measured", None, caption, notes, html=_table(rows))]
+
+
+def _backing_rows(convert: dict[str, Any], release: dict[str, Any]) -> list[Row]:
+    """Mapped weights (a cache entry's or a GGUF's pages: shared, evictable) apart from the process's own memory:
+    predicted is the mapping, measured its pages resident at the end of the run (only the rows a run touched)."""
+    rows: list[Row] = []
+    mapped = convert.get("file_backed_bytes")
+    if mapped is not None:
+        touched = release.get("mapped_weights_before")
+        share = f"{touched / mapped:.0%} of it resident" if touched is not None and mapped else "-"
+        rows.append(("weights, file-backed (mapped)", mapped, touched, share))
+    if release.get("anonymous_before") is not None:
+        rows.append(("process RSS, file-backed", None, release.get("file_backed_before"), "libraries + mappings"))
+        rows.append(("process RSS, anonymous", None, release.get("anonymous_before"), "its own memory"))
+    return rows
 
 
 def _sum(predicted: dict[str, Any], regions: dict[str, Any]) -> int | None:

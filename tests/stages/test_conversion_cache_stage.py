@@ -37,6 +37,7 @@ def int8_plan(tmp_path: Path, model_dir: Path, **convert: Any) -> Path:
             stage["with"] = {"hashes": "required"}
         if stage["id"] == "convert":
             stage["with"] = {"dtype": "int8", **convert}
+    plan["stages"].append({"id": "release", "uses": "output.release"})
     path.write_text(yaml.safe_dump(plan, allow_unicode=True, sort_keys=False), encoding="utf-8")
     return path
 
@@ -160,3 +161,24 @@ def test_validate_deep_predicts_the_road_the_disk_and_the_file_backed_bytes(
     assert after["disk"] == {} and "converting" not in after["peaks"]
     assert after["file_backed"]["weights"] == written
     assert after["anonymous_bytes"] == after["steady_bytes"] - written
+
+
+def test_the_report_draws_the_road_and_release_gives_the_mapped_pages_back(
+    tiny: Path, tmp_path: Path, cache: Path
+) -> None:
+    from llmplan.commands.report.figures_flow import draw_load_flow
+    from llmplan.commands.report.figures_memory_plan import draw_memory_plan
+    from llmplan.commands.report.run_data import RunData
+
+    plan = int8_plan(tmp_path, tiny)
+    start(plan, tmp_path / "first")
+    start(plan, tmp_path / "second")
+    release = json.loads((tmp_path / "second" / "metrics.json").read_text())["release"]
+    assert release["mapped_weights_before"] > 0 and release["mapped_weights_after"] == 0
+    assert release["file_backed_before"] > 0 and release["anonymous_before"] > 0
+    for run_dir, title in ((tmp_path / "first", "conversion cache → device"), (tmp_path / "second", "(mapped)")):
+        run = RunData.load(run_dir)
+        figure = draw_load_flow(run, tmp_path / f"pictures-{run_dir.name}")
+        assert figure.path is not None and title in figure.path.read_text(encoding="utf-8")
+        (table,) = draw_memory_plan(run, tmp_path)
+        assert "weights, file-backed (mapped)" in (table.html or "")
