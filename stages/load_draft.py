@@ -161,7 +161,9 @@ class LoadDraft(Stage):
         deep.estimate("draft", draft_bytes)
         deep.estimate("tokenizer", estimates.get("tokenizer", 0))  # its own, loaded for the vocabulary check
         draft_peak = planned.peak if planned is not None else draft_bytes  # its conversion's, or its steady bytes
-        deep.peak("loading the draft", steady_before + draft_peak)
+        # mapped weights (a conversion cache entry, a GGUF) are not resident until the first pass touches them
+        untouched = sum(deep.file_backed.values())
+        deep.peak("loading the draft", steady_before - untouched + draft_peak)
 
 
 def _deep_vocabulary_gap(ours: dict[str, Any], theirs: dict[str, Any]) -> str | None:

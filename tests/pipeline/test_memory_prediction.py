@@ -22,16 +22,22 @@ CASES = [(path.name, []) for path in sorted(PLANS.glob("llama-*.yaml"))] + [
     ("llama-fp32.yaml", ["place.max_batch=16"])  # the slots `llmplan serve` runs with
 ]
 
-# A stored plan's weights are the GGUF's pages, mapped: they come in as the first pass touches them (the tied
-# head reads the whole table), so the measure touches every block the model holds before its last reading.
+# Mapped weights (a stored plan's GGUF, a conversion cache entry) come in as the first pass touches them (the
+# tied head reads the whole table), so the measure touches every page the models hold before its last reading.
 MEASURE = """
 import json, sys
+import torch
 from llmplan.commands.bench.measure import load
 from llmplan.engine.memory import rss_bytes
 loaded = load(sys.argv[1], sys.argv[2:])
-for module in loaded.model.modules():
-    if hasattr(module, "blocks"):
-        int(module.blocks.view(-1)[::4096].sum())  # a byte a page: every page in, no temporaries
+draft = getattr(loaded.ctx, "draft_model", None)
+for model in (loaded.model, draft.runner.model if draft is not None else None):
+    for tensor in [] if model is None else [*model.state_dict().values(), *model.buffers()]:
+        if tensor.numel():  # a byte a page: every page in, no temporaries
+            int(tensor.detach().reshape(-1).view(torch.uint8)[::4096].sum())
+    for module in [] if model is None else model.modules():
+        if hasattr(module, "blocks"):
+            int(module.blocks.view(-1)[::4096].sum())
 peak = max(loaded.peak_rss, rss_bytes())
 print(json.dumps({"measured": peak - loaded.rss_before, "regions": loaded.regions}))
 """

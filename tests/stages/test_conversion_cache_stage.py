@@ -23,6 +23,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("LLMPLAN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("LLMPLAN_CONVERSION_CACHE")  # the default place: $LLMPLAN_CACHE/conversions
     return tmp_path / "cache"
 
 

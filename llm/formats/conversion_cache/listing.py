@@ -22,6 +22,7 @@ from llmplan.cache_home import cache_home
 from ...trust.files import FileProblem, read_json_limited
 
 ENTRIES_DIR = "conversions"
+ROOT_VARIABLE = "LLMPLAN_CONVERSION_CACHE"
 MARKER = "llmplan_conversion.json"
 ENTRY_NAME = re.compile(r"^(?P<digest>[0-9a-f]{16})-(?P<label>[A-Za-z0-9._+-]{1,120})$")
 
@@ -41,7 +42,9 @@ class EntryInfo:
 
 
 def conversions_root() -> Path:
-    return cache_home() / ENTRIES_DIR
+    """`$LLMPLAN_CONVERSION_CACHE` (another disk, a test's own folder), else `$LLMPLAN_CACHE/conversions`."""
+    chosen = os.environ.get(ROOT_VARIABLE)
+    return Path(chosen).expanduser() if chosen else cache_home() / ENTRIES_DIR
 
 
 def read_marker(path: Path) -> dict[str, Any]:
