@@ -42,6 +42,7 @@ from llmplan.llm.model import (
     value_problem,
     value_range,
 )
+from llmplan.llm.trust import IntegrityError, read_safetensors_header
 from llmplan.ownership import NotOurs
 
 from .load_convert_cache import (
@@ -265,7 +266,31 @@ def _convert_group(params: Any, internal: str, parts: list[Tensor], errors: dict
     whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     if not is_linear_weight(internal):
         return whole.to(torch.float32)
+    if whole.dtype == FLOAT_DTYPES.get(precision):
+        return whole  # already the plan's dtype: the very tensor read (mapped where it lies when cached)
     return quantize_weight(whole.float(), precision, params.group_size)
+
+
+_STORED_AS = {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}
+
+
+def kept_in_place(manifest: Any, cfg: ModelConfig, params: Any) -> set[str]:
+    """The weights a conversion leaves as their source tensor (`_convert_group`'s rule, from the shards' headers):
+    one part, and an fp32 norm or embedding, or a linear already in the plan's float dtype."""
+    if manifest is None or manifest.format != "safetensors":
+        return set()
+    stored: dict[str, str] = {}
+    for shard in manifest.shards:
+        try:
+            stored |= {name: e["dtype"] for name, e in read_safetensors_header(shard.path).tensors.items()}
+        except IntegrityError:
+            return set()
+    kept = set()
+    for internal, parts in fusion_table(cfg).items():
+        want = _STORED_AS.get(_precision_of(params, internal)) if is_linear_weight(internal) else "F32"
+        if len(parts) == 1 and stored.get(parts[0]) == want:
+            kept.add(internal)
+    return kept
 
 
 def _fp32_range(where: Callable[[str], Any], name: str, tensor: Tensor) -> tuple[float, float]:
@@ -287,9 +312,9 @@ def _check_complete(table: dict[str, list[str]], out: dict[str, Any]) -> None:
 
 def _convert_stream(
     ctx: InferenceContext, params: Any, cfg: ModelConfig, kept_as: str
-) -> tuple[dict[str, Any], dict[str, float], int]:
+) -> tuple[dict[str, Any], dict[str, float], int, dict[str, str]]:
     """Drain the shard stream, converting each fused group as soon as its parts are in and dropping the parts:
-    (converted weights, each quantized tensor's error, bytes read)."""
+    (converted weights, each quantized tensor's error, bytes read, the weights that are a source tensor unchanged)."""
     host = ctx.host_weights
     assert host is not None
     table = fusion_table(cfg)
@@ -299,6 +324,7 @@ def _convert_stream(
     ranges: dict[str, tuple[float, float]] = {}  # each HF tensor's (min, max), from its one check
     out: dict[str, Any] = {}
     errors: dict[str, float] = {}
+    in_place: dict[str, str] = {}  # internal name -> the source tensor it is, unchanged
     bytes_in = 0
 
     def convert(internal: str, parts: list[Tensor]) -> Any:
@@ -325,6 +351,8 @@ def _convert_stream(
             parts = table[internal]
             if internal not in out and all(p in pending for p in parts):
                 out[internal] = convert(internal, [pending[p] for p in parts])
+                if len(parts) == 1 and out[internal] is pending[parts[0]]:
+                    in_place[internal] = parts[0]  # nothing converted: the source tensor as it lies
                 for p in parts:
                     users[p] -= 1
                     if users[p] == 0:
@@ -332,7 +360,7 @@ def _convert_stream(
 
     host.stream(on_tensor)
     _check_complete(table, out)
-    return out, errors, bytes_in
+    return out, errors, bytes_in, in_place
 
 
 class Convert(Stage):
@@ -371,11 +399,11 @@ class Convert(Stage):
             _save_if_asked(ctx, params, ctx.weights.tensors)  # type: ignore[union-attr]
             return
         start = time.perf_counter()
-        out, errors, bytes_in = _convert_stream(ctx, params, cfg, kept_as)
+        out, errors, bytes_in, in_place = _convert_stream(ctx, params, cfg, kept_as)
         self._publish(ctx, params, out, errors, bytes_in, start)
         del out  # ctx.weights holds them: the conversion cache may swap them for its mapping
         if use is not None:
-            keep_conversion(ctx, params, cfg, use, errors, time.perf_counter() - start)
+            keep_conversion(ctx, params, cfg, use, errors, time.perf_counter() - start, in_place)
         else:
             converted_in_memory(ctx, why_not)
 
@@ -479,8 +507,9 @@ class Convert(Stage):
             deep.file_backed["weights"] = sum(sizes.values())
         if road == CACHE_MAPPED:
             return  # no conversion, so no peak while converting
-        if road != MEMORY:
-            deep.disk["a conversion cache entry"] = sum(sizes.values())
+        if road != MEMORY:  # less what it maps where it lies in the source
+            kept = kept_in_place(manifest, cfg, params)
+            deep.disk["a conversion cache entry"] = sum(v for k, v in sizes.items() if k not in kept)
         if manifest is not None:
             peak = predicted_peak(manifest, cfg, sizes, deep.facts.get("buffer_shards", 1))
             if peak is not None:

@@ -51,6 +51,8 @@ class CacheUse:
     key: ConversionKey
     root: Path
     label: str
+    sources: Path
+    """The folder of the shards the key names (where in-place tensors are mapped from)."""
 
 
 def conversion_key(manifest: Any, model_dir: Path, params: Any, kept_as: str) -> tuple[ConversionKey | None, str]:
@@ -78,7 +80,7 @@ def cache_use(ctx: InferenceContext, params: Any, kept_as: str) -> tuple[CacheUs
     key, why = conversion_key(ctx.shard_manifest, source.model_dir, params, kept_as)
     if key is None:
         return None, why
-    return CacheUse(key, conversions_root(), f"{source.name}-{params.dtype}"), ""
+    return CacheUse(key, conversions_root(), f"{source.name}-{params.dtype}", source.model_dir), ""
 
 
 def predicted_road(manifest: Any, model_dir: Path | None, params: Any, kept_as: str) -> str:
@@ -96,7 +98,7 @@ def map_cached(ctx: InferenceContext, params: Any, cfg: ModelConfig, use: CacheU
         return False
     began = time.perf_counter()
     try:
-        entry = open_entry(path, use.key)
+        entry = open_entry(path, use.key, use.sources)
         tensors = unflatten(entry.tensors, _aliases(entry), list(internal_shapes(cfg)))
     except (EntryProblem, KeyError, ValueError) as bad:
         gone = discard_entry(path)
@@ -111,29 +113,38 @@ def map_cached(ctx: InferenceContext, params: Any, cfg: ModelConfig, use: CacheU
     ctx.metrics.set("entry_bytes_hashed", entry.hashed_bytes)
     how = entry.marker.get("seconds")
     made = f"; converted {entry.marker.get('created', '?')} in {how:.1f} s" if isinstance(how, float) else ""
-    _say(ctx, f"mapped from the conversion cache: {path.name} ({mib(entry.nbytes)} of {params.dtype}{made})")
+    _say(ctx, f"mapped from the conversion cache: {path.name} ({_sizes(entry)}, {params.dtype}{made})")
     return True
 
 
 def keep_conversion(
-    ctx: InferenceContext, params: Any, cfg: ModelConfig, use: CacheUse, errors: dict[str, float], seconds: float
+    ctx: InferenceContext,
+    params: Any,
+    cfg: ModelConfig,
+    use: CacheUse,
+    errors: dict[str, float],
+    seconds: float,
+    in_place: dict[str, str],
 ) -> None:
     """Write the conversion ctx.weights holds into the cache, then map it in their place (the anonymous copy
-    goes); a cache that cannot be written leaves the weights in memory and says so."""
+    goes); a cache that cannot be written leaves the weights in memory and says so. A weight that is a source
+    tensor unchanged (`in_place`: a bf16 linear under a bf16 plan) is not copied: the entry names it."""
     weights = ctx.weights
     assert weights is not None
-    flat, aliases = flatten(weights.tensors)
+    refs = _in_place_refs(ctx, weights.tensors, in_place)
+    flat, aliases = flatten({name: w for name, w in weights.tensors.items() if name not in refs})
     about = {
         "model": use.label.removesuffix(f"-{params.dtype}"),
         "dtype": params.dtype,
         "aliases": aliases,
+        "in_place": refs,
         "errors": errors,
         "seconds": round(seconds, 3),
     }
     began = time.perf_counter()
     try:
         path = write_entry(use.root, use.key, use.label, flat, about)
-        entry = open_entry(path, use.key)
+        entry = open_entry(path, use.key, use.sources)
         tensors = unflatten(entry.tensors, _aliases(entry), list(internal_shapes(cfg)))
     except (OSError, EntryProblem, KeyError, ValueError) as bad:
         converted_in_memory(ctx, f"the conversion cache cannot keep it ({_reason(bad)})")
@@ -142,7 +153,20 @@ def keep_conversion(
     ctx.weights = _weights(params, tensors, entry, errors)
     _record(ctx, params, entry, CACHED, errors)
     ctx.metrics.set("entry_write_s", time.perf_counter() - began)
-    _say(ctx, f"converted in {seconds:.1f} s, cached as {path.name} ({mib(entry.nbytes)}): later starts map it")
+    _say(ctx, f"converted in {seconds:.1f} s, cached as {path.name} ({_sizes(entry)}): later starts map it")
+
+
+def _in_place_refs(ctx: InferenceContext, weights: dict[str, Any], in_place: dict[str, str]) -> dict[str, Any]:
+    """Where each unchanged weight lies: its safetensors shard and name (a .bin shard cannot be mapped)."""
+    manifest = ctx.shard_manifest
+    if manifest is None or manifest.format != "safetensors":
+        return {}
+    refs = {}
+    for internal, source in in_place.items():
+        shard, tensor = manifest.tensor_to_shard.get(source), weights[internal]
+        if shard is not None:
+            refs[internal] = {"shard": shard, "tensor": source, "dtype": str(tensor.dtype), "shape": list(tensor.shape)}
+    return refs
 
 
 def converted_in_memory(ctx: InferenceContext, why: str) -> None:
@@ -155,7 +179,7 @@ def _weights(params: Any, tensors: dict[str, Any], entry: CacheEntry, errors: di
     return ConvertedWeights(
         tensors=tensors,
         dtype=params.dtype,
-        nbytes=entry.nbytes,
+        nbytes=entry.nbytes + entry.in_place_bytes,
         errors=errors,
         kernel=params.kernel,
         bf16_inputs=params.bf16_inputs,
@@ -167,14 +191,20 @@ def _record(ctx: InferenceContext, params: Any, entry: CacheEntry, road: str, er
     ctx.metrics.set("weights_road", road)
     ctx.metrics.set("conversion_entry", str(entry.path))
     ctx.metrics.set("entry_bytes", entry.nbytes)
+    ctx.metrics.set("in_place_bytes", entry.in_place_bytes)  # mapped from the source shards where they lie
     ctx.metrics.set("dtype", params.dtype)
-    ctx.metrics.set("bytes_after", entry.nbytes)
-    ctx.metrics.set("file_backed_bytes", entry.nbytes)
-    ctx.metrics.set("mapped_files", [str(f.path) for f in entry.files])  # output.release measures their pages
+    ctx.metrics.set("bytes_after", entry.nbytes + entry.in_place_bytes)
+    ctx.metrics.set("file_backed_bytes", entry.nbytes + entry.in_place_bytes)
+    ctx.metrics.set("mapped_files", [str(p) for p in entry.paths])  # output.release measures their pages
     if errors and road == CACHE_MAPPED:  # the conversion's own error, as measured when it was made
         ctx.metrics.set("quant_error_max", max(errors.values()))
         ctx.metrics.set("quant_error_mean", sum(errors.values()) / len(errors))
         ctx.metrics.set("quant_error_by_tensor", errors)
+
+
+def _sizes(entry: CacheEntry) -> str:
+    where = f" + {mib(entry.in_place_bytes)} where they lie in the source" if entry.in_place_bytes else ""
+    return f"{mib(entry.nbytes)}{where}"
 
 
 def _aliases(entry: CacheEntry) -> dict[str, str]:

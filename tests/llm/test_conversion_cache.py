@@ -159,3 +159,44 @@ def test_a_cache_that_cannot_be_written_raises_oserror_and_leaves_nothing(tmp_pa
     with pytest.raises(OSError):
         _written(root)
     assert root.read_text().startswith("a file")
+
+
+def _with_in_place(tmp_path: Path, ref: dict[str, object]) -> tuple[Path, ConversionKey, Path]:
+    """An entry that maps `output.weight` from a source shard of its key, as `ref` records it."""
+    from safetensors.torch import save_file
+
+    source = tmp_path / "source"
+    source.mkdir()
+    head = torch.randn(8, 4).to(torch.bfloat16)
+    save_file({"lm_head.weight": head}, source / "model.safetensors")
+    key = ConversionKey((("model.safetensors", "ef" * 32),), "cd" * 32, {"dtype": "bf16"})
+    flat = {"norm.weight": torch.ones(4)}
+    path = write_entry(tmp_path / "conversions", key, "tiny-bf16", flat, {"in_place": {"output.weight": ref}})
+    return path, key, source
+
+
+def test_an_in_place_tensor_is_the_source_shards_own_view(tmp_path: Path, cache_home: Path) -> None:
+    ref = {"shard": "model.safetensors", "tensor": "lm_head.weight", "dtype": "torch.bfloat16", "shape": [8, 4]}
+    path, key, source = _with_in_place(tmp_path, ref)
+    entry = open_entry(path, key, source)
+    assert entry.in_place_bytes == 64 and entry.nbytes == 16
+    assert [f.path for f in entry.sources] == [source / "model.safetensors"]
+    assert entry.tensors["output.weight"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ({"shard": "../elsewhere.safetensors"}, "not one of its sources"),
+        ({"tensor": "model.embed_tokens.weight"}, "not in model.safetensors as recorded"),
+        ({"shape": [4, 8]}, "not in model.safetensors as recorded"),
+        ({"dtype": "torch.float32"}, "not in model.safetensors as recorded"),
+    ],
+)
+def test_an_in_place_reference_that_does_not_hold_is_refused(
+    tmp_path: Path, cache_home: Path, change: dict[str, object], said: str
+) -> None:
+    ref = {"shard": "model.safetensors", "tensor": "lm_head.weight", "dtype": "torch.bfloat16", "shape": [8, 4]}
+    path, key, source = _with_in_place(tmp_path, ref | change)
+    with pytest.raises(EntryProblem, match=said):
+        open_entry(path, key, source)

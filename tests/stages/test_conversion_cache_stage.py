@@ -157,11 +157,12 @@ def test_validate_deep_predicts_the_road_the_disk_and_the_file_backed_bytes(
     assert before["file_backed"]["weights"] == before["regions"]["weights"]
     first, _ = start(plan, tmp_path / "first")
     written = first["entry_bytes"]
-    assert before["disk"]["a conversion cache entry"] == written == before["regions"]["weights"]
+    assert before["disk"]["a conversion cache entry"] == written  # the fp32 embedding and norms stay in the source
+    assert first["in_place_bytes"] > 0 and written + first["in_place_bytes"] == before["regions"]["weights"]
     after = predicted()  # the entry is there: mapped, no conversion, nothing written
     assert after["disk"] == {} and "converting" not in after["peaks"]
-    assert after["file_backed"]["weights"] == written
-    assert after["anonymous_bytes"] == after["steady_bytes"] - written
+    assert after["file_backed"]["weights"] == written + first["in_place_bytes"]
+    assert after["anonymous_bytes"] == after["steady_bytes"] - after["file_backed"]["weights"]
 
 
 def test_the_report_draws_the_road_and_release_gives_the_mapped_pages_back(
@@ -183,3 +184,27 @@ def test_the_report_draws_the_road_and_release_gives_the_mapped_pages_back(
         assert figure.path is not None and title in figure.path.read_text(encoding="utf-8")
         (table,) = draw_memory_plan(run, tmp_path)
         assert "weights, file-backed (mapped)" in (table.html or "")
+
+
+def test_a_bf16_folder_under_a_bf16_plan_maps_its_unfused_linears_where_they_lie(
+    tiny: Path, tmp_path: Path, cache: Path
+) -> None:
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "tiny-bf16"
+    shutil.copytree(tiny, folder, ignore=shutil.ignore_patterns("SHA256SUMS", "*.safetensors*"))
+    shards = sorted(tiny.glob("*.safetensors"))
+    tensors = {k: v.to(torch.bfloat16) for shard in shards for k, v in load_file(shard).items()}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    plan = int8_plan(tmp_path, folder, dtype="bf16")
+    first, tokens = start(plan, tmp_path / "first")
+    second, again = start(plan, tmp_path / "second")
+    assert second["weights_road"] == "cache-mapped" and again == tokens
+    unfused = sum(t.nbytes for k, t in tensors.items() if k.endswith(("o_proj.weight", "down_proj.weight", "lm_head.weight")))
+    assert first["in_place_bytes"] == second["in_place_bytes"] == unfused  # o, down and the head: bf16 as they lie
+    marker = json.loads((Path(first["conversion_entry"]) / "llmplan_conversion.json").read_text())
+    assert {ref["shard"] for ref in marker["in_place"].values()} == {"model.safetensors"}
+    assert str(folder / "model.safetensors") in second["mapped_files"]

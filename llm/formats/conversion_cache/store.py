@@ -25,7 +25,7 @@ import shutil
 import stat
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,14 +53,27 @@ class CacheEntry:
     files: list[MappedFile]
     hashed_bytes: int
     """Bytes hashed to open it (0 when the hash cache knew every file)."""
+    sources: list[MappedFile] = field(default_factory=list)
+    """The source shards mapped for the tensors the entry keeps in place."""
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the entry's own tensors (what it takes on disk, bar its small files)."""
         return sum(f.nbytes for f in self.files)
+
+    @property
+    def in_place_bytes(self) -> int:
+        """Bytes of the tensors it maps where they lie, in the source shards."""
+        names = set(self.marker.get("in_place") or {})
+        return sum({t.data_ptr(): t.nbytes for name, t in self.tensors.items() if name in names}.values())
+
+    @property
+    def paths(self) -> list[Path]:
+        return [f.path for f in (*self.files, *self.sources)]
 
     def close(self) -> None:
         """Drop this object's views (the pages go once the model holding its own views is gone too)."""
-        self.tensors, self.files = {}, []
+        self.tensors, self.files, self.sources = {}, [], []
 
 
 def entry_name(key: ConversionKey, label: str) -> str:
@@ -79,8 +92,9 @@ def find_entry(root: Path, key: ConversionKey) -> Path | None:
     return root / found[0] if found else None
 
 
-def open_entry(path: Path, key: ConversionKey) -> CacheEntry:
-    """The entry's tensors, mapped, once every check in the module's docstring has passed; EntryProblem if not."""
+def open_entry(path: Path, key: ConversionKey, sources: Path | None = None) -> CacheEntry:
+    """The entry's tensors, mapped, once every check in the module's docstring has passed; EntryProblem if not.
+    `sources`: the folder of the shards the key names, where the entry maps the tensors it holds in place."""
     _check_owner(path)
     marker = read_marker(path)
     if marker.get("format") != FORMAT:
@@ -92,10 +106,37 @@ def open_entry(path: Path, key: ConversionKey) -> CacheEntry:
         cache = HashCache(path)
         report = verify(manifest, "required", None, cache)
         files = [map_safetensors(shard.path) for shard in manifest.shards]
+        tensors = {name: t for mapped in files for name, t in mapped.tensors.items()}
+        in_place, held = _in_place(path, marker, key, sources)
     except IntegrityError as bad:
         raise EntryProblem(str(bad)) from None
-    tensors = {name: t for mapped in files for name, t in mapped.tensors.items()}
-    return CacheEntry(path, marker, tensors, files, report.bytes_hashed)
+    return CacheEntry(path, marker, tensors | in_place, files, report.bytes_hashed, held)
+
+
+def _in_place(
+    path: Path, marker: dict[str, Any], key: ConversionKey, sources: Path | None
+) -> tuple[dict[str, Tensor], list[MappedFile]]:
+    """The tensors the entry keeps where they lie: views on the source shards the key names (their SHA-256
+    checked by load.verify at this start), each of the dtype and shape the marker recorded."""
+    refs = marker.get("in_place") or {}
+    if not isinstance(refs, dict):
+        raise EntryProblem(f"{path}: its marker's in_place is not an object")
+    if refs and sources is None:
+        raise EntryProblem(f"{path}: it maps tensors of its source in place, and no source folder was given")
+    named = {name for name, _ in key.sources}
+    mapped: dict[str, MappedFile] = {}
+    out: dict[str, Tensor] = {}
+    for internal, ref in refs.items():
+        shard = ref.get("shard") if isinstance(ref, dict) else None
+        if shard not in named:
+            raise EntryProblem(f"{path}: in-place tensor {internal!r} names {shard!r}, not one of its sources")
+        if shard not in mapped:
+            mapped[shard] = map_safetensors(Path(str(sources)) / shard)
+        tensor = mapped[shard].tensors.get(str(ref.get("tensor")))
+        if tensor is None or [str(tensor.dtype), list(tensor.shape)] != [ref.get("dtype"), ref.get("shape")]:
+            raise EntryProblem(f"{path}: in-place tensor {internal!r} is not in {shard} as recorded")
+        out[internal] = tensor
+    return out, list(mapped.values())
 
 
 def _check_owner(path: Path) -> None:
