@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 import yaml
+from serve_ready import gib, smaps  # this folder's: the script runs from it
 
 from llmplan.commands.bench.report import machine
 from llmplan.commands.bench.serve_bench import free_port, running, serve_overrides
@@ -35,15 +36,6 @@ from llmplan.commands.bench.traffic import cpu_features
 
 HERE = Path(__file__).resolve().parent
 LLMPLAN = [sys.executable, "-m", "llmplan"]
-
-
-def smaps(pid: int) -> dict[str, int]:
-    fields = {}
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
-        key, value = line.split(":", 1)
-        fields[key] = int(value.split()[0]) * 1024
-    rss, anon = fields["Rss"], fields.get("Anonymous", 0)
-    return {"rss": rss, "anon": anon, "file": rss - anon, "shared": fields.get("Shared_Clean", 0)}
 
 
 def convert_id(plan: str) -> str:
@@ -135,10 +127,6 @@ def two_servers(plan: str, model: str) -> list[dict[str, int]]:
 
 def _median(samples: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(s[k] for s in samples) for k in samples[0]}
-
-
-def gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:

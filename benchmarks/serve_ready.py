@@ -42,13 +42,14 @@ def tensor_bytes(path: Path) -> int:
 
 
 def smaps(pid: int) -> dict[str, int]:
-    """Resident bytes of a process: total, anonymous, and file-backed (the rest: mapped files' pages)."""
+    """Resident bytes of a process: total, anonymous, file-backed (the rest: mapped files' pages), and the clean
+    pages another process maps too (Shared_Clean)."""
     fields = {}
     for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
         key, value = line.split(":", 1)
         fields[key] = int(value.split()[0]) * 1024
     rss, anon = fields["Rss"], fields.get("Anonymous", 0)
-    return {"rss": rss, "anon": anon, "file": rss - anon}
+    return {"rss": rss, "anon": anon, "file": rss - anon, "shared": fields.get("Shared_Clean", 0)}
 
 
 def commands(item: str, gguf: Path, port: int, context: int) -> dict[str, list[str]]:
