@@ -80,6 +80,12 @@ def mib(nbytes: float | None, missing: str = "-") -> str:
     return f"{nbytes / (1 << 20):.1f} MiB"
 
 
+def _resident() -> tuple[int, int | None]:
+    """(RSS, of which file-backed) in one read of statm, for a sample."""
+    split = resident_split()
+    return (rss_bytes(), None) if split is None else (split[0] + split[1], split[0])
+
+
 class MemorySampler:
     """Samples RSS and device memory on a background thread, with stage boundaries marked.
 
@@ -92,7 +98,7 @@ class MemorySampler:
         import time
 
         self.interval = interval_ms / 1000
-        self.samples: list[tuple[float, int, int | None]] = []
+        self.samples: list[tuple[float, int, int | None, int | None]] = []  # (t, rss, file-backed, device)
         self.marks: list[tuple[float, str, str]] = []  # (t, stage id, "start" | "end")
         self._stop = threading.Event()
         self._t0 = time.perf_counter()
@@ -107,7 +113,7 @@ class MemorySampler:
     def mark(self, stage: str, edge: str) -> None:
         now = self._clock() - self._t0
         self.marks.append((now, stage, edge))
-        self.samples.append((now, rss_bytes(), device_bytes()))
+        self.samples.append((now, *_resident(), device_bytes()))
 
     def stop(self) -> None:
         self._stop.set()
@@ -116,11 +122,11 @@ class MemorySampler:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
-            self.samples.append((self._clock() - self._t0, rss_bytes(), device_bytes()))
+            self.samples.append((self._clock() - self._t0, *_resident(), device_bytes()))
 
     def to_dict(self) -> dict[str, object]:
         return {
             "interval_ms": int(self.interval * 1000),
-            "samples": [{"t": t, "rss": r, "device": d} for t, r, d in sorted(self.samples)],
+            "samples": [{"t": t, "rss": r, "device": d, "file": f} for t, r, f, d in sorted(self.samples)],
             "marks": [{"t": t, "stage": s, "edge": e} for t, s, e in self.marks],
         }

@@ -45,6 +45,10 @@ def draw_memory(run: RunData, out_dir: Path) -> list[Figure]:
     top = max(rss) * 1.18
     unlabelled = _stage_bands(ax, spans, t, top)
     ax.plot(t, rss, color="#1c7ed6", linewidth=1.6, label="host RSS", zorder=3)
+    file_backed = [s.get("file") for s in samples]
+    if all(f is not None for f in file_backed):  # mapped files' pages: shared, evictable; the rest is anonymous
+        label = "of which file-backed (mapped weights, libraries)"
+        ax.fill_between(t, 0, [f / MB for f in file_backed], color="#74c0fc", alpha=0.35, label=label, zorder=2)
     if has_device:
         ax.plot(
             t,

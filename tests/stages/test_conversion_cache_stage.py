@@ -165,7 +165,7 @@ def test_validate_deep_predicts_the_road_the_disk_and_the_file_backed_bytes(
     assert after["anonymous_bytes"] == after["steady_bytes"] - after["file_backed"]["weights"]
 
 
-def test_the_report_draws_the_road_and_release_gives_the_mapped_pages_back(
+def test_the_report_draws_the_road_and_the_split_and_release_gives_the_mapped_pages_back(
     tiny: Path, tmp_path: Path, cache: Path
 ) -> None:
     from llmplan.commands.report.figures_flow import draw_load_flow
@@ -184,6 +184,12 @@ def test_the_report_draws_the_road_and_release_gives_the_mapped_pages_back(
         assert figure.path is not None and title in figure.path.read_text(encoding="utf-8")
         (table,) = draw_memory_plan(run, tmp_path)
         assert "weights, file-backed (mapped)" in (table.html or "")
+    samples = json.loads((tmp_path / "second" / "memory.json").read_text())["samples"]
+    assert samples and all(0 < s["file"] <= s["rss"] for s in samples)  # each sample split in two
+    from llmplan.commands.report.figures_memory import draw_memory
+
+    (picture, *_) = draw_memory(RunData.load(tmp_path / "second"), tmp_path / "memory-picture")
+    assert picture.path is not None and "file-backed" in picture.path.read_text(encoding="utf-8")
 
 
 def test_a_bf16_folder_under_a_bf16_plan_maps_its_unfused_linears_where_they_lie(
