@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import os
 import resource
 import sys
@@ -49,6 +50,31 @@ def mapped_resident(paths: Iterable[str]) -> int | None:
     except OSError:
         return None
     return total
+
+
+def file_backed_split(spans: Iterable[tuple[int, int]]) -> tuple[int, int] | None:
+    """Of these (address, bytes) spans (tensors' storage), the bytes that lie in a mapped file's range and the
+    bytes that do not (the process's own memory), from /proc/self/maps; None where /proc is absent."""
+    ranges = []
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[4] != "0" and parts[5].startswith("/"):
+                    low, high = (int(x, 16) for x in parts[0].split("-"))
+                    ranges.append((low, high))
+    except OSError:
+        return None
+    ranges.sort()
+    starts = [low for low, _ in ranges]
+    inside = outside = 0
+    for address, size in spans:
+        at = bisect.bisect_right(starts, address) - 1
+        if at >= 0 and address + size <= ranges[at][1]:
+            inside += size
+        else:
+            outside += size
+    return inside, outside
 
 
 def peak_rss_bytes() -> int:

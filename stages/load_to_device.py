@@ -15,6 +15,7 @@ from pydantic import Field
 
 from llmplan.engine import heap
 from llmplan.engine.findings import StageFailure
+from llmplan.engine.memory import file_backed_split
 from llmplan.engine.memory_fit import KVSizing
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
 from llmplan.llm.formats.gguf import resident_parts
@@ -156,6 +157,12 @@ def _record_placement(
     # are counted under weights (summing all buffers reported 129.5 MiB of "work buffers").
     work = work_buffer_bytes(cfg, kv.max_tokens)
     ctx.metrics.set("regions", {"weights": weights.nbytes, "kv_cache": cache.nbytes, "work_buffers": work})
+    # where the model's weights lie: in a mapped file's pages (a GGUF, a conversion cache entry, a source shard)
+    # or in the process's own memory, by each tensor's address
+    spans = {t.data_ptr(): t.nbytes for t in model.state_dict().values() if t.numel() and t.device.type == "cpu"}
+    split = file_backed_split(spans.items())
+    if split is not None:
+        ctx.metrics.set("weights_backing", {"file_backed": split[0], "anonymous": split[1]})
     source = ctx.model_source
     if source is not None and source.gguf_file is not None:  # for the memory tables' line (gguf_footprint)
         ctx.metrics.set("resident_weights", resident_parts(weights.tensors) | {"gguf_file": str(source.gguf_file)})

@@ -47,7 +47,7 @@ def draw_memory_plan(run: RunData, out_dir: Path) -> list[Figure]:
             f"RSS sampled every {every} ms (and at stage edges): a shorter peak can be missed, which "
             "`llmplan bench` (every 2 ms) does not"
         )
-    rows += _backing_rows(convert, run.metrics_of("output.release") or {})
+    rows += _backing_rows(convert, place, run.metrics_of("output.release") or {})
     footprint = recorded_footprint(place.get("resident_weights"))
     if footprint:  # a GGUF import: the weights against the file's own size, and why they differ
         rows.append((f"the GGUF file ({footprint['gguf_type']})", None, footprint["gguf_bytes"],
@@ -59,15 +59,19 @@ def draw_memory_plan(run: RunData, out_dir: Path) -> list[Figure]:
     return [Figure("memory_plan", "Memory: predicted and measured", None, caption, notes, html=_table(rows))]
 
 
-def _backing_rows(convert: dict[str, Any], release: dict[str, Any]) -> list[Row]:
-    """Mapped weights (a cache entry's or a GGUF's pages: shared, evictable) apart from the process's own memory:
-    predicted is the mapping, measured its pages resident at the end of the run (only the rows a run touched)."""
+def _backing_rows(convert: dict[str, Any], place: dict[str, Any], release: dict[str, Any]) -> list[Row]:
+    """Mapped weights (a cache entry's, a GGUF's, a source shard's pages: shared, evictable) apart from the
+    process's own memory: predicted by load.convert, measured by where each of the model's tensors lies."""
     rows: list[Row] = []
-    mapped = convert.get("file_backed_bytes")
-    if mapped is not None:
-        touched = release.get("mapped_weights_before")
-        share = f"{touched / mapped:.0%} of it resident" if touched is not None and mapped else "-"
-        rows.append(("weights, file-backed (mapped)", mapped, touched, share))
+    mapped, backing = convert.get("file_backed_bytes"), place.get("weights_backing") or {}
+    if mapped is not None or backing:
+        rows.append(("weights, file-backed (mapped)", mapped, backing.get("file_backed")))
+        total = (place.get("regions") or {}).get("weights")
+        predicted = None if mapped is None or total is None else total - mapped
+        rows.append(("weights, anonymous (own copies)", predicted, backing.get("anonymous")))
+    touched = release.get("mapped_weights_before")
+    if mapped and touched is not None:
+        rows.append(("mapped weights resident at the end", None, touched, f"{touched / mapped:.0%} of them touched"))
     if release.get("anonymous_before") is not None:
         rows.append(("process RSS, file-backed", None, release.get("file_backed_before"), "libraries + mappings"))
         rows.append(("process RSS, anonymous", None, release.get("anonymous_before"), "its own memory"))

@@ -214,3 +214,6 @@ def test_a_bf16_folder_under_a_bf16_plan_maps_its_unfused_linears_where_they_lie
     marker = json.loads((Path(first["conversion_entry"]) / "llmplan_conversion.json").read_text())
     assert {ref["shard"] for ref in marker["in_place"].values()} == {"model.safetensors"}
     assert str(folder / "model.safetensors") in second["mapped_files"]
+    place = json.loads((tmp_path / "second" / "metrics.json").read_text())["place"]
+    backing, weights = place["weights_backing"], place["regions"]["weights"]
+    assert backing["file_backed"] >= 0.9 * weights and backing["file_backed"] + backing["anonymous"] == weights
