@@ -141,8 +141,20 @@ def tensor_bytes(cfg: ModelConfig, precision: str, group_size: int, head: str = 
     return sizes
 
 
-def predicted_peak(manifest: Any, cfg: ModelConfig, sizes: dict[str, int], buffer_shards: int) -> int | None:
-    """Bytes held at once while the shards stream through the conversion (stages/load_peak.py)."""
+def predicted_peak(
+    manifest: Any, cfg: ModelConfig, sizes: dict[str, int], buffer_shards: int, gguf: Path | None = None
+) -> int | None:
+    """Bytes held at once while the shards stream through the conversion (stages/load_peak.py); a GGUF the
+    conversion reads itself streams one dequantized fp32 tensor at a time, each a shard of its own."""
+    if gguf is not None and not manifest.shards:
+        from llmplan.llm.formats.gguf import dequantized_tensors
+        from llmplan.llm.formats.gguf.importer import GGUFImportError
+
+        try:
+            tensors = [{name: nbytes} for name, nbytes, _ in dequantized_tensors(gguf)]
+        except GGUFImportError:
+            return None  # load.verify and the stream say what is wrong with the file
+        return converting_peak(tensors, fusion_table(cfg), sizes, 1)
     try:
         converted = read_converted_marker(manifest.model_dir)
     except StageFailure:
@@ -288,7 +300,7 @@ def kept_in_place(manifest: Any, cfg: ModelConfig, params: Any) -> set[str]:
     kept = set()
     for internal, parts in fusion_table(cfg).items():
         want = _STORED_AS.get(_precision_of(params, internal)) if is_linear_weight(internal) else "F32"
-        if len(parts) == 1 and stored.get(parts[0]) == want:
+        if len(parts) == 1 and want is not None and stored.get(parts[0]) == want:
             kept.add(internal)
     return kept
 
@@ -442,7 +454,9 @@ class Convert(Stage):
         sizes = tensor_bytes(cfg, params.dtype, params.group_size, params.head)
         ctx.metrics.set("predicted_bytes", sum(sizes.values()))
         if ctx.shard_manifest is not None:
-            peak = predicted_peak(ctx.shard_manifest, cfg, sizes, buffer_shards)
+            source = ctx.model_source
+            gguf = source.gguf_file if source is not None and source.weights_from_gguf else None
+            peak = predicted_peak(ctx.shard_manifest, cfg, sizes, buffer_shards, gguf)
             if peak is not None:
                 ctx.metrics.set("predicted_peak_bytes", peak)
 
@@ -501,7 +515,9 @@ class Convert(Stage):
         device = str(deep.facts.get("device") or "cpu")
         deep.facts["activation_dtype"] = act = activation_dtype(params.dtype, device.split(":")[0])
         manifest = deep.facts.get("manifest")
-        road = predicted_road(manifest, deep.facts.get("model_dir"), params, "fp16" if act == torch.float16 else "fp32")
+        gguf = deep.facts.get("gguf_file") if deep.facts.get("weights_from_gguf") else None
+        kept_as = "fp16" if act == torch.float16 else "fp32"
+        road = predicted_road(manifest, deep.facts.get("model_dir"), params, kept_as, gguf)
         deep.facts["weights_road"] = road
         if road != MEMORY:  # mapped from the entry: the page cache's pages, shared by every process that maps it
             deep.file_backed["weights"] = sum(sizes.values())
@@ -511,7 +527,7 @@ class Convert(Stage):
             kept = kept_in_place(manifest, cfg, params)
             deep.disk["a conversion cache entry"] = sum(v for k, v in sizes.items() if k not in kept)
         if manifest is not None:
-            peak = predicted_peak(manifest, cfg, sizes, deep.facts.get("buffer_shards", 1))
+            peak = predicted_peak(manifest, cfg, sizes, deep.facts.get("buffer_shards", 1), gguf)
             if peak is not None:
                 held = deep.estimates.get("tokenizer", 0)  # loaded before the weights, held while they convert
                 deep.peak("converting", peak + held)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmplan.engine import heap
 from llmplan.engine.memory import mib
 from llmplan.llm.formats.conversion_cache import (
     CacheEntry,
@@ -55,21 +56,47 @@ class CacheUse:
     """The folder of the shards the key names (where in-place tensors are mapped from)."""
 
 
-def conversion_key(manifest: Any, model_dir: Path, params: Any, kept_as: str) -> tuple[ConversionKey | None, str]:
-    """The key of this conversion of these shards, or None and why there is none."""
+def conversion_key(
+    manifest: Any, model_dir: Path, params: Any, kept_as: str, gguf: Path | None = None
+) -> tuple[ConversionKey | None, str]:
+    """The key of this conversion of these shards (or of the GGUF the import pins, when the weights come from
+    the file itself), or None and why there is none."""
     if not params.cache:
         return None, "the plan's load.convert cache: false"
-    if manifest is None or not manifest.shards:
-        return None, "no verified shard list to key it by"
-    unknown = [shard.name for shard in manifest.shards if shard.sha256 is None]
-    if unknown:
-        return None, f"{unknown[0]} has no SHA-256 checked by load.verify, so no entry can be keyed to it"
+    if gguf is not None and (manifest is None or not manifest.shards):
+        sources, why = _pinned(model_dir, gguf)
+    else:
+        sources, why = _verified_shards(manifest)
+    if sources is None:
+        return None, why
     try:
         config = hashlib.sha256(read_bytes_limited(model_dir / "config.json", 1 << 20)).hexdigest()
     except FileProblem as bad:
         return None, str(bad)
     settings = {"dtype": params.dtype, "group_size": params.group_size, "head": params.head, "kept_as": kept_as}
-    return ConversionKey(tuple(sorted((s.name, str(s.sha256)) for s in manifest.shards)), config, settings), ""
+    return ConversionKey(sources, config, settings), ""
+
+
+def _verified_shards(manifest: Any) -> tuple[tuple[tuple[str, str], ...] | None, str]:
+    if manifest is None or not manifest.shards:
+        return None, "no verified shard list to key it by"
+    unknown = [shard.name for shard in manifest.shards if shard.sha256 is None]
+    if unknown:
+        return None, f"{unknown[0]} has no SHA-256 checked by load.verify, so no entry can be keyed to it"
+    return tuple(sorted((s.name, str(s.sha256)) for s in manifest.shards)), ""
+
+
+def _pinned(model_dir: Path, gguf: Path) -> tuple[tuple[tuple[str, str], ...] | None, str]:
+    """The GGUF by the SHA-256 its import pins (load.verify checked the file against it at this start)."""
+    from llmplan.llm.formats.gguf import PinError, read_pin
+
+    try:
+        pin = read_pin(model_dir)
+    except PinError as bad:
+        return None, str(bad)
+    if pin is None:
+        return None, f"{model_dir}: no pin of {gguf.name} to key it by"
+    return ((gguf.name, pin.sha256),), ""
 
 
 def cache_use(ctx: InferenceContext, params: Any, kept_as: str) -> tuple[CacheUse | None, str]:
@@ -77,15 +104,16 @@ def cache_use(ctx: InferenceContext, params: Any, kept_as: str) -> tuple[CacheUs
     source = ctx.model_source
     if source is None:
         return None, "no model source"
-    key, why = conversion_key(ctx.shard_manifest, source.model_dir, params, kept_as)
+    gguf = source.gguf_file if source.weights_from_gguf else None
+    key, why = conversion_key(ctx.shard_manifest, source.model_dir, params, kept_as, gguf)
     if key is None:
         return None, why
     return CacheUse(key, conversions_root(), f"{source.name}-{params.dtype}", source.model_dir), ""
 
 
-def predicted_road(manifest: Any, model_dir: Path | None, params: Any, kept_as: str) -> str:
+def predicted_road(manifest: Any, model_dir: Path | None, params: Any, kept_as: str, gguf: Path | None = None) -> str:
     """For `validate --deep`: the road a run would take now (an entry found is opened by the run, not here)."""
-    key, _ = conversion_key(manifest, model_dir, params, kept_as) if model_dir is not None else (None, "")
+    key, _ = conversion_key(manifest, model_dir, params, kept_as, gguf) if model_dir is not None else (None, "")
     if key is None:
         return MEMORY
     return CACHE_MAPPED if find_entry(conversions_root(), key) is not None else CACHED
@@ -149,8 +177,9 @@ def keep_conversion(
     except (OSError, EntryProblem, KeyError, ValueError) as bad:
         converted_in_memory(ctx, f"the conversion cache cannot keep it ({_reason(bad)})")
         return
-    del flat
     ctx.weights = _weights(params, tensors, entry, errors)
+    del flat, weights  # the last references to the converted copy: freed here, so the trim can give them back
+    heap.trim()  # the converted copy's pages back to the system now: the mapping holds the weights from here
     _record(ctx, params, entry, CACHED, errors)
     ctx.metrics.set("entry_write_s", time.perf_counter() - began)
     _say(ctx, f"converted in {seconds:.1f} s, cached as {path.name} ({_sizes(entry)}): later starts map it")

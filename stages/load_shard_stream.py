@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from pydantic import Field
 from torch import Tensor
 
 from llmplan.engine.findings import StageFailure
 from llmplan.engine.stage import DeepCheck, Params, Phase, Stage
-from llmplan.llm.formats import ReadResult, read_shards
+from llmplan.llm.formats import ReadResult, ShardStats, read_shards
 from llmplan.llm.model import ModelConfig, expected_hf_names, layout_problems
 from llmplan.llm.trust import FileProblem, IntegrityError, ShardManifest, read_json_limited, read_safetensors_header
 
@@ -99,8 +101,13 @@ class ShardStream(Stage):
         manifest, cfg = ctx.shard_manifest, ctx.model_config
         assert manifest is not None and cfg is not None
         source = ctx.model_source
-        if source is not None and source.keeps_blocks:
-            nothing_to_stream(ctx, params, source.gguf_file)
+        if source is not None and source.weights_from_gguf and source.gguf_file is not None:
+            from .model_source import keeps_blocks  # model.source's own rule (it imports this module's marker)
+
+            if keeps_blocks(ctx.plan):
+                nothing_to_stream(ctx, params, source.gguf_file)
+            else:
+                gguf_stream(ctx, source.gguf_file)
             return
         converted = read_converted_marker(manifest.model_dir)
         if converted is None:  # a converted checkpoint holds codes and scales, checked when rebuilt
@@ -149,6 +156,42 @@ class ShardStream(Stage):
 
     def check(self, params: Any, deep: DeepCheck) -> None:
         deep.facts["buffer_shards"] = params.buffer_shards  # for load.convert's peak while converting
+
+
+def gguf_stream(ctx: InferenceContext, gguf: Path) -> None:
+    """A plan that converts from a GGUF (with the conversion cache: its import has no fp32 shards): the file's
+    tensors dequantized one at a time, in HF names and layout as the import writes them, into the conversion.
+    At most one fp32 tensor is held at once beside what the conversion keeps; nothing is written but the
+    conversion's cache entry (and only when no entry was found: then this stream is never read)."""
+    from llmplan.llm.formats.gguf import dequantized_tensors
+    from llmplan.llm.formats.gguf.importer import GGUFImportError
+
+    metrics = ctx.metrics
+
+    def stream(on_tensor: Callable[[str, Tensor], None]) -> ReadResult:
+        began, total, largest, count = time.perf_counter(), 0, 0, 0
+        try:
+            with ctx.progress.task(f"dequantize {gguf.name}", gguf.stat().st_size) as advance:
+                for name, nbytes, values in dequantized_tensors(gguf):
+                    array = values()  # an F32 tensor is a view on the file's bytes: copied, so torch may own it
+                    tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
+                    total, largest, count = total + nbytes, max(largest, nbytes), count + 1
+                    on_tensor(name, tensor)
+                    advance(nbytes // 8)  # roughly the file's bytes: fp32 is 6-8x a K-quant's
+        except (GGUFImportError, OSError) as bad:
+            raise StageFailure(str(bad)) from None
+        seconds = time.perf_counter() - began
+        stats = ShardStats(gguf.name, total, seconds, count)
+        metrics.by_stage.setdefault(metrics.current, {}).update(
+            {"bytes_read": total, "read_s": seconds, "peak_buffer_bytes": largest, "peak_buffer_shards": 1}
+            | {"dequantized_from": str(gguf), "shards": [vars(stats)]}
+        )
+        return ReadResult({}, [], [stats], largest, 1, seconds)
+
+    ctx.host_weights = HostWeights(stream=stream, wanted=[], buffer_shards=1, file_of=lambda name: gguf)
+    ctx.metrics.set("streamed_from", str(gguf))
+    if not ctx.json_mode:
+        print(f"no shards to stream: the weights are dequantized from {gguf.name} as they convert", file=sys.stderr)
 
 
 def nothing_to_stream(ctx: InferenceContext, params: Any, gguf: Path | None) -> None:

@@ -57,7 +57,7 @@ class LoadVerify(Stage):
     def run(self, ctx: InferenceContext, params: Any) -> None:
         assert ctx.model_source is not None
         record = ctx.model_source.first_use
-        blocks = ctx.model_source.keeps_blocks
+        blocks = ctx.model_source.weights_from_gguf
         try:
             manifest = build_manifest(
                 ctx.model_source.model_dir, params.sha256 or None, READ_BY_LOAD, record, weights=not blocks
@@ -85,7 +85,7 @@ class LoadVerify(Stage):
         model_dir = deep.facts.get("model_dir")
         if model_dir is None:
             return
-        blocks = bool(deep.facts.get("keeps_blocks"))
+        blocks = bool(deep.facts.get("weights_from_gguf"))
         try:
             first_use = deep.facts.get("first_use")
             manifest = build_manifest(model_dir, params.sha256 or None, READ_BY_LOAD, first_use, weights=not blocks)
@@ -112,7 +112,7 @@ def check_gguf_pin(ctx: InferenceContext, params: Any) -> None:
     source = ctx.model_source
     assert source is not None
     if source.gguf_file is None:
-        raise StageFailure(f"{source.model_dir}: the plan keeps a GGUF's blocks, but the model is no .gguf file")
+        raise StageFailure(f"{source.model_dir}: the plan reads a GGUF's blocks, but the model is no .gguf file")
     try:
         done = check_pinned(source.model_dir, source.gguf_file, rehash=params.rehash)
     except PinError as bad:

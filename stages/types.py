@@ -36,7 +36,8 @@ class ModelSource:
     fingerprint: str  # hash of SHA256SUMS when present, else of the shard names and sizes
     gguf_file: Path | None = None
     first_use: Path | None = None  # a first-use record (llm/trust/first_use.py) standing in for SHA256SUMS
-    keeps_blocks: bool = False  # the plan runs the GGUF's own blocks: the import has no shards to read
+    weights_from_gguf: bool = False  # the weights come from the GGUF itself (stored, or dequantized once into a
+    # cached conversion): the import has no shards to read
 
     @property
     def name(self) -> str:

@@ -31,7 +31,7 @@ def auto_slots(bound: Any) -> SlotChoice | None:
     from llmplan.llm.model import ConfigError, ModelConfig
     from llmplan.stages.env_check import available_memory
     from llmplan.stages.load_to_device import CACHE_DTYPES, kv_cache_bytes
-    from llmplan.stages.model_source import keeps_blocks, resolve_source
+    from llmplan.stages.model_source import reads_gguf, resolve_source
 
     place = next((b for b in bound.stages if b.spec.uses == PLACE), None)
     source = next((b for b in bound.stages if b.spec.uses == SOURCE), None)
@@ -39,7 +39,7 @@ def auto_slots(bound: Any) -> SlotChoice | None:
         return None
     try:
         # imported once; the load reads the cache
-        model_dir = resolve_source(source.params, None, keeps_blocks(bound)).model_dir
+        model_dir = resolve_source(source.params, None, reads_gguf(bound)).model_dir
         cfg = ModelConfig.from_file(model_dir / "config.json")
     except (ConfigError, StageFailure, OSError, ValueError):
         return None  # the load says what is wrong, in its own words

@@ -12,16 +12,18 @@ from llmplan.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from .checkpoint_writer import check_checkpoint_target, write_checkpoint
-    from .shard_reader import ReadResult, read_shards
+    from .shard_reader import ReadResult, ShardStats, read_shards
 
 EXPORTS = {  # name -> the module that defines it
     "ReadResult": "shard_reader",
+    "ShardStats": "shard_reader",
     "check_checkpoint_target": "checkpoint_writer",
     "read_shards": "shard_reader",
     "write_checkpoint": "checkpoint_writer",
 }
 __all__ = [
     "ReadResult",
+    "ShardStats",
     "check_checkpoint_target",
     "read_shards",
     "write_checkpoint",

@@ -108,21 +108,28 @@ def test_no_plan_runs_a_gguf_as_stored(tiny: Path, cache: Path, tmp_path: Path, 
     assert metrics["quantize"]["dtype"] == "stored"
 
 
-def test_a_converting_plan_afterwards_gets_its_shards_and_stored_answers_as_before(
+def test_a_converting_plan_reads_the_file_itself_and_only_cache_false_adds_shards(
     tiny: Path, cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code, stored_first = _run(tiny, tmp_path / "stored", *STORED)
     assert code == 0
+    [imported] = _imports(cache)
+    sums = (imported / "SHA256SUMS").read_text()
     capsys.readouterr()
+    # A converting plan with the conversion cache (the default): the blocks dequantized once into its entry,
+    # the import left as it was: no fp32 shards.
     code, fp32 = _run(tiny, tmp_path / "fp32")
     said = capsys.readouterr().err
     assert code == 0, said
-    assert "with fp32 shards" in said and fp32["tokens"]
-    [imported] = _imports(cache)  # the same folder, its shards added and listed
+    assert "dequantized from tiny-qwen2.gguf" in said and "cached as" in said and fp32["tokens"]
+    assert (imported / "SHA256SUMS").read_text() == sums and not list(imported.glob("*.safetensors"))
+    # Converting every start (cache: false) reads fp32 shards, as before #55: added to the same import.
+    code, memory = _run(tiny, tmp_path / "fp32-memory", "--set", "convert.cache=false")
+    said = capsys.readouterr().err
+    assert code == 0 and "with fp32 shards" in said and memory["tokens"] == fp32["tokens"]
     sums = (imported / "SHA256SUMS").read_text()
     assert "model.safetensors.index.json" in sums and ".safetensors" in sums
     assert not [p for p in (cache / "models").iterdir() if ".importing-" in p.name]
-    # The behaviour before #54: stored on an import with shards. The same tokens.
     code, stored_after = _run(tiny, tmp_path / "stored-again", *STORED)
     assert code == 0, capsys.readouterr().err
     assert stored_after["tokens"] == stored_first["tokens"]
@@ -130,10 +137,10 @@ def test_a_converting_plan_afterwards_gets_its_shards_and_stored_answers_as_befo
     def fingerprint(run: str) -> str:
         return json.loads((tmp_path / run / "metrics.json").read_text())["model"]["fingerprint"]
 
-    assert fingerprint("stored") == fingerprint("stored-again") == fingerprint("fp32")  # the shards follow the GGUF
+    assert fingerprint("stored") == fingerprint("stored-again") == fingerprint("fp32") == fingerprint("fp32-memory")
     code, again = _run(tiny, tmp_path / "fp32-again")
     assert code == 0 and again["tokens"] == fp32["tokens"]
-    assert "with fp32 shards" not in capsys.readouterr().err
+    assert "mapped from the conversion cache" in capsys.readouterr().err
 
 
 def test_a_gguf_changed_after_first_use_is_refused_in_one_line(

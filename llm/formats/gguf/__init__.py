@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from .file import GGUFFileError, open_gguf
     from .file_type import GGUFType, file_type_names, gguf_type, nominal_bits
     from .footprint import footprint_line, gguf_read_per_token, read_per_token, recorded_footprint, resident_parts
-    from .importer import Imported, has_shards, import_gguf, import_gguf_as
+    from .importer import Imported, dequantized_tensors, has_shards, import_gguf, import_gguf_as
     from .mapped import MappedGGUF, check_block_values, map_gguf
     from .pin import PIN_NAME, PinError, check_pinned, read_pin
     from .stored import copied_bytes, copies, stored_types, stored_weights
@@ -30,6 +30,7 @@ EXPORTS = {  # name -> the module that defines it
     "check_pinned": "pin",
     "copied_bytes": "stored",
     "copies": "stored",
+    "dequantized_tensors": "importer",
     "has_shards": "importer",
     "import_gguf_as": "importer",
     "read_pin": "pin",
@@ -61,6 +62,7 @@ __all__ = [
     "check_pinned",
     "copied_bytes",
     "copies",
+    "dequantized_tensors",
     "file_type_names",
     "footprint_line",
     "gguf_read_per_token",

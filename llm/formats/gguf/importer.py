@@ -14,9 +14,11 @@ Gemma's `1 + w` norms); gguf_vocab.py rebuilds the tokenizer.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,7 +40,8 @@ from ...trust.manifest import (
     write_sha256sums,
 )
 from ..import_dirs import TEMP_MARK, finish_import_dir, make_import_dir, remove_stale_imports
-from .file import GGUFFile, GGUFFileError, open_gguf
+from .block_types import BLOCK_TYPES
+from .file import GGUFFile, GGUFFileError, TensorInfo, open_gguf
 from .hf_config import SUPPORTED_ARCHITECTURES, Planned, family_of, hf_config, plan_tensors
 from .mapped import check_block_values, map_gguf
 from .metadata import GGUFImportError, GGUFMetadata, fail
@@ -340,6 +343,19 @@ def _write_from(gguf_file: GGUFFile, out: Path, progress: ProgressFn | None, sha
         _write_shards(gguf_file, plan, out, progress, shard_bytes)
 
 
+def dequantized_tensors(gguf_path: Path) -> Iterator[tuple[str, int, Callable[[], np.ndarray]]]:
+    """The file's tensors as the import would write them, one at a time: (HF name, fp32 bytes, a function that
+    dequantizes it into HF layout). The header is read and checked as the import checks it; nothing is written.
+    GGUFImportError (one line naming the file) for a file that is not a readable GGUF."""
+    try:
+        with open_gguf(gguf_path) as gguf_file:
+            for planned in _plan(gguf_file):
+                yield planned.hf_name, planned.nbytes, functools.partial(_dequantized, gguf_file, planned)
+    except GGUFFileError as bad:
+        detail = str(bad).removeprefix(f"{gguf_path}: ")
+        raise GGUFImportError(f"{gguf_path}: not a readable GGUF file: {detail}") from None
+
+
 def unpermute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo convert_hf_to_gguf.py's q/k row permutation (per head: interleaved pairs -> two halves)."""
     rows = weight.shape[0]
@@ -356,7 +372,10 @@ def _dequantized(gguf_file: GGUFFile, planned: Planned) -> np.ndarray:
     tensor = gguf_file.tensors[planned.gguf_name]
     path = gguf_file.path
     try:
-        values = quants.dequantize(gguf_file.read(tensor), GGMLQuantizationType(tensor.ggml_type))
+        data = gguf_file.read(tensor)
+        values = _native_dequantized(tensor, data)
+        if values is None:
+            values = quants.dequantize(data, GGMLQuantizationType(tensor.ggml_type))
         values = np.ascontiguousarray(values, dtype=np.float32).reshape(planned.hf_shape)
     except NotImplementedError:
         raise _fail(path, f"tensor {tensor.name}: type {tensor.type_name} is not supported") from None
@@ -370,6 +389,27 @@ def _dequantized(gguf_file: GGUFFile, planned: Planned) -> np.ndarray:
     if planned.norm_shift:
         values = values - np.float32(planned.norm_shift)  # the read may be a read-only view
     return values
+
+
+def _native_dequantized(tensor: TensorInfo, data: np.ndarray) -> np.ndarray | None:
+    """The quantized blocks as fp32 by the native kernels (equal to gguf-py's dequantize, tested per type), into
+    the output directly: gguf-py's numpy temporaries are several times the tensor (the embedding table's are
+    hundreds of MB) and it is slower; None where the kernels do not load or do not read this type."""
+    if data.dtype != np.uint8 or BLOCK_TYPES.get(tensor.ggml_type) is None:
+        return None
+    import torch
+
+    from ...kernels import native
+    from ...model.weight_formats import GGUFWeight, dequantize_gguf
+
+    if native.kernels() is None:
+        return None
+    rows = int(np.prod(tensor.shape[:-1])) if len(tensor.shape) > 1 else 1
+    with warnings.catch_warnings():  # the blocks are read, never written: a read-only buffer is fine
+        warnings.simplefilter("ignore", UserWarning)
+        blocks = torch.from_numpy(data.reshape(rows, -1))
+    weight = GGUFWeight(blocks, tensor.ggml_type, (rows, int(tensor.shape[-1])), tensor.type_name)
+    return dequantize_gguf(weight).numpy()
 
 
 def _write_shards(
