@@ -401,8 +401,9 @@ class Convert(Stage):
             return
         if params.dtype == "int4" and (problem := group_size_problem(cfg, params.group_size)):
             raise StageFailure(problem)
-        self._record_prediction(ctx, params, cfg, host.buffer_shards)
+        self._record_prediction(ctx, params, cfg)
         if host.converted is not None:
+            self._record_peak(ctx, params, cfg, host.buffer_shards)
             self._load_converted(ctx, params, cfg, host)
             return
         kept_as = _kept_as(params, ctx)  # what embeddings and norms are stored in; fp16 and int4 hold +-65504
@@ -410,6 +411,7 @@ class Convert(Stage):
         if use is not None and map_cached(ctx, params, cfg, use):
             _save_if_asked(ctx, params, ctx.weights.tensors)  # type: ignore[union-attr]
             return
+        self._record_peak(ctx, params, cfg, host.buffer_shards)
         start = time.perf_counter()
         out, errors, bytes_in, in_place = _convert_stream(ctx, params, cfg, kept_as)
         self._publish(ctx, params, out, errors, bytes_in, start)
@@ -449,10 +451,15 @@ class Convert(Stage):
             ctx.metrics.set("quant_error_mean", sum(errors.values()) / len(errors))
             ctx.metrics.set("quant_error_by_tensor", errors)
 
-    def _record_prediction(self, ctx: InferenceContext, params: Any, cfg: ModelConfig, buffer_shards: int) -> None:
-        """What `validate --deep` predicts for this load, so the report can put it beside what happened."""
+    def _record_prediction(self, ctx: InferenceContext, params: Any, cfg: ModelConfig) -> None:
+        """What `validate --deep` predicts for this load's weights, so the report can put it beside what happened."""
         sizes = tensor_bytes(cfg, params.dtype, params.group_size, params.head)
         ctx.metrics.set("predicted_bytes", sum(sizes.values()))
+
+    def _record_peak(self, ctx: InferenceContext, params: Any, cfg: ModelConfig, buffer_shards: int) -> None:
+        """The predicted peak while converting: only for a load that converts (a GGUF's header is read for it,
+        vocabulary and all, which a start that maps its conversion need not pay)."""
+        sizes = tensor_bytes(cfg, params.dtype, params.group_size, params.head)
         if ctx.shard_manifest is not None:
             source = ctx.model_source
             gguf = source.gguf_file if source is not None and source.weights_from_gguf else None
