@@ -191,7 +191,8 @@ def gguf_stream(ctx: InferenceContext, gguf: Path) -> None:
     ctx.host_weights = HostWeights(stream=stream, wanted=[], buffer_shards=1, file_of=lambda name: gguf)
     ctx.metrics.set("streamed_from", str(gguf))
     if not ctx.json_mode:
-        print(f"no shards to stream: the weights are dequantized from {gguf.name} as they convert", file=sys.stderr)
+        line = f"no shards to stream: load.convert maps its cached conversion of {gguf.name} or makes one from it"
+        print(line, file=sys.stderr)
 
 
 def nothing_to_stream(ctx: InferenceContext, params: Any, gguf: Path | None) -> None:

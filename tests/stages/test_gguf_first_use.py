@@ -121,7 +121,7 @@ def test_a_converting_plan_reads_the_file_itself_and_only_cache_false_adds_shard
     code, fp32 = _run(tiny, tmp_path / "fp32")
     said = capsys.readouterr().err
     assert code == 0, said
-    assert "dequantized from tiny-qwen2.gguf" in said and "cached as" in said and fp32["tokens"]
+    assert "cached conversion of tiny-qwen2.gguf" in said and "cached as" in said and fp32["tokens"]
     assert (imported / "SHA256SUMS").read_text() == sums and not list(imported.glob("*.safetensors"))
     # Converting every start (cache: false) reads fp32 shards, as before #55: added to the same import.
     code, memory = _run(tiny, tmp_path / "fp32-memory", "--set", "convert.cache=false")
