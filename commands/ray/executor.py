@@ -414,7 +414,9 @@ def _map(ray: Any, dataset: Any, job: ExecutorJob, bound: BoundPlan) -> Any:
         },
         batch_size=settings.batch_size,
         batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(size=settings.replicas),
+        # one batch in flight a replica: a batch is minutes of decoding, so a second one queued behind it waits
+        # while another replica may sit idle (Ray's default queues several per actor)
+        compute=ray.data.ActorPoolStrategy(size=settings.replicas, max_tasks_in_flight_per_actor=1),
         num_cpus=settings.threads_per_replica,
         num_gpus=settings.gpus_per_replica or None,
         max_restarts=settings.max_restarts,
