@@ -124,7 +124,7 @@ def check_gguf_pin(ctx: InferenceContext, params: Any) -> None:
         how = "hash cache" if done.bytes_hashed == 0 else f"hashed {done.bytes_hashed / 1e6:.1f} MB"
         print(
             f"{source.gguf_file.name}: SHA-256 {done.pin.sha256[:16]}… as pinned ({how}); no shards: "
-            "its blocks are the weights",
+            "the weights come from its blocks",
             file=sys.stderr,
             flush=True,
         )
