@@ -53,6 +53,7 @@ from .load_convert_cache import (
     keep_conversion,
     map_cached,
     predicted_road,
+    record_errors,
 )
 from .load_peak import converting_peak, shard_tensor_bytes
 from .load_shard_stream import CONVERTED_MARKER, read_converted_marker
@@ -151,7 +152,7 @@ def predicted_peak(
         from llmplan.llm.formats.gguf.importer import GGUFImportError
 
         try:
-            tensors = [{name: nbytes} for name, nbytes, _ in dequantized_tensors(gguf)]
+            tensors = [{t.name: t.nbytes} for t in dequantized_tensors(gguf)]
         except GGUFImportError:
             return None  # load.verify and the stream say what is wrong with the file
         return converting_peak(tensors, fusion_table(cfg), sizes, 1)
@@ -259,9 +260,8 @@ def _precision_of(params: Any, internal: str) -> str:
     return params.head if internal == "output.weight" and params.head != "same" else params.dtype
 
 
-def _kept_as(params: Any, ctx: InferenceContext) -> str:
+def _kept_as(act: torch.dtype) -> str:
     """What embeddings and norms are stored in after the load: the activation dtype (fp16 or fp32 here)."""
-    act = activation_dtype(params.dtype, torch.device(ctx.device or "cpu").type)
     return "fp16" if act == torch.float16 else "fp32"
 
 
@@ -406,7 +406,8 @@ class Convert(Stage):
             self._record_peak(ctx, params, cfg, host.buffer_shards)
             self._load_converted(ctx, params, cfg, host)
             return
-        kept_as = _kept_as(params, ctx)  # what embeddings and norms are stored in; fp16 and int4 hold +-65504
+        # what embeddings and norms are stored in; fp16 and int4 hold +-65504
+        kept_as = _kept_as(activation_dtype(params.dtype, torch.device(ctx.device or "cpu").type))
         use, why_not = cache_use(ctx, params, kept_as)
         if use is not None and map_cached(ctx, params, cfg, use):
             _save_if_asked(ctx, params, ctx.weights.tensors)  # type: ignore[union-attr]
@@ -446,10 +447,7 @@ class Convert(Stage):
         ctx.metrics.set("bytes_after", total)
         ctx.metrics.set("convert_s", time.perf_counter() - start)
         _save_if_asked(ctx, params, out)
-        if errors:
-            ctx.metrics.set("quant_error_max", max(errors.values()))
-            ctx.metrics.set("quant_error_mean", sum(errors.values()) / len(errors))
-            ctx.metrics.set("quant_error_by_tensor", errors)
+        record_errors(ctx, errors)
 
     def _record_prediction(self, ctx: InferenceContext, params: Any, cfg: ModelConfig) -> None:
         """What `validate --deep` predicts for this load's weights, so the report can put it beside what happened."""
@@ -523,8 +521,7 @@ class Convert(Stage):
         deep.facts["activation_dtype"] = act = activation_dtype(params.dtype, device.split(":")[0])
         manifest = deep.facts.get("manifest")
         gguf = deep.facts.get("gguf_file") if deep.facts.get("weights_from_gguf") else None
-        kept_as = "fp16" if act == torch.float16 else "fp32"
-        road = predicted_road(manifest, deep.facts.get("model_dir"), params, kept_as, gguf)
+        road = predicted_road(manifest, deep.facts.get("model_dir"), params, _kept_as(act), gguf)
         deep.facts["weights_road"] = road
         if road != MEMORY:  # mapped from the entry: the page cache's pages, shared by every process that maps it
             deep.file_backed["weights"] = sum(sizes.values())

@@ -126,8 +126,7 @@ def map_cached(ctx: InferenceContext, params: Any, cfg: ModelConfig, use: CacheU
         return False
     began = time.perf_counter()
     try:
-        entry = open_entry(path, use.key, use.sources)
-        tensors = unflatten(entry.tensors, _aliases(entry), list(internal_shapes(cfg)))
+        entry, tensors = _opened(path, use, cfg)
     except (EntryProblem, KeyError, ValueError) as bad:
         gone = discard_entry(path)
         _say(ctx, f"conversion cache: {bad}; refused{', discarded' if gone else ''}: converting again")
@@ -172,8 +171,7 @@ def keep_conversion(
     began = time.perf_counter()
     try:
         path = write_entry(use.root, use.key, use.label, flat, about)
-        entry = open_entry(path, use.key, use.sources)
-        tensors = unflatten(entry.tensors, _aliases(entry), list(internal_shapes(cfg)))
+        entry, tensors = _opened(path, use, cfg)
     except (OSError, EntryProblem, KeyError, ValueError) as bad:
         converted_in_memory(ctx, f"the conversion cache cannot keep it ({_reason(bad)})")
         return
@@ -183,6 +181,23 @@ def keep_conversion(
     _record(ctx, params, entry, CACHED, errors)
     ctx.metrics.set("entry_write_s", time.perf_counter() - began)
     _say(ctx, f"converted in {seconds:.1f} s, cached as {path.name} ({_sizes(entry)}): later starts map it")
+
+
+def _opened(path: Path, use: CacheUse, cfg: ModelConfig) -> tuple[CacheEntry, dict[str, Any]]:
+    """The entry checked and mapped, and the weights by their internal names (ties as the very same object)."""
+    entry = open_entry(path, use.key, use.sources)
+    errors = entry.marker.get("errors") or {}
+    if not isinstance(errors, dict) or not all(isinstance(v, int | float) for v in errors.values()):
+        raise EntryProblem(f"{entry.path}: its marker's errors are not numbers")
+    return entry, unflatten(entry.tensors, _aliases(entry), list(internal_shapes(cfg)))
+
+
+def record_errors(ctx: InferenceContext, errors: dict[str, float]) -> None:
+    """Each quantized tensor's relative error, and their max and mean, as metrics."""
+    if errors:
+        ctx.metrics.set("quant_error_max", max(errors.values()))
+        ctx.metrics.set("quant_error_mean", sum(errors.values()) / len(errors))
+        ctx.metrics.set("quant_error_by_tensor", errors)
 
 
 def _in_place_refs(ctx: InferenceContext, weights: dict[str, Any], in_place: dict[str, str]) -> dict[str, Any]:
@@ -208,7 +223,7 @@ def _weights(params: Any, tensors: dict[str, Any], entry: CacheEntry, errors: di
     return ConvertedWeights(
         tensors=tensors,
         dtype=params.dtype,
-        nbytes=entry.nbytes + entry.in_place_bytes,
+        nbytes=entry.mapped_bytes,
         errors=errors,
         kernel=params.kernel,
         bf16_inputs=params.bf16_inputs,
@@ -222,13 +237,11 @@ def _record(ctx: InferenceContext, params: Any, entry: CacheEntry, road: str, er
     ctx.metrics.set("entry_bytes", entry.nbytes)
     ctx.metrics.set("in_place_bytes", entry.in_place_bytes)  # mapped from the source shards where they lie
     ctx.metrics.set("dtype", params.dtype)
-    ctx.metrics.set("bytes_after", entry.nbytes + entry.in_place_bytes)
-    ctx.metrics.set("file_backed_bytes", entry.nbytes + entry.in_place_bytes)
+    ctx.metrics.set("bytes_after", entry.mapped_bytes)
+    ctx.metrics.set("file_backed_bytes", entry.mapped_bytes)
     ctx.metrics.set("mapped_files", [str(p) for p in entry.paths])  # output.release measures their pages
-    if errors and road == CACHE_MAPPED:  # the conversion's own error, as measured when it was made
-        ctx.metrics.set("quant_error_max", max(errors.values()))
-        ctx.metrics.set("quant_error_mean", sum(errors.values()) / len(errors))
-        ctx.metrics.set("quant_error_by_tensor", errors)
+    if road == CACHE_MAPPED:  # the conversion's own error, as measured when it was made
+        record_errors(ctx, errors)
 
 
 def _sizes(entry: CacheEntry) -> str:

@@ -124,20 +124,11 @@ class ShardStream(Stage):
                     result = read_shards(manifest, wanted, params.buffer_shards, on_tensor, advance)
             except IntegrityError as bad:
                 raise StageFailure(str(bad)) from None
-            stage_id = metrics.current  # the stage that drains the stream: where the reading happened
-            bucket = metrics.by_stage.setdefault(stage_id, {})
-            bucket.update(
-                {
-                    "bytes_read": result.total_bytes,
-                    "read_s": result.seconds,
-                    "peak_buffer_bytes": result.peak_buffer_bytes,
-                    "peak_buffer_shards": result.peak_buffer_shards,
-                    "skipped": result.skipped,
-                    "shards": [vars(s) for s in result.shards],
-                }
-            )
+            record_read(metrics, result)
             if result.skipped:
-                ctx.log.info("tensors_skipped", stage=stage_id, count=len(result.skipped), names=result.skipped[:20])
+                ctx.log.info(
+                    "tensors_skipped", stage=metrics.current, count=len(result.skipped), names=result.skipped[:20]
+                )
             return result
 
         def file_of(name: str) -> Path:
@@ -158,6 +149,21 @@ class ShardStream(Stage):
         deep.facts["buffer_shards"] = params.buffer_shards  # for load.convert's peak while converting
 
 
+def record_read(metrics: Any, result: ReadResult, **more: Any) -> None:
+    """The reader's numbers, under the stage that drains the stream (where the reading happened)."""
+    metrics.by_stage.setdefault(metrics.current, {}).update(
+        {
+            "bytes_read": result.total_bytes,
+            "read_s": result.seconds,
+            "peak_buffer_bytes": result.peak_buffer_bytes,
+            "peak_buffer_shards": result.peak_buffer_shards,
+            "skipped": result.skipped,
+            "shards": [vars(s) for s in result.shards],
+            **more,
+        }
+    )
+
+
 def gguf_stream(ctx: InferenceContext, gguf: Path) -> None:
     """A plan that converts from a GGUF (with the conversion cache: its import has no fp32 shards): the file's
     tensors dequantized one at a time, in HF names and layout as the import writes them, into the conversion.
@@ -172,21 +178,18 @@ def gguf_stream(ctx: InferenceContext, gguf: Path) -> None:
         began, total, largest, count = time.perf_counter(), 0, 0, 0
         try:
             with ctx.progress.task(f"dequantize {gguf.name}", gguf.stat().st_size) as advance:
-                for name, nbytes, values in dequantized_tensors(gguf):
-                    array = values()  # an F32 tensor is a view on the file's bytes: copied, so torch may own it
+                for streamed in dequantized_tensors(gguf):
+                    array = streamed.values()  # an F32 tensor is a view on the file's bytes: copied for torch
                     tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
-                    total, largest, count = total + nbytes, max(largest, nbytes), count + 1
-                    on_tensor(name, tensor)
-                    advance(nbytes // 8)  # roughly the file's bytes: fp32 is 6-8x a K-quant's
+                    total, largest, count = total + streamed.nbytes, max(largest, streamed.nbytes), count + 1
+                    on_tensor(streamed.name, tensor)
+                    advance(streamed.stored)
         except (GGUFImportError, OSError) as bad:
             raise StageFailure(str(bad)) from None
         seconds = time.perf_counter() - began
-        stats = ShardStats(gguf.name, total, seconds, count)
-        metrics.by_stage.setdefault(metrics.current, {}).update(
-            {"bytes_read": total, "read_s": seconds, "peak_buffer_bytes": largest, "peak_buffer_shards": 1}
-            | {"dequantized_from": str(gguf), "shards": [vars(stats)]}
-        )
-        return ReadResult({}, [], [stats], largest, 1, seconds)
+        result = ReadResult({}, [], [ShardStats(gguf.name, total, seconds, count)], largest, 1, seconds)
+        record_read(metrics, result, dequantized_from=str(gguf))
+        return result
 
     ctx.host_weights = HostWeights(stream=stream, wanted=[], buffer_shards=1, file_of=lambda name: gguf)
     ctx.metrics.set("streamed_from", str(gguf))

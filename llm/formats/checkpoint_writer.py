@@ -88,7 +88,7 @@ def write_checkpoint(
         (temp / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
         _write_extras(temp, extras)
         write_sha256sums(temp, [*names, SAFETENSORS_INDEX, *extras])
-        _fsync_tree(temp)
+        fsync_tree(temp)
         check_checkpoint_target(out_dir)  # again: the path may have been taken while we wrote
         # The marker first (the rename keeps the directory's inode and its files' mtimes), so the next save to
         # this path may replace it even if this process is killed between the two.
@@ -138,16 +138,16 @@ def _check_extra_name(name: str, reserved: set[str]) -> None:
         raise ValueError(f"extra file name {name!r} collides with a file write_checkpoint writes itself")
 
 
-def _fsync_tree(root: Path) -> None:
+def fsync_tree(root: Path) -> None:
     """Flush file contents before the rename makes them visible, so a power cut cannot publish empty files."""
     for path in sorted(root.rglob("*")):
         if path.is_file():
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:  # some platforms cannot open directories; durability there is best effort
@@ -171,4 +171,4 @@ def _move_into_place(temp: Path, out_dir: Path) -> None:
             old.rmdir()
             raise
         shutil.rmtree(old, ignore_errors=True)
-    _fsync_dir(out_dir.parent)
+    fsync_dir(out_dir.parent)

@@ -200,3 +200,16 @@ def test_an_in_place_reference_that_does_not_hold_is_refused(
     path, key, source = _with_in_place(tmp_path, ref | change)
     with pytest.raises(EntryProblem, match=said):
         open_entry(path, key, source)
+
+
+def test_a_file_in_an_entrys_place_is_never_discarded(tmp_path: Path, cache_home: Path) -> None:
+    from llmplan.llm.formats.conversion_cache import discard_entry
+
+    root = tmp_path / "conversions"
+    root.mkdir()
+    theirs = root / "0123456789abcdef-not-an-entry"
+    theirs.write_text("a file of someone's")
+    assert discard_entry(theirs) is False and theirs.read_text() == "a file of someone's"
+    path, _ = _written(root)
+    assert discard_entry(path) is True and not path.exists()
+    assert not [p for p in root.iterdir() if p.name.startswith(".discarded-")]  # moved aside, then deleted

@@ -59,9 +59,13 @@ def read_marker(path: Path) -> dict[str, Any]:
 
 
 def discard_entry(path: Path) -> bool:
-    """Rename a refused entry aside (so no start finds it again) and delete it; False if it could not be moved."""
+    """Rename a refused entry aside (so no start finds it again) and delete it; False if it could not be moved, or
+    is not a folder of this user (a file or a link in an entry's place is left as it is: not ours to delete)."""
     aside = path.with_name(f".discarded-{path.name}-{secrets.token_hex(4)}")
     try:
+        info = os.lstat(path)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+            return False
         os.rename(path, aside)
     except OSError:
         return False

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from ...trust import HashCache, IntegrityError, build_manifest, verify
 from ...trust.manifest import MANIFEST_NAME, read_sha256sums, write_sha256sums
-from ..checkpoint_writer import own_storage, plan_shards
+from ..checkpoint_writer import fsync_dir, fsync_tree, own_storage, plan_shards
 from .key import FORMAT, ConversionKey
 from .listing import ENTRY_NAME, MARKER, EntryProblem, read_marker
 from .mapping import MappedFile, map_safetensors
@@ -60,6 +60,11 @@ class CacheEntry:
     def nbytes(self) -> int:
         """Bytes of the entry's own tensors (what it takes on disk, bar its small files)."""
         return sum(f.nbytes for f in self.files)
+
+    @property
+    def mapped_bytes(self) -> int:
+        """All the weights' bytes it maps: its own tensors and those in place."""
+        return self.nbytes + self.in_place_bytes
 
     @property
     def in_place_bytes(self) -> int:
@@ -160,8 +165,8 @@ def write_entry(root: Path, key: ConversionKey, label: str, flat: dict[str, Tens
     root.mkdir(parents=True, exist_ok=True)
     temp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))  # mode 0700: this user's alone
     try:
-        listed = _write_files(temp, key, flat, about)
-        _fsync_files(temp, listed)
+        _write_files(temp, key, flat, about)
+        fsync_tree(temp)  # contents on disk before the rename publishes them: no entry of empty files
         with contextlib.suppress(FileExistsError, OSError):
             os.rename(temp, final)
         if temp.exists():  # another start published the same key meanwhile
@@ -170,11 +175,12 @@ def write_entry(root: Path, key: ConversionKey, label: str, flat: dict[str, Tens
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
+    fsync_dir(root)
     _remember_hashes(final)
     return final
 
 
-def _write_files(folder: Path, key: ConversionKey, flat: dict[str, Tensor], about: dict[str, Any]) -> list[str]:
+def _write_files(folder: Path, key: ConversionKey, flat: dict[str, Tensor], about: dict[str, Any]) -> None:
     groups = plan_shards(flat, SHARD_BYTES) if flat else []
     names = [f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)]
     weight_map: dict[str, str] = {}
@@ -186,16 +192,7 @@ def _write_files(folder: Path, key: ConversionKey, flat: dict[str, Tensor], abou
     (folder / INDEX).write_text(json.dumps(index, indent=1) + "\n", encoding="utf-8")
     marker = {"format": FORMAT, "key": key.digest, "record": key.record(), "created": _now(), **about}
     (folder / MARKER).write_text(json.dumps(marker, indent=1) + "\n", encoding="utf-8")
-    listed = [*names, INDEX, MARKER]
-    write_sha256sums(folder, listed)
-    return [*listed, MANIFEST_NAME]
-
-
-def _fsync_files(folder: Path, names: list[str]) -> None:
-    """Contents on disk before the rename publishes them: a power cut cannot leave an entry of empty files."""
-    for name in names:
-        with open(folder / name, "rb") as handle:
-            os.fsync(handle.fileno())
+    write_sha256sums(folder, [*names, INDEX, MARKER])
 
 
 def _remember_hashes(entry: Path) -> None:

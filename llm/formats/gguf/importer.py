@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -343,14 +344,27 @@ def _write_from(gguf_file: GGUFFile, out: Path, progress: ProgressFn | None, sha
         _write_shards(gguf_file, plan, out, progress, shard_bytes)
 
 
-def dequantized_tensors(gguf_path: Path) -> Iterator[tuple[str, int, Callable[[], np.ndarray]]]:
-    """The file's tensors as the import would write them, one at a time: (HF name, fp32 bytes, a function that
-    dequantizes it into HF layout). The header is read and checked as the import checks it; nothing is written.
-    GGUFImportError (one line naming the file) for a file that is not a readable GGUF."""
+class StreamedTensor(NamedTuple):
+    name: str
+    """Its HF name."""
+    nbytes: int
+    """Its fp32 bytes."""
+    stored: int
+    """Its bytes in the file."""
+    values: Callable[[], np.ndarray]
+    """Dequantizes it into HF layout (while the file is open: inside the iteration)."""
+
+
+def dequantized_tensors(gguf_path: Path) -> Iterator[StreamedTensor]:
+    """The file's tensors as the import would write them, one at a time. The header is read and checked as the
+    import checks it; nothing is written. GGUFImportError (one line naming the file) for a file that is not a
+    readable GGUF."""
     try:
         with open_gguf(gguf_path) as gguf_file:
             for planned in _plan(gguf_file):
-                yield planned.hf_name, planned.nbytes, functools.partial(_dequantized, gguf_file, planned)
+                stored = gguf_file.tensors[planned.gguf_name].nbytes
+                values = functools.partial(_dequantized, gguf_file, planned)
+                yield StreamedTensor(planned.hf_name, planned.nbytes, stored, values)
     except GGUFFileError as bad:
         detail = str(bad).removeprefix(f"{gguf_path}: ")
         raise GGUFImportError(f"{gguf_path}: not a readable GGUF file: {detail}") from None
