@@ -18,6 +18,7 @@ A refused entry is discarded (renamed aside, then deleted) and the conversion ma
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -162,6 +163,8 @@ def write_entry(root: Path, key: ConversionKey, label: str, flat: dict[str, Tens
     no half entry for a later start to find. Where another process got there first, its entry stands (and is
     checked when opened). OSError when root cannot be written (a read-only cache)."""
     final = root / entry_name(key, label)
+    if os.path.lexists(root) and not root.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(root))
     root.mkdir(parents=True, exist_ok=True)
     temp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))  # mode 0700: this user's alone
     try:
