@@ -1,5 +1,6 @@
-"""The native decode kernels (`cpu_kernels.c`, and `gguf_blocks.c`'s products on GGUF blocks): built once with
-the system C compiler (both sources in one shared object), loaded with ctypes.
+"""The native decode kernels (`cpu_kernels.c`, and the products on GGUF blocks: `gguf_blocks.c`, with
+`gguf_panels.c` for many rows): built once with the system C compiler (the sources in one shared object), loaded
+with ctypes.
 
 Why C and ctypes rather than a torch extension: the kernels need no torch headers (raw pointers in, raw
 pointers out), so they build with one `cc` call in under a second and need no ninja or Python headers.
@@ -34,8 +35,8 @@ import torch
 from torch import Tensor
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-# Compiled with SOURCE into the one shared object (one cc call; both hashed for the cache key)
-SOURCES = (SOURCE, Path(__file__).with_name("gguf_blocks.c"))
+# Compiled with SOURCE into the one shared object (one cc call; all hashed for the cache key)
+SOURCES = (SOURCE, Path(__file__).with_name("gguf_blocks.c"), Path(__file__).with_name("gguf_panels.c"))
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 _AVX2 = ("-mavx2", "-mfma", "-mf16c")
 # Not -march=x86-64-v4 or -march=native: the build must not pick up AMX or other extensions that a CPU may

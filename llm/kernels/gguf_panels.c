@@ -1,0 +1,216 @@
+// Products of many activation rows (prefill, batches of 8 or more) with GGUF blocks, on panels: 16 weight rows
+// decoded once for a chunk of activation rows into the thread's scratch, their codes interleaved per 4 columns
+// (quad k of row i at q[k][i], the layout llama.cpp's repacked Q4_Kx8 gives its weights at load; here only a
+// panel's scratch is, the weights stay the file's). A vpdpbusd of quad k against one activation row's 4 codes,
+// broadcast, adds 4 products into each weight row's int32 lane, so a scale group's 8 (Q6_K: 4) vpdpbusd sum in
+// integers and take one float step for 16 rows. That is one multiply instruction per 64 products, against two or
+// more in gguf_blocks.c's row form (decode in registers, dot one weight row at a time), and it ran 1.8-2x faster
+// at 128 rows of Qwen2.5-1.5B's and a Llama-8B's shapes (benchmarks/gguf_blocks.py).
+//
+// The activations are gguf_blocks.c's, rounded per 32 columns, so a panel's product equals the row form's but
+// for the order of the fp32 sums. The weights come from gguf_blocks.c's decoder in its unsigned form (codes
+// q >= 0, the offset in c): every type but Q8_0 (signed codes; its rows stay in the row form). AVX-512 VNNI
+// builds only; the AVX2 build keeps the row form for every batch.
+//
+// Built into the same shared object as cpu_kernels.c and gguf_blocks.c (llm/kernels/native.py).
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+// gguf_blocks.c: superblock s (256 columns) of a row of `type` blocks over K columns, unsigned: codes [256],
+// and per 16 columns the scale wd and offset c (a weight is wd * q + c).
+void gguf_superblock_parts(int64_t type, const uint8_t *row, int64_t s, int64_t K, uint8_t *codes, float *wd,
+                           float *c);
+
+#define QK 256  // columns a superblock
+#define PR 16   // weight rows a panel: one int32 lane each
+#define PM 4    // activation rows a pass over a panel (measured: 6 and 8 were no faster)
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+
+int64_t gguf_panel_type(int64_t type) {
+    return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q4_K || type == Q5_K ||
+           type == Q6_K;
+}
+
+// Columns a scale group: 16 for Q6_K, 32 for the others (their 16-column scales come in equal pairs).
+static inline int group_width(int64_t type) { return type == Q6_K ? 16 : 32; }
+
+// One superblock of a panel: the codes, and per scale group the 16 rows' scales wd and offsets c.
+typedef struct {
+    uint32_t q[QK / 4][PR];
+    float wd[16][PR], c[16][PR];
+} Panel;
+
+#define INLINE static inline __attribute__((always_inline))
+
+// 16 rows of 16 dwords to 16 columns: out[k] holds dword k of every row (unpack 32, unpack 64, two 128-bit
+// shuffles: 64 one-cycle shuffles, against 16 gathers of 16 loads each).
+INLINE void transpose16(const __m512i *r, __m512i *out) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {  // rows 4i..4i + 3: u[4i + j] holds column 4L + j in 128-bit lane L
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88), v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xdd);
+        const __m512i w0 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
+        const __m512i w1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xdd);
+        out[j] = _mm512_shuffle_i32x4(v0, w0, 0x88), out[8 + j] = _mm512_shuffle_i32x4(v0, w0, 0xdd);
+        out[4 + j] = _mm512_shuffle_i32x4(v1, w1, 0x88), out[12 + j] = _mm512_shuffle_i32x4(v1, w1, 0xdd);
+    }
+}
+
+// A panel's rows: where they are and how to read them.
+typedef struct {
+    int64_t type;
+    const uint8_t *blocks;
+    int64_t row_bytes, K;
+} Rows;
+
+// Superblock s of weight rows n0..n0 + rows (rows <= 16; the rest zero) as a panel.
+static void panel_decode(const Rows *w, int64_t n0, int rows, int64_t s, Panel *o) {
+    _Alignas(64) uint8_t codes[PR][QK];
+    const int width = group_width(w->type);
+    for (int i = 0; i < PR; i++) {
+        float wd[16] = {0}, c[16] = {0};
+        if (i < rows)
+            gguf_superblock_parts(w->type, w->blocks + (n0 + i) * w->row_bytes, s, w->K, codes[i], wd, c);
+        else
+            memset(codes[i], 0, QK);
+        for (int g = 0; g < QK / width; g++) o->wd[g][i] = wd[g * width / 16], o->c[g][i] = c[g * width / 16];
+    }
+    for (int v = 0; v < QK / 64; v++) {  // 64 columns: 16 quads of each row
+        __m512i r[PR];
+        for (int i = 0; i < PR; i++) r[i] = _mm512_load_si512(codes[i] + 64 * v);
+        transpose16(r, (__m512i *)o->q[16 * v]);
+    }
+}
+
+// The rounded activations (gguf_blocks.c's XQ): codes q [M, Kp], per 16 columns the scale dx and dx * sum(q), xs.
+typedef struct {
+    const int8_t *q;
+    const float *dx, *xs;
+    int64_t Kp;
+} Acts;
+
+INLINE __m512i quad_of(const int8_t *q) {
+    int32_t v;
+    memcpy(&v, q, 4);
+    return _mm512_set1_epi32(v);
+}
+
+// Activation rows m..m + mb against a panel's S superblocks: out[r] holds the 16 rows' products with row m + r.
+// A scale group's integer sums take one float step (times the activations' scale, times wd); the offsets add c
+// times the activations' scaled sums.
+INLINE void panel_rows(int width, const Panel *pn, int64_t S, const Acts *x, int64_t m, int mb, __m512 *out) {
+    const int64_t Kp = x->Kp, G = Kp / 16;
+    __m512 acc[PM];
+    for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < S; s++) {
+        const Panel *P = pn + s;
+        for (int g = 0; g < QK / width; g++) {
+            const int64_t k0 = QK * s + g * width;  // the group's first column
+            __m512i a[PM];
+            for (int r = 0; r < mb; r++) a[r] = _mm512_setzero_si512();
+            for (int k = 0; k < width / 4; k++) {
+                const __m512i w = _mm512_load_si512(P->q[g * width / 4 + k]);
+                for (int r = 0; r < mb; r++) a[r] = _mm512_dpbusd_epi32(a[r], w, quad_of(x->q + (m + r) * Kp + k0 + 4 * k));
+            }
+            const __m512 wd = _mm512_load_ps(P->wd[g]), c = _mm512_load_ps(P->c[g]);
+            for (int r = 0; r < mb; r++) {
+                const float *dx = x->dx + (m + r) * G + k0 / 16, *xs = x->xs + (m + r) * G + k0 / 16;
+                const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(a[r]), _mm512_set1_ps(dx[0]));
+                acc[r] = _mm512_fmadd_ps(t, wd, acc[r]);
+                acc[r] = _mm512_fmadd_ps(c, _mm512_set1_ps(width == 16 ? xs[0] : xs[0] + xs[1]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < mb; r++) out[r] = acc[r];
+}
+
+// One function per group width and row count: the sums stay in registers.
+#define PANEL_WIDTH(W)                                                                                         \
+    static void panel_##W(const Panel *pn, int64_t S, const Acts *x, int64_t m, int mb, __m512 *out) {        \
+        switch (mb) {                                                                                          \
+            case 1: panel_rows(W, pn, S, x, m, 1, out); break;                                                 \
+            case 2: panel_rows(W, pn, S, x, m, 2, out); break;                                                 \
+            case 3: panel_rows(W, pn, S, x, m, 3, out); break;                                                 \
+            default: panel_rows(W, pn, S, x, m, PM, out); break;                                               \
+        }                                                                                                      \
+    }
+PANEL_WIDTH(16)
+PANEL_WIDTH(32)
+
+// Activation rows [m0, m1) against a panel of weight rows n0..n0 + rows; with split, row pairs summed (PM even).
+static void panel_products(const Rows *w, const Panel *pn, const Acts *x, int64_t m0, int64_t m1, float *y,
+                           int64_t ldy, int split, int64_t n0, int rows) {
+    const int64_t S = x->Kp / QK;
+    void (*dot)(const Panel *, int64_t, const Acts *, int64_t, int, __m512 *) =
+        group_width(w->type) == 16 ? panel_16 : panel_32;
+    const __mmask16 keep = (__mmask16)((1u << rows) - 1);
+    for (int64_t m = m0; m < m1; m += PM) {
+        __m512 out[PM];
+        const int mb = m1 - m < PM ? (int)(m1 - m) : PM;
+        dot(pn, S, x, m, mb, out);
+        if (split)
+            for (int r = 0; r < mb; r += 2)
+                _mm512_mask_storeu_ps(y + (m + r) / 2 * ldy + n0, keep, _mm512_add_ps(out[r], out[r + 1]));
+        else
+            for (int r = 0; r < mb; r++) _mm512_mask_storeu_ps(y + (m + r) * ldy + n0, keep, out[r]);
+    }
+}
+
+static int64_t grain(int64_t panels, int nt) {
+    return panels / ((int64_t)nt * 8) > 1 ? panels / ((int64_t)nt * 8) : 1;  // about 8 runs a thread
+}
+
+// y rows [m0, m1) (row m at y + m * ldy; with split, rounded rows 2m and 2m + 1 summed into row m) = the rounded
+// activations' rows [m0, m1) against the N weight rows of `type` blocks; nt threads. 0, or -2 out of memory.
+int64_t gguf_panel_products(int64_t type, const void *blocks, int64_t row_bytes, int64_t N, int64_t K,
+                            const int8_t *q, const float *dx, const float *xs, int64_t Kp, int64_t m0, int64_t m1,
+                            float *y, int64_t ldy, int64_t split, int64_t nt) {
+    const Rows w = {type, blocks, row_bytes, K};
+    const Acts x = {q, dx, xs, Kp};
+    const int64_t S = Kp / QK, panels = (N + PR - 1) / PR, g = grain(panels, (int)nt);
+    int failed = 0;
+#pragma omp parallel num_threads((int)nt)
+    {
+        Panel *pn = _mm_malloc((size_t)S * sizeof(Panel), 64);
+        if (!pn) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, g)
+        for (int64_t t = 0; t < panels; t++) {
+            if (!pn) continue;
+            const int rows = N - PR * t < PR ? (int)(N - PR * t) : PR;
+            for (int64_t s = 0; s < S; s++) panel_decode(&w, PR * t, rows, s, pn + s);
+            panel_products(&w, pn, &x, m0, m1, y, ldy, (int)split, PR * t, rows);
+        }
+        _mm_free(pn);
+    }
+    return failed ? -2 : 0;
+}
+
+#else
+int64_t gguf_panel_type(int64_t type) { return 0 * type; }  // AVX2: no vpdpbusd; the row form runs every batch
+
+int64_t gguf_panel_products(int64_t type, const void *blocks, int64_t row_bytes, int64_t N, int64_t K,
+                            const int8_t *q, const float *dx, const float *xs, int64_t Kp, int64_t m0, int64_t m1,
+                            float *y, int64_t ldy, int64_t split, int64_t nt) {
+    (void)type, (void)blocks, (void)row_bytes, (void)N, (void)K, (void)q, (void)dx, (void)xs, (void)Kp;
+    (void)m0, (void)m1, (void)y, (void)ldy, (void)split, (void)nt;
+    return -1;
+}
+#endif
