@@ -322,16 +322,31 @@ typedef struct {
 
 // 32 values to int8 codes with one scale (amax / 127); `rest`, when given, gets what the codes left out.
 static void quantize_block(const float *xb, int8_t *qb, float *dx, float *xs, float *rest) {
-    float amax = 0.0f;
-    for (int l = 0; l < 32; l++) amax = fmaxf(amax, fabsf(xb[l]));
+    // In 8-float vectors, the same operations as the scalar form (max of |x| ignoring NaN, amax / 127, 1 / d,
+    // x * id rounded half to even): it was a libm fmaxf call per value, on the one thread before each product.
+    __m256 v[4], amax8 = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(xb + 8 * i);
+        amax8 = _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[i]), amax8);  // NaN: keeps amax8
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
     const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-    for (int l = 0; l < 32; l++) qb[l] = (int8_t)nearbyintf(xb[l] * id);  // |x * id| <= 127 (+ rounding)
-    if (rest)
-        for (int l = 0; l < 32; l++) rest[l] = xb[l] - d * (float)qb[l];
-    for (int h = 0; h < 2; h++) {
-        int s = 0;
-        for (int l = 0; l < 16; l++) s += qb[16 * h + l];
-        dx[h] = d, xs[h] = d * (float)s;
+    __m256i qi[4];
+    for (int i = 0; i < 4; i++) {
+        const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(id)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        qi[i] = _mm256_cvtps_epi32(r);  // |x * id| <= 127 (+ rounding)
+        if (rest) _mm256_storeu_ps(rest + 8 * i, _mm256_sub_ps(v[i], _mm256_mul_ps(_mm256_set1_ps(d), r)));
+    }
+    const __m256i q16 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+    _mm256_storeu_si256((__m256i *)qb, _mm256_permutevar8x32_epi32(q16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    for (int hf = 0; hf < 2; hf++) {
+        const __m256i s8 = _mm256_add_epi32(qi[2 * hf], qi[2 * hf + 1]);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        const int sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1)));
+        dx[hf] = d, xs[hf] = d * (float)sum;
     }
 }
 
@@ -384,43 +399,110 @@ static int quantize_x(const float *x, int64_t M, int64_t K, int split, XQ *out) 
 static inline int64_t live_columns(int64_t K, int64_t s) { return K - SBK * s < SBK ? K - SBK * s : SBK; }
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
+// The AVX-512 products' superblock: 4 x 64 columns of codes and 16 wd, c in one vector each. The K-quants are
+// decoded into it directly, in the unsigned form (no 256-bit halves to join: 10 fewer inserts a superblock, and
+// the K-quants' rows are most of a Q4_K_M file); the other types are joined from SB.
+typedef struct {
+    __m512i q[4];
+    __m512 wd, c;
+} SBZ;
+
+INLINE void sbz_join(const SB *o, SBZ *z) {
+    for (int c = 0; c < 4; c++) z->q[c] = _mm512_inserti64x4(_mm512_castsi256_si512(o->q[2 * c]), o->q[2 * c + 1], 1);
+    z->wd = _mm512_insertf32x8(_mm512_castps256_ps512(o->wd[0]), o->wd[1], 1);
+    z->c = _mm512_insertf32x8(_mm512_castps256_ps512(o->c[0]), o->c[1], 1);
+}
+
+// 32 bytes in both halves of a vector.
+INLINE __m512i twin(const uint8_t *p) { return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p)); }
+
+// Q4_K/Q5_K as sb_k45, in 512 bits: 64 columns c are the low then the high nibbles of 32 bytes (one shift per
+// 64-bit lane, 0 or 4); Q5_K's fifth bit of sub-block j, bit j of the 32 qh bytes, rotated to bit 4.
+INLINE void sbz_k45(int64_t type, const uint8_t *p, SBZ *z) {
+    const __m128i sm = k4_scale_bytes(p + 4);
+    const __m512 d = _mm512_set1_ps(h2f(p)), dmin = _mm512_set1_ps(h2f(p + 2));
+    z->wd = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(sm, sm))));
+    const __m512 m = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(sm, sm))));
+    z->c = _mm512_sub_ps(_mm512_setzero_ps(), m);
+    const uint8_t *qs = p + (type == Q4_K ? 16 : 48);
+    const __m512i nib = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0), low4 = _mm512_set1_epi8(15);
+    for (int c = 0; c < 4; c++) {
+        z->q[c] = _mm512_and_si512(_mm512_srlv_epi64(twin(qs + 32 * c), nib), low4);
+        if (type == Q5_K) {
+            const int64_t a = (4 - 2 * c) & 63, b = (3 - 2 * c) & 63;  // bit 2c, 2c + 1 to bit 4
+            const __m512i hb = _mm512_rolv_epi64(twin(p + 16), _mm512_set_epi64(b, b, b, b, a, a, a, a));
+            z->q[c] = _mm512_or_si512(z->q[c], _mm512_and_si512(hb, _mm512_set1_epi8(16)));
+        }
+    }
+}
+
+// Q6_K as sb_q6_k, unsigned (q + 32, c = -32 wd): per half of 128 columns, 64 ql bytes (low nibbles: columns
+// 0-63, high: 64-127) and 32 qh bytes whose bit pairs 0-1, 2-3, 4-5, 6-7 hold the 4 chunks' high bits, rotated
+// to bits 4-5.
+INLINE void sbz_q6_k(const uint8_t *p, SBZ *z) {
+    const __m512 d = _mm512_set1_ps(h2f(p + 208));
+    z->wd = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 192)))));
+    z->c = _mm512_mul_ps(z->wd, _mm512_set1_ps(-32.0f));
+    const __m512i low4 = _mm512_set1_epi8(15), hi2 = _mm512_set1_epi8(0x30);
+    const __m512i rot_lo = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4), rot_hi = _mm512_set_epi64(62, 62, 62, 62, 0, 0, 0, 0);
+    for (int h = 0; h < 2; h++) {
+        const __m512i ql = _mm512_loadu_si512(p + 64 * h), qh = twin(p + 128 + 32 * h);
+        const __m512i lo = _mm512_and_si512(ql, low4), hi = _mm512_and_si512(_mm512_srli_epi16(ql, 4), low4);
+        z->q[2 * h] = _mm512_or_si512(lo, _mm512_and_si512(_mm512_rolv_epi64(qh, rot_lo), hi2));
+        z->q[2 * h + 1] = _mm512_or_si512(hi, _mm512_and_si512(_mm512_rolv_epi64(qh, rot_hi), hi2));
+    }
+}
+
+// Superblock s for the products: from `pre` where decoded already (tiled_pass), else now, unsigned.
+INLINE void sbz_at(int64_t type, const uint8_t *row, int64_t s, int64_t K, const SB *pre, SBZ *z) {
+    SB o;
+    if (pre) {
+        sbz_join(pre + s, z);
+    } else if (type == Q4_K || type == Q5_K) {
+        sbz_k45(type, row + s * (type == Q4_K ? 144 : 176), z);
+    } else if (type == Q6_K) {
+        sbz_q6_k(row + s * 210, z);
+    } else {
+        sb_decode(type, row, s, K, 1, &o);
+        sbz_join(&o, z);
+    }
+}
+
 // 64 columns (4 groups) a step: vpdpbusd of q (unsigned; for Q8_0 |q|, against xq with q's sign) and xq,
 // 16 int32 lanes, 4 a group; each lane's sum times its group's wd * dx. Q8_0's q = -128 works too: vpabsb
-// gives 0x80, 128 as the unsigned operand.
+// gives 0x80, 128 as the unsigned operand. Even and odd steps sum apart (two dependency chains of 2, not one of 4).
 INLINE void dot_rows(int64_t type, const uint8_t *row, int64_t K, const XQ *x, int64_t m, int mb, float *out,
                      const SB *pre) {
     const int64_t Kp = x->Kp, G = Kp / 16;
     const int mins = has_mins(type) || code_offset(type), sign = type == Q8_0;  // the others' codes are >= 0
-    __m512 acc[MR], macc[MR];
+    __m512 acc[MR][2], macc[MR];
     __m512i idx[4];
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (int c = 0; c < 4; c++) idx[c] = _mm512_srli_epi32(_mm512_add_epi32(_mm512_set1_epi32(16 * c), lane), 2);
-    for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps(), macc[r] = _mm512_setzero_ps();
+    for (int r = 0; r < mb; r++) acc[r][0] = acc[r][1] = macc[r] = _mm512_setzero_ps();
     for (int64_t s = 0; s < Kp / SBK; s++) {
-        SB o;
-        sb_at(type, row, s, K, pre, &o);
-        const __m512 wd = _mm512_insertf32x8(_mm512_castps256_ps512(o.wd[0]), o.wd[1], 1);
+        SBZ o;
+        sbz_at(type, row, s, K, pre, &o);
         __m512 sv[MR];
-        for (int r = 0; r < mb; r++) sv[r] = _mm512_mul_ps(wd, _mm512_loadu_ps(x->dx + (m + r) * G + 16 * s));
+        for (int r = 0; r < mb; r++) sv[r] = _mm512_mul_ps(o.wd, _mm512_loadu_ps(x->dx + (m + r) * G + 16 * s));
         const int64_t live = live_columns(K, s);
         for (int c = 0; c < 4 && 64 * c < live; c++) {
-            const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(o.q[2 * c]), o.q[2 * c + 1], 1);
-            const __m512i au = sign ? _mm512_abs_epi8(wv) : wv;
-            const __mmask64 neg = sign ? _mm512_movepi8_mask(wv) : 0;
+            const __m512i au = sign ? _mm512_abs_epi8(o.q[c]) : o.q[c];
+            const __mmask64 neg = sign ? _mm512_movepi8_mask(o.q[c]) : 0;
             for (int r = 0; r < mb; r++) {
                 __m512i xv = _mm512_loadu_si512(x->q + (m + r) * Kp + SBK * s + 64 * c);
                 if (sign) xv = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
                 const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), au, xv);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(idx[c], sv[r]), acc[r]);
+                const __m512 f = _mm512_cvtepi32_ps(p);
+                acc[r][c & 1] = _mm512_fmadd_ps(f, _mm512_permutexvar_ps(idx[c], sv[r]), acc[r][c & 1]);
             }
         }
-        if (mins) {
-            const __m512 cv = _mm512_insertf32x8(_mm512_castps256_ps512(o.c[0]), o.c[1], 1);
+        if (mins)
             for (int r = 0; r < mb; r++)
-                macc[r] = _mm512_fmadd_ps(cv, _mm512_loadu_ps(x->xs + (m + r) * G + 16 * s), macc[r]);
-        }
+                macc[r] = _mm512_fmadd_ps(o.c, _mm512_loadu_ps(x->xs + (m + r) * G + 16 * s), macc[r]);
     }
-    for (int r = 0; r < mb; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], macc[r]));
+    for (int r = 0; r < mb; r++)
+        out[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), macc[r]));
 }
 #else
 static inline float hsum8(__m256 v) {
