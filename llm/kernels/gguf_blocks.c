@@ -23,8 +23,8 @@ void kernel_threads_stats(int64_t *out);  // cpu_kernels.c: out[0] is the team s
 // gguf_panels.c: many activation rows on panels of 16 weight rows (AVX-512 VNNI; 0 / -1 elsewhere)
 int64_t gguf_panel_type(int64_t type);
 int64_t gguf_panel_products(int64_t type, const void *blocks, int64_t row_bytes, int64_t N, int64_t K,
-                            const int8_t *q, const float *dx, const float *xs, int64_t Kp, int64_t m0, int64_t m1,
-                            float *y, int64_t ldy, int64_t split, int64_t nt);
+                            const int8_t *q, const float *dx, const float *xs, const int32_t *bs, int64_t Kp,
+                            int64_t m0, int64_t m1, float *y, int64_t ldy, int64_t split, int64_t nt);
 
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30 };
 
@@ -241,16 +241,6 @@ INLINE void sb_at(int64_t type, const uint8_t *row, int64_t s, int64_t K, const 
         sb_decode(type, row, s, K, 1, o);
 }
 
-// Superblock s of a row in the unsigned form, in memory: codes [256], and per 16 columns wd and c (gguf_panels.c
-// lays 16 rows of them out as a panel).
-void gguf_superblock_parts(int64_t type, const uint8_t *row, int64_t s, int64_t K, uint8_t *codes, float *wd,
-                           float *c) {
-    SB o;
-    sb_decode(type, row, s, K, 1, &o);
-    for (int j = 0; j < 8; j++) _mm256_storeu_si256((__m256i *)(codes + 32 * j), o.q[j]);
-    for (int h = 0; h < 2; h++) _mm256_storeu_ps(wd + 8 * h, o.wd[h]), _mm256_storeu_ps(c + 8 * h, o.c[h]);
-}
-
 // fp32 rows [N, K] of F32/F16/BF16 blocks.
 static void widen_row(int64_t type, const uint8_t *row, int64_t K, float *out) {
     if (type == F32) {
@@ -312,16 +302,17 @@ int64_t gguf_dequantize_rows(int64_t type, const void *blocks, float *out, int64
     return 0;
 }
 
-// Activations rounded per 32 columns: q [M, Kp] int8, and per 16 columns dx (the block's scale) and
-// xs = dx * sum(q over the 16), both [M, Kp / 16].
+// Activations rounded per 32 columns: q [M, Kp] int8, and per 16 columns dx (the block's scale), the codes'
+// sum bs and xs = dx * bs, each [M, Kp / 16].
 typedef struct {
     int8_t *q;
     float *dx, *xs;
+    int32_t *bs;
     int64_t Kp;
 } XQ;
 
 // 32 values to int8 codes with one scale (amax / 127); `rest`, when given, gets what the codes left out.
-static void quantize_block(const float *xb, int8_t *qb, float *dx, float *xs, float *rest) {
+static void quantize_block(const float *xb, int8_t *qb, float *dx, float *xs, int32_t *bs, float *rest) {
     // In 8-float vectors, the same operations as the scalar form (max of |x| ignoring NaN, amax / 127, 1 / d,
     // x * id rounded half to even): it was a libm fmaxf call per value, on the one thread before each product.
     __m256 v[4], amax8 = _mm256_setzero_ps();
@@ -346,19 +337,22 @@ static void quantize_block(const float *xb, int8_t *qb, float *dx, float *xs, fl
         __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
         const int sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1)));
-        dx[hf] = d, xs[hf] = d * (float)sum;
+        dx[hf] = d, xs[hf] = d * (float)sum, bs[hf] = sum;
     }
 }
 
 // One activation row rounded per 32 columns; with `split`, two rows: the codes, then the codes of what they
 // left out (at most half a step, so its own scale is <= 1/254 of the first's: x to about 15 bits, the two
 // rows' products summed).
-static void quantize_row(const float *x, int64_t K, int8_t *q, float *dx, float *xs, int split, int64_t Kp) {
-    const int64_t G = Kp / 16;
+static void quantize_row(const float *x, int64_t K, XQ *xq, int64_t m, int split) {
+    const int64_t Kp = xq->Kp, G = Kp / 16;
     for (int64_t b = 0; b < K / 32; b++) {
         float rest[32];
-        quantize_block(x + 32 * b, q + 32 * b, dx + 2 * b, xs + 2 * b, split ? rest : NULL);
-        if (split) quantize_block(rest, q + Kp + 32 * b, dx + G + 2 * b, xs + G + 2 * b, NULL);
+        for (int pass = 0; pass <= split; pass++) {
+            const int64_t at = (m + pass) * G + 2 * b;
+            quantize_block(pass ? rest : x + 32 * b, xq->q + (m + pass) * Kp + 32 * b, xq->dx + at, xq->xs + at,
+                           xq->bs + at, split && !pass ? rest : NULL);
+        }
     }
 }
 
@@ -374,21 +368,19 @@ static int quantize_x(const float *x, int64_t M, int64_t K, int split, XQ *out) 
     M *= R;
     out->Kp = Kp;
     out->q = _mm_malloc((size_t)(M * Kp), 64);
-    out->dx = _mm_malloc((size_t)(2 * M * G) * sizeof(float), 64);
+    out->dx = _mm_malloc((size_t)(3 * M * G) * sizeof(float), 64);
     if (!out->q || !out->dx) return 0;
-    out->xs = out->dx + M * G;
+    out->xs = out->dx + M * G, out->bs = (int32_t *)(out->dx + 2 * M * G);
     memset(out->q, 0, (size_t)(M * Kp));
-    memset(out->dx, 0, (size_t)(2 * M * G) * sizeof(float));
+    memset(out->dx, 0, (size_t)(3 * M * G) * sizeof(float));
     // No parallel region at all for a small x, not one of a single thread (`if` false): a one-thread region
     // parks the team's other thread, and the product's region then waits to wake it (ms on a busy machine).
     if (M * K < 65536) {
-        for (int64_t m = 0; m < M; m += R)
-            quantize_row(x + m / R * K, K, out->q + m * Kp, out->dx + m * G, out->xs + m * G, split, Kp);
+        for (int64_t m = 0; m < M; m += R) quantize_row(x + m / R * K, K, out, m, split);
         return 1;
     }
 #pragma omp parallel for num_threads(team_size()) schedule(static)
-    for (int64_t m = 0; m < M; m += R)
-        quantize_row(x + m / R * K, K, out->q + m * Kp, out->dx + m * G, out->xs + m * G, split, Kp);
+    for (int64_t m = 0; m < M; m += R) quantize_row(x + m / R * K, K, out, m, split);
     return 1;
 }
 
@@ -466,6 +458,16 @@ INLINE void sbz_at(int64_t type, const uint8_t *row, int64_t s, int64_t K, const
         sb_decode(type, row, s, K, 1, &o);
         sbz_join(&o, z);
     }
+}
+
+// Superblock s of a row in the unsigned form, in memory: codes [256], and per 16 columns wd and c (gguf_panels.c
+// lays 16 rows of them out as a panel).
+void gguf_superblock_parts(int64_t type, const uint8_t *row, int64_t s, int64_t K, uint8_t *codes, float *wd,
+                           float *c) {
+    SBZ z;
+    sbz_at(type, row, s, K, NULL, &z);
+    for (int j = 0; j < 4; j++) _mm512_storeu_si512(codes + 64 * j, z.q[j]);
+    _mm512_storeu_ps(wd, z.wd), _mm512_storeu_ps(c, z.c);
 }
 
 // 64 columns (4 groups) a step: vpdpbusd of q (unsigned; for Q8_0 |q|, against xq with q's sign) and xq,
@@ -687,7 +689,7 @@ int64_t gguf_linear_ld(int64_t type, const void *blocks, const float *x, float *
         const int64_t m1 = m0 + chunk < M ? m0 + chunk : M;
         const Pass pass = {type, blocks, row_bytes, K, N, &xq, dot, y, ldy, split, m0, m1};
         if (panels)
-            failed = gguf_panel_products(type, blocks, row_bytes, N, K, xq.q, xq.dx, xq.xs, xq.Kp, m0, m1, y, ldy,
+            failed = gguf_panel_products(type, blocks, row_bytes, N, K, xq.q, xq.dx, xq.xs, xq.bs, xq.Kp, m0, m1, y, ldy,
                                          split, nt) != 0;
         else if (m1 - m0 > TILE_MIN_ROWS)
             failed = tiled_pass(&pass, nt);

@@ -97,10 +97,12 @@ static void panel_decode(const Rows *w, int64_t n0, int rows, int64_t s, Panel *
     }
 }
 
-// The rounded activations (gguf_blocks.c's XQ): codes q [M, Kp], per 16 columns the scale dx and dx * sum(q), xs.
+// The rounded activations (gguf_blocks.c's XQ): codes q [M, Kp], per 16 columns the scale dx, the codes' sum bs
+// and dx * bs, xs.
 typedef struct {
     const int8_t *q;
     const float *dx, *xs;
+    const int32_t *bs;
     int64_t Kp;
 } Acts;
 
@@ -111,9 +113,11 @@ INLINE __m512i quad_of(const int8_t *q) {
 }
 
 // Activation rows m..m + mb against a panel's S superblocks: out[r] holds the 16 rows' products with row m + r.
-// A scale group's integer sums take one float step (times the activations' scale, times wd); the offsets add c
-// times the activations' scaled sums.
-INLINE void panel_rows(int width, const Panel *pn, int64_t S, const Acts *x, int64_t m, int mb, __m512 *out) {
+// A scale group's integer sums take one float step (times the activations' scale, times wd). The offsets: a code
+// offset (Q4_0's 8, Q5_0's 16, Q6_K's 32: c = -off * wd) comes off the sums in integers, against the codes'
+// sums; a min (Q4_1, Q5_1, Q4_K, Q5_K) adds c times the activations' scaled sums.
+INLINE void panel_rows(int width, int off, const Panel *pn, int64_t S, const Acts *x, int64_t m, int mb,
+                       __m512 *out) {
     const int64_t Kp = x->Kp, G = Kp / 16;
     __m512 acc[PM];
     for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps();
@@ -129,35 +133,43 @@ INLINE void panel_rows(int width, const Panel *pn, int64_t S, const Acts *x, int
             }
             const __m512 wd = _mm512_load_ps(P->wd[g]), c = _mm512_load_ps(P->c[g]);
             for (int r = 0; r < mb; r++) {
-                const float *dx = x->dx + (m + r) * G + k0 / 16, *xs = x->xs + (m + r) * G + k0 / 16;
-                const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(a[r]), _mm512_set1_ps(dx[0]));
+                const int64_t at = (m + r) * G + k0 / 16;
+                if (off) a[r] = _mm512_sub_epi32(a[r], _mm512_set1_epi32(off * (width == 16 ? x->bs[at] : x->bs[at] + x->bs[at + 1])));
+                const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(a[r]), _mm512_set1_ps(x->dx[at]));
                 acc[r] = _mm512_fmadd_ps(t, wd, acc[r]);
-                acc[r] = _mm512_fmadd_ps(c, _mm512_set1_ps(width == 16 ? xs[0] : xs[0] + xs[1]), acc[r]);
+                if (!off) acc[r] = _mm512_fmadd_ps(c, _mm512_set1_ps(width == 16 ? x->xs[at] : x->xs[at] + x->xs[at + 1]), acc[r]);
             }
         }
     }
     for (int r = 0; r < mb; r++) out[r] = acc[r];
 }
 
-// One function per group width and row count: the sums stay in registers.
-#define PANEL_WIDTH(W)                                                                                         \
-    static void panel_##W(const Panel *pn, int64_t S, const Acts *x, int64_t m, int mb, __m512 *out) {        \
+// One function per (group width, code offset) and row count: the sums stay in registers.
+#define PANEL_FORM(NAME, W, OFF)                                                                               \
+    static void NAME(const Panel *pn, int64_t S, const Acts *x, int64_t m, int mb, __m512 *out) {             \
         switch (mb) {                                                                                          \
-            case 1: panel_rows(W, pn, S, x, m, 1, out); break;                                                 \
-            case 2: panel_rows(W, pn, S, x, m, 2, out); break;                                                 \
-            case 3: panel_rows(W, pn, S, x, m, 3, out); break;                                                 \
-            default: panel_rows(W, pn, S, x, m, PM, out); break;                                               \
+            case 1: panel_rows(W, OFF, pn, S, x, m, 1, out); break;                                            \
+            case 2: panel_rows(W, OFF, pn, S, x, m, 2, out); break;                                            \
+            case 3: panel_rows(W, OFF, pn, S, x, m, 3, out); break;                                            \
+            default: panel_rows(W, OFF, pn, S, x, m, PM, out); break;                                          \
         }                                                                                                      \
     }
-PANEL_WIDTH(16)
-PANEL_WIDTH(32)
+PANEL_FORM(panel_q6_k, 16, 32)
+PANEL_FORM(panel_q4_0, 32, 8)
+PANEL_FORM(panel_q5_0, 32, 16)
+PANEL_FORM(panel_mins, 32, 0)
+
+typedef void (*PanelDot)(const Panel *, int64_t, const Acts *, int64_t, int, __m512 *);
+
+static PanelDot panel_dot(int64_t type) {
+    return type == Q6_K ? panel_q6_k : type == Q4_0 ? panel_q4_0 : type == Q5_0 ? panel_q5_0 : panel_mins;
+}
 
 // Activation rows [m0, m1) against a panel of weight rows n0..n0 + rows; with split, row pairs summed (PM even).
 static void panel_products(const Rows *w, const Panel *pn, const Acts *x, int64_t m0, int64_t m1, float *y,
                            int64_t ldy, int split, int64_t n0, int rows) {
     const int64_t S = x->Kp / QK;
-    void (*dot)(const Panel *, int64_t, const Acts *, int64_t, int, __m512 *) =
-        group_width(w->type) == 16 ? panel_16 : panel_32;
+    const PanelDot dot = panel_dot(w->type);
     const __mmask16 keep = (__mmask16)((1u << rows) - 1);
     for (int64_t m = m0; m < m1; m += PM) {
         __m512 out[PM];
@@ -178,10 +190,10 @@ static int64_t grain(int64_t panels, int nt) {
 // y rows [m0, m1) (row m at y + m * ldy; with split, rounded rows 2m and 2m + 1 summed into row m) = the rounded
 // activations' rows [m0, m1) against the N weight rows of `type` blocks; nt threads. 0, or -2 out of memory.
 int64_t gguf_panel_products(int64_t type, const void *blocks, int64_t row_bytes, int64_t N, int64_t K,
-                            const int8_t *q, const float *dx, const float *xs, int64_t Kp, int64_t m0, int64_t m1,
-                            float *y, int64_t ldy, int64_t split, int64_t nt) {
+                            const int8_t *q, const float *dx, const float *xs, const int32_t *bs, int64_t Kp,
+                            int64_t m0, int64_t m1, float *y, int64_t ldy, int64_t split, int64_t nt) {
     const Rows w = {type, blocks, row_bytes, K};
-    const Acts x = {q, dx, xs, Kp};
+    const Acts x = {q, dx, xs, bs, Kp};
     const int64_t S = Kp / QK, panels = (N + PR - 1) / PR, g = grain(panels, (int)nt);
     int failed = 0;
 #pragma omp parallel num_threads((int)nt)
@@ -207,9 +219,9 @@ int64_t gguf_panel_products(int64_t type, const void *blocks, int64_t row_bytes,
 int64_t gguf_panel_type(int64_t type) { return 0 * type; }  // AVX2: no vpdpbusd; the row form runs every batch
 
 int64_t gguf_panel_products(int64_t type, const void *blocks, int64_t row_bytes, int64_t N, int64_t K,
-                            const int8_t *q, const float *dx, const float *xs, int64_t Kp, int64_t m0, int64_t m1,
-                            float *y, int64_t ldy, int64_t split, int64_t nt) {
-    (void)type, (void)blocks, (void)row_bytes, (void)N, (void)K, (void)q, (void)dx, (void)xs, (void)Kp;
+                            const int8_t *q, const float *dx, const float *xs, const int32_t *bs, int64_t Kp,
+                            int64_t m0, int64_t m1, float *y, int64_t ldy, int64_t split, int64_t nt) {
+    (void)type, (void)blocks, (void)row_bytes, (void)N, (void)K, (void)q, (void)dx, (void)xs, (void)bs, (void)Kp;
     (void)m0, (void)m1, (void)y, (void)ldy, (void)split, (void)nt;
     return -1;
 }
