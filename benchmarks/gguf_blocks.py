@@ -1,7 +1,9 @@
 """Batch-1 products on GGUF blocks as stored (gguf_blocks.c) against a plain memory read and the project's own
-int8/int4 kernels on the same shapes.
+int8/int4 kernels on the same shapes; with --rows, products of more activation rows (prefill: 8 or more run on
+gguf_panels.c's panels on AVX-512) in GFLOP/s.
 
     .venv/bin/python benchmarks/gguf_blocks.py [--isa avx512|avx2] [--threads 2] [--mib 256] [--passes 3]
+    .venv/bin/python benchmarks/gguf_blocks.py --rows 16,128
 
 Each kernel cycles through enough distinct copies of its weight (about `mib` MiB in all) that every call reads
 the weight from memory, not from cache; GB/s is the weight bytes a call reads over its time (the fastest call of
@@ -14,6 +16,7 @@ int8 kernel (4 streams a thread) read 42 GB/s, so compare the block kernels with
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 
@@ -89,12 +92,26 @@ def _gguf(
     _row(f"{name} (gguf blocks)", copies[0].numel(), seconds, plain)
 
 
+def _many_rows(fast: native.NativeKernels, rows: int, args: argparse.Namespace) -> None:
+    """Products of `rows` activation rows: compute-bound, so one copy of each weight (from cache) is enough."""
+    print(f"{rows} activation rows (GFLOP/s: 2 * rows * N * K a call)")
+    for n, k in SHAPES:
+        x = torch.randn(rows, k)
+        for name in TYPES:
+            copy = _gguf_copies(name, n, k, 1)[0]
+            qtype = BY_NAME[name].ggml_type
+            call = functools.partial(fast.gguf_linear, x, copy, qtype, n, k)
+            seconds = _best([call] * 2, args.passes)
+            print(f"  [{n}, {k}] {name:<5} {seconds * 1e3:8.2f} ms  {2 * rows * n * k / seconds / 1e9:6.0f} GFLOP/s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--isa", default="avx512", choices=list(native.ISAS))
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--mib", type=int, default=256)
     parser.add_argument("--passes", type=int, default=3)
+    parser.add_argument("--rows", default="", help="activation row counts beside batch 1, e.g. 16,128")
     args = parser.parse_args()
     fast = native.kernels_for(args.isa)
     if fast is None:
@@ -109,6 +126,8 @@ def main() -> None:
         for name in TYPES:
             _gguf(fast, name, n, k, x, args, plain)
         _project(fast, n, k, args.mib, x, args.passes, plain)
+    for rows in [int(r) for r in args.rows.split(",") if r]:
+        _many_rows(fast, rows, args)
     fast.set_threads(0)
 
 

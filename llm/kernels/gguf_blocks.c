@@ -461,11 +461,15 @@ INLINE void sbz_at(int64_t type, const uint8_t *row, int64_t s, int64_t K, const
 }
 
 // Superblock s of a row in the unsigned form, in memory: codes [256], and per 16 columns wd and c (gguf_panels.c
-// lays 16 rows of them out as a panel).
+// lays 16 rows of them out as a panel). Q8_0's signed codes get 128 added (the sign bit flipped), c = -128 wd.
 void gguf_superblock_parts(int64_t type, const uint8_t *row, int64_t s, int64_t K, uint8_t *codes, float *wd,
                            float *c) {
     SBZ z;
     sbz_at(type, row, s, K, NULL, &z);
+    if (type == Q8_0) {
+        for (int j = 0; j < 4; j++) z.q[j] = _mm512_xor_si512(z.q[j], _mm512_set1_epi8((char)0x80));
+        z.c = _mm512_mul_ps(z.wd, _mm512_set1_ps(-128.0f));
+    }
     for (int j = 0; j < 4; j++) _mm512_storeu_si512(codes + 64 * j, z.q[j]);
     _mm512_storeu_ps(wd, z.wd), _mm512_storeu_ps(c, z.c);
 }

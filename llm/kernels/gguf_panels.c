@@ -9,8 +9,8 @@
 //
 // The activations are gguf_blocks.c's, rounded per 32 columns, so a panel's product equals the row form's but
 // for the order of the fp32 sums. The weights come from gguf_blocks.c's decoder in its unsigned form (codes
-// q >= 0, the offset in c): every type but Q8_0 (signed codes; its rows stay in the row form). AVX-512 VNNI
-// builds only; the AVX2 build keeps the row form for every batch.
+// q >= 0, the offset in c; Q8_0's signed codes with 128 added). AVX-512 VNNI builds only; the AVX2 build keeps
+// the row form for every batch.
 //
 // Built into the same shared object as cpu_kernels.c and gguf_blocks.c (llm/kernels/native.py).
 
@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 // gguf_blocks.c: superblock s (256 columns) of a row of `type` blocks over K columns, unsigned: codes [256],
 // and per 16 columns the scale wd and offset c (a weight is wd * q + c).
@@ -33,8 +33,8 @@ void gguf_superblock_parts(int64_t type, const uint8_t *row, int64_t s, int64_t 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 
 int64_t gguf_panel_type(int64_t type) {
-    return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q4_K || type == Q5_K ||
-           type == Q6_K;
+    return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 || type == Q4_K ||
+           type == Q5_K || type == Q6_K;
 }
 
 // Columns a scale group: 16 for Q6_K, 32 for the others (their 16-column scales come in equal pairs).
@@ -114,8 +114,8 @@ INLINE __m512i quad_of(const int8_t *q) {
 
 // Activation rows m..m + mb against a panel's S superblocks: out[r] holds the 16 rows' products with row m + r.
 // A scale group's integer sums take one float step (times the activations' scale, times wd). The offsets: a code
-// offset (Q4_0's 8, Q5_0's 16, Q6_K's 32: c = -off * wd) comes off the sums in integers, against the codes'
-// sums; a min (Q4_1, Q5_1, Q4_K, Q5_K) adds c times the activations' scaled sums.
+// offset (Q4_0's 8, Q5_0's 16, Q6_K's 32, Q8_0's 128: c = -off * wd) comes off the sums in integers, against
+// the codes' sums; a min (Q4_1, Q5_1, Q4_K, Q5_K) adds c times the activations' scaled sums.
 INLINE void panel_rows(int width, int off, const Panel *pn, int64_t S, const Acts *x, int64_t m, int mb,
                        __m512 *out) {
     const int64_t Kp = x->Kp, G = Kp / 16;
@@ -157,12 +157,14 @@ INLINE void panel_rows(int width, int off, const Panel *pn, int64_t S, const Act
 PANEL_FORM(panel_q6_k, 16, 32)
 PANEL_FORM(panel_q4_0, 32, 8)
 PANEL_FORM(panel_q5_0, 32, 16)
+PANEL_FORM(panel_q8_0, 32, 128)
 PANEL_FORM(panel_mins, 32, 0)
 
 typedef void (*PanelDot)(const Panel *, int64_t, const Acts *, int64_t, int, __m512 *);
 
 static PanelDot panel_dot(int64_t type) {
-    return type == Q6_K ? panel_q6_k : type == Q4_0 ? panel_q4_0 : type == Q5_0 ? panel_q5_0 : panel_mins;
+    return type == Q6_K ? panel_q6_k : type == Q4_0 ? panel_q4_0 : type == Q5_0 ? panel_q5_0
+           : type == Q8_0 ? panel_q8_0 : panel_mins;
 }
 
 // Activation rows [m0, m1) against a panel of weight rows n0..n0 + rows; with split, row pairs summed (PM even).

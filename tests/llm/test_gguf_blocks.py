@@ -11,7 +11,7 @@ to even) and sum integer products, so they are compared in two ways:
 - against the exact product of x: the rounding moves each x by at most d / 2 = amax_block / 254, so the
   error is bounded by sum over blocks of amax_block / 254 * sum_block |w| (plus the 1e-5 term above), which
   the test asserts as well (a bound, not an estimate: typically it is ~sqrt(32) times smaller).
-On AVX-512, 8 or more activation rows of every type but Q8_0 run on panels (gguf_panels.c): the same rounded x,
+On AVX-512, 8 or more activation rows of every quantized type run on panels (gguf_panels.c): the same rounded x,
 another order of the fp32 sums, so a row's result there equals its one-row product within the fp32 room, and
 bitwise any other batch's on panels.
 The dequantized rows equal gguf-py's exactly (same fp32 operations, unfused).
@@ -148,7 +148,7 @@ def test_unknown_types_and_wrong_shapes_are_refused_in_python() -> None:
 def test_long_rows_in_several_chunks_of_activation_rows(isa_path: native.NativeKernels, name: str) -> None:
     """K = 8960 (Qwen2.5-1.5B's MLP): 40 rows take two passes over the weights in the row form (36 rows a chunk of
     512 KiB of rounded rows); each row's result is bitwise the same row's in another batch on the same path (8 rows:
-    panels where the type has them, else one row) and within the fp32 room of the one-row product."""
+    panels on AVX-512, the row form on AVX2) and within the fp32 room of the one-row product."""
     n, k, rows = 5, 8960, 40
     raw = random_blocks(name, n, k, seed=5)
     w = _reference(raw, name, k).astype(np.float64)
@@ -158,10 +158,9 @@ def test_long_rows_in_several_chunks_of_activation_rows(isa_path: native.NativeK
     rounded, _ = _round_x(x.numpy())
     room = 1e-5 * (np.abs(rounded) @ np.abs(w).T)
     assert np.all(np.abs(got.double().numpy() - rounded @ w.T) <= room)
-    same_path = 8 if name != "Q8_0" else 1
     for r in (0, 37, 39):
-        at = min(r, rows - same_path)
-        other = isa_path.gguf_linear(x[at : at + same_path], torch.from_numpy(raw), qtype, n, k)
+        at = min(r, rows - 8)
+        other = isa_path.gguf_linear(x[at : at + 8], torch.from_numpy(raw), qtype, n, k)
         assert torch.equal(got[r], other[r - at])
         one = isa_path.gguf_linear(x[r : r + 1], torch.from_numpy(raw), qtype, n, k)[0].double().numpy()
         assert np.all(np.abs(one - got[r].double().numpy()) <= room[r])
@@ -190,9 +189,9 @@ def test_sixteen_bit_activations_are_two_int8_passes(isa_path: native.NativeKern
 
 @needs_native
 def test_sixteen_bit_rows_in_several_chunks(isa_path: native.NativeKernels) -> None:
-    """40 rows of K = 8960 are 80 rounded rows in pairs, over three chunks (Q8_0) or a panel's passes of 4
-    (Q4_K, AVX-512): a pair never straddles two, so each row's result is bitwise the same row's in a batch of 4
-    (8 rounded rows: the same path)."""
+    """40 rows of K = 8960 are 80 rounded rows in pairs, over a panel's passes of 4 (AVX-512) or three chunks
+    (AVX2): a pair never straddles two, so each row's result is bitwise the same row's in a batch of 4 (8 rounded
+    rows: the same path)."""
     n, k, rows = 5, 8960, 40
     for name in ("Q4_K", "Q8_0"):
         raw = torch.from_numpy(random_blocks(name, n, k, seed=5))
