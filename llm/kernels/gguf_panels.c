@@ -81,19 +81,26 @@ typedef struct {
 // Superblock s of weight rows n0..n0 + rows (rows <= 16; the rest zero) as a panel.
 static void panel_decode(const Rows *w, int64_t n0, int rows, int64_t s, Panel *o) {
     _Alignas(64) uint8_t codes[PR][QK];
-    const int width = group_width(w->type);
+    _Alignas(64) float wd[PR][16], c[PR][16];  // per row, per 16 columns; transposed like the codes
     for (int i = 0; i < PR; i++) {
-        float wd[16] = {0}, c[16] = {0};
-        if (i < rows)
-            gguf_superblock_parts(w->type, w->blocks + (n0 + i) * w->row_bytes, s, w->K, codes[i], wd, c);
-        else
+        if (i < rows) {
+            gguf_superblock_parts(w->type, w->blocks + (n0 + i) * w->row_bytes, s, w->K, codes[i], wd[i], c[i]);
+        } else {
             memset(codes[i], 0, QK);
-        for (int g = 0; g < QK / width; g++) o->wd[g][i] = wd[g * width / 16], o->c[g][i] = c[g * width / 16];
+            memset(wd[i], 0, sizeof wd[i]), memset(c[i], 0, sizeof c[i]);
+        }
     }
+    __m512i r[PR], t[PR];
     for (int v = 0; v < QK / 64; v++) {  // 64 columns: 16 quads of each row
-        __m512i r[PR];
         for (int i = 0; i < PR; i++) r[i] = _mm512_load_si512(codes[i] + 64 * v);
         transpose16(r, (__m512i *)o->q[16 * v]);
+    }
+    const int step = group_width(w->type) / 16;  // the 16-column scales a group takes: every one, or every other
+    for (int part = 0; part < 2; part++) {
+        float(*from)[16] = part ? c : wd, (*to)[PR] = part ? o->c : o->wd;
+        for (int i = 0; i < PR; i++) r[i] = _mm512_load_si512(from[i]);
+        transpose16(r, t);
+        for (int g = 0; g < 16 / step; g++) _mm512_store_si512(to[g], t[g * step]);
     }
 }
 
