@@ -146,7 +146,7 @@ def test_unknown_types_and_wrong_shapes_are_refused_in_python() -> None:
 @needs_native
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0"])
 def test_long_rows_in_several_chunks_of_activation_rows(isa_path: native.NativeKernels, name: str) -> None:
-    """K = 8960 (Qwen2.5-1.5B's MLP): 40 rows take two passes over the weights in the row form (36 rows a chunk of
+    """K = 8960 (Qwen2.5-1.5B's MLP): 40 rows take two passes over the weights in the row form (32 rows a chunk of
     512 KiB of rounded rows); each row's result is bitwise the same row's in another batch on the same path (8 rows:
     panels on AVX-512, the row form on AVX2) and within the fp32 room of the one-row product."""
     n, k, rows = 5, 8960, 40
