@@ -8,7 +8,9 @@
 // Activations are rounded per 32 columns to int8 (scale amax / 127, as llama.cpp's Q8_0), so the products are
 // integer dot products (AVX-512 VNNI vpdpbusd, AVX2 vpmaddubsw): sum q * xq per 16 columns, times wd * dx in
 // fp32; the offsets add c * dx * sum(xq) per 16 columns. The activations are padded with zeros to a multiple of
-// 256 columns and the weights' missing blocks decode as zeros, so the loops have no tails.
+// 256 columns and the weights' missing blocks decode as zeros, so the loops have no tails. On AVX-512 the
+// K-quants' row form (kq_rows, up to 15 activation rows) takes the columns transposed, so each 16-column group
+// sums in integers in one lane; from 8 rows (16 for the K-quants) products run on panels (gguf_panels.c).
 
 #pragma GCC optimize("fp-contract=off")  // dequantized values must equal gguf-py's unfused d * q + m exactly
 
@@ -510,7 +512,129 @@ INLINE void dot_rows(int64_t type, const uint8_t *row, int64_t K, const XQ *x, i
     for (int r = 0; r < mb; r++)
         out[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), macc[r]));
 }
+
+// The K-quants at few rows, with one integer sum per 16 columns. dot_rows' natural order (64 consecutive
+// columns a vpdpbusd) leaves each lane 4 products of one group, so every 64 columns cost a convert, a permute and
+// an fma. Here the 4 vpdpbusd of a superblock take the columns transposed (lane G, step t: columns 16G + 4t..+3),
+// so lane G sums its whole group of 16 in integers and the superblock takes one convert and one fma. The weights'
+// bytes go to that order with a dword permute; the activations are laid out so once per product (kq_transpose).
+// The arithmetic is dot_rows': per-16 integer sums times wd * dx, so the products are equal within fp32 order.
+// k4_scale_bytes in vector operations: bytes 0-7 the scales, 8-15 the mins. Scale j < 4 is byte j, min j < 4
+// byte j + 4 (low 6 bits); scale j >= 4 is byte j + 4's low nibble, min j >= 4 its high nibble, each with the
+// top 2 bits of byte j - 4 (scales) or j (mins) above them.
+INLINE __m128i k4_scale_vector(const uint8_t *s) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)s);  // 12 bytes used: a block has 144 and s is at 4
+    const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i top = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+    const __m128i lo = _mm_mask_blend_epi8(0xF000, a, _mm_srli_epi16(a, 4));  // the mins' high nibbles
+    const __m128i keep = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
+    return _mm_ternarylogic_epi32(_mm_and_si128(lo, keep), _mm_srli_epi16(top, 2), _mm_set1_epi8(0x30), 0xf8);
+}
+
+INLINE __m512i k4_step(const __m512i lo, const __m512i hi, int t) {
+    // Q4_K/Q5_K: lane G = 2k + e, step t <- dword 4e + t of 32-byte block k / 2; qword k low (k even) or high nibbles
+    const __m512i idx = _mm512_set_epi32(28 + t, 24 + t, 28 + t, 24 + t, 20 + t, 16 + t, 20 + t, 16 + t,
+                                         12 + t, 8 + t, 12 + t, 8 + t, 4 + t, t, 4 + t, t);
+    return _mm512_permutex2var_epi32(lo, idx, hi);
+}
+
+INLINE void kq_codes_k45(int64_t type, const uint8_t *p, __m512i q[4]) {
+    const uint8_t *qs = p + (type == Q4_K ? 16 : 48);
+    const __m512i lo = _mm512_loadu_si512(qs), hi = _mm512_loadu_si512(qs + 64);
+    const __m512i nib = _mm512_set_epi64(4, 0, 4, 0, 4, 0, 4, 0), low4 = _mm512_set1_epi8(15);
+    const __m512i qh = type == Q5_K ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 16)))
+                                    : _mm512_setzero_si512();
+    for (int t = 0; t < 4; t++) {
+        q[t] = _mm512_and_si512(_mm512_srlv_epi64(k4_step(lo, hi, t), nib), low4);
+        if (type == Q5_K) {  // sub-block k's fifth bit: bit k of qh byte 16e + 4t + j, rotated to bit 4
+            const __m512i h = _mm512_permutexvar_epi32(
+                _mm512_set_epi32(4 + t, t, 4 + t, t, 4 + t, t, 4 + t, t, 4 + t, t, 4 + t, t, 4 + t, t, 4 + t, t), qh);
+            const __m512i rot = _mm512_set_epi64(61, 62, 63, 0, 1, 2, 3, 4);
+            q[t] = _mm512_ternarylogic_epi32(q[t], _mm512_rolv_epi64(h, rot), _mm512_set1_epi8(16), 0xf8);  // a | (b & c)
+        }
+    }
+}
+
+// Q6_K: lane G (half G / 8), step t: ql dword 16 (G / 8) + 4 (G % 4) + t, shifted by 4 in its half's high 64
+// columns; qh dword 8 (G / 8) + 4 (G % 2) + t, bit pair (G % 8) / 2 rotated to bits 4-5.
+INLINE void kq_codes_q6(const uint8_t *p, __m512i q[4]) {
+    const __m512i lo = _mm512_loadu_si512(p), hi = _mm512_loadu_si512(p + 64), qh = _mm512_loadu_si512(p + 128);
+    const __m512i nib = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0), low4 = _mm512_set1_epi8(15);
+    const __m512i rot = _mm512_set_epi64(62, 0, 2, 4, 62, 0, 2, 4), hi2 = _mm512_set1_epi8(0x30);
+    for (int t = 0; t < 4; t++) {
+        const __m512i li = _mm512_set_epi32(28 + t, 24 + t, 20 + t, 16 + t, 28 + t, 24 + t, 20 + t, 16 + t,
+                                            12 + t, 8 + t, 4 + t, t, 12 + t, 8 + t, 4 + t, t);
+        const __m512i hidx = _mm512_set_epi32(12 + t, 8 + t, 12 + t, 8 + t, 12 + t, 8 + t, 12 + t, 8 + t,
+                                              4 + t, t, 4 + t, t, 4 + t, t, 4 + t, t);
+        const __m512i l = _mm512_and_si512(_mm512_srlv_epi64(_mm512_permutex2var_epi32(lo, li, hi), nib), low4);
+        const __m512i h = _mm512_rolv_epi64(_mm512_permutexvar_epi32(hidx, qh), rot);
+        q[t] = _mm512_ternarylogic_epi32(l, h, hi2, 0xf8);
+    }
+}
+
+#define KQ_MR 8  // activation rows a pass over one weight row in kq_rows
+
+INLINE void kq_rows(int64_t type, const uint8_t *row, int64_t K, const XQ *x, int64_t m, int mb, float *out) {
+    const int64_t Kp = x->Kp, G = Kp / 16;
+    __m512 acc[KQ_MR];
+    for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < Kp / SBK; s++) {
+        const uint8_t *p = row + s * (type == Q4_K ? 144 : type == Q5_K ? 176 : 210);
+        __m512i q[4];
+        __m512 wd, c;
+        if (type == Q6_K) {
+            kq_codes_q6(p, q);
+            wd = _mm512_mul_ps(_mm512_set1_ps(h2f(p + 208)),
+                               _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 192)))));
+            c = _mm512_mul_ps(wd, _mm512_set1_ps(-32.0f));
+        } else {
+            kq_codes_k45(type, p, q);
+            const __m128i sm = k4_scale_vector(p + 4);
+            int32_t dmin;
+            memcpy(&dmin, p, 4);
+            const __m512 dm = _mm512_cvtph_ps(_mm256_set1_epi32(dmin));  // d, dmin, d, dmin, ...
+            wd = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_setzero_si512(), dm),
+                               _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(sm, sm))));
+            c = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_set1_epi32(1), dm),
+                              _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(sm, sm))));
+            c = _mm512_sub_ps(_mm512_setzero_ps(), c);
+        }
+        for (int r = 0; r < mb; r++) {
+            const int8_t *xq = x->q + (m + r) * Kp + SBK * s;
+            __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], _mm512_loadu_si512(xq));
+            __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[1], _mm512_loadu_si512(xq + 64));
+            a = _mm512_dpbusd_epi32(a, q[2], _mm512_loadu_si512(xq + 128));
+            b = _mm512_dpbusd_epi32(b, q[3], _mm512_loadu_si512(xq + 192));
+            const __m512 sv = _mm512_mul_ps(wd, _mm512_loadu_ps(x->dx + (m + r) * G + 16 * s));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a, b)), sv, acc[r]);
+            acc[r] = _mm512_fmadd_ps(c, _mm512_loadu_ps(x->xs + (m + r) * G + 16 * s), acc[r]);
+        }
+    }
+    for (int r = 0; r < mb; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+// The activation rows' codes in kq_rows' order: per superblock, dword 16t + G <- dword 4G + t.
+static void kq_transpose(int8_t *q, int64_t M, int64_t Kp) {
+    const __m512i idx[4] = {
+        _mm512_set_epi32(60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0),
+        _mm512_set_epi32(61, 57, 53, 49, 45, 41, 37, 33, 29, 25, 21, 17, 13, 9, 5, 1),
+        _mm512_set_epi32(62, 58, 54, 50, 46, 42, 38, 34, 30, 26, 22, 18, 14, 10, 6, 2),
+        _mm512_set_epi32(63, 59, 55, 51, 47, 43, 39, 35, 31, 27, 23, 19, 15, 11, 7, 3)};
+    for (int64_t at = 0; at < M * Kp; at += SBK) {
+        __m512i v[4], t[4];
+        for (int i = 0; i < 4; i++) v[i] = _mm512_loadu_si512(q + at + 64 * i);
+        for (int i = 0; i < 4; i++) {  // dwords 0-31 from v0|v1, 32-63 from v2|v3: two halves per step
+            const __m512i a = _mm512_permutex2var_epi32(v[0], idx[i], v[1]);  // lanes 0-7 valid (from dwords < 32)
+            const __m512i b = _mm512_permutex2var_epi32(v[2], _mm512_sub_epi32(idx[i], _mm512_set1_epi32(32)), v[3]);
+            t[i] = _mm512_mask_blend_epi32(0xFF00, a, b);
+        }
+        for (int i = 0; i < 4; i++) _mm512_storeu_si512(q + at + 64 * i, t[i]);
+    }
+}
+#define KQ_ROWS 1
+#define KQ_STEP KQ_MR
 #else
+#define KQ_STEP MR
 static inline float hsum8(__m256 v) {
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
@@ -576,6 +700,41 @@ DOT_TYPE(Q6_K)
 
 typedef void (*RowDot)(const uint8_t *row, int64_t K, const XQ *x, int64_t m, int mb, float *out, const SB *pre);
 
+#ifdef KQ_ROWS
+#define DOT_KQ(T)                                                                                            \
+    static void kq_##T(const uint8_t *row, int64_t K, const XQ *x, int64_t m, int mb, float *out,           \
+                       const SB *pre) {                                                                      \
+        (void)pre;                                                                                           \
+        switch (mb) {                                                                                        \
+            case 1: kq_rows(T, row, K, x, m, 1, out); break;                                                 \
+            case 2: kq_rows(T, row, K, x, m, 2, out); break;                                                 \
+            case 3: kq_rows(T, row, K, x, m, 3, out); break;                                                 \
+            case 4: kq_rows(T, row, K, x, m, 4, out); break;                                                 \
+            case 5: kq_rows(T, row, K, x, m, 5, out); break;                                                 \
+            case 6: kq_rows(T, row, K, x, m, 6, out); break;                                                 \
+            case 7: kq_rows(T, row, K, x, m, 7, out); break;                                                 \
+            default: kq_rows(T, row, K, x, m, KQ_MR, out); break;                                            \
+        }                                                                                                    \
+    }
+DOT_KQ(Q4_K)
+DOT_KQ(Q5_K)
+DOT_KQ(Q6_K)
+#endif
+
+// The K-quants' row form with transposed activations (kq_rows), where the build has it; else NULL.
+static RowDot kq_dot_of(int64_t type) {
+#ifdef KQ_ROWS
+    switch (type) {
+        case Q4_K: return kq_Q4_K;
+        case Q5_K: return kq_Q5_K;
+        case Q6_K: return kq_Q6_K;
+        default: break;
+    }
+#endif
+    (void)type;
+    return NULL;
+}
+
 static RowDot dot_of(int64_t type) {
     switch (type) {
         case Q8_0: return dot_Q8_0;
@@ -613,14 +772,15 @@ typedef struct {
     int64_t ldy;
     int split;
     int64_t m0, m1;
+    int step;  // activation rows a dot call takes: MR, or KQ_MR for kq_rows
 } Pass;
 
 // The dot products of weight row n (decoded already into `pre`, or NULL: decoded per MR rows) with the chunk.
 static void row_products(const Pass *p, int64_t n, const SB *pre) {
     const uint8_t *row = (const uint8_t *)p->blocks + n * p->row_bytes;
-    for (int64_t m = p->m0; m < p->m1; m += MR) {
-        float out[MR];
-        const int mb = p->m1 - m < MR ? (int)(p->m1 - m) : MR;
+    for (int64_t m = p->m0; m < p->m1; m += p->step) {
+        float out[16];
+        const int mb = p->m1 - m < p->step ? (int)(p->m1 - m) : p->step;
         p->dot(row, p->K, p->xq, m, mb, out, pre);
         if (p->split)  // MR and the chunks are even: a pass holds whole pairs
             for (int r = 0; r < mb; r += 2) p->y[(m + r) / 2 * p->ldy + n] = out[r] + out[r + 1];
@@ -644,6 +804,9 @@ static void row_pass(const Pass *p, int nt) {
 // Rounded activation rows from which a pass runs on panels (gguf_panels.c), where the type has them: at 4 rows a
 // panel's decode cost more than the rows saved, at 8 they broke even or won (Q4_K, Q6_K; K = 1536, 4096, 8960).
 #define PANEL_MIN_ROWS 8
+// The K-quants' row form sums a group in integers (kq_rows): it beat the panels up to 12 rows of the 1.5B's
+// products in model order (8 rows: 145 against 216 ms), the panels won at 16 (239 against 274).
+#define KQ_PANEL_MIN_ROWS 16
 static int tiled_pass(const Pass *p, int nt) {
     const int64_t S = padded(p->K) / SBK;
     const int64_t g = p->N / ((int64_t)nt * 8) > 1 ? p->N / ((int64_t)nt * 8) : 1;
@@ -684,18 +847,23 @@ int64_t gguf_linear_ld(int64_t type, const void *blocks, const float *x, float *
         return -2;
     }
     M *= R;
-    const int panels = M >= PANEL_MIN_ROWS && gguf_panel_type(type);
+    const RowDot kq_dot = kq_dot_of(type);
+    const int panels = M >= (kq_dot ? KQ_PANEL_MIN_ROWS : PANEL_MIN_ROWS) && gguf_panel_type(type);
     const int64_t row_bytes = K / shape[0] * shape[1];
+    const RowDot kq = panels ? NULL : kq_dot;
+#ifdef KQ_ROWS
+    if (kq) kq_transpose(xq.q, M, xq.Kp);
+#endif
     const int64_t chunk = chunk_rows(xq.Kp, panels ? PANEL_CHUNK_BYTES : X_CHUNK_BYTES);
     const int nt = team_size();
     int failed = 0;
     for (int64_t m0 = 0; m0 < M && !failed; m0 += chunk) {
         const int64_t m1 = m0 + chunk < M ? m0 + chunk : M;
-        const Pass pass = {type, blocks, row_bytes, K, N, &xq, dot, y, ldy, split, m0, m1};
+        const Pass pass = {type, blocks, row_bytes, K, N, &xq, kq ? kq : dot, y, ldy, split, m0, m1, kq ? KQ_STEP : MR};
         if (panels)
             failed = gguf_panel_products(type, blocks, row_bytes, N, K, xq.q, xq.dx, xq.xs, xq.bs, xq.Kp, m0, m1, y, ldy,
                                          split, nt) != 0;
-        else if (m1 - m0 > TILE_MIN_ROWS)
+        else if (m1 - m0 > TILE_MIN_ROWS && !kq)
             failed = tiled_pass(&pass, nt);
         else
             row_pass(&pass, nt);

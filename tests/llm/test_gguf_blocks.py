@@ -11,9 +11,10 @@ to even) and sum integer products, so they are compared in two ways:
 - against the exact product of x: the rounding moves each x by at most d / 2 = amax_block / 254, so the
   error is bounded by sum over blocks of amax_block / 254 * sum_block |w| (plus the 1e-5 term above), which
   the test asserts as well (a bound, not an estimate: typically it is ~sqrt(32) times smaller).
-On AVX-512, 8 or more activation rows of every quantized type run on panels (gguf_panels.c): the same rounded x,
-another order of the fp32 sums, so a row's result there equals its one-row product within the fp32 room, and
-bitwise any other batch's on panels.
+On AVX-512, 8 or more activation rows of every quantized type run on panels (gguf_panels.c), 16 or more of the
+K-quants (below that their row form sums each group in integers, kq_rows): the same rounded x, another order of
+the fp32 sums, so a row's result there equals its one-row product within the fp32 room, and bitwise any other
+batch's on the same path.
 The dequantized rows equal gguf-py's exactly (same fp32 operations, unfused).
 """
 
@@ -64,7 +65,7 @@ def test_the_table_agrees_with_gguf_py_and_the_kernels() -> None:
 
 @needs_native
 @pytest.mark.parametrize("name", QUANTIZED)
-@pytest.mark.parametrize("rows", [1, 3, 16, 33])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 33])
 def test_product_equals_dequantize_then_float64_matmul(isa_path: native.NativeKernels, name: str, rows: int) -> None:
     n, k = 37, _k_for(name)
     raw = random_blocks(name, n, k, seed=rows)
@@ -147,8 +148,8 @@ def test_unknown_types_and_wrong_shapes_are_refused_in_python() -> None:
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0"])
 def test_long_rows_in_several_chunks_of_activation_rows(isa_path: native.NativeKernels, name: str) -> None:
     """K = 8960 (Qwen2.5-1.5B's MLP): 40 rows take two passes over the weights in the row form (32 rows a chunk of
-    512 KiB of rounded rows); each row's result is bitwise the same row's in another batch on the same path (8 rows:
-    panels on AVX-512, the row form on AVX2) and within the fp32 room of the one-row product."""
+    512 KiB of rounded rows); each row's result is bitwise the same row's in another batch on the same path (16
+    rows: panels on AVX-512, the row form on AVX2) and within the fp32 room of the one-row product."""
     n, k, rows = 5, 8960, 40
     raw = random_blocks(name, n, k, seed=5)
     w = _reference(raw, name, k).astype(np.float64)
@@ -159,8 +160,8 @@ def test_long_rows_in_several_chunks_of_activation_rows(isa_path: native.NativeK
     room = 1e-5 * (np.abs(rounded) @ np.abs(w).T)
     assert np.all(np.abs(got.double().numpy() - rounded @ w.T) <= room)
     for r in (0, 37, 39):
-        at = min(r, rows - 8)
-        other = isa_path.gguf_linear(x[at : at + 8], torch.from_numpy(raw), qtype, n, k)
+        at = min(r, rows - 16)
+        other = isa_path.gguf_linear(x[at : at + 16], torch.from_numpy(raw), qtype, n, k)
         assert torch.equal(got[r], other[r - at])
         one = isa_path.gguf_linear(x[r : r + 1], torch.from_numpy(raw), qtype, n, k)[0].double().numpy()
         assert np.all(np.abs(one - got[r].double().numpy()) <= room[r])
@@ -190,7 +191,7 @@ def test_sixteen_bit_activations_are_two_int8_passes(isa_path: native.NativeKern
 @needs_native
 def test_sixteen_bit_rows_in_several_chunks(isa_path: native.NativeKernels) -> None:
     """40 rows of K = 8960 are 80 rounded rows in pairs, over a panel's passes of 4 (AVX-512) or three chunks
-    (AVX2): a pair never straddles two, so each row's result is bitwise the same row's in a batch of 4 (8 rounded
+    (AVX2): a pair never straddles two, so each row's result is bitwise the same row's in a batch of 8 (16 rounded
     rows: the same path)."""
     n, k, rows = 5, 8960, 40
     for name in ("Q4_K", "Q8_0"):
@@ -199,8 +200,28 @@ def test_sixteen_bit_rows_in_several_chunks(isa_path: native.NativeKernels) -> N
         qtype = BY_NAME[name].ggml_type
         got = isa_path.gguf_linear(x, raw, qtype, n, k, xbits=16)
         for r in (0, 17, 18, 39):
-            at = min(r, rows - 4)
-            assert torch.equal(got[r], isa_path.gguf_linear(x[at : at + 4], raw, qtype, n, k, xbits=16)[r - at])
+            at = min(r, rows - 8)
+            assert torch.equal(got[r], isa_path.gguf_linear(x[at : at + 8], raw, qtype, n, k, xbits=16)[r - at])
+
+
+@needs_native
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_row_form_is_the_same_in_any_small_batch(isa_path: native.NativeKernels, name: str) -> None:
+    """Up to 15 rows the K-quants run their row form (on AVX-512 kq_rows: columns transposed so a lane sums its
+    16-column group in integers; activation rows 8 a pass): each row's result is bitwise its one-row product, in
+    a batch of 15 (passes of 8 and 7) or 4, and within the fp32 room of the float64 product of its rounded x."""
+    n, k = 37, 256 * 6
+    raw = random_blocks(name, n, k, seed=11)
+    w = _reference(raw, name, k).astype(np.float64)
+    x = torch.randn(15, k, generator=torch.Generator().manual_seed(11)) * 3
+    qtype = BY_NAME[name].ggml_type
+    got = isa_path.gguf_linear(x, torch.from_numpy(raw), qtype, n, k)
+    rounded, _ = _round_x(x.numpy())
+    assert np.all(np.abs(got.double().numpy() - rounded @ w.T) <= 1e-5 * (np.abs(rounded) @ np.abs(w).T))
+    four = isa_path.gguf_linear(x[9:13], torch.from_numpy(raw), qtype, n, k)
+    assert torch.equal(got[9:13], four)
+    for r in (0, 7, 8, 14):
+        assert torch.equal(got[r], isa_path.gguf_linear(x[r : r + 1], torch.from_numpy(raw), qtype, n, k)[0])
 
 
 def test_activation_bits_other_than_8_or_16_are_refused() -> None:
