@@ -9,8 +9,8 @@
 // integer dot products (AVX-512 VNNI vpdpbusd, AVX2 vpmaddubsw): sum q * xq per 16 columns, times wd * dx in
 // fp32; the offsets add c * dx * sum(xq) per 16 columns. The activations are padded with zeros to a multiple of
 // 256 columns and the weights' missing blocks decode as zeros, so the loops have no tails. On AVX-512 the
-// K-quants' row form (kq_rows, up to 15 activation rows) takes the columns transposed, so each 16-column group
-// sums in integers in one lane; from 8 rows (16 for the K-quants) products run on panels (gguf_panels.c).
+// K-quants' row form (kq_rows, up to 7 activation rows) takes the columns transposed, so each 16-column group
+// sums in integers in one lane; from 8 rows products run on panels (gguf_panels.c).
 
 #pragma GCC optimize("fp-contract=off")  // dequantized values must equal gguf-py's unfused d * q + m exactly
 
@@ -572,7 +572,7 @@ INLINE void kq_codes_q6(const uint8_t *p, __m512i q[4]) {
     }
 }
 
-#define KQ_MR 8  // activation rows a pass over one weight row in kq_rows
+#define KQ_MR 8  // activation rows a pass over one weight row in kq_rows (up to 7 reach it: then panels)
 
 INLINE void kq_rows(int64_t type, const uint8_t *row, int64_t K, const XQ *x, int64_t m, int mb, float *out) {
     const int64_t Kp = x->Kp, G = Kp / 16;
@@ -803,10 +803,9 @@ static void row_pass(const Pass *p, int nt) {
 #define TILE_MIN_ROWS 32  // measured: at 16 rows the decode in registers was as fast or faster
 // Rounded activation rows from which a pass runs on panels (gguf_panels.c), where the type has them: at 4 rows a
 // panel's decode cost more than the rows saved, at 8 they broke even or won (Q4_K, Q6_K; K = 1536, 4096, 8960).
+// The K-quants' row form (kq_rows) against panels decoded straight from the blocks, the 1.5B's products in model
+// order: 4 rows 79 against 96 ms, 8 rows 123 against 121, 12 rows 169 against 140.
 #define PANEL_MIN_ROWS 8
-// The K-quants' row form sums a group in integers (kq_rows): it beat the panels up to 12 rows of the 1.5B's
-// products in model order (8 rows: 145 against 216 ms), the panels won at 16 (239 against 274).
-#define KQ_PANEL_MIN_ROWS 16
 static int tiled_pass(const Pass *p, int nt) {
     const int64_t S = padded(p->K) / SBK;
     const int64_t g = p->N / ((int64_t)nt * 8) > 1 ? p->N / ((int64_t)nt * 8) : 1;
@@ -847,10 +846,9 @@ int64_t gguf_linear_ld(int64_t type, const void *blocks, const float *x, float *
         return -2;
     }
     M *= R;
-    const RowDot kq_dot = kq_dot_of(type);
-    const int panels = M >= (kq_dot ? KQ_PANEL_MIN_ROWS : PANEL_MIN_ROWS) && gguf_panel_type(type);
+    const int panels = M >= PANEL_MIN_ROWS && gguf_panel_type(type);
     const int64_t row_bytes = K / shape[0] * shape[1];
-    const RowDot kq = panels ? NULL : kq_dot;
+    const RowDot kq = panels ? NULL : kq_dot_of(type);
 #ifdef KQ_ROWS
     if (kq) kq_transpose(xq.q, M, xq.Kp);
 #endif
