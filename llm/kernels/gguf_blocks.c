@@ -9,8 +9,9 @@
 // integer dot products (AVX-512 VNNI vpdpbusd, AVX2 vpmaddubsw): sum q * xq per 16 columns, times wd * dx in
 // fp32; the offsets add c * dx * sum(xq) per 16 columns. The activations are padded with zeros to a multiple of
 // 256 columns and the weights' missing blocks decode as zeros, so the loops have no tails. On AVX-512 the
-// K-quants' row form (kq_rows, up to 7 activation rows) takes the columns transposed, so each 16-column group
-// sums in integers in one lane; from 8 rows products run on panels (gguf_panels.c).
+// K-quants' row form (kq_rows: up to 3 activation rows of Q4_K/Q6_K, 7 of Q5_K) takes the columns transposed, so
+// each 16-column group sums in integers in one lane; from 8 rows (Q4_K/Q6_K: 4) products run on panels
+// (gguf_panels.c).
 
 #pragma GCC optimize("fp-contract=off")  // dequantized values must equal gguf-py's unfused d * q + m exactly
 
@@ -803,9 +804,12 @@ static void row_pass(const Pass *p, int nt) {
 #define TILE_MIN_ROWS 32  // measured: at 16 rows the decode in registers was as fast or faster
 // Rounded activation rows from which a pass runs on panels (gguf_panels.c), where the type has them: at 4 rows a
 // panel's decode cost more than the rows saved, at 8 they broke even or won (Q4_K, Q6_K; K = 1536, 4096, 8960).
-// The K-quants' row form (kq_rows) against panels decoded straight from the blocks, the 1.5B's products in model
-// order: 4 rows 79 against 96 ms, 8 rows 123 against 121, 12 rows 169 against 140.
+// Q4_K and Q6_K panels are decoded straight from the blocks, the next one fetched ahead: against the K-quants'
+// row form (kq_rows) on the 1.5B's products in model order they won from 4 rows (4 rows 75 against 83 ms, 6 rows
+// 93 against 108) and tied at 2 (63 against 61).
 #define PANEL_MIN_ROWS 8
+#define DIRECT_PANEL_MIN_ROWS 4
+static int panel_min_rows(int64_t type) { return type == Q4_K || type == Q6_K ? DIRECT_PANEL_MIN_ROWS : PANEL_MIN_ROWS; }
 static int tiled_pass(const Pass *p, int nt) {
     const int64_t S = padded(p->K) / SBK;
     const int64_t g = p->N / ((int64_t)nt * 8) > 1 ? p->N / ((int64_t)nt * 8) : 1;
@@ -846,7 +850,7 @@ int64_t gguf_linear_ld(int64_t type, const void *blocks, const float *x, float *
         return -2;
     }
     M *= R;
-    const int panels = M >= PANEL_MIN_ROWS && gguf_panel_type(type);
+    const int panels = M >= panel_min_rows(type) && gguf_panel_type(type);
     const int64_t row_bytes = K / shape[0] * shape[1];
     const RowDot kq = panels ? NULL : kq_dot_of(type);
 #ifdef KQ_ROWS

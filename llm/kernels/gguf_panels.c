@@ -210,13 +210,29 @@ INLINE __m512i quad_of(const int8_t *q) {
 // A scale group's integer sums take one float step (times the activations' scale, times wd). The offsets: a code
 // offset (Q4_0's 8, Q5_0's 16, Q6_K's 32, Q8_0's 128: c = -off * wd) comes off the sums in integers, against
 // the codes' sums; a min (Q4_1, Q5_1, Q4_K, Q5_K) adds c times the activations' scaled sums.
+// The next panel's bytes, fetched into L2 a superblock at a time while this one's products run (its decode then
+// finds them there instead of stalling on memory between two bursts of arithmetic): NULL, or its first row.
+// Measured on the 1.5B's products in model order: 16 rows 1.28-1.36x, 8 rows 1.40x faster.
+typedef struct {
+    const uint8_t *next;
+    int64_t row_bytes, sb_bytes;
+} Ahead;
+
+INLINE void fetch_ahead(const Ahead *a, int64_t s) {
+    for (int i = 0; i < PR; i++) {
+        const uint8_t *p = a->next + i * a->row_bytes + s * a->sb_bytes;
+        for (int64_t b = 0; b < a->sb_bytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T1);
+    }
+}
+
 INLINE void panel_rows(int width, int off, const Panel *pn, int64_t S, const Acts *x, int64_t m, int mb,
-                       __m512 *out) {
+                       __m512 *out, const Ahead *ahead) {
     const int64_t Kp = x->Kp, G = Kp / 16;
     __m512 acc[PM];
     for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t s = 0; s < S; s++) {
         const Panel *P = pn + s;
+        if (ahead) fetch_ahead(ahead, s);
         for (int g = 0; g < QK / width; g++) {
             const int64_t k0 = QK * s + g * width;  // the group's first column
             __m512i a[PM];
@@ -240,12 +256,13 @@ INLINE void panel_rows(int width, int off, const Panel *pn, int64_t S, const Act
 
 // One function per (group width, code offset) and row count: the sums stay in registers.
 #define PANEL_FORM(NAME, W, OFF)                                                                               \
-    static void NAME(const Panel *pn, int64_t S, const Acts *x, int64_t m, int mb, __m512 *out) {             \
+    static void NAME(const Panel *pn, int64_t S, const Acts *x, int64_t m, int mb, __m512 *out,               \
+                     const Ahead *ahead) {                                                                     \
         switch (mb) {                                                                                          \
-            case 1: panel_rows(W, OFF, pn, S, x, m, 1, out); break;                                            \
-            case 2: panel_rows(W, OFF, pn, S, x, m, 2, out); break;                                            \
-            case 3: panel_rows(W, OFF, pn, S, x, m, 3, out); break;                                            \
-            default: panel_rows(W, OFF, pn, S, x, m, PM, out); break;                                          \
+            case 1: panel_rows(W, OFF, pn, S, x, m, 1, out, ahead); break;                                     \
+            case 2: panel_rows(W, OFF, pn, S, x, m, 2, out, ahead); break;                                     \
+            case 3: panel_rows(W, OFF, pn, S, x, m, 3, out, ahead); break;                                     \
+            default: panel_rows(W, OFF, pn, S, x, m, PM, out, ahead); break;                                   \
         }                                                                                                      \
     }
 PANEL_FORM(panel_q6_k, 16, 32)
@@ -254,7 +271,7 @@ PANEL_FORM(panel_q5_0, 32, 16)
 PANEL_FORM(panel_q8_0, 32, 128)
 PANEL_FORM(panel_mins, 32, 0)
 
-typedef void (*PanelDot)(const Panel *, int64_t, const Acts *, int64_t, int, __m512 *);
+typedef void (*PanelDot)(const Panel *, int64_t, const Acts *, int64_t, int, __m512 *, const Ahead *);
 
 static PanelDot panel_dot(int64_t type) {
     return type == Q6_K ? panel_q6_k : type == Q4_0 ? panel_q4_0 : type == Q5_0 ? panel_q5_0
@@ -263,14 +280,15 @@ static PanelDot panel_dot(int64_t type) {
 
 // Activation rows [m0, m1) against a panel of weight rows n0..n0 + rows; with split, row pairs summed (PM even).
 static void panel_products(const Rows *w, const Panel *pn, const Acts *x, int64_t m0, int64_t m1, float *y,
-                           int64_t ldy, int split, int64_t n0, int rows) {
+                           int64_t ldy, int split, int64_t n0, int rows, const uint8_t *next) {
     const int64_t S = x->Kp / QK;
     const PanelDot dot = panel_dot(w->type);
     const __mmask16 keep = (__mmask16)((1u << rows) - 1);
     for (int64_t m = m0; m < m1; m += PM) {
         __m512 out[PM];
         const int mb = m1 - m < PM ? (int)(m1 - m) : PM;
-        dot(pn, S, x, m, mb, out);
+        const Ahead ahead = {next, w->row_bytes, w->row_bytes / S};
+        dot(pn, S, x, m, mb, out, m == m0 && next ? &ahead : NULL);  // the first pass fetches the next panel
         if (split)
             for (int r = 0; r < mb; r += 2)
                 _mm512_mask_storeu_ps(y + (m + r) / 2 * ldy + n0, keep, _mm512_add_ps(out[r], out[r + 1]));
@@ -304,7 +322,9 @@ int64_t gguf_panel_products(int64_t type, const void *blocks, int64_t row_bytes,
             if (!pn) continue;
             const int rows = N - PR * t < PR ? (int)(N - PR * t) : PR;
             for (int64_t s = 0; s < S; s++) panel_decode(&w, PR * t, rows, s, pn + s);
-            panel_products(&w, pn, &x, m0, m1, y, ldy, (int)split, PR * t, rows);
+            const int64_t after = PR * (t + 1);  // the next panel's first row: whole panels only
+            const uint8_t *next = after + PR <= N ? (const uint8_t *)blocks + after * row_bytes : NULL;
+            panel_products(&w, pn, &x, m0, m1, y, ldy, (int)split, PR * t, rows, next);
         }
         _mm_free(pn);
     }
