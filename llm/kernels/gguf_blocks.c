@@ -10,8 +10,8 @@
 // fp32; the offsets add c * dx * sum(xq) per 16 columns. The activations are padded with zeros to a multiple of
 // 256 columns and the weights' missing blocks decode as zeros, so the loops have no tails. On AVX-512 the
 // K-quants' row form (kq_rows: up to 3 activation rows of Q4_K/Q6_K, 7 of Q5_K) takes the columns transposed, so
-// each 16-column group sums in integers in one lane; from 8 rows (Q4_K/Q6_K: 4) products run on panels
-// (gguf_panels.c).
+// each 16-column group sums in integers in one lane; from 8 rows (Q4_K/Q6_K: 4, Q8_0/Q5_0: 6) products run on
+// panels (gguf_panels.c).
 
 #pragma GCC optimize("fp-contract=off")  // dequantized values must equal gguf-py's unfused d * q + m exactly
 
@@ -804,12 +804,14 @@ static void row_pass(const Pass *p, int nt) {
 #define TILE_MIN_ROWS 32  // measured: at 16 rows the decode in registers was as fast or faster
 // Rounded activation rows from which a pass runs on panels (gguf_panels.c), where the type has them: at 4 rows a
 // panel's decode cost more than the rows saved, at 8 they broke even or won (Q4_K, Q6_K; K = 1536, 4096, 8960).
-// Q4_K and Q6_K panels are decoded straight from the blocks, the next one fetched ahead: against the K-quants'
-// row form (kq_rows) on the 1.5B's products in model order they won from 4 rows (4 rows 75 against 83 ms, 6 rows
-// 93 against 108) and tied at 2 (63 against 61).
+// The types whose panels are decoded straight from the blocks (the next one fetched ahead) start lower, measured
+// on the real models' products in model order: Q4_K/Q6_K against the K-quants' row form (kq_rows) won from 4 rows
+// (the 1.5B: 4 rows 75 against 83 ms, 6 rows 93 against 108; 2 rows tied); Q8_0/Q5_0 against dot_rows lost at 4
+// (the 0.5B 36 against 30 ms) and won at 6 (37 against 44; Gemma 3 270M 21 against 27).
 #define PANEL_MIN_ROWS 8
-#define DIRECT_PANEL_MIN_ROWS 4
-static int panel_min_rows(int64_t type) { return type == Q4_K || type == Q6_K ? DIRECT_PANEL_MIN_ROWS : PANEL_MIN_ROWS; }
+static int panel_min_rows(int64_t type) {
+    return type == Q4_K || type == Q6_K ? 4 : type == Q8_0 || type == Q5_0 ? 6 : PANEL_MIN_ROWS;
+}
 static int tiled_pass(const Pass *p, int nt) {
     const int64_t S = padded(p->K) / SBK;
     const int64_t g = p->N / ((int64_t)nt * 8) > 1 ? p->N / ((int64_t)nt * 8) : 1;

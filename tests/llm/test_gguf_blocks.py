@@ -11,10 +11,10 @@ to even) and sum integer products, so they are compared in two ways:
 - against the exact product of x: the rounding moves each x by at most d / 2 = amax_block / 254, so the
   error is bounded by sum over blocks of amax_block / 254 * sum_block |w| (plus the 1e-5 term above), which
   the test asserts as well (a bound, not an estimate: typically it is ~sqrt(32) times smaller).
-On AVX-512, 8 or more activation rows of every quantized type run on panels (gguf_panels.c), 4 or more of Q4_K
-and Q6_K (below that the K-quants' row form sums each group in integers, kq_rows): the same rounded x, another
-order of the fp32 sums, so a row's result there equals its one-row product within the fp32 room, and bitwise any
-other batch's on the same path.
+On AVX-512, 8 or more activation rows of every quantized type run on panels (gguf_panels.c), 6 or more of Q8_0
+and Q5_0, 4 or more of Q4_K and Q6_K (below that the K-quants' row form sums each group in integers, kq_rows):
+the same rounded x, another order of the fp32 sums, so a row's result there equals its one-row product within
+the fp32 room, and bitwise any other batch's on the same path.
 The dequantized rows equal gguf-py's exactly (same fp32 operations, unfused).
 """
 
