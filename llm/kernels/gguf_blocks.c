@@ -393,6 +393,27 @@ static int quantize_x(const float *x, int64_t M, int64_t K, int split, XQ *out) 
 // are skipped (exactly: they would add 0). K = 576 (SmolLM2) is 2.25 superblocks, a quarter of the work padding.
 static inline int64_t live_columns(int64_t K, int64_t s) { return K - SBK * s < SBK ? K - SBK * s : SBK; }
 
+// The row form reads a weight row's superblocks in order, and a thread's rows follow each other in memory: it
+// fetches FETCH_AHEAD bytes ahead of the superblock it decodes (the hardware's prefetcher alone kept the 1.5B's
+// batch-1 products at 0.63-0.70 of a plain read; 4 KiB ahead 0.76-0.81, 8 KiB the same, 16 KiB less).
+#define FETCH_AHEAD 4096
+// Bytes a superblock (256 columns) of a row of `type`: one block of the K-quants, 8 of the others.
+static inline int64_t superblock_bytes(int64_t type) {
+    switch (type) {
+        case Q4_K: return 144;
+        case Q5_K: return 176;
+        case Q6_K: return 210;
+        case Q8_0: return 8 * 34;
+        case Q4_0: return 8 * 18;
+        case Q4_1: return 8 * 20;
+        case Q5_0: return 8 * 22;
+        default: return 8 * 24;  // Q5_1
+    }
+}
+INLINE void fetch_ahead(const uint8_t *p, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)p + FETCH_AHEAD + b, _MM_HINT_T0);
+}
+
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 // The AVX-512 products' superblock: 4 x 64 columns of codes and 16 wd, c in one vector each. The K-quants are
 // decoded into it directly, in the unsigned form (no 256-bit halves to join: 10 fewer inserts a superblock, and
@@ -491,6 +512,7 @@ INLINE void dot_rows(int64_t type, const uint8_t *row, int64_t K, const XQ *x, i
     for (int r = 0; r < mb; r++) acc[r][0] = acc[r][1] = macc[r] = _mm512_setzero_ps();
     for (int64_t s = 0; s < Kp / SBK; s++) {
         SBZ o;
+        if (!pre) fetch_ahead(row + s * superblock_bytes(type), superblock_bytes(type));
         sbz_at(type, row, s, K, pre, &o);
         __m512 sv[MR];
         for (int r = 0; r < mb; r++) sv[r] = _mm512_mul_ps(o.wd, _mm512_loadu_ps(x->dx + (m + r) * G + 16 * s));
@@ -580,7 +602,9 @@ INLINE void kq_rows(int64_t type, const uint8_t *row, int64_t K, const XQ *x, in
     __m512 acc[KQ_MR];
     for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t s = 0; s < Kp / SBK; s++) {
-        const uint8_t *p = row + s * (type == Q4_K ? 144 : type == Q5_K ? 176 : 210);
+        const int64_t sb_bytes = superblock_bytes(type);
+        const uint8_t *p = row + s * sb_bytes;
+        fetch_ahead(p, sb_bytes);
         __m512i q[4];
         __m512 wd, c;
         if (type == Q6_K) {
@@ -653,6 +677,7 @@ INLINE void dot_rows(int64_t type, const uint8_t *row, int64_t K, const XQ *x, i
     for (int r = 0; r < mb; r++) acc[r] = _mm256_setzero_ps(), macc[r] = _mm256_setzero_ps();
     for (int64_t s = 0; s < Kp / SBK; s++) {
         SB o;
+        if (!pre) fetch_ahead(row + s * superblock_bytes(type), superblock_bytes(type));
         sb_at(type, row, s, K, pre, &o);
         const int64_t live = live_columns(K, s);
         for (int h = 0; h < 2 && 128 * h < live; h++) {  // 8 groups: 128 columns
