@@ -1,6 +1,6 @@
 """Batch-1 products on GGUF blocks as stored (gguf_blocks.c) against a plain memory read and the project's own
-int8/int4 kernels on the same shapes; with --rows, products of more activation rows (prefill: 8 or more run on
-gguf_panels.c's panels on AVX-512) in GFLOP/s.
+int8/int4 kernels on the same shapes; with --rows, products of more activation rows (prefill: from 4 to 8 by type
+run on gguf_panels.c's panels on AVX-512) in GFLOP/s.
 
     .venv/bin/python benchmarks/gguf_blocks.py [--isa avx512|avx2] [--threads 2] [--mib 256] [--passes 3]
     .venv/bin/python benchmarks/gguf_blocks.py --rows 16,128

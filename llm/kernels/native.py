@@ -271,7 +271,7 @@ class NativeKernels:
     def gguf_linear(self, x: Tensor, blocks: Tensor, qtype: int, n: int, k: int, xbits: int = 8) -> Tensor:
         """y = x @ W.T in fp32 for W [n, k] stored as GGUF blocks of `qtype` (uint8, the file's bytes). The
         quantized types round x per 32 columns: xbits 8 to int8 (llama.cpp's Q8_0 activations), 16 in two int8
-        passes (see gguf_blocks.c; 8 or more rows run on gguf_panels.c's panels on AVX-512, the same rounding);
+        passes (see gguf_blocks.c; from 4 to 8 rows by type on gguf_panels.c's panels on AVX-512, the same rounding);
         F32/F16/BF16 run on linear_f32/linear_half, exact."""
         if xbits not in (8, 16):
             raise ValueError(f"GGUF activation bits must be 8 or 16, not {xbits}")

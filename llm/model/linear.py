@@ -20,7 +20,7 @@ runs that path, or the reference where an input does not fit it (another device,
     torch-int8pack-bf16-requant   int4                    the same on the int8 re-quantization
     native-<isa>-gguf-<TYPE>      a GGUF's blocks         gguf_blocks.c on the file's own blocks (x rounded to
                                                           int8 per 32 columns, llama.cpp's Q8_0 activations;
-                                                          8+ rows on gguf_panels.c's panels on AVX-512)
+                                                          4-8+ rows by type on gguf_panels.c's panels, AVX-512)
     torch-gguf-dequantized        a GGUF's blocks         no native kernels: dequantized once to fp32, F.linear
     reference                     any                     the plain weight-only product (the oracle)
 
