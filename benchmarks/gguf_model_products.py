@@ -25,8 +25,7 @@ from pathlib import Path
 
 import torch
 
-from llmplan.llm.formats.gguf import map_gguf
-from llmplan.llm.formats.gguf.stored import stored_weights
+from llmplan.llm.formats.gguf import map_gguf, stored_weights
 from llmplan.llm.kernels import native
 from llmplan.llm.model import Transformer, make_linear
 from llmplan.llm.model.linear import GGUFLinear
