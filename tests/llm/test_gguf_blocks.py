@@ -12,7 +12,7 @@ to even) and sum integer products, so they are compared in two ways:
   error is bounded by sum over blocks of amax_block / 254 * sum_block |w| (plus the 1e-5 term above), which
   the test asserts as well (a bound, not an estimate: typically it is ~sqrt(32) times smaller).
 On AVX-512, 8 or more activation rows of every quantized type run on panels (gguf_panels.c), 6 or more of Q8_0
-and Q5_0, 4 or more of Q4_K and Q6_K (below that the K-quants' row form sums each group in integers, kq_rows):
+and Q5_0, 4 or more of Q4_K and Q6_K (below that the K-quants' and Q8_0's row form sums each group in integers):
 the same rounded x, another order of the fp32 sums, so a row's result there equals its one-row product within
 the fp32 room, and bitwise any other batch's on the same path.
 The dequantized rows equal gguf-py's exactly (same fp32 operations, unfused).
@@ -205,12 +205,13 @@ def test_sixteen_bit_rows_in_several_chunks(isa_path: native.NativeKernels) -> N
 
 
 @needs_native
-@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
-def test_k_quant_row_form_is_the_same_in_any_small_batch(isa_path: native.NativeKernels, name: str) -> None:
-    """Up to 3 rows (Q5_K: 7) the K-quants run their row form (on AVX-512 kq_rows: columns transposed so a
-    lane sums its 16-column group in integers): each row's result is bitwise its one-row product, in a batch of
-    3 or 2, and within the fp32 room of the float64 product of its rounded x."""
-    n, k = 37, 256 * 6
+@pytest.mark.parametrize(("name", "k"), [("Q4_K", 256 * 6), ("Q5_K", 256 * 6), ("Q6_K", 256 * 6), ("Q8_0", 640)])
+def test_integer_row_form_is_the_same_in_any_small_batch(isa_path: native.NativeKernels, name: str, k: int) -> None:
+    """Up to 3 rows (Q8_0: 5, Q5_K: 7) the K-quants and Q8_0 run their row form (on AVX-512 kq_rows: columns
+    transposed so a lane sums its 16-column group in integers; Q8_0's codes unsigned, the offset off in integers;
+    K = 640 leaves half of its last superblock's blocks missing): each row's result is bitwise its one-row product,
+    in a batch of 3 or 2, and within the fp32 room of the float64 product of its rounded x."""
+    n = 37
     raw = random_blocks(name, n, k, seed=11)
     w = _reference(raw, name, k).astype(np.float64)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(11)) * 3
