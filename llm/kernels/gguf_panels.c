@@ -11,9 +11,10 @@
 // for the order of the fp32 sums. The weights come from gguf_blocks.c's decoder in its unsigned form (codes
 // q >= 0, the offset in c; Q8_0's signed codes with 128 added), row by row through memory; Q4_K, Q6_K, Q8_0 and
 // Q5_0 (all of a Q4_K_M file's types) are decoded straight into the panel instead, 16 rows' bytes at once
-// (transposed by dwords, or gathered): at 16 activation rows the row-by-row decode took more time than the
-// products, and the direct one made the 1.5B's products 1.27x faster there (1.17x at 32 rows, 1.06x at 128;
-// Q8_0: Gemma 3 270M's 1.12x, Q5_0: Qwen2.5 0.5B's 1.07x). AVX-512 VNNI builds only; the AVX2 build keeps the
+// (loaded and transposed by dwords, never gathered: a 16-dword gather took ~33 cycles on Zen 5): at 16 activation
+// rows the row-by-row decode took more time than the products, and the direct one made the 1.5B's products 1.27x
+// faster there (1.17x at 32 rows, 1.06x at 128; Q8_0: Gemma 3 270M's 1.12x, Q5_0: Qwen2.5 0.5B's 1.07x, then
+// 1.1-1.2x more once its gathers went). AVX-512 VNNI builds only; the AVX2 build keeps the
 // row form for every batch.
 //
 // Built into the same shared object as cpu_kernels.c and gguf_blocks.c (llm/kernels/native.py).
@@ -82,12 +83,25 @@ typedef struct {
     int64_t row_bytes, K;
 } Rows;
 
-// Dword `at` (bytes from each row's superblock s) of weight rows n0..n0 + rows, one lane a row (0 past rows).
-INLINE __m512i row_dwords(const Rows *w, int64_t n0, int rows, int64_t s, int64_t sb_bytes, int at) {
-    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const uint8_t *base = w->blocks + n0 * w->row_bytes + s * sb_bytes + at;
-    const __m512i offset = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)w->row_bytes));
-    return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), (__mmask16)((1u << rows) - 1), offset, base, 1);
+// The 16 bytes at `at` (from each row's superblock s) of weight rows n0..n0 + rows as 4 vectors, out[j] holding
+// dword j of every row (0 past rows): 16 loads joined 4 to a vector, then one dword permute of two vectors for each
+// half of the rows. (A gather of the same dwords took about 33 cycles on Zen 5, against ~3 for these.)
+INLINE void rows_x4(const Rows *w, int64_t n0, int rows, int64_t s, int64_t sb_bytes, int at, __m512i out[4]) {
+    __m128i v[PR];
+    for (int i = 0; i < PR; i++)
+        v[i] = i < rows ? _mm_loadu_si128((const __m128i *)(w->blocks + (n0 + i) * w->row_bytes + s * sb_bytes + at))
+                        : _mm_setzero_si128();
+    __m512i z[4];  // z[r]: rows 4r..4r + 3, 4 dwords each
+    for (int r = 0; r < 4; r++) {
+        const __m512i lo = _mm512_inserti32x4(_mm512_castsi128_si512(v[4 * r]), v[4 * r + 1], 1);
+        z[r] = _mm512_inserti32x4(_mm512_inserti32x4(lo, v[4 * r + 2], 2), v[4 * r + 3], 3);
+    }
+    for (int j = 0; j < 4; j++) {  // row i's dword j: index 4 i + j of z0|z1 (rows 0-7), the same of z2|z3 (8-15)
+        const __m512i idx = _mm512_add_epi32(_mm512_set_epi32(60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0),
+                                             _mm512_set1_epi32(j));
+        out[j] = _mm512_mask_blend_epi32(0xFF00, _mm512_permutex2var_epi32(z[0], idx, z[1]),
+                                         _mm512_permutex2var_epi32(z[2], idx, z[3]));
+    }
 }
 
 // 64 bytes at `at` of each of the rows' superblock s, as 16 vectors: out[d] holds dword d of every row.
@@ -113,10 +127,10 @@ static void panel_q4_k_decode(const Rows *w, int64_t n0, int rows, int64_t s, Pa
         _mm512_store_si512(o->q[k], _mm512_and_si512(t[D], low4));
         _mm512_store_si512(o->q[k + 8], _mm512_and_si512(_mm512_srli_epi32(t[D], 4), low4));
     }
-    const __m512i dm = row_dwords(w, n0, rows, s, 144, 0);
+    __m512i head[4];  // d and dmin, then the 12 scale bytes
+    rows_x4(w, n0, rows, s, 144, 0, head);
+    const __m512i dm = head[0], v1 = head[1], v2 = head[2], v3 = head[3];
     const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm)), dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
-    const __m512i v1 = row_dwords(w, n0, rows, s, 144, 4), v2 = row_dwords(w, n0, rows, s, 144, 8);
-    const __m512i v3 = row_dwords(w, n0, rows, s, 144, 12);
     for (int j = 0; j < 8; j++) {
         __m512i sc, m;
         if (j < 4) {
@@ -153,9 +167,12 @@ static void panel_q6_k_decode(const Rows *w, int64_t n0, int rows, int64_t s, Pa
             _mm512_store_si512(o->q[k + 16 * n], _mm512_ternarylogic_epi32(_mm512_and_si512(nib, low4), top, hi2, 0xf8));
         }
     }
-    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(row_dwords(w, n0, rows, s, 210, 206), 16)));
+    __m512i scales[4], tail[4];  // the 16 scale bytes; bytes 194-209, whose last two are d
+    rows_x4(w, n0, rows, s, 210, 192, scales);
+    rows_x4(w, n0, rows, s, 210, 194, tail);
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(tail[3], 16)));
     for (int j = 0; j < 4; j++) {
-        const __m512i sc = row_dwords(w, n0, rows, s, 210, 192 + 4 * j);
+        const __m512i sc = scales[j];
         for (int b = 0; b < 4; b++) {
             const __m512 wd = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(sc, 24 - 8 * b), 24)));
             _mm512_store_ps(o->wd[4 * j + b], wd);
@@ -184,8 +201,9 @@ static void panel_q8_0_decode(const Rows *w, int64_t n0, int rows, int64_t s, Pa
         for (int d = 0; d < 16; d++) _mm512_store_si512(o->q[16 * p + d], _mm512_xor_si512(t[d], flip));
     }
     for (int j = 0; j < 8; j++) {
-        const __m512 d = j < nblk ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(row_dwords(w, n0, rows, s, 272, 34 * j)))
-                                  : _mm512_setzero_ps();
+        __m512i head[4];  // d, then the block's first 14 codes
+        if (j < nblk) rows_x4(w, n0, rows, s, 272, 34 * j, head);
+        const __m512 d = j < nblk ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head[0])) : _mm512_setzero_ps();
         _mm512_store_ps(o->wd[j], d);
         _mm512_store_ps(o->c[j], _mm512_mul_ps(d, _mm512_set1_ps(-128.0f)));
     }
@@ -193,7 +211,7 @@ static void panel_q8_0_decode(const Rows *w, int64_t n0, int rows, int64_t s, Pa
 
 // Q5_0 straight into a panel, unsigned (q + 16: the offset comes off in integers): a superblock is 8 blocks of
 // 22 bytes (d, 32 fifth bits qh, 16 bytes of nibbles: columns 0-15 low, 16-31 high), every row's dwords of a
-// block gathered into one vector. Quad e of a block's nibble half: 4 bits of qh spread to bit 4 of 4 bytes by one
+// block transposed into vectors. Quad e of a block's nibble half: 4 bits of qh spread to bit 4 of 4 bytes by one
 // multiply (t * 0x02040810: the four copies do not overlap) and a mask.
 static void panel_q5_0_decode(const Rows *w, int64_t n0, int rows, int64_t s, Panel *o) {
     const int nblk = w->K / 32 - 8 * s < 8 ? (int)(w->K / 32 - 8 * s) : 8;
@@ -204,10 +222,12 @@ static void panel_q5_0_decode(const Rows *w, int64_t n0, int rows, int64_t s, Pa
             _mm512_store_ps(o->wd[j], _mm512_setzero_ps()), _mm512_store_ps(o->c[j], _mm512_setzero_ps());
             continue;
         }
-        const __m512i dq = row_dwords(w, n0, rows, s, 176, 22 * j);  // d, then the first 2 bytes of qh
-        const __m512i qh = row_dwords(w, n0, rows, s, 176, 22 * j + 2);
+        __m512i head[4], nibbles[4];  // d and qh (bytes 0-5 of the block); its 16 bytes of nibbles (6-21)
+        rows_x4(w, n0, rows, s, 176, 22 * j, head);
+        rows_x4(w, n0, rows, s, 176, 22 * j + 6, nibbles);
+        const __m512i dq = head[0], qh = _mm512_or_si512(_mm512_srli_epi32(head[0], 16), _mm512_slli_epi32(head[1], 16));
         for (int e = 0; e < 4; e++) {
-            const __m512i qs = row_dwords(w, n0, rows, s, 176, 22 * j + 6 + 4 * e);
+            const __m512i qs = nibbles[e];
             for (int n = 0; n < 2; n++) {  // columns 4e.. (low nibbles) and 16 + 4e.. (high)
                 const __m512i nib = _mm512_and_si512(n ? _mm512_srli_epi32(qs, 4) : qs, low4);
                 const __m512i t = _mm512_and_si512(_mm512_srli_epi32(qh, 4 * e + 16 * n), _mm512_set1_epi32(15));
