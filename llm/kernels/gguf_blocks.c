@@ -10,8 +10,8 @@
 // fp32; the offsets add c * dx * sum(xq) per 16 columns. The activations are padded with zeros to a multiple of
 // 256 columns and the weights' missing blocks decode as zeros, so the loops have no tails. On AVX-512 the
 // K-quants' and Q8_0's row form (kq_rows: up to 3 activation rows of Q4_K/Q6_K, 5 of Q8_0, 7 of Q5_K) takes the
-// columns transposed, so each 16-column group sums in integers in one lane; from 8 rows (Q4_K/Q6_K: 4, Q8_0/Q5_0: 6) products run on
-// panels (gguf_panels.c).
+// columns transposed, so each 16-column group sums in integers in one lane; from 8 rows (Q4_K/Q6_K: 4,
+// Q8_0/Q5_0: 6) products run on panels (gguf_panels.c).
 
 #pragma GCC optimize("fp-contract=off")  // dequantized values must equal gguf-py's unfused d * q + m exactly
 
@@ -33,8 +33,10 @@ enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K 
 
 #define SBK 256  // columns a padded superblock: 16 groups of 16
 
-// Elements and bytes a block of `type`; 0 for a type these kernels do not read.
-int64_t gguf_block_shape(int64_t type, int64_t *out) {
+// Elements and bytes a block of `type`; 0 for a type these kernels do not read. Static, so the products' loops
+// (where `type` is a constant) fold it: the exported gguf_block_shape below may be interposed (-fPIC) and is not
+// inlined, which made the 1.5B's batch-1 products 1.2x slower when superblock_bytes called it.
+static inline int64_t block_shape(int64_t type, int64_t *out) {
     int64_t bs = 0, bytes = 0;
     switch (type) {
         case F32: bs = 1, bytes = 4; break;
@@ -54,6 +56,8 @@ int64_t gguf_block_shape(int64_t type, int64_t *out) {
     return 1;
 }
 
+int64_t gguf_block_shape(int64_t type, int64_t *out) { return block_shape(type, out); }
+
 static inline float h2f(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
@@ -69,6 +73,16 @@ typedef struct {
 } SB;
 
 static inline int64_t padded(int64_t K) { return (K + SBK - 1) / SBK * SBK; }
+
+// Bytes a superblock (256 columns) of a row of `type`: one block of the K-quants, 8 of the others.
+static inline int64_t superblock_bytes(int64_t type) {
+    int64_t shape[2] = {SBK, 0};
+    block_shape(type, shape);
+    return SBK / shape[0] * shape[1];
+}
+
+// Blocks of 32 columns in superblock s of a row of K columns (8, or fewer in a row's last, partial superblock).
+static inline int blocks_in(int64_t K, int64_t s) { return K / 32 - 8 * s < 8 ? (int)(K / 32 - 8 * s) : 8; }
 
 static int has_mins(int64_t type) { return type == Q4_1 || type == Q5_1 || type == Q4_K || type == Q5_K; }
 
@@ -225,9 +239,7 @@ INLINE void sb_decode(int64_t type, const uint8_t *row, int64_t s, int64_t K, in
     } else if (type == Q6_K) {
         sb_q6_k(row + s * 210, o);
     } else {
-        const int64_t left = K / 32 - 8 * s, bytes = type == Q8_0 ? 34 : type == Q4_0 ? 18 : type == Q4_1 ? 20
-                                                                     : type == Q5_0 ? 22 : 24;
-        sb_small(type, row + 8 * s * bytes, left < 8 ? (int)left : 8, o);
+        sb_small(type, row + s * superblock_bytes(type), blocks_in(K, s), o);
     }
     const int off = code_offset(type);
     if (biased && off) {
@@ -388,6 +400,7 @@ static int quantize_x(const float *x, int64_t M, int64_t K, int split, XQ *out) 
 }
 
 #define MR 4  // activation rows a pass over one weight row
+#define KQ_MR 8  // the same in kq_rows (AVX-512; up to 7 reach it: then panels)
 
 // Columns of superblock s that hold weights: the padding past K decodes as zero against zero x, so its chunks
 // are skipped (exactly: they would add 0). K = 576 (SmolLM2) is 2.25 superblocks, a quarter of the work padding.
@@ -397,19 +410,6 @@ static inline int64_t live_columns(int64_t K, int64_t s) { return K - SBK * s < 
 // fetches FETCH_AHEAD bytes ahead of the superblock it decodes (the hardware's prefetcher alone kept the 1.5B's
 // batch-1 products at 0.63-0.70 of a plain read; 4 KiB ahead 0.76-0.81, 8 KiB the same, 16 KiB less).
 #define FETCH_AHEAD 4096
-// Bytes a superblock (256 columns) of a row of `type`: one block of the K-quants, 8 of the others.
-static inline int64_t superblock_bytes(int64_t type) {
-    switch (type) {
-        case Q4_K: return 144;
-        case Q5_K: return 176;
-        case Q6_K: return 210;
-        case Q8_0: return 8 * 34;
-        case Q4_0: return 8 * 18;
-        case Q4_1: return 8 * 20;
-        case Q5_0: return 8 * 22;
-        default: return 8 * 24;  // Q5_1
-    }
-}
 INLINE void fetch_ahead(const uint8_t *p, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)p + FETCH_AHEAD + b, _MM_HINT_T0);
 }
@@ -536,12 +536,6 @@ INLINE void dot_rows(int64_t type, const uint8_t *row, int64_t K, const XQ *x, i
         out[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), macc[r]));
 }
 
-// The K-quants at few rows, with one integer sum per 16 columns. dot_rows' natural order (64 consecutive
-// columns a vpdpbusd) leaves each lane 4 products of one group, so every 64 columns cost a convert, a permute and
-// an fma. Here the 4 vpdpbusd of a superblock take the columns transposed (lane G, step t: columns 16G + 4t..+3),
-// so lane G sums its whole group of 16 in integers and the superblock takes one convert and one fma. The weights'
-// bytes go to that order with a dword permute; the activations are laid out so once per product (kq_transpose).
-// The arithmetic is dot_rows': per-16 integer sums times wd * dx, so the products are equal within fp32 order.
 // k4_scale_bytes in vector operations: bytes 0-7 the scales, 8-15 the mins. Scale j < 4 is byte j, min j < 4
 // byte j + 4 (low 6 bits); scale j >= 4 is byte j + 4's low nibble, min j >= 4 its high nibble, each with the
 // top 2 bits of byte j - 4 (scales) or j (mins) above them.
@@ -573,7 +567,8 @@ INLINE void kq_codes_k45(int64_t type, const uint8_t *p, __m512i q[4]) {
             const __m512i h = _mm512_permutexvar_epi32(
                 _mm512_set_epi32(4 + t, t, 4 + t, t, 4 + t, t, 4 + t, t, 4 + t, t, 4 + t, t, 4 + t, t, 4 + t, t), qh);
             const __m512i rot = _mm512_set_epi64(61, 62, 63, 0, 1, 2, 3, 4);
-            q[t] = _mm512_ternarylogic_epi32(q[t], _mm512_rolv_epi64(h, rot), _mm512_set1_epi8(16), 0xf8);  // a | (b & c)
+            const __m512i fifth = _mm512_rolv_epi64(h, rot);
+            q[t] = _mm512_ternarylogic_epi32(q[t], fifth, _mm512_set1_epi8(16), 0xf8);  // a | (b & c)
         }
     }
 }
@@ -616,8 +611,13 @@ INLINE void kq_codes_q8(const uint8_t *p, int nblk, __m512i q[4], __m512 *wd) {
     *wd = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(halves8(p, 34, 0, nblk)));
 }
 
-#define KQ_MR 8  // activation rows a pass over one weight row in kq_rows (up to 7 reach it: then panels)
 
+// The K-quants and Q8_0 at few rows, with one integer sum per 16 columns. dot_rows' natural order (64 consecutive
+// columns a vpdpbusd) leaves each lane 4 products of one group, so every 64 columns cost a convert, a permute and
+// an fma. Here the 4 vpdpbusd of a superblock take the columns transposed (lane G, step t: columns 16G + 4t..+3),
+// so lane G sums its whole group of 16 in integers and the superblock takes one convert and one fma. The weights'
+// bytes go to that order with a dword permute; the activations are laid out so once per product (kq_transpose).
+// The arithmetic is dot_rows': per-16 integer sums times wd * dx, so the products are equal within fp32 order.
 INLINE void kq_rows(int64_t type, const uint8_t *row, int64_t K, const XQ *x, int64_t m, int mb, float *out) {
     const int64_t Kp = x->Kp, G = Kp / 16;
     __m512 acc[KQ_MR];
@@ -629,8 +629,7 @@ INLINE void kq_rows(int64_t type, const uint8_t *row, int64_t K, const XQ *x, in
         __m512i q[4];
         __m512 wd, c = _mm512_setzero_ps();
         if (type == Q8_0) {
-            const int64_t left = K / 32 - 8 * s;
-            kq_codes_q8(p, left < 8 ? (int)left : 8, q, &wd);
+            kq_codes_q8(p, blocks_in(K, s), q, &wd);
         } else if (type == Q6_K) {
             kq_codes_q6(p, q);
             wd = _mm512_mul_ps(_mm512_set1_ps(h2f(p + 208)),
@@ -656,9 +655,8 @@ INLINE void kq_rows(int64_t type, const uint8_t *row, int64_t K, const XQ *x, in
             b = _mm512_dpbusd_epi32(b, q[3], _mm512_loadu_si512(xq + 192));
             const __m512 sv = _mm512_mul_ps(wd, _mm512_loadu_ps(x->dx + (m + r) * G + 16 * s));
             if (type == Q8_0) {  // the +128 of the unsigned codes, against each 16 columns' code sum
-                const __m512i sums = _mm512_loadu_si512(x->bs + (m + r) * G + 16 * s);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(a, b), _mm512_slli_epi32(sums, 7))),
-                                         sv, acc[r]);
+                const __m512i off = _mm512_slli_epi32(_mm512_loadu_si512(x->bs + (m + r) * G + 16 * s), 7);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(a, b), off)), sv, acc[r]);
                 continue;
             }
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a, b)), sv, acc[r]);
@@ -687,9 +685,7 @@ static void kq_transpose(int8_t *q, int64_t M, int64_t Kp) {
     }
 }
 #define KQ_ROWS 1
-#define KQ_STEP KQ_MR
 #else
-#define KQ_STEP MR
 static inline float hsum8(__m256 v) {
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
@@ -922,7 +918,8 @@ int64_t gguf_linear_ld(int64_t type, const void *blocks, const float *x, float *
     int failed = 0;
     for (int64_t m0 = 0; m0 < M && !failed; m0 += chunk) {
         const int64_t m1 = m0 + chunk < M ? m0 + chunk : M;
-        const Pass pass = {type, blocks, row_bytes, K, N, &xq, kq ? kq : dot, y, ldy, split, m0, m1, kq ? KQ_STEP : MR};
+        const Pass pass = {type, blocks, row_bytes, K, N, &xq, kq ? kq : dot, y, ldy, split, m0, m1,
+                           kq ? KQ_MR : MR};
         if (panels)
             failed = gguf_panel_products(type, blocks, row_bytes, N, K, xq.q, xq.dx, xq.xs, xq.bs, xq.Kp, m0, m1, y, ldy,
                                          split, nt) != 0;

@@ -97,8 +97,8 @@ INLINE void rows_x4(const Rows *w, int64_t n0, int rows, int64_t s, int64_t sb_b
         z[r] = _mm512_inserti32x4(_mm512_inserti32x4(lo, v[4 * r + 2], 2), v[4 * r + 3], 3);
     }
     for (int j = 0; j < 4; j++) {  // row i's dword j: index 4 i + j of z0|z1 (rows 0-7), the same of z2|z3 (8-15)
-        const __m512i idx = _mm512_add_epi32(_mm512_set_epi32(60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0),
-                                             _mm512_set1_epi32(j));
+        const __m512i first = _mm512_set_epi32(60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0);
+        const __m512i idx = _mm512_add_epi32(first, _mm512_set1_epi32(j));
         out[j] = _mm512_mask_blend_epi32(0xFF00, _mm512_permutex2var_epi32(z[0], idx, z[1]),
                                          _mm512_permutex2var_epi32(z[2], idx, z[3]));
     }
@@ -130,7 +130,8 @@ static void panel_q4_k_decode(const Rows *w, int64_t n0, int rows, int64_t s, Pa
     __m512i head[4];  // d and dmin, then the 12 scale bytes
     rows_x4(w, n0, rows, s, 144, 0, head);
     const __m512i dm = head[0], v1 = head[1], v2 = head[2], v3 = head[3];
-    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm)), dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
+    const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
     for (int j = 0; j < 8; j++) {
         __m512i sc, m;
         if (j < 4) {
@@ -164,7 +165,8 @@ static void panel_q6_k_decode(const Rows *w, int64_t n0, int rows, int64_t s, Pa
             const int shift = 2 * pair + 4 * n;  // the pair's bits, to 4-5
             const __m512i top = shift <= 4 ? _mm512_slli_epi32(H, 4 - shift) : _mm512_srli_epi32(H, shift - 4);
             const __m512i nib = n ? _mm512_srli_epi32(ql[D], 4) : ql[D];
-            _mm512_store_si512(o->q[k + 16 * n], _mm512_ternarylogic_epi32(_mm512_and_si512(nib, low4), top, hi2, 0xf8));
+            const __m512i code = _mm512_ternarylogic_epi32(_mm512_and_si512(nib, low4), top, hi2, 0xf8);
+            _mm512_store_si512(o->q[k + 16 * n], code);
         }
     }
     __m512i scales[4], tail[4];  // the 16 scale bytes; bytes 194-209, whose last two are d
@@ -174,7 +176,8 @@ static void panel_q6_k_decode(const Rows *w, int64_t n0, int rows, int64_t s, Pa
     for (int j = 0; j < 4; j++) {
         const __m512i sc = scales[j];
         for (int b = 0; b < 4; b++) {
-            const __m512 wd = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(sc, 24 - 8 * b), 24)));
+            const __m512i byte = _mm512_srai_epi32(_mm512_slli_epi32(sc, 24 - 8 * b), 24);  // scale 4j + b, signed
+            const __m512 wd = _mm512_mul_ps(d, _mm512_cvtepi32_ps(byte));
             _mm512_store_ps(o->wd[4 * j + b], wd);
             _mm512_store_ps(o->c[4 * j + b], _mm512_mul_ps(wd, _mm512_set1_ps(-32.0f)));
         }
@@ -185,14 +188,18 @@ static void panel_q6_k_decode(const Rows *w, int64_t n0, int rows, int64_t s, Pa
 // codes); blocks 2p and 2p + 1 of every row make one 64-column vector, transposed by dwords into quads 16p...
 // A row's last superblock may hold fewer blocks (K = 640, 896): the missing ones are never read, and their
 // scales are 0 (their activations are 0 too).
+// Blocks of 32 columns in superblock s of a row of K columns (8, or fewer in a row's last, partial superblock).
+static inline int blocks_in(int64_t K, int64_t s) { return K / 32 - 8 * s < 8 ? (int)(K / 32 - 8 * s) : 8; }
+
 static void panel_q8_0_decode(const Rows *w, int64_t n0, int rows, int64_t s, Panel *o) {
-    const int nblk = w->K / 32 - 8 * s < 8 ? (int)(w->K / 32 - 8 * s) : 8;
+    const int nblk = blocks_in(w->K, s);
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512i r[PR], t[PR];
     for (int p = 0; p < 4; p++) {
         for (int i = 0; i < PR; i++) {
             const uint8_t *b = w->blocks + (n0 + i) * w->row_bytes + s * 272 + 68 * p + 2;
-            const __m256i lo = i < rows && 2 * p < nblk ? _mm256_loadu_si256((const __m256i *)b) : _mm256_setzero_si256();
+            const __m256i lo = i < rows && 2 * p < nblk ? _mm256_loadu_si256((const __m256i *)b)
+                                                         : _mm256_setzero_si256();
             const __m256i hi = i < rows && 2 * p + 1 < nblk ? _mm256_loadu_si256((const __m256i *)(b + 34))
                                                              : _mm256_setzero_si256();
             r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
@@ -214,7 +221,7 @@ static void panel_q8_0_decode(const Rows *w, int64_t n0, int rows, int64_t s, Pa
 // block transposed into vectors. Quad e of a block's nibble half: 4 bits of qh spread to bit 4 of 4 bytes by one
 // multiply (t * 0x02040810: the four copies do not overlap) and a mask.
 static void panel_q5_0_decode(const Rows *w, int64_t n0, int rows, int64_t s, Panel *o) {
-    const int nblk = w->K / 32 - 8 * s < 8 ? (int)(w->K / 32 - 8 * s) : 8;
+    const int nblk = blocks_in(w->K, s);
     const __m512i low4 = _mm512_set1_epi8(15), spread = _mm512_set1_epi32(0x02040810), bit4 = _mm512_set1_epi8(16);
     for (int j = 0; j < 8; j++) {
         if (j >= nblk) {  // past K: never read; zero codes and scales
@@ -225,7 +232,8 @@ static void panel_q5_0_decode(const Rows *w, int64_t n0, int rows, int64_t s, Pa
         __m512i head[4], nibbles[4];  // d and qh (bytes 0-5 of the block); its 16 bytes of nibbles (6-21)
         rows_x4(w, n0, rows, s, 176, 22 * j, head);
         rows_x4(w, n0, rows, s, 176, 22 * j + 6, nibbles);
-        const __m512i dq = head[0], qh = _mm512_or_si512(_mm512_srli_epi32(head[0], 16), _mm512_slli_epi32(head[1], 16));
+        const __m512i dq = head[0];
+        const __m512i qh = _mm512_or_si512(_mm512_srli_epi32(head[0], 16), _mm512_slli_epi32(head[1], 16));
         for (int e = 0; e < 4; e++) {
             const __m512i qs = nibbles[e];
             for (int n = 0; n < 2; n++) {  // columns 4e.. (low nibbles) and 16 + 4e.. (high)
@@ -298,7 +306,7 @@ typedef struct {
     int64_t row_bytes, sb_bytes;
 } Ahead;
 
-INLINE void fetch_ahead(const Ahead *a, int64_t s) {
+INLINE void fetch_next_panel(const Ahead *a, int64_t s) {
     for (int i = 0; i < PR; i++) {
         const uint8_t *p = a->next + i * a->row_bytes + s * a->sb_bytes;
         for (int64_t b = 0; b < a->sb_bytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T1);
@@ -312,7 +320,7 @@ INLINE void panel_rows(int width, int off, const Panel *pn, int64_t S, const Act
     for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t s = 0; s < S; s++) {
         const Panel *P = pn + s;
-        if (ahead) fetch_ahead(ahead, s);
+        if (ahead) fetch_next_panel(ahead, s);
         for (int g = 0; g < QK / width; g++) {
             const int64_t k0 = QK * s + g * width;  // the group's first column
             __m512i a[PM];
