@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from llmplan.llm.formats.gguf import map_gguf, stored_weights
+from llmplan.llm.formats.gguf import GGUFFileError, map_gguf, stored_weights
 from llmplan.llm.kernels import native
 from llmplan.llm.model import Transformer, make_linear
 from llmplan.llm.model.linear import GGUFLinear
@@ -38,7 +38,10 @@ def _products(path: Path) -> tuple[list[GGUFLinear], Transformer]:
 
 
 def _load(so: str, threads: int) -> ctypes.CDLL:
-    lib = ctypes.CDLL(so)
+    try:
+        lib = ctypes.CDLL(so)
+    except OSError as bad:
+        raise SystemExit(f"--so {so}: cannot load ({bad})") from None
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.gguf_linear.argtypes = [i64, pointer, pointer, pointer, i64, i64, i64, i64]
     lib.gguf_linear.restype = i64
@@ -73,7 +76,10 @@ def main() -> None:
         raise SystemExit(f"native kernels unavailable: {native.unavailable_reason()}")
     fast.set_threads(args.threads)
     builds = {Path(so).name: _load(so, args.threads) for so in args.so} or {"current": fast.lib}
-    linears, _model = _products(args.model)
+    try:
+        linears, _model = _products(args.model)
+    except (GGUFFileError, OSError) as bad:  # one line, as llmplan says it: a missing or damaged file
+        raise SystemExit(f"{args.model}: {bad}" if isinstance(bad, OSError) else str(bad)) from None
     gb = sum(lin.blocks.numel() for lin in linears) / 1e9
     print(f"{args.model.name}: {len(linears)} products, {gb:.3f} GB of blocks; {platform.processor() or 'cpu'}, "
           f"{args.threads} threads, load {' '.join(f'{v:.2f}' for v in _loadavg())}")
