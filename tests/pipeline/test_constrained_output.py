@@ -149,7 +149,9 @@ def test_the_corpus_is_the_size_and_variety_the_issue_asks() -> None:
 
 
 def test_the_requests_were_batched(answered: tuple[list[Ask], int]) -> None:
-    assert answered[1] == SLOTS  # every slot busy at once: the answers below share decode steps
+    # (nearly) every slot busy at once: the answers below share decode steps. Not exactly SLOTS: a choice answer
+    # can end in a few steps, before the 64th of the first requests is admitted (63 seen once in a clean CI run).
+    assert SLOTS - 4 <= answered[1] <= SLOTS
 
 
 WAYS = [("response_format", 0.0), ("response_format", 1.0), ("extra", 0.0), ("extra", 1.0), ("tools", 0.0)]
